@@ -1,0 +1,79 @@
+"""Small Relax helpers shared by the passes: function lookup, dtypes of expressions, casts."""
+
+import tvm
+from tvm import relax
+
+from .dtypes import cast_array
+from .errors import ModuleError
+
+
+def get_function(mod: tvm.IRModule, func: str) -> relax.Function:
+    """The Relax function `func` of `mod`, or ModuleError naming what the module has."""
+    if not isinstance(mod, tvm.IRModule):
+        raise ModuleError(f"expected a tvm.IRModule, got {type(mod).__name__}")
+    names = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)]
+    if func not in names:
+        raise ModuleError(f"the module has no Relax function {func!r} (it has: {sorted(names)})")
+    return mod[func]
+
+
+def tensor_dtype(expr: relax.Expr) -> str | None:
+    """The dtype of a tensor-typed expression, None for anything else."""
+    ty = expr.ty
+    if isinstance(ty, relax.TensorType) and ty.dtype:
+        return str(ty.dtype)
+    return None
+
+
+def tensor_shape(expr: relax.Expr) -> tuple | None:
+    """The static shape of a tensor expression (symbolic dims as strings), None if unknown."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    dims = getattr(ty.shape, "values", None)
+    if dims is None:
+        return None
+    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
+
+
+def with_attr(attrs: tvm.ir.Attrs, **changes) -> tvm.ir.Attrs:
+    """A copy of an attrs node with some fields replaced."""
+    fields = type(attrs).__tvm_ffi_type_info__.fields
+    values = {field.name: getattr(attrs, field.name) for field in fields}
+    values.update(changes)
+    return tvm.ir.make_node(attrs.__tvm_ffi_type_info__.type_key, **values)
+
+
+def has_attr_field(attrs: tvm.ir.Attrs | None, name: str) -> bool:
+    """Whether an attrs node has a field called `name`."""
+    if attrs is None:
+        return False
+    return any(field.name == name for field in type(attrs).__tvm_ffi_type_info__.fields)
+
+
+def cast_constant(const: tvm.ir.expr.Constant, dtype: str) -> tvm.ir.expr.Constant:
+    """A new constant holding `const`'s values cast to `dtype` on the host."""
+    return relax.const(cast_array(const.value.numpy(), dtype), dtype)
+
+
+def can_cast_offline(dtype: str) -> bool:
+    """Whether a constant can be stored in `dtype` (TVM 0.27 cannot build sub-byte constants)."""
+    return tvm.DataType(dtype).bits >= 8
+
+
+def emit_cast(builder: relax.BlockBuilder, expr: relax.Expr, dtype: str) -> relax.Expr:
+    """`expr` cast to `dtype`: unchanged when it already is, folded when it is a constant."""
+    if tensor_dtype(expr) == dtype:
+        return expr
+    if isinstance(expr, tvm.ir.expr.Constant) and can_cast_offline(dtype):
+        return cast_constant(expr, dtype)
+    return builder.emit(relax.op.astype(expr, dtype))
+
+
+
+def cast_result(builder: relax.BlockBuilder, call: relax.Call, dtype: str) -> relax.Expr:
+    """`call` itself when it yields `dtype`, else a cast of it, left unbound for the caller's binding."""
+    call = builder.normalize(call)
+    if tensor_dtype(call) == dtype:
+        return call
+    return relax.op.astype(builder.emit(call), dtype)

@@ -1,0 +1,103 @@
+"""The relay-amp command line: inspect layers and convert models from a shell."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import tvm
+from tabulate import tabulate
+
+from . import frontend, models
+from .errors import RelayAmpError
+from .layers import DEFAULT_LAYER_OPS, count_layers, list_layers
+from .recast import DEFAULT_RECAST_OPS, recast
+
+
+def load_model(spec: str, batch: int = 1) -> tvm.IRModule:
+    """A built-in model by name (see relay_amp.models.MODELS) or an ONNX file by path."""
+    if spec in models.MODELS:
+        return models.get_model(spec, batch=batch)
+    return frontend.from_onnx(spec)
+
+
+def layer_table(mod: tvm.IRModule, ops: Sequence[str]) -> str:
+    """The layer index of `mod` as a printable table."""
+    rows = [
+        (l.index, l.op.removeprefix("relax."), l.name, " x ".join(map(str, l.input_shapes)),
+         ",".join(l.input_dtypes), l.output_shape, l.output_dtype)
+        for l in list_layers(mod, ops)
+    ]
+    headers = ("index", "op", "name", "input shapes", "input dtypes", "output shape", "output dtype")
+    return tabulate(rows, headers=headers)
+
+
+def _cmd_layers(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    print(layer_table(mod, args.ops))
+    print(f"\n{count_layers(mod, args.ops)} layers, longest chain {count_layers(mod, args.ops, depth=True)}")
+
+
+def _cmd_recast(args: argparse.Namespace) -> None:
+    mod = recast(load_model(args.model, args.batch), args.dtype, args.out_dtype, args.ops, args.skip)
+    print(layer_table(mod, args.ops))
+    _write_text(args.output, mod.script(show_meta=True))
+
+
+def _write_text(path: str | None, text: str) -> None:
+    if path is None:
+        return
+    from .serialization import atomic_write_text
+
+    atomic_write_text(path, text)
+    print(f"wrote {path}")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _op_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the relay-amp command."""
+    parser = argparse.ArgumentParser(prog="relay-amp", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    layers = commands.add_parser("layers", help="print the layer index of a model")
+    _add_model_args(layers, DEFAULT_LAYER_OPS)
+    layers.set_defaults(run=_cmd_layers)
+
+    rc = commands.add_parser("recast", help="force ops to a dtype with a wider accumulator")
+    _add_model_args(rc, DEFAULT_RECAST_OPS)
+    rc.add_argument("--dtype", default="int8", help="compute dtype of the chosen ops")
+    rc.add_argument("--out-dtype", default="int32", help="accumulator dtype")
+    rc.add_argument("--skip", type=_int_list, default=[], help="layer indices to leave alone, e.g. 0,-1")
+    rc.add_argument("-o", "--output", help="write the converted module as TVMScript")
+    rc.set_defaults(run=_cmd_recast)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser, default_ops: Sequence[str]) -> None:
+    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    parser.add_argument("--ops", type=_op_list, default=list(default_ops), help="comma-separated op names")
+    parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the relay-amp console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (RelayAmpError, OSError) as err:
+        print(f"relay-amp: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Frontends: ONNX and PyTorch models to Relax IRModules with weights bound as constants."""
+
+import os
+from collections.abc import Sequence
+
+import tvm
+
+from .errors import MissingDependencyError, ModelLoadError
+
+
+def _load_onnx(model) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported lazily below
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return model
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"ONNX model file not found: {path}")
+    try:
+        return onnx.load(path)
+    except Exception as err:  # protobuf raises DecodeError, onnx raises its own types
+        raise ModelLoadError(f"cannot parse ONNX model {path}: {err}") from err
+
+
+def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.IRModule:
+    """Import an ONNX model (a path or a ModelProto) into Relax, weights bound as constants."""
+    from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
+
+    proto = _load_onnx(model)
+    try:
+        import onnx
+
+        onnx.checker.check_model(proto)
+        return relax_from_onnx(proto, shape_dict=shape_dict, keep_params_in_input=False)
+    except Exception as err:  # the checker and the importer raise many error types
+        raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
+
+
+def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
+    """Import a torch.nn.Module through torch.export, weights bound as constants."""
+    try:
+        import torch
+        from tvm.relax.frontend.torch import from_exported_program
+    except ImportError as err:
+        raise MissingDependencyError(
+            "from_torch needs PyTorch: pip install 'relay_amp[torch]'"
+        ) from err
+    inputs = tuple(torch.as_tensor(x) for x in example_inputs)
+    with torch.no_grad():
+        exported = torch.export.export(module.eval(), inputs)
+    return from_exported_program(exported, unwrap_unit_return_tuple=True)

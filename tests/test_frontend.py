@@ -1,0 +1,84 @@
+"""Frontends: ONNX and PyTorch models import with weights bound as constants and compute the same."""
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import relay_amp
+from relay_amp import frontend
+
+
+def conv_gemm_onnx() -> onnx.ModelProto:
+    """Conv -> Relu -> Flatten -> Gemm with fixed random weights."""
+    rng = np.random.default_rng(1)
+    weights = {
+        "w": rng.standard_normal((4, 3, 3, 3)).astype("float32"),
+        "b": rng.standard_normal(4).astype("float32"),
+        "fc": rng.standard_normal((5, 4 * 6 * 6)).astype("float32") * 0.1,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Flatten", ["r"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc"], ["y"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "conv_gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_from_onnx_binds_weights_and_matches_onnx_reference(tmp_path):
+    model = conv_gemm_onnx()
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    mod = frontend.from_onnx(path)
+    assert [p.name for p in mod["main"].params] == ["x"]
+    assert [l.op for l in relay_amp.list_layers(mod)] == ["relax.nn.conv2d", "relax.matmul"]
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype("float32")
+    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(relay_amp.run(mod, [x])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_from_onnx_accepts_model_proto_and_shape_dict():
+    model = conv_gemm_onnx()
+    mod = frontend.from_onnx(model, shape_dict={"x": [2, 3, 8, 8]})
+    assert relay_amp.count_layers(mod) == 2
+
+
+def test_from_onnx_rejects_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(relay_amp.ModelLoadError, match="not found"):
+        frontend.from_onnx(tmp_path / "absent.onnx")
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"\x08\x07 this is not a protobuf \xff\xff")
+    with pytest.raises(relay_amp.ModelLoadError, match="corrupt.onnx"):
+        frontend.from_onnx(corrupt)
+
+
+def test_from_torch_matches_torch():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5),
+    ).eval()
+    x = torch.randn(2, 3, 8, 8)
+    mod = frontend.from_torch(net, [x])
+    assert len(mod["main"].params) == 1, "weights must be bound as constants, not parameters"
+    assert relay_amp.count_layers(mod) == 2
+    with torch.no_grad():
+        expected = net(x).numpy()
+    np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_from_torch_without_torch_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(relay_amp.MissingDependencyError, match=r"relay_amp\[torch\]"):
+        frontend.from_torch(object(), [])

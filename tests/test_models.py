@@ -1,0 +1,42 @@
+"""Built-in models: deterministic, well-formed, runnable."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp import models
+
+
+@pytest.mark.parametrize(
+    "name, options, out_shape",
+    [
+        ("small_cnn", {"batch": 2}, (2, 10)),
+        ("resnet18", {"image_size": 32, "classes": 7}, (1, 7)),
+        ("bert", {"seq_len": 16, "layers": 2}, (1, 16, 256)),
+    ],
+)
+def test_model_is_deterministic_well_formed_and_runs(name, options, out_shape):
+    mod = models.get_model(name, **options)
+    relax.analysis.well_formed(mod)
+    tvm.ir.assert_structural_equal(mod, models.get_model(name, **options))
+    out = relay_amp.run(mod, models.example_inputs(mod))[0]
+    assert out.shape == out_shape and np.isfinite(out).all()
+
+
+def test_bert_has_the_layers_of_a_transformer_encoder():
+    mod = models.bert_encoder(seq_len=8)
+    ops = {l.op for l in relay_amp.list_layers(mod, ["matmul", "nn.softmax", "nn.layer_norm", "nn.gelu"])}
+    assert ops == {"relax.matmul", "relax.nn.softmax", "relax.nn.layer_norm", "relax.nn.gelu"}
+    assert relay_amp.count_layers(mod, ["matmul"]) == 4 * 8
+
+
+def test_example_inputs_match_parameter_types():
+    ids, = models.example_inputs(models.bert_encoder(batch=2, seq_len=8))
+    assert ids.dtype == np.int64 and ids.shape == (2, 8) and ids.max() < models.INT_INPUT_HIGH
+
+
+def test_unknown_model_name_is_an_option_error():
+    with pytest.raises(relay_amp.OptionError, match="vgg"):
+        models.get_model("vgg")
