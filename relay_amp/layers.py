@@ -45,6 +45,11 @@ def _bindings(func: relax.Function) -> list[relax.VarBinding]:
     return collector.bindings
 
 
+def op_bindings(mod: tvm.IRModule, func: str = "main") -> list[relax.VarBinding]:
+    """Every binding of `func` whose value calls a Relax op, in program order."""
+    return [b for b in _bindings(get_function(mod, func)) if call_op_name(b.value) is not None]
+
+
 def layer_bindings(mod: tvm.IRModule, ops: Iterable[str], func: str = "main") -> list[relax.VarBinding]:
     """The bindings whose value calls one of `ops`, in layer-index order."""
     wanted = set(canonical_ops(ops))
