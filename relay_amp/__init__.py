@@ -1,6 +1,8 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import frontend, models, transform
+from . import amp, frontend, models, transform
+from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
+from .casts import eliminate_redundant_casts
 from .errors import (
     DTypeError,
     LayerIndexError,
@@ -15,9 +17,11 @@ from .errors import (
 from .layers import Layer, count_layers, list_layers
 from .recast import recast
 from .runtime import run
+from .serialization import load, save
 
 __all__ = [
     "DTypeError",
+    "PrecisionPlan",
     "Layer",
     "LayerIndexError",
     "MissingDependencyError",
@@ -27,11 +31,18 @@ __all__ = [
     "OptionError",
     "RelayAmpError",
     "UnknownOpError",
+    "amp",
+    "apply_plan",
     "count_layers",
+    "eliminate_redundant_casts",
     "frontend",
     "list_layers",
+    "load",
     "models",
+    "precision_plan",
     "recast",
     "run",
+    "save",
+    "to_mixed_precision",
     "transform",
 ]

@@ -14,8 +14,9 @@ _ASTYPE = "relax.astype"
 class _CastSimplifier(relax.PyExprMutator):
     """Rewrites astype calls; the aliases it leaves are removed by CanonicalizeBindings."""
 
-    def __init__(self, mod: tvm.IRModule):
+    def __init__(self, mod: tvm.IRModule, fold_constants: bool):
         super().__init__(mod)
+        self.fold_constants = fold_constants
         self.seen: dict[tuple[relax.Expr, str], relax.Expr] = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -35,7 +36,7 @@ class _CastSimplifier(relax.PyExprMutator):
     def _simplify(self, source: relax.Expr, dtype: str) -> relax.Expr | None:
         if tensor_dtype(source) == dtype:
             return source
-        if isinstance(source, tvm.ir.expr.Constant) and can_cast_offline(dtype):
+        if self.fold_constants and isinstance(source, tvm.ir.expr.Constant) and can_cast_offline(dtype):
             return cast_constant(source, dtype)
         origin = self._cast_origin(source)
         if origin is not None and tensor_dtype(origin) == dtype and is_float(dtype) and is_float(tensor_dtype(source)):
@@ -54,8 +55,11 @@ class _CastSimplifier(relax.PyExprMutator):
 class EliminateRedundantCasts:
     """Remove same-dtype casts, merge duplicate casts, fold float round trips and casts of constants."""
 
+    def __init__(self, fold_constants: bool = True):
+        self.fold_constants = fold_constants
+
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        simplifier = _CastSimplifier(mod)
+        simplifier = _CastSimplifier(mod, self.fold_constants)
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 simplifier.builder_.update_func(gvar, simplifier.visit_expr(func))
@@ -65,6 +69,6 @@ class EliminateRedundantCasts:
         return cleanup(simplifier.builder_.get())
 
 
-def eliminate_redundant_casts(mod: tvm.IRModule) -> tvm.IRModule:
+def eliminate_redundant_casts(mod: tvm.IRModule, fold_constants: bool = True) -> tvm.IRModule:
     """Functional form of EliminateRedundantCasts."""
-    return EliminateRedundantCasts()(mod)
+    return EliminateRedundantCasts(fold_constants)(mod)

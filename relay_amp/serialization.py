@@ -4,6 +4,10 @@ import os
 import tempfile
 from pathlib import Path
 
+import tvm
+
+from .errors import ModelLoadError
+
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder, then rename it into place."""
@@ -17,3 +21,20 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         os.unlink(temp)
         raise
+
+
+def save(mod: tvm.IRModule, path: str | os.PathLike) -> None:
+    """Save a module (bf16/fp16 constants and the precision plan included) as TVM JSON, atomically."""
+    atomic_write_text(path, tvm.ir.save_json(mod))
+
+
+def load(path: str | os.PathLike) -> tvm.IRModule:
+    """Load a module written by save(), or raise ModelLoadError."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        mod = tvm.ir.load_json(text)
+    except Exception as err:  # OSError, JSON errors and TVM's own error types
+        raise ModelLoadError(f"cannot load a module from {path}: {err}") from err
+    if not isinstance(mod, tvm.IRModule):
+        raise ModelLoadError(f"{path} holds a {type(mod).__name__}, not an IRModule")
+    return mod

@@ -1,5 +1,7 @@
 """The relay_amp passes as tvm.transform.Pass objects, for use inside tvm.transform.Sequential."""
 
+from .amp import ToMixedPrecision
+from .casts import EliminateRedundantCasts
 from .recast import Recast
 
-__all__ = ["Recast"]
+__all__ = ["EliminateRedundantCasts", "Recast", "ToMixedPrecision"]

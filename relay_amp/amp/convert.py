@@ -206,7 +206,7 @@ class ToMixedPrecision:
         mutator = _AmpMutator(mod, self, names, self._forced(calls), {layer_calls[i].value for i in chosen})
         gvar = mod.get_global_var(self.func)
         mutator.builder_.update_func(gvar, mutator.visit_expr(_pin_io(func, self.target_dtype, self.keep_io_types)))
-        converted = EliminateRedundantCasts()(mutator.builder_.get())
+        converted = EliminateRedundantCasts(self.cast_params_offline)(mutator.builder_.get())
         plan = PrecisionPlan(self.target_dtype, self.func, mutator.entries,
                              _count_casts(converted, self.func) - _count_casts(mod, self.func))
         return attach_plan(converted, plan)
