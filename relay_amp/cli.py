@@ -8,9 +8,13 @@ import tvm
 from tabulate import tabulate
 
 from . import frontend, models
+from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from .errors import RelayAmpError
 from .layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from .recast import DEFAULT_RECAST_OPS, recast
+from .serialization import atomic_write_text, save
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
 
 
 def load_model(spec: str, batch: int = 1) -> tvm.IRModule:
@@ -46,10 +50,30 @@ def _cmd_recast(args: argparse.Namespace) -> None:
 def _write_text(path: str | None, text: str) -> None:
     if path is None:
         return
-    from .serialization import atomic_write_text
-
     atomic_write_text(path, text)
     print(f"wrote {path}")
+
+
+def _cmd_convert(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    if args.apply_plan:
+        converted = apply_plan(mod, PrecisionPlan.load(args.apply_plan))
+    else:
+        overrides = {"fp32_ops": args.fp32_ops, "target_dtype_ops": args.target_ops}
+        converted = to_mixed_precision(
+            mod, args.dtype, excluded_layers=args.exclude, keep_io_types=not args.low_io,
+            **{key: ops for key, ops in overrides.items() if ops is not None},
+        )
+    plan = precision_plan(converted)
+    print(layer_table(converted, DEFAULT_LAYER_OPS))
+    print()
+    print(plan.summary())
+    if args.plan:
+        plan.save(args.plan)
+        print(f"wrote {args.plan}")
+    if args.output:
+        save(converted, args.output)
+        print(f"wrote {args.output}")
 
 
 def _int_list(text: str) -> list[int]:
@@ -63,6 +87,10 @@ def _op_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the relay-amp command."""
     parser = argparse.ArgumentParser(prog="relay-amp", description=__doc__)
@@ -74,11 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     rc = commands.add_parser("recast", help="force ops to a dtype with a wider accumulator")
     _add_model_args(rc, DEFAULT_RECAST_OPS)
-    rc.add_argument("--dtype", default="int8", help="compute dtype of the chosen ops")
+    rc.add_argument("--dtype", type=_dtype, default="int8", help="compute dtype of the chosen ops")
     rc.add_argument("--out-dtype", default="int32", help="accumulator dtype")
     rc.add_argument("--skip", type=_int_list, default=[], help="layer indices to leave alone, e.g. 0,-1")
     rc.add_argument("-o", "--output", help="write the converted module as TVMScript")
     rc.set_defaults(run=_cmd_recast)
+
+    cv = commands.add_parser("convert", help="automatic mixed precision with a precision plan")
+    cv.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    cv.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    cv.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (bfloat16) or fp16 (float16)")
+    cv.add_argument("--fp32-ops", type=_op_list, help="replace the fp32 list, e.g. nn.softmax,nn.layer_norm")
+    cv.add_argument("--target-ops", type=_op_list, help="replace the always-low-precision list")
+    cv.add_argument("--exclude", type=_int_list, default=[], help="layer indices kept in fp32, e.g. 0,3")
+    cv.add_argument("--low-io", action="store_true", help="make inputs and outputs low precision too")
+    cv.add_argument("--apply-plan", help="re-apply a saved (possibly edited) precision plan instead")
+    cv.add_argument("--plan", help="write the precision plan as JSON")
+    cv.add_argument("-o", "--output", help="write the converted module (TVM JSON, relay_amp.load reads it)")
+    cv.set_defaults(run=_cmd_convert)
     return parser
 
 

@@ -40,3 +40,23 @@ def test_bad_option_value_exits_with_usage(capsys):
         main(["recast", "small_cnn", "--skip", "a,b"])
     assert exit_info.value.code == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_convert_prints_plan_and_writes_plan_and_module(tmp_path, capsys):
+    plan_path, module_path = tmp_path / "plan.json", tmp_path / "model.json"
+    assert main(["convert", "small_cnn", "--dtype", "fp16", "--exclude", "0",
+                 "--plan", str(plan_path), "-o", str(module_path)]) == 0
+    out = capsys.readouterr().out
+    assert "excluded" in out and "casts inserted" in out
+    from relay_amp import PrecisionPlan, load, precision_plan
+
+    plan = PrecisionPlan.load(plan_path)
+    assert plan.target_dtype == "float16"
+    assert precision_plan(load(module_path)) == plan
+    assert main(["convert", "small_cnn", "--apply-plan", str(plan_path)]) == 0
+    assert "plan" in capsys.readouterr().out
+
+
+def test_convert_rejects_unsupported_dtype(capsys):
+    assert main(["convert", "small_cnn", "--dtype", "int4"]) == 1
+    assert "target_dtype: 'int4' is not supported" in capsys.readouterr().err

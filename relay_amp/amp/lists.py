@@ -43,6 +43,7 @@ _FP32_COMMON = {
     "relax.cumsum": "a running sum: error grows with length",
     "relax.cumprod": "a running product: error grows with length",
     "relax.prod": "a product: error and range grow with length",
+    "relax.arange": "its end value may exceed float16's range and its steps lose precision (as in Relay)",
     "relax.nn.batch_norm": "statistics stay fp32 (as MXNet keeps BatchNorm params); TVM 0.27 also legalizes "
     "a low-precision batch_norm to a float32 result, which breaks the graph",
 }
@@ -73,7 +74,12 @@ _WIDEST = {
     )
 }
 
-_FOLLOW = {
+_CREATE = {
+    name: "creates a tensor filled with one value: exact in any float dtype"
+    for name in ("relax.zeros", "relax.ones", "relax.full", "relax.zeros_like", "relax.ones_like", "relax.full_like")
+}
+
+_FOLLOW = _CREATE | {
     name: "dtype-neutral: moves, selects or maps values without accumulating"
     for name in (
         "relax.nn.relu", "relax.nn.leakyrelu", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh",
