@@ -1,6 +1,8 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import amp, frontend, models, transform
+from . import amp, frontend, models, targets, transform
+from .bench import benchmark
+from .build import build
 from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from .casts import eliminate_redundant_casts
 from .errors import (
@@ -12,17 +14,22 @@ from .errors import (
     OpListConflictError,
     OptionError,
     RelayAmpError,
+    TargetError,
+    TuningError,
     UnknownOpError,
 )
 from .layers import Layer, count_layers, list_layers
+from .layout import LayoutConfig
 from .recast import recast
 from .runtime import run
 from .serialization import load, save
+from .tuning import tune
 
 __all__ = [
     "DTypeError",
     "PrecisionPlan",
     "Layer",
+    "LayoutConfig",
     "LayerIndexError",
     "MissingDependencyError",
     "ModelLoadError",
@@ -30,9 +37,13 @@ __all__ = [
     "OpListConflictError",
     "OptionError",
     "RelayAmpError",
+    "TargetError",
+    "TuningError",
     "UnknownOpError",
     "amp",
     "apply_plan",
+    "benchmark",
+    "build",
     "count_layers",
     "eliminate_redundant_casts",
     "frontend",
@@ -43,6 +54,8 @@ __all__ = [
     "recast",
     "run",
     "save",
+    "targets",
     "to_mixed_precision",
     "transform",
+    "tune",
 ]

@@ -8,11 +8,13 @@ import tvm
 from tabulate import tabulate
 
 from . import frontend, models
+from .bench import benchmark, format_rows, rows_to_json
 from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from .errors import RelayAmpError
 from .layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from .recast import DEFAULT_RECAST_OPS, recast
 from .serialization import atomic_write_text, save
+from .tuning import log_dir, tune
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
 
@@ -76,6 +78,34 @@ def _cmd_convert(args: argparse.Namespace) -> None:
         print(f"wrote {args.output}")
 
 
+def convert_for(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
+    """`mod` unchanged for float32, else converted by AMP with the default lists."""
+    return mod if dtype == "float32" else to_mixed_precision(mod, dtype)
+
+
+def _cmd_tune(args: argparse.Namespace) -> None:
+    mod = convert_for(load_model(args.model, args.batch), args.dtype)
+    work_dir = args.work_dir or log_dir("tune_logs", args.model, args.dtype, args.target)
+    description = {"model": args.model, "batch": args.batch, "dtype": args.dtype}
+    tune(mod, args.target, work_dir, args.trials, trials_per_task=args.trials_per_task,
+         trials_per_iter=args.trials_per_iter, description=description)
+    print(f"wrote tuning records to {work_dir}")
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat)
+    if args.json:
+        print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat))
+    else:
+        print(f"{args.model} (batch {args.batch}) on {args.target}, median of {args.repeat} runs\n")
+        print(format_rows(rows))
+
+
+def _dtype_list(text: str) -> list[str]:
+    return [_dtype(part) for part in _op_list(text)]
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -120,6 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--plan", help="write the precision plan as JSON")
     cv.add_argument("-o", "--output", help="write the converted module (TVM JSON, relay_amp.load reads it)")
     cv.set_defaults(run=_cmd_convert)
+
+    tn = commands.add_parser("tune", help="autotune a model with MetaSchedule (XGBoost cost model)")
+    tn.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    tn.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults)")
+    tn.add_argument("--target", default="cpu", help="target preset, e.g. cpu or cpu-avx512-bf16")
+    tn.add_argument("--trials", type=int, required=True, help="measurement trials over all operators")
+    tn.add_argument("--trials-per-task", type=int, help="cap on the trials of one operator")
+    tn.add_argument("--trials-per-iter", type=int, default=16, help="candidates measured per round and task")
+    tn.add_argument("--work-dir", help="where the records go (default tune_logs/MODEL-DTYPE-TARGET)")
+    tn.set_defaults(run=_cmd_tune)
+
+    bn = commands.add_parser("bench", help="build, time and check every dtype variant of a model")
+    bn.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    bn.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    bn.add_argument("--target", default="cpu", help="target preset, e.g. cpu or cpu-avx512-bf16")
+    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16")
+    bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
+    bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
+    bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bn.set_defaults(run=_cmd_bench)
     return parser
 
 

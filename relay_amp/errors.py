@@ -54,3 +54,13 @@ class ModelLoadError(RelayAmpError):
 @_registered
 class MissingDependencyError(RelayAmpError, ImportError):
     """An optional dependency needed for the requested feature is not installed."""
+
+
+@_registered
+class TargetError(RelayAmpError, ValueError):
+    """A target preset that is unknown or that this host cannot run."""
+
+
+@_registered
+class TuningError(RelayAmpError):
+    """Autotuning that produced no usable record, or a tuning log that is corrupt or does not match."""

@@ -2,6 +2,7 @@
 
 from .amp import ToMixedPrecision
 from .casts import EliminateRedundantCasts
+from .layout import ConvertLayout
 from .recast import Recast
 
-__all__ = ["EliminateRedundantCasts", "Recast", "ToMixedPrecision"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "Recast", "ToMixedPrecision"]

@@ -1,0 +1,79 @@
+"""Target presets as tvm.target.Target objects, and what the host CPU can run."""
+
+import functools
+import os
+import warnings
+
+import tvm
+
+from .errors import TargetError
+
+FORCE_BF16_ENV = "RELAY_AMP_FORCE_BF16"
+BF16_CPU = "cooperlake"  # the first x86 CPU with avx512_bf16 and avx512_vnni; Zen 4 and Sapphire Rapids extend it
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _cpu() -> tvm.target.Target:
+    mcpu = tvm.target.codegen.llvm_get_system_cpu()
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": _cores()})
+
+
+def _cpu_bf16() -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "mcpu": BF16_CPU, "num-cores": _cores()})
+
+
+def _cuda(arch: str) -> tvm.target.Target:
+    host = tvm.target.Target({"kind": "llvm"})
+    return tvm.target.Target({"kind": "cuda", "arch": arch, "max_num_threads": 1024}, host=host)
+
+
+PRESETS = {
+    "cpu": _cpu,
+    "cpu-avx512-bf16": _cpu_bf16,
+    "cuda-tensorcore": lambda: _cuda("sm_80"),
+    "cuda-tensorcore-sm90": lambda: _cuda("sm_90"),
+}
+PRESET_FEATURES = {"cpu-avx512-bf16": ("avx512_bf16", "avx512_vnni")}
+
+
+def get_target(target: "str | tvm.target.Target") -> tvm.target.Target:
+    """A Target from a preset name (see PRESETS) or an existing Target."""
+    if isinstance(target, tvm.target.Target):
+        return target
+    if target not in PRESETS:
+        raise TargetError(f"unknown target preset {target!r}; choose one of {sorted(PRESETS)} or pass a Target")
+    return PRESETS[target]()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def host_supports(feature: str) -> bool:
+    """Whether the host CPU has `feature`, named as /proc/cpuinfo names it (e.g. "avx512_bf16")."""
+    return feature in _cpu_flags()
+
+
+def check_host(preset: "str | tvm.target.Target") -> None:
+    """Raise TargetError when the host lacks a CPU feature the preset needs (RELAY_AMP_FORCE_BF16=1 overrides)."""
+    if not isinstance(preset, str):
+        return
+    missing = [f for f in PRESET_FEATURES.get(preset, ()) if not host_supports(f)]
+    if not missing:
+        return
+    if os.environ.get(FORCE_BF16_ENV) == "1":
+        warnings.warn(f"{FORCE_BF16_ENV}=1: building {preset!r} although this CPU lacks {missing}", stacklevel=2)
+        return
+    raise TargetError(f"target {preset!r} needs CPU features {missing} that this host lacks "
+                      f"(set {FORCE_BF16_ENV}=1 to build anyway)")

@@ -1,0 +1,41 @@
+"""Target presets and host feature checks."""
+
+import pytest
+import tvm
+
+import relay_amp
+from relay_amp import targets
+
+
+@pytest.mark.parametrize("preset, kind", [("cpu", "llvm"), ("cpu-avx512-bf16", "llvm"), ("cuda-tensorcore", "cuda"),
+                                          ("cuda-tensorcore-sm90", "cuda")])
+def test_presets_are_targets(preset, kind):
+    target = targets.get_target(preset)
+    assert isinstance(target, tvm.target.Target) and target.kind.name == kind
+
+
+def test_bf16_preset_uses_a_cpu_with_avx512_bf16_and_vnni():
+    target = targets.get_target("cpu-avx512-bf16")
+    assert tvm.target.codegen.target_has_features(["avx512bf16", "avx512vnni"], target)
+    assert str(targets.get_target("cuda-tensorcore").attrs["arch"]) == "sm_80"
+
+
+def test_unknown_preset_is_a_target_error():
+    with pytest.raises(relay_amp.TargetError, match="gpu-fast"):
+        targets.get_target("gpu-fast")
+
+
+def test_host_supports_reads_cpu_flags():
+    assert targets.host_supports("sse2")
+    assert not targets.host_supports("no_such_feature")
+
+
+def test_bf16_preset_on_a_cpu_without_bf16_is_refused_unless_forced(monkeypatch):
+    monkeypatch.setattr(targets, "host_supports", lambda feature: False)
+    monkeypatch.delenv(targets.FORCE_BF16_ENV, raising=False)
+    with pytest.raises(relay_amp.TargetError, match="avx512_bf16"):
+        targets.check_host("cpu-avx512-bf16")
+    monkeypatch.setenv(targets.FORCE_BF16_ENV, "1")
+    with pytest.warns(UserWarning, match="RELAY_AMP_FORCE_BF16"):
+        targets.check_host("cpu-avx512-bf16")
+    targets.check_host("cpu")
