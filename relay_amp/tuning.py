@@ -61,7 +61,8 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
 
 def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | os.PathLike, trials: int, *,
          cost_model: str = "xgb", trials_per_task: int | None = None, trials_per_iter: int = 16,
-         seed: int = 0, progress: bool = True, description: dict | None = None) -> ms.Database:
+         seed: int = 0, progress: bool = True, description: dict | None = None,
+         builder_timeout_s: int = BUILDER_TIMEOUT_S) -> ms.Database:
     """Tune every operator of `mod` for `target` with MetaSchedule; the records go to work_dir."""
     if not isinstance(trials, int) or trials < 1:
         raise OptionError(f"trials must be a positive integer, got {trials!r}")
@@ -75,14 +76,15 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
     with tqdm(total=trials, desc="tuning", unit="trial", disable=not progress) as bar:
         counter = _Progress(bar)
         database = _run_tuner(prepared, tgt, Path(work_dir), trials, trials_per_task, trials_per_iter,
-                              cost_model, seed, counter)
+                              cost_model, seed, counter, builder_timeout_s)
     if counter.succeeded == 0 or not _successful_records(database):
         raise TuningError(f"all {trials} tuning trials failed to build or run; see {Path(work_dir) / 'logs'}")
     _write_manifest(Path(work_dir), tgt, trials, cost_model, description or {})
     return database
 
 
-def _run_tuner(prepared, target, work_dir: Path, trials, trials_per_task, trials_per_iter, cost_model, seed, counter):
+def _run_tuner(prepared, target, work_dir: Path, trials, trials_per_task, trials_per_iter, cost_model, seed, counter,
+               builder_timeout_s):
     quiet = logging.getLogger("tvm.s_tir.meta_schedule")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the console handler takes this level; the log files keep DEBUG
@@ -90,7 +92,7 @@ def _run_tuner(prepared, target, work_dir: Path, trials, trials_per_task, trials
         return ms.relax_integration.tune_relax(
             prepared, {}, target, str(work_dir), trials, trials_per_task,
             num_trials_per_iter=trials_per_iter, cost_model=cost_model, seed=seed,
-            builder=ms.builder.LocalBuilder(timeout_sec=BUILDER_TIMEOUT_S),
+            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s),
             runner=ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S),
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [counter],
         )

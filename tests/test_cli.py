@@ -60,3 +60,8 @@ def test_convert_prints_plan_and_writes_plan_and_module(tmp_path, capsys):
 def test_convert_rejects_unsupported_dtype(capsys):
     assert main(["convert", "small_cnn", "--dtype", "int4"]) == 1
     assert "target_dtype: 'int4' is not supported" in capsys.readouterr().err
+
+
+def test_tune_rejects_a_bad_trial_count(capsys):
+    assert main(["tune", "small_cnn", "--trials", "0", "--work-dir", "unused"]) == 1
+    assert "trials must be a positive integer" in capsys.readouterr().err

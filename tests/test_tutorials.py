@@ -13,6 +13,7 @@ def test_there_are_tutorials():
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
-def test_tutorial_runs(path, capsys):
+def test_tutorial_runs(path, capsys, monkeypatch):
+    monkeypatch.setenv("RELAY_AMP_TUTORIAL_TRIALS", "4")  # tutorials that tune do a handful of trials
     runpy.run_path(str(path), run_name="__main__")
     assert capsys.readouterr().out

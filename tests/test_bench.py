@@ -1,0 +1,45 @@
+"""Benchmarks: every variant built, timed and checked against fp32 in one run (no timing asserted)."""
+
+import json
+
+import pytest
+
+from relay_amp import models
+from relay_amp.bench import benchmark, format_rows, rows_to_json
+from relay_amp.cli import main
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return benchmark(models.small_cnn(), ["bfloat16", "float16"], "cpu", repeat=3, model="small_cnn")
+
+
+def test_benchmark_measures_fp32_first_then_each_dtype(rows):
+    assert [r.dtype for r in rows] == ["float32", "bfloat16", "float16"]
+    assert rows[0].speedup == 1.0 and rows[0].max_rel_error == 0.0
+    assert all(r.median_ms > 0 and r.speedup > 0 and not r.tuned for r in rows)
+    # same tolerances as the AMP numeric tests
+    assert rows[1].max_rel_error < 2e-2 and rows[2].max_rel_error < 5e-3
+
+
+def test_rows_print_as_table_and_json(rows):
+    table = format_rows(rows)
+    assert "speed-up vs fp32" in table and "bfloat16" in table
+    data = json.loads(rows_to_json(rows, model="small_cnn"))
+    assert data["model"] == "small_cnn" and len(data["rows"]) == 3
+
+
+def test_missing_log_directory_means_an_untuned_build(tmp_path):
+    rows = benchmark(models.small_cnn(), ["float32"], "cpu", tune_logs=tmp_path, model="small_cnn", repeat=2)
+    assert [r.tuned for r in rows] == [False]
+
+
+def test_bench_command_prints_json(capsys):
+    assert main(["bench", "small_cnn", "--dtypes", "fp32,bf16", "--repeat", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [row["dtype"] for row in data["rows"]] == ["float32", "bfloat16"]
+
+
+def test_bench_command_rejects_unknown_target(capsys):
+    assert main(["bench", "small_cnn", "--target", "tpu"]) == 1
+    assert "unknown target preset 'tpu'" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+# %% [markdown]
+# # Autotuning a bfloat16 model for an AVX-512 CPU
+#
+# Convert a model to bfloat16, tune it with MetaSchedule (XGBoost cost model), build it with the
+# tuning records and compare it with fp32 in one process. The trial count comes from
+# `RELAY_AMP_TUTORIAL_TRIALS` (the test suite runs this with a handful; real tuning uses hundreds
+# and keeps its records under `tune_logs/`).
+
+# %%
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import relay_amp
+from relay_amp import models, targets
+from relay_amp.bench import benchmark, format_rows
+from relay_amp.runtime import run_executable
+
+trials = int(os.environ.get("RELAY_AMP_TUTORIAL_TRIALS", "64"))
+target = "cpu-avx512-bf16" if targets.host_supports("avx512_bf16") else "cpu"
+print(f"tuning for {target} with {trials} trials")
+
+# %% [markdown]
+# ## A one-layer BERT-style encoder, converted to bfloat16
+
+# %%
+mod = models.bert_encoder(seq_len=8, hidden=64, heads=2, layers=1, vocab=128)
+bf16 = relay_amp.to_mixed_precision(mod, "bfloat16")
+print(relay_amp.precision_plan(bf16).summary())
+
+# %% [markdown]
+# ## Tune
+# MetaSchedule explores schedules per operator; relay_amp raises `TuningError` if no trial
+# succeeded (MetaSchedule itself would report success with every record failed).
+
+# %%
+work_dir = Path(tempfile.mkdtemp()) / "bert-bfloat16"
+relay_amp.tune(bf16, target, work_dir, trials=trials, trials_per_iter=min(trials, 16))
+print(sorted(p.name for p in work_dir.iterdir()))
+
+# %% [markdown]
+# ## Build with the records and check the numbers
+
+# %%
+executable = relay_amp.build(bf16, target, tune_logs=work_dir)
+inputs = models.example_inputs(mod)
+tuned_out = run_executable(executable, inputs)[0]
+reference = relay_amp.run(mod, inputs)[0]
+error = float(np.abs(tuned_out - reference).max() / np.abs(reference).max())
+print(f"tuned bfloat16 vs fp32: max relative error {error:.2e}")
+assert error < 2e-2
+
+# %% [markdown]
+# ## Compare with fp32 in one process
+# Speed-ups are ratios measured in the same run; with a handful of trials they mean little.
+
+# %%
+print(format_rows(benchmark(mod, ["bfloat16"], target, repeat=5)))
