@@ -14,6 +14,7 @@ from .errors import RelayAmpError
 from .layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from .recast import DEFAULT_RECAST_OPS, recast
 from .serialization import atomic_write_text, save
+from .targets import host_preset
 from .tuning import log_dir, tune
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
@@ -98,8 +99,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if args.json:
         print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat))
     else:
-        print(f"{args.model} (batch {args.batch}) on {args.target}, median of {args.repeat} runs\n")
+        print(f"{args.model} (batch {args.batch}) on {args.target}, median of {args.repeat} runs")
+        print(f"tuning logs: {args.tune_logs or 'none'}\n")
         print(format_rows(rows))
+
+
+def _target(text: str) -> str:
+    return host_preset() if text == "auto" else text
 
 
 def _dtype_list(text: str) -> list[str]:
@@ -155,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
     tn.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
     tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults)")
-    tn.add_argument("--target", default="cpu", help="target preset, e.g. cpu or cpu-avx512-bf16")
+    tn.add_argument("--target", type=_target, default="auto",
+                    help="target preset (cpu, cpu-avx512-bf16, ...); auto picks the best this CPU runs")
     tn.add_argument("--trials", type=int, required=True, help="measurement trials over all operators")
     tn.add_argument("--trials-per-task", type=int, help="cap on the trials of one operator")
     tn.add_argument("--trials-per-iter", type=int, default=16, help="candidates measured per round and task")
@@ -165,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn = commands.add_parser("bench", help="build, time and check every dtype variant of a model")
     bn.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
     bn.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
-    bn.add_argument("--target", default="cpu", help="target preset, e.g. cpu or cpu-avx512-bf16")
+    bn.add_argument("--target", type=_target, default="auto",
+                    help="target preset (cpu, cpu-avx512-bf16, ...); auto picks the best this CPU runs")
     bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16")
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
     bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")

@@ -39,6 +39,11 @@ PRESETS = {
 PRESET_FEATURES = {"cpu-avx512-bf16": ("avx512_bf16", "avx512_vnni")}
 
 
+def host_preset() -> str:
+    """The fastest CPU preset this host can run: cpu-avx512-bf16 where it has the features, else cpu."""
+    return "cpu-avx512-bf16" if all(map(host_supports, PRESET_FEATURES["cpu-avx512-bf16"])) else "cpu"
+
+
 def get_target(target: "str | tvm.target.Target") -> tvm.target.Target:
     """A Target from a preset name (see PRESETS) or an existing Target."""
     if isinstance(target, tvm.target.Target):

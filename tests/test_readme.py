@@ -14,7 +14,7 @@ def readme_commands() -> list[str]:
 def test_readme_opens_with_install_and_test_commands():
     install, test = readme_commands()
     assert install.startswith("pip install") and "relay-amp " in install
-    assert test.startswith("python -m pytest")
+    assert test.startswith("pip install") and "python -m pytest tests" in test
 
 
 def test_ci_runs_the_readme_test_command():

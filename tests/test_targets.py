@@ -39,3 +39,10 @@ def test_bf16_preset_on_a_cpu_without_bf16_is_refused_unless_forced(monkeypatch)
     with pytest.warns(UserWarning, match="RELAY_AMP_FORCE_BF16"):
         targets.check_host("cpu-avx512-bf16")
     targets.check_host("cpu")
+
+
+def test_host_preset_follows_cpu_features(monkeypatch):
+    monkeypatch.setattr(targets, "host_supports", lambda feature: True)
+    assert targets.host_preset() == "cpu-avx512-bf16"
+    monkeypatch.setattr(targets, "host_supports", lambda feature: feature != "avx512_vnni")
+    assert targets.host_preset() == "cpu"
