@@ -8,7 +8,7 @@ import tvm
 from tabulate import tabulate
 
 from . import frontend, models
-from .bench import benchmark, format_rows, rows_to_json
+from .bench import benchmark, format_rows, rows_to_json, variant
 from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from .errors import RelayAmpError
 from .layers import DEFAULT_LAYER_OPS, count_layers, list_layers
@@ -79,13 +79,8 @@ def _cmd_convert(args: argparse.Namespace) -> None:
         print(f"wrote {args.output}")
 
 
-def convert_for(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
-    """`mod` unchanged for float32, else converted by AMP with the default lists."""
-    return mod if dtype == "float32" else to_mixed_precision(mod, dtype)
-
-
 def _cmd_tune(args: argparse.Namespace) -> None:
-    mod = convert_for(load_model(args.model, args.batch), args.dtype)
+    mod = variant(load_model(args.model, args.batch), args.dtype)
     work_dir = args.work_dir or log_dir("tune_logs", args.model, args.dtype, args.target)
     description = {"model": args.model, "batch": args.batch, "dtype": args.dtype}
     tune(mod, args.target, work_dir, args.trials, trials_per_task=args.trials_per_task,
@@ -127,26 +122,35 @@ def _dtype(text: str) -> str:
     return DTYPE_ALIASES.get(text, text)
 
 
+def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None = None,
+             target: bool = False) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=help_text)
+    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    if ops is not None:
+        parser.add_argument("--ops", type=_op_list, default=list(ops), help="comma-separated op names")
+    if target:
+        parser.add_argument("--target", type=_target, default="auto",
+                            help="target preset (cpu, cpu-avx512-bf16, ...); auto picks the best this CPU runs")
+    parser.set_defaults(run=run)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the relay-amp command."""
     parser = argparse.ArgumentParser(prog="relay-amp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    layers = commands.add_parser("layers", help="print the layer index of a model")
-    _add_model_args(layers, DEFAULT_LAYER_OPS)
-    layers.set_defaults(run=_cmd_layers)
+    _command(commands, "layers", "print the layer index of a model", _cmd_layers, ops=DEFAULT_LAYER_OPS)
 
-    rc = commands.add_parser("recast", help="force ops to a dtype with a wider accumulator")
-    _add_model_args(rc, DEFAULT_RECAST_OPS)
+    rc = _command(commands, "recast", "force ops to a dtype with a wider accumulator", _cmd_recast,
+                  ops=DEFAULT_RECAST_OPS)
     rc.add_argument("--dtype", type=_dtype, default="int8", help="compute dtype of the chosen ops")
     rc.add_argument("--out-dtype", default="int32", help="accumulator dtype")
     rc.add_argument("--skip", type=_int_list, default=[], help="layer indices to leave alone, e.g. 0,-1")
     rc.add_argument("-o", "--output", help="write the converted module as TVMScript")
-    rc.set_defaults(run=_cmd_recast)
 
-    cv = commands.add_parser("convert", help="automatic mixed precision with a precision plan")
-    cv.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
-    cv.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    cv = _command(commands, "convert", "automatic mixed precision with a precision plan", _cmd_convert)
     cv.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (bfloat16) or fp16 (float16)")
     cv.add_argument("--fp32-ops", type=_op_list, help="replace the fp32 list, e.g. nn.softmax,nn.layer_norm")
     cv.add_argument("--target-ops", type=_op_list, help="replace the always-low-precision list")
@@ -155,37 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--apply-plan", help="re-apply a saved (possibly edited) precision plan instead")
     cv.add_argument("--plan", help="write the precision plan as JSON")
     cv.add_argument("-o", "--output", help="write the converted module (TVM JSON, relay_amp.load reads it)")
-    cv.set_defaults(run=_cmd_convert)
 
-    tn = commands.add_parser("tune", help="autotune a model with MetaSchedule (XGBoost cost model)")
-    tn.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
-    tn.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    tn = _command(commands, "tune", "autotune a model with MetaSchedule (XGBoost cost model)", _cmd_tune,
+                  target=True)
     tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults)")
-    tn.add_argument("--target", type=_target, default="auto",
-                    help="target preset (cpu, cpu-avx512-bf16, ...); auto picks the best this CPU runs")
     tn.add_argument("--trials", type=int, required=True, help="measurement trials over all operators")
     tn.add_argument("--trials-per-task", type=int, help="cap on the trials of one operator")
     tn.add_argument("--trials-per-iter", type=int, default=16, help="candidates measured per round and task")
     tn.add_argument("--work-dir", help="where the records go (default tune_logs/MODEL-DTYPE-TARGET)")
-    tn.set_defaults(run=_cmd_tune)
 
-    bn = commands.add_parser("bench", help="build, time and check every dtype variant of a model")
-    bn.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
-    bn.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
-    bn.add_argument("--target", type=_target, default="auto",
-                    help="target preset (cpu, cpu-avx512-bf16, ...); auto picks the best this CPU runs")
+    bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
+                  target=True)
     bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16")
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
     bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    bn.set_defaults(run=_cmd_bench)
     return parser
-
-
-def _add_model_args(parser: argparse.ArgumentParser, default_ops: Sequence[str]) -> None:
-    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
-    parser.add_argument("--ops", type=_op_list, default=list(default_ops), help="comma-separated op names")
-    parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,8 @@ import tvm
 from .errors import MissingDependencyError, ModelLoadError
 
 
-def _load_onnx(model) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported lazily below
+def _load_onnx(model):
+    """A ModelProto from a ModelProto or a path, or ModelLoadError."""
     import onnx
 
     if isinstance(model, onnx.ModelProto):
