@@ -1,6 +1,7 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import amp, frontend, models, targets, transform
+from . import amp, digits, frontend, metrics, models, targets, transform
+from .accuracy import Report, tune_precision
 from .bench import benchmark
 from .build import build
 from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
@@ -20,6 +21,7 @@ from .errors import (
 )
 from .layers import Layer, count_layers, list_layers
 from .layout import LayoutConfig
+from .ranges import RangeStats, calibrate
 from .recast import recast
 from .runtime import run
 from .serialization import load, save
@@ -28,6 +30,8 @@ from .tuning import tune
 __all__ = [
     "DTypeError",
     "PrecisionPlan",
+    "RangeStats",
+    "Report",
     "Layer",
     "LayoutConfig",
     "LayerIndexError",
@@ -44,11 +48,14 @@ __all__ = [
     "apply_plan",
     "benchmark",
     "build",
+    "calibrate",
     "count_layers",
+    "digits",
     "eliminate_redundant_casts",
     "frontend",
     "list_layers",
     "load",
+    "metrics",
     "models",
     "precision_plan",
     "recast",
@@ -58,4 +65,5 @@ __all__ = [
     "to_mixed_precision",
     "transform",
     "tune",
+    "tune_precision",
 ]

@@ -1,5 +1,7 @@
 """Dtype validation and conversion of constant data between dtypes."""
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import tvm
@@ -53,4 +55,9 @@ def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
     target = numpy_dtype(dtype)
     if not is_float(dtype) and is_float(str(array.dtype)):
         array = np.trunc(array.astype(np.float64))
-    return array.astype(target)
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = array.astype(target)
+    if is_float(dtype) and np.isfinite(array).all() and not np.isfinite(result.astype("float64")).all():
+        warnings.warn(f"a constant with max |x| {float(np.abs(array).max()):.3g} overflows {dtype}: "
+                      "its cast values become inf", stacklevel=3)
+    return result

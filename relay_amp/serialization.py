@@ -9,18 +9,26 @@ import tvm
 from .errors import ModelLoadError
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder, then rename it into place."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder, then rename it into place."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.chmod(temp, 0o644)  # mkstemp creates 0600; a written artifact is readable like any other file
         os.replace(temp, target)
     except BaseException:
         os.unlink(temp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected text, got {type(text).__name__}")
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def save(mod: tvm.IRModule, path: str | os.PathLike) -> None:

@@ -11,6 +11,7 @@ from ..dtypes import FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_choice, is_float
 from ..errors import LayerIndexError
 from ..layers import DEFAULT_LAYER_OPS, layer_bindings, list_layers, op_bindings, resolve_layers
 from ..casts import EliminateRedundantCasts
+from ..ranges import DEFAULT_MARGIN, RangeStats, range_excluded
 from .plan import PlanEntry, PrecisionPlan, attach_plan
 from .policy import build_conditions, build_lists, check_missing_op_mode, unlisted_op_error
 
@@ -182,7 +183,7 @@ class ToMixedPrecision:
                  keep_io_types: bool = True, cast_params_offline: bool = True,
                  accumulation_dtype: str = "float32", missing_op_mode: str = "follow",
                  layer_ops: Iterable[str] = DEFAULT_LAYER_OPS, plan: PrecisionPlan | None = None,
-                 func: str = "main"):
+                 ranges: RangeStats | None = None, range_margin: float = DEFAULT_MARGIN, func: str = "main"):
         self.target_dtype = check_choice(target_dtype, LOW_FLOAT_DTYPES, "target_dtype")
         overrides = {"target": target_dtype_ops, "fp32": fp32_ops, "widest": widest_dtype_ops, "follow": follow_ops}
         self.lists = build_lists(self.target_dtype, overrides)
@@ -195,6 +196,8 @@ class ToMixedPrecision:
         self.missing_op_mode = check_missing_op_mode(missing_op_mode)
         self.layer_ops = tuple(layer_ops)
         self.plan = plan
+        self.ranges = ranges
+        self.range_margin = float(range_margin)
         self.func = func
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -203,13 +206,20 @@ class ToMixedPrecision:
         names = {b.value: (i, b.var.name) for i, b in enumerate(op_bindings(mod, self.func))}
         chosen = resolve_layers(list_layers(mod, self.layer_ops, self.func), self.excluded_layers)
         layer_calls = layer_bindings(mod, self.layer_ops, self.func)
-        mutator = _AmpMutator(mod, self, names, self._forced(calls), {layer_calls[i].value for i in chosen})
+        forced = self._range_guard(mod) | self._forced(calls)
+        mutator = _AmpMutator(mod, self, names, forced, {layer_calls[i].value for i in chosen})
         gvar = mod.get_global_var(self.func)
         mutator.builder_.update_func(gvar, mutator.visit_expr(_pin_io(func, self.target_dtype, self.keep_io_types)))
         converted = EliminateRedundantCasts(self.cast_params_offline)(mutator.builder_.get())
         plan = PrecisionPlan(self.target_dtype, self.func, mutator.entries,
                              _count_casts(converted, self.func) - _count_casts(mod, self.func))
         return attach_plan(converted, plan)
+
+    def _range_guard(self, mod: tvm.IRModule) -> dict[relax.Call, tuple[str, str]]:
+        if self.ranges is None:
+            return {}
+        kept = range_excluded(mod, self.ranges, self.target_dtype, self.range_margin, self.func)
+        return {call: ("float32", reason) for call, reason in kept.items()}
 
     def _forced(self, calls: list[relax.Call]) -> dict[relax.Call, tuple[str, str]]:
         if self.plan is None:
