@@ -6,7 +6,7 @@ import tvm
 
 import relay_amp
 from relay_amp import models
-from relay_amp.serialization import atomic_write_text
+from relay_amp.serialization import atomic_write_bytes, atomic_write_text
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -35,6 +35,8 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     path.write_text("old")
 
     with pytest.raises(TypeError):
-        atomic_write_text(path, object())
+        atomic_write_bytes(path, object())  # fails inside the write: the temporary file must go
+    with pytest.raises(TypeError, match="expected text"):
+        atomic_write_text(path, b"bytes")
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]

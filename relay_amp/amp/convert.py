@@ -9,14 +9,13 @@ from tvm import relax
 from .._ir import can_cast_offline, cast_constant, get_function, has_attr_field, tensor_dtype, with_attr
 from ..dtypes import FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_choice, is_float
 from ..errors import LayerIndexError
-from ..layers import DEFAULT_LAYER_OPS, layer_bindings, list_layers, op_bindings, resolve_layers
 from ..casts import EliminateRedundantCasts
-from ..ranges import DEFAULT_MARGIN, RangeStats, range_excluded
+from ..layers import DEFAULT_LAYER_OPS, layer_bindings, list_layers, op_bindings, resolve_layers
+from ..ranges import DEFAULT_MARGIN, FINITE_MAX, RangeStats, range_excluded
 from .plan import PlanEntry, PrecisionPlan, attach_plan
 from .policy import build_conditions, build_lists, check_missing_op_mode, unlisted_op_error
 
 _ASTYPE = "relax.astype"
-_FINITE_MAX = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.38e38}
 
 
 def _float_leaves(args: Iterable[relax.Expr]) -> list[relax.Expr]:
@@ -35,23 +34,21 @@ class _AmpMutator(relax.PyExprMutator):
         self.config = config
         self.low = config.target_dtype
         self.names = names  # original call -> (op-call index, binding name)
-        self.forced = forced  # original call -> (dtype, reason) from a plan
+        self.forced = forced  # original call -> (dtype, reason) from a plan or the range guard
         self.excluded = excluded
         self.casts: dict[tuple[relax.Expr, str], relax.Expr] = {}
         self.entries: list[PlanEntry] = []
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         args = [self.visit_expr(arg) for arg in call.args]
-        if call.op.__class__ is not tvm.ir.Op or call.op.name == _ASTYPE:
-            keep = args if call.op.__class__ is tvm.ir.Op else [self._restore(n, o) for n, o in zip(args, call.args)]
-            return relax.Call(call.op, keep, call.attrs, call.ty_args)
-        decision = self._decide(call, args)
-        if decision is None:
-            return relax.Call(call.op, [self._restore(n, o) for n, o in zip(args, call.args)], call.attrs, call.ty_args)
-        dtype, reason = decision
-        self._record(call, dtype, reason)
-        if dtype != self.low:
-            return relax.Call(call.op, [self._restore(n, o) for n, o in zip(args, call.args)], call.attrs, call.ty_args)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == _ASTYPE:  # a cast accepts any input dtype
+            return relax.Call(call.op, args, call.attrs, call.ty_args)
+        decision = self._decide(call, args) if isinstance(call.op, tvm.ir.Op) else None
+        if decision is not None:
+            self._record(call, *decision)
+        if decision is None or decision[0] != self.low:  # function calls too keep their original signature
+            restored = [self._restore(new, old) for new, old in zip(args, call.args)]
+            return relax.Call(call.op, restored, call.attrs, call.ty_args)
         return self._lowered(call, [self._lower(arg) for arg in args])
 
     def _lowered(self, call: relax.Call, args: list[relax.Expr]) -> relax.Expr:
@@ -107,7 +104,7 @@ class _AmpMutator(relax.PyExprMutator):
         if not isinstance(expr, tvm.ir.expr.Constant):
             return False
         values = expr.value.numpy().astype("float64")
-        return values.size == 0 or float(np.abs(values).max()) <= _FINITE_MAX[self.low]
+        return values.size == 0 or float(np.abs(values).max()) <= FINITE_MAX[self.low]
 
     def _record(self, call: relax.Call, dtype: str, reason: str) -> None:
         if call in self.names:
@@ -202,8 +199,9 @@ class ToMixedPrecision:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         func = get_function(mod, self.func)
-        calls = [b.value for b in op_bindings(mod, self.func)]
-        names = {b.value: (i, b.var.name) for i, b in enumerate(op_bindings(mod, self.func))}
+        bindings = op_bindings(mod, self.func)
+        calls = [b.value for b in bindings]
+        names = {b.value: (i, b.var.name) for i, b in enumerate(bindings)}
         chosen = resolve_layers(list_layers(mod, self.layer_ops, self.func), self.excluded_layers)
         layer_calls = layer_bindings(mod, self.layer_ops, self.func)
         forced = self._range_guard(mod) | self._forced(calls)
