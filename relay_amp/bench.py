@@ -13,6 +13,7 @@ from tvm import relax
 
 from .amp import to_mixed_precision
 from .build import build
+from .errors import TuningError
 from .models import example_inputs
 from .runtime import run_executable
 from .tuning import LOG_FILES, log_dir
@@ -40,6 +41,8 @@ def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, targe
     if tune_logs is None:
         return None
     root = Path(tune_logs)
+    if not root.is_dir():
+        raise TuningError(f"tuning log directory {root} does not exist")
     if all((root / name).is_file() for name in LOG_FILES):
         return root
     candidate = log_dir(root, model, dtype, target)

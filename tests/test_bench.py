@@ -43,3 +43,8 @@ def test_bench_command_prints_json(capsys):
 def test_bench_command_rejects_unknown_target(capsys):
     assert main(["bench", "small_cnn", "--target", "tpu"]) == 1
     assert "unknown target preset 'tpu'" in capsys.readouterr().err
+
+
+def test_bench_command_rejects_a_missing_log_directory(capsys):
+    assert main(["bench", "small_cnn", "--tune-logs", "no/such/dir"]) == 1
+    assert "tuning log directory no/such/dir does not exist" in capsys.readouterr().err

@@ -194,3 +194,36 @@ def test_recast_small_cnn_int8_runs_and_is_finite():
 def test_recast_rejects_bad_input(options, error, fragment):
     with pytest.raises(error, match=fragment):
         relay_amp.recast(TwoConvs, **options)
+
+
+def _single_op_module(make_call, data_shape, weight_shape):
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(data_shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            weight = relax.const(rng.standard_normal(weight_shape).astype("float32"))
+            out = bb.emit_output(make_call(x, weight))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize(
+    "op, make_call, data_shape, weight_shape",
+    [
+        ("nn.conv1d", lambda x, w: relax.op.nn.conv1d(x, w, padding=1), (2, 4, 16), (8, 4, 3)),
+        ("nn.conv2d_transpose", lambda x, w: relax.op.nn.conv2d_transpose(x, w, strides=2),
+         (1, 4, 6, 6), (4, 8, 2, 2)),
+    ],
+)
+def test_recast_conv1d_and_conv2d_transpose_to_float16(op, make_call, data_shape, weight_shape):
+    mod = _single_op_module(make_call, data_shape, weight_shape)
+    converted = relay_amp.recast(mod, "float16", "float32", ops=[op])
+    relax.analysis.well_formed(converted)
+    layer = relay_amp.list_layers(converted, [op])[0]
+    assert layer.input_dtypes == ("float16", "float16") and layer.output_dtype == "float32"
+    inputs = models.example_inputs(mod)
+    expected = relay_amp.run(mod, inputs)[0]
+    # fp16 inputs, fp32 accumulation over at most 16 products: relative error ~1e-3
+    np.testing.assert_allclose(relay_amp.run(converted, inputs)[0], expected, rtol=1e-2,
+                               atol=1e-2 * np.abs(expected).max())
