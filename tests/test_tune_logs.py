@@ -1,0 +1,31 @@
+"""The committed tuning logs under tune_logs/ load, describe themselves, and match their model."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relay_amp import models
+from relay_amp.bench import variant
+from relay_amp.targets import get_target
+from relay_amp.tuning import MANIFEST, load_database, log_dir, matching_records
+
+ROOT = Path(__file__).resolve().parents[1] / "tune_logs"
+LOGS = sorted(path for path in ROOT.iterdir() if (path / MANIFEST).is_file())
+
+
+def test_logs_for_resnet18_and_bert_in_fp32_and_bf16_are_committed():
+    names = {path.name for path in LOGS}
+    for model in ("resnet18", "bert"):
+        for dtype in ("float32", "bfloat16"):
+            assert log_dir(ROOT, model, dtype, "cpu-avx512-bf16").name in names
+
+
+@pytest.mark.parametrize("path", LOGS, ids=lambda p: p.name)
+def test_committed_log_matches_its_model(path):
+    manifest = json.loads((path / MANIFEST).read_text())
+    mod = variant(models.get_model(manifest["model"], batch=manifest["batch"]), manifest["dtype"])
+    target = get_target(path.name.split("-", 2)[2])
+    database = load_database(path)
+    assert matching_records(database, mod, target) > 0
+    assert path.name == log_dir(ROOT, manifest["model"], manifest["dtype"], path.name.split("-", 2)[2]).name
