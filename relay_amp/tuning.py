@@ -86,8 +86,10 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
 def _run_tuner(prepared, target, work_dir: Path, trials, trials_per_task, trials_per_iter, cost_model, seed, counter,
                builder_timeout_s):
     quiet = logging.getLogger("tvm.s_tir.meta_schedule")
-    level = quiet.level
+    level, foreign = quiet.level, [h for h in quiet.handlers if not h.get_name()]
     quiet.setLevel(logging.WARNING)  # the console handler takes this level; the log files keep DEBUG
+    for handler in foreign:  # MetaSchedule's logger setup crashes on unnamed handlers (pytest's, a user's)
+        quiet.removeHandler(handler)
     try:
         return ms.relax_integration.tune_relax(
             prepared, {}, target, str(work_dir), trials, trials_per_task,
@@ -98,6 +100,8 @@ def _run_tuner(prepared, target, work_dir: Path, trials, trials_per_task, trials
         )
     finally:
         quiet.setLevel(level)
+        for handler in foreign:
+            quiet.addHandler(handler)
 
 
 def _successful_records(database: ms.Database) -> list:

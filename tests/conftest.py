@@ -1,4 +1,4 @@
-"""Test configuration: make sibling test modules importable (shared model builders)."""
+"""Test configuration: make sibling test modules importable (shared model builders and checks)."""
 
 import sys
 from pathlib import Path

@@ -1,6 +1,7 @@
 """MetaSchedule tuning: a real (tiny) run, its records reused by build, and bad logs rejected."""
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -57,6 +58,18 @@ def test_corrupt_or_incomplete_log_is_a_clear_error(tuned, tmp_path):
     (corrupt / "database_workload.json").unlink()
     with pytest.raises(relay_amp.TuningError, match="database_workload.json is missing"):
         load_database(corrupt)
+
+
+def test_tune_survives_unnamed_handlers_on_meta_schedules_logger(tuned, tmp_path):
+    # pytest's log capture (or a user) leaves unnamed handlers there; MetaSchedule's own setup crashes on them
+    meta_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    unnamed = logging.NullHandler()
+    meta_logger.addHandler(unnamed)
+    try:
+        tune(matmul_module(16), "cpu", tmp_path / "again", trials=1, trials_per_iter=1, progress=False)
+        assert unnamed in meta_logger.handlers
+    finally:
+        meta_logger.removeHandler(unnamed)
 
 
 def test_all_trials_failing_is_an_error_not_a_silent_success(tmp_path):
