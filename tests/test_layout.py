@@ -8,7 +8,7 @@ from tvm.script import relax as R
 
 import relay_amp
 from relay_amp import models
-from relay_amp.layout import ConvertLayout, LayoutConfig
+from relay_amp.layout import ConvertLayout, LayoutConfig, convert_layout
 from pass_checks import assert_transforms
 
 
@@ -98,3 +98,11 @@ def test_layout_errors_name_the_problem():
         ConvertLayout({"nn.conv9d": ["NHWC", "default"]})
     with LayoutConfig(skip_layers=[3]), pytest.raises(relay_amp.LayerIndexError, match="valid: -3..2"):
         ConvertLayout({"nn.conv2d": ["NHWC", "default"]})(ThreeConvs)
+
+
+def test_functional_form_honours_the_scope():
+    with LayoutConfig(skip_layers=[1]):
+        via_function = convert_layout(ThreeConvs, {"nn.conv2d": ["NHWC", "default"]})
+        via_pass = ConvertLayout({"nn.conv2d": ["NHWC", "default"]})(ThreeConvs)
+    tvm.ir.assert_structural_equal(via_function, via_pass)
+    assert layouts_of(via_function) == ["NHWC/OHWI", "NCHW/OIHW", "NHWC/OHWI"]

@@ -64,10 +64,6 @@ class PrecisionPlan:
             raise ModelLoadError(f"cannot read precision plan {path}: {err}") from err
         return cls.from_json(text, str(path))
 
-    def dtypes(self) -> dict[int, str]:
-        """Op-call index to dtype."""
-        return {entry.index: entry.dtype for entry in self.entries}
-
     def summary(self) -> str:
         """A readable table: the calls per dtype and reason, and the casts inserted."""
         counts = Counter((entry.dtype, entry.reason.split(":")[0]) for entry in self.entries)
