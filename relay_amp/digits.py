@@ -113,6 +113,7 @@ def main() -> None:
     import io
     import os
 
+    from .runtime import compile_module, run_executable
     from .serialization import atomic_write_bytes
 
     weights, test_images, test_labels = _train()
@@ -121,16 +122,10 @@ def main() -> None:
     np.savez_compressed(buffer, images=test_images, labels=test_labels)
     atomic_write_bytes(TEST_FILE, buffer.getvalue())
     images, labels = load_test_split()
-    logits = np.concatenate([relay_outputs(load_model(), x) for x, _ in batches(images, labels, 50)])
+    executable = compile_module(load_model())
+    logits = np.concatenate([run_executable(executable, [x])[0] for x, _ in batches(images, labels, 50)])
     print(f"wrote {MODEL_FILE.name} and {TEST_FILE.name} to {os.path.relpath(DATA_DIR)}; "
           f"fp32 test accuracy {(logits.argmax(1) == labels[:len(logits)]).mean():.4f}")
-
-
-def relay_outputs(mod: tvm.IRModule, images: np.ndarray) -> np.ndarray:
-    """Logits of the module for one batch of images."""
-    from .runtime import run
-
-    return run(mod, [images])[0]
 
 
 if __name__ == "__main__":
