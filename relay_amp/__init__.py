@@ -1,6 +1,6 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import amp, digits, frontend, metrics, models, targets, transform
+from . import amp, digits, frontend, kernels, metrics, models, schedules, targets, transform
 from .accuracy import Report, tune_precision
 from .bench import benchmark
 from .build import build
@@ -53,6 +53,7 @@ __all__ = [
     "digits",
     "eliminate_redundant_casts",
     "frontend",
+    "kernels",
     "list_layers",
     "load",
     "metrics",
@@ -61,6 +62,7 @@ __all__ = [
     "recast",
     "run",
     "save",
+    "schedules",
     "targets",
     "to_mixed_precision",
     "transform",

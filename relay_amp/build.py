@@ -1,28 +1,59 @@
 """build: compile a (converted) module for a target, with tuning records when given."""
 
+import contextlib
 import os
 
 import tvm
 from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import meta_schedule as ms
 
+from .dispatch import UseDotKernels, target_dtypes
 from .errors import TargetError, TuningError
+from .schedules import default_schedules
 from .targets import check_host, get_target
-from .tuning import load_database, matching_records
+from .tuning import load_database, matching_records, prepare_passes
 
 
 def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
           tune_logs: str | os.PathLike | None = None) -> relax.VMExecutable:
-    """Compile `mod` for `target`, applying the MetaSchedule records in `tune_logs` when given."""
+    """Compile `mod` for `target`: dot-product kernels, then tuning records (when given), then default schedules.
+
+    On CPU targets bf16/int8 matmuls and NHWC convs with constant weights go to relay_amp.kernels where the
+    target has the instruction; MetaSchedule records from `tune_logs` schedule what they cover; relay_amp's
+    rule-based schedules (relay_amp.schedules) the rest. CUDA targets get TVM's dlight schedules.
+    """
     check_host(target)
     tgt = get_target(target)
-    if tune_logs is None:
-        return tvm.compile(mod, target=tgt)
-    database = load_database(tune_logs)
-    if matching_records(database, mod, tgt) == 0:
+    database = None if tune_logs is None else load_database(tune_logs)
+    if database is not None and matching_records(database, mod, tgt) == 0:
         raise TuningError(f"tuning log {tune_logs} has no record for any operator of this module "
                           "(tuned for another model, dtype or target?)")
+    if tgt.kind.name != "llvm":
+        return _build_gpu(mod, tgt, database)
+    dtypes = target_dtypes(tgt)
+    if dtypes:
+        mod = UseDotKernels(dtypes)(mod)
+    with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
+        return relax.build(mod, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None))
+
+
+def _build_gpu(mod: tvm.IRModule, tgt: tvm.target.Target, database) -> relax.VMExecutable:
+    if database is None:
+        return tvm.compile(mod, target=tgt)
     return ms.relax_integration.compile_relax(database, mod, tgt, params=None)
+
+
+def _cpu_pipeline(tgt: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
+    """Legalize and fuse as MetaSchedule does, apply the records, then relay_amp's CPU schedules for the rest."""
+    passes = [
+        prepare_passes(tgt),
+        *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
+        default_schedules(),
+        *cpu_generic.dataflow_lower_passes(tgt),
+        *cpu_generic.finalize_passes(tgt),
+    ]
+    return tvm.transform.Sequential(passes, name="relay_amp_cpu_pipeline")
 
 
 def cuda_source(executable: relax.VMExecutable) -> str:

@@ -2,7 +2,8 @@
 
 from .amp import ToMixedPrecision
 from .casts import EliminateRedundantCasts
+from .dispatch import UseDotKernels
 from .layout import ConvertLayout
 from .recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "Recast", "ToMixedPrecision"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "Recast", "ToMixedPrecision", "UseDotKernels"]

@@ -29,18 +29,22 @@ def log_dir(root: str | os.PathLike, model: str, dtype: str, target: str) -> Pat
     return Path(root) / f"{model}-{dtype}-{target}"
 
 
-def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """Legalize and fuse `mod` exactly as MetaSchedule's compile_relax does, so database keys match."""
-    passes = [
+def prepare_passes(target: tvm.target.Target) -> tvm.transform.Pass:
+    """Legalization and fusion exactly as MetaSchedule's compile_relax does them, so database keys match."""
+    return tvm.transform.Sequential([
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-    ]
+    ], name="relay_amp_prepare")
+
+
+def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Legalize and fuse `mod` for tuning (see prepare_passes)."""
     with target:
-        return tvm.transform.Sequential(passes)(mod)
+        return prepare_passes(target)(mod)
 
 
 @derived_object

@@ -1,0 +1,117 @@
+"""dispatch: route bf16 and int8 matmuls and NHWC convolutions with constant weights to relay_amp.kernels.
+
+`UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
+kernel (vdpbf16ps or vpdpbusd) whose weight is packed once, here, into a new constant. Calls the kernels
+cannot take (other dtypes, non-constant weights, NCHW data, channel counts that do not fit 16-lane blocks,
+groups or dilation) are left to the generic schedules.
+"""
+
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import kernels
+from ._ir import get_function, tensor_dtype, tensor_shape
+
+FEATURES = {"bfloat16": "avx512bf16", "int8": "avx512vnni", "uint8": "avx512vnni"}
+WEIGHT_DTYPES = {"bfloat16": "bfloat16", "int8": "int8", "uint8": "int8"}
+
+
+def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
+    """The data dtypes whose dot-product instruction `target` (an llvm target) has."""
+    if target.kind.name != "llvm":
+        return frozenset()
+    has = tvm.target.codegen.target_has_features
+    return frozenset(dtype for dtype, feature in FEATURES.items() if has(feature, target))
+
+
+def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != WEIGHT_DTYPES.get(data_dtype):
+        return None
+    return expr.value.numpy()
+
+
+def _out_dtype(call: relax.Call, data_dtype: str) -> str:
+    out_dtype = str(call.attrs.out_dtype)
+    return data_dtype if out_dtype in ("", "void") else out_dtype
+
+
+@relax.expr_functor.mutator
+class _Dispatcher(relax.PyExprMutator):
+    """Rewrites eligible matmul/conv2d calls into kernel calls."""
+
+    def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str]):
+        super().__init__(mod)
+        self.dtypes = dtypes
+        self.kernel_count = 0
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if not isinstance(new_call.op, tvm.ir.Op) or tensor_dtype(new_call.args[0]) not in self.dtypes:
+            return new_call
+        rewrite = {"relax.matmul": self._matmul, "relax.nn.conv2d": self._conv2d}.get(new_call.op.name)
+        replaced = None if rewrite is None else rewrite(new_call)
+        return new_call if replaced is None else replaced
+
+    def _matmul(self, call: relax.Call) -> relax.Expr | None:
+        data, dtype = call.args[0], tensor_dtype(call.args[0])
+        weight = _constant_weight(call.args[1], dtype)
+        shape = tensor_shape(data)
+        if weight is None or weight.ndim != 2 or shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        (in_ch, out_ch), rows = weight.shape, math.prod(shape[:-1])
+        spec = kernels.ConvSpec((1, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype))
+        if not kernels.supports(out_ch, in_ch, spec.dot):
+            return None
+        flat = self.builder_.emit(relax.op.reshape(data, (1, 1, rows, in_ch)))
+        result = self._emit_kernel(spec, flat, kernels.pack_weight(weight, "IO", spec.dot))
+        return relax.op.reshape(result, (*shape[:-1], out_ch))
+
+    def _conv2d(self, call: relax.Call) -> relax.Expr | None:
+        attrs, data, dtype = call.attrs, call.args[0], tensor_dtype(call.args[0])
+        weight = _constant_weight(call.args[1], dtype)
+        shape = tensor_shape(data)
+        if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or int(attrs.groups) != 1
+                or any(int(d) != 1 for d in attrs.dilation) or shape is None
+                or not all(isinstance(d, int) for d in shape)):
+            return None
+        layout = str(attrs.kernel_layout)
+        out_ch, in_ch = weight.shape[layout.index("O")], weight.shape[layout.index("I")]
+        top, left, bottom, right = (int(p) for p in attrs.padding)
+        padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, shape[3])
+        kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
+        spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
+                                _out_dtype(call, dtype))
+        if not kernels.supports(out_ch, in_ch, spec.dot):
+            return None
+        if top or left or bottom or right:
+            data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, top, bottom, left, right, 0, 0]))
+        return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, spec.dot))
+
+    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
+        self.kernel_count += 1
+        gvar = self.builder_.add_func(kernels.conv2d_nhwc(spec), f"relay_amp_dot_kernel{self.kernel_count}")
+        args = [data, relax.const(packed)]
+        if spec.shifted:
+            args.append(relax.const(kernels.weight_sums(packed)))
+        out_ty = relax.TensorType(spec.out_shape, spec.out_dtype)
+        return self.builder_.emit(relax.call_tir(gvar, args, out_ty))
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")
+class UseDotKernels:
+    """Route eligible bf16/int8 matmuls and NHWC conv2ds to relay_amp's AVX-512 dot-product kernels."""
+
+    def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(FEATURES), func: str = "main"):
+        self.dtypes = frozenset(dtypes)
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
+        mod = relax.transform.FoldConstant()(mod)
+        mutator = _Dispatcher(mod, self.dtypes)
+        gvar = mod.get_global_var(self.func)
+        mutator.builder_.update_func(gvar, mutator.visit_expr(get_function(mod, self.func)))
+        return mutator.builder_.get()

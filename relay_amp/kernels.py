@@ -1,0 +1,239 @@
+"""kernels: AVX-512 dot-product tensor intrinsics and the packed-weight conv/matmul kernels that use them.
+
+Two TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
+- `BF16_DOT` on `vdpbf16ps`: 16 fp32 lanes, each += a bf16 pair of A times a bf16 pair of B.
+- `INT8_DOT` on `vpdpbusd`: 16 int32 lanes, each += four uint8 of A times four int8 of B.
+Their bodies call a small LLVM IR function that TVM links in and inlines (`pragma_import_llvm`), because TVM's
+bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrinsic cannot be called from TIR.
+
+`conv2d_nhwc` builds a tensorized NHWC convolution (a matmul is the 1x1 case) over weights packed once, at
+compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` = 2 for bf16, 4 for int8).
+Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from .dtypes import numpy_dtype
+from .errors import DTypeError
+
+LANES = 16  # 32-bit accumulator lanes of one zmm register
+INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
+MAX_ROWS = 8  # output pixels (rows) blocked in registers; times two column vectors = 16 accumulators
+
+
+@dataclass(frozen=True)
+class DotIntrin:
+    """One dot-product instruction: its operand dtypes, the group it reduces per lane, and its LLVM form."""
+    name: str
+    a_dtype: str
+    b_dtype: str
+    acc_dtype: str
+    group: int
+    cpu_feature: str
+    llvm_intrinsic: str
+    llvm_acc: str
+    llvm_operand: str
+
+    @property
+    def symbol(self) -> str:
+        """The name of the LLVM IR function the intrinsic's body calls."""
+        return "relay_amp_" + self.name.replace(".", "_")
+
+    def llvm_ir(self) -> str:
+        """LLVM IR of the inlined function: acc[16] = instruction(acc, broadcast(a group), b[16 x group])."""
+        group_bits = 32
+        return f"""
+declare <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}>, {self.llvm_operand}, {self.llvm_operand})
+define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
+  %acc = load <16 x {self.llvm_acc}>, ptr %c, align 4
+  %group = load i{group_bits}, ptr %a, align 1
+  %one = insertelement <16 x i32> poison, i32 %group, i64 0
+  %all = shufflevector <16 x i32> %one, <16 x i32> poison, <16 x i32> zeroinitializer
+  %av = bitcast <16 x i32> %all to {self.llvm_operand}
+  %bv = load {self.llvm_operand}, ptr %b, align 1
+  %r = call <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}> %acc, {self.llvm_operand} %av, {self.llvm_operand} %bv)
+  store <16 x {self.llvm_acc}> %r, ptr %c, align 4
+  ret void
+}}
+"""
+
+
+BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512_bf16",
+                     "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>")
+INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512_vnni",
+                     "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
+INTRINSICS = (BF16_DOT, INT8_DOT)
+
+
+def _description(dot: DotIntrin):
+    a_dtype, b_dtype, acc, group = dot.a_dtype, dot.b_dtype, dot.acc_dtype, dot.group
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((group,), a_dtype, offset_factor=1),
+             B: T.Buffer((LANES, group), b_dtype, offset_factor=1),
+             C: T.Buffer((LANES,), acc, offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(C[0:LANES], A[0:group], B[0:LANES, 0:group])
+            T.writes(C[0:LANES])
+            for i, k in T.grid(LANES, group):
+                with T.sblock("update"):
+                    vi, vk = T.axis.remap("SR", [i, k])
+                    C[vi] = C[vi] + T.cast(A[vk], acc) * T.cast(B[vi, vk], acc)
+
+    return desc
+
+
+def _implementation(dot: DotIntrin):
+    a_dtype, b_dtype, acc, group, symbol = dot.a_dtype, dot.b_dtype, dot.acc_dtype, dot.group, dot.symbol
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((group,), a_dtype, offset_factor=1),
+             B: T.Buffer((LANES, group), b_dtype, offset_factor=1),
+             C: T.Buffer((LANES,), acc, offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(C[0:LANES], A[0:group], B[0:LANES, 0:group])
+            T.writes(C[0:LANES])
+            T.evaluate(T.call_extern("int32", symbol, T.address_of(C[0]), T.address_of(A[0]),
+                                     T.address_of(B[0, 0])))
+
+    return impl
+
+
+for _dot in INTRINSICS:
+    s_tir.TensorIntrin.register(_dot.name, _description(_dot), _implementation(_dot), override=True)
+
+
+def intrinsic_for(dtype: str) -> DotIntrin:
+    """The dot-product intrinsic that computes `dtype` ("bfloat16" or "int8"/"uint8") operands."""
+    if dtype == "bfloat16":
+        return BF16_DOT
+    if dtype in ("int8", "uint8"):
+        return INT8_DOT
+    raise DTypeError(f"no AVX-512 dot-product kernel for {dtype!r}: relay_amp has them for bfloat16, int8 and uint8")
+
+
+def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
+    """Reorder a conv weight (`layout` a permutation of "OIHW") or a [I, O] matmul weight into the kernel's layout."""
+    if layout == "IO":
+        weight, layout = weight[:, :, None, None], "IOHW"
+    ohwi = np.transpose(weight, [layout.index(axis) for axis in "OHWI"])
+    out_ch, height, width, in_ch = ohwi.shape
+    blocked = ohwi.reshape(out_ch // LANES, LANES, height, width, in_ch // dot.group, dot.group)
+    return np.ascontiguousarray(blocked.transpose(0, 2, 3, 4, 1, 5))
+
+
+def weight_sums(weight_ohwi_packed: np.ndarray) -> np.ndarray:
+    """Per output channel, INT8_SHIFT times the sum of its int8 weights: the correction for shifted activations."""
+    sums = weight_ohwi_packed.astype("int64").sum(axis=(1, 2, 3, 5))  # [O/16, 16]
+    return (INT8_SHIFT * sums).reshape(-1).astype("int32")
+
+
+def supports(out_channels: int, in_channels: int, dot: DotIntrin) -> bool:
+    """Whether a conv/matmul with these channel counts fits the kernel's 16-lane, group-wide blocks."""
+    return out_channels % LANES == 0 and in_channels % dot.group == 0
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """An unpadded NHWC convolution the kernel computes (pad the data first): shapes, strides, dtypes."""
+    data_shape: tuple[int, int, int, int]
+    kernel_size: tuple[int, int]
+    out_channels: int
+    strides: tuple[int, int] = (1, 1)
+    data_dtype: str = "bfloat16"
+    out_dtype: str = "float32"
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """The NHWC output shape."""
+        batch, height, width, _ = self.data_shape
+        out_h = (height - self.kernel_size[0]) // self.strides[0] + 1
+        out_w = (width - self.kernel_size[1]) // self.strides[1] + 1
+        return batch, out_h, out_w, self.out_channels
+
+    @property
+    def dot(self) -> DotIntrin:
+        """The intrinsic for the data dtype."""
+        return intrinsic_for(self.data_dtype)
+
+    @property
+    def shifted(self) -> bool:
+        """Whether signed int8 data is shifted to uint8 (and corrected through the weight sums)."""
+        return self.data_dtype == "int8"
+
+
+def _compute(spec: ConvSpec) -> list:
+    """TE stages: [shift int8 to uint8,] the blocked dot product, the cast to the output dtype.
+
+    A bf16 operand must be a parameter: TVM's bf16 legalization would store an intermediate bf16 buffer as fp32.
+    """
+    from tvm import te  # pylint: disable=import-outside-toplevel
+
+    dot, channels = spec.dot, spec.data_shape[-1]
+    data = te.placeholder(spec.data_shape, spec.data_dtype, "data")
+    packed = te.placeholder((spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group),
+                            dot.b_dtype, "packed")
+    operand = data
+    if spec.shifted:
+        operand = te.compute(spec.data_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
+                             name="shifted")
+    row = te.reduce_axis((0, spec.kernel_size[0]), "row")
+    col = te.reduce_axis((0, spec.kernel_size[1]), "col")
+    chan = te.reduce_axis((0, channels), "chan")
+    stride_h, stride_w = spec.strides
+    acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
+        operand[b, y * stride_h + row, x * stride_w + col, chan].astype(dot.acc_dtype)
+        * packed[o // LANES, row, col, chan // dot.group, o % LANES, chan % dot.group].astype(dot.acc_dtype),
+        axis=[row, col, chan]), name="acc")
+    if not spec.shifted:
+        return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out")]
+    sums = te.placeholder((spec.out_channels,), "int32", "sums")
+    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[i[-1]]).astype(spec.out_dtype), name="out")
+    return [data, packed, sums, out]
+
+
+def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """A scheduled, tensorized PrimFunc computing `spec` over a weight packed by `pack_weight` (+ `weight_sums` for int8)."""
+    from tvm import te  # pylint: disable=import-outside-toplevel
+
+    if not supports(spec.out_channels, spec.data_shape[-1], spec.dot):
+        raise DTypeError(f"kernel needs output channels divisible by {LANES} and input channels by "
+                         f"{spec.dot.group}; got {spec.out_channels} and {spec.data_shape[-1]}")
+    sch = s_tir.Schedule(te.create_prim_func(_compute(spec)))
+    _schedule_conv(sch, spec)
+    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+
+
+def _largest_divisor(extent: int, limit: int) -> int:
+    return max(d for d in range(1, min(extent, limit) + 1) if extent % d == 0)
+
+
+def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec) -> None:
+    from .schedules import schedule_injective  # pylint: disable=import-outside-toplevel
+
+    block = sch.get_sblock("acc")
+    batch, out_y, out_x, out_c, row, col, chan = sch.get_loops(block)
+    columns = 2 if spec.out_channels % (2 * LANES) == 0 else 1
+    out_c_outer, out_c_column, out_c_lane = sch.split(out_c, [None, columns, LANES])
+    chan_outer, chan_group = sch.split(chan, [None, spec.dot.group])
+    x_outer, x_row = sch.split(out_x, [None, _largest_divisor(spec.out_shape[2], MAX_ROWS * 2 // columns)])
+    sch.reorder(batch, out_y, x_outer, out_c_outer, row, col, chan_outer, x_row, out_c_column, out_c_lane, chan_group)
+    cache = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(cache, out_c_outer)
+    sch.reverse_compute_inline(sch.get_sblock("out"))
+    tile = sch.fuse(batch, out_y, x_outer, out_c_outer)
+    sch.parallel(tile)
+    sch.unroll(x_row)
+    sch.unroll(out_c_column)
+    sch.vectorize(sch.get_loops(cache)[-1])
+    init = sch.decompose_reduction(block, row)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.tensorize(out_c_lane, spec.dot.name)
+    sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
+    if spec.shifted:
+        schedule_injective(sch, sch.get_sblock("shifted"))

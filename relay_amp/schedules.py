@@ -1,0 +1,209 @@
+"""schedules: rule-based CPU schedules for operators no tuning record covers (dlight-style, no search).
+
+TVM 0.27 ships no default CPU schedule for matmul or convolution, so an untuned build runs them as
+scalar, single-threaded loop nests. `ContractionRule` schedules every contraction (a reduction
+block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
+vectorized, parallel loop nest; `InjectiveRule` parallelizes and vectorizes elementwise functions.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+VECTOR_BYTES = 64  # one AVX-512 register
+MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
+MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
+ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
+
+
+@dataclass(frozen=True)
+class _Contraction:
+    """The loops of a contraction block, by role."""
+    block: s_tir.schedule.SBlockRV
+    spatial: list
+    reduction: list
+    vector_index: int
+    register_index: int | None
+
+
+def _is_cpu(target: tvm.target.Target) -> bool:
+    return target.kind.name == "llvm"
+
+
+def _extent(sch: s_tir.Schedule, loop) -> int | None:
+    extent = sch.get(loop).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def _const(extent) -> int:
+    """The extent as an int, or 0 when it is symbolic."""
+    if isinstance(extent, int):
+        return extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else 0
+
+
+def _vars_in(expr) -> list:
+    return list(tirx.analysis.undefined_vars(expr))
+
+
+def _index_vars(region) -> list:
+    return [var for rng in region.region for var in _vars_in(rng.min)]
+
+
+def _vector_factor(extent: int) -> int:
+    """Lanes to vectorize an output axis by: whole registers where they divide `extent`, else one partial one.
+
+    A divisor keeps the vector loop free of tail predicates, which TVM's vectorizer would scalarize.
+    """
+    for lanes in (2 * ACCUMULATOR_LANES, ACCUMULATOR_LANES, ACCUMULATOR_LANES // 2):
+        if extent % lanes == 0:
+            return lanes
+    return _largest_divisor(extent, ACCUMULATOR_LANES)
+
+
+def _largest_divisor(extent: int, limit: int) -> int:
+    return max(d for d in range(1, min(extent, limit) + 1) if extent % d == 0)
+
+
+def _register_factor(extent: int, vector_lanes: int) -> int:
+    """Rows of accumulators: the most that divide `extent` and keep at most 16 registers of them."""
+    registers_per_row = -(-vector_lanes // ACCUMULATOR_LANES)
+    return _largest_divisor(extent, MAX_ACCUMULATORS // registers_per_row)
+
+
+def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
+    reductions = [info for info in infos if info.is_reduction()]
+    if len(reductions) != 1:
+        return None
+    info = reductions[0]
+    block = sch.get(info.block_rv)
+    if any(it.kind not in "SR" for it in info.iters):
+        return None
+    spatial = [it for it in info.iters if it.kind == "S"]
+    reduction = [it for it in info.iters if it.kind == "R"]
+    if len(block.reads) < 2 and math.prod(_const(it.dom) for it in reduction) > MAX_WINDOW:
+        return None  # a long single-tensor reduction (sum, mean): TVM's CPU reduction rule suits it better
+    out_vars = [_vars_in(index.min) for index in block.writes[0].region]
+    if not spatial or not out_vars or not out_vars[-1]:
+        return None
+    vector_var = out_vars[-1][0]
+    vector_index = next((i for i, it in enumerate(spatial) if it.var.same_as(vector_var)), None)
+    if vector_index is None:
+        return None
+    streamed = [_index_vars(read) for read in block.reads if any(v.same_as(vector_var) for v in _index_vars(read))]
+    candidates = [i for i, it in enumerate(spatial) if i != vector_index and _const(it.dom) > 1
+                  and not any(any(v.same_as(it.var) for v in used) for used in streamed)]
+    register_index = max(candidates, key=lambda i: (_const(spatial[i].dom), i)) if candidates else None
+    return _Contraction(info.block_rv, [it.loop_rv for it in spatial], [it.loop_rv for it in reduction],
+                        vector_index, register_index)
+
+
+class ContractionRule(dl.ScheduleRule):
+    """Register-blocked, vectorized, parallel schedule for a matmul/conv-like block and its epilogue."""
+
+    def is_target_available(self, target: tvm.target.Target) -> bool:
+        """Whether the rule applies to `target` (CPU targets only)."""
+        return _is_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
+        """Schedule `func` when it holds exactly one contraction block, else None."""
+        if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        found = _find_contraction(sch, infos)
+        if found is None:
+            return None
+        producers = sch.get_producers(found.block)
+        _inline_epilogue(sch, found.block)
+        _tile(sch, found)
+        for producer in producers:
+            schedule_injective(sch, producer)
+        return sch
+
+
+def _inline_epilogue(sch: s_tir.Schedule, block) -> None:
+    consumers = sch.get_consumers(block)
+    while consumers:
+        consumer = consumers[0]
+        try:
+            sch.compute_inline(consumer)
+        except s_tir.ScheduleError:
+            break
+        consumers = sch.get_consumers(block)
+
+
+def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
+    spatial = list(found.spatial)
+    vector_lanes = _vector_factor(_extent(sch, spatial[found.vector_index]))
+    outer_v, inner_v = sch.split(spatial[found.vector_index], [None, vector_lanes])
+    spatial[found.vector_index] = outer_v
+    inner = [inner_v]
+    if found.register_index is not None:
+        rows = _register_factor(_extent(sch, spatial[found.register_index]), vector_lanes)
+        outer_r, inner_r = sch.split(spatial[found.register_index], [None, rows])
+        spatial[found.register_index] = outer_r
+        inner.insert(0, inner_r)
+    sch.reorder(*spatial, *found.reduction, *inner)
+    cache = sch.cache_write(found.block, 0, "local")
+    sch.reverse_compute_at(cache, spatial[-1])
+    for consumer in sch.get_consumers(cache):
+        _try_reverse_inline(sch, consumer)
+    sch.parallel(sch.fuse(*spatial))
+    if len(inner) == 2:
+        sch.unroll(inner[0])
+    sch.vectorize(inner[-1])
+    sch.vectorize(sch.get_loops(cache)[-1])
+    if found.reduction:
+        sch.decompose_reduction(found.block, found.reduction[0])
+
+
+def _try_reverse_inline(sch: s_tir.Schedule, block) -> None:
+    try:
+        sch.reverse_compute_inline(block)
+    except s_tir.ScheduleError:
+        pass
+
+
+def schedule_injective(sch: s_tir.Schedule, block) -> None:
+    """Fuse a spatial block's loops, vectorize the innermost lanes when they divide evenly, run the rest in parallel."""
+    fused = sch.fuse(*sch.get_loops(block))
+    extent = _extent(sch, fused)
+    if extent is None or extent % ACCUMULATOR_LANES:
+        sch.parallel(fused)
+        return
+    outer, inner = sch.split(fused, [None, ACCUMULATOR_LANES])
+    sch.parallel(outer)
+    sch.vectorize(inner)
+
+
+class ElementwiseRule(dl.ScheduleRule):
+    """Parallel, vectorized loops for functions made only of spatial blocks (elementwise, broadcast, layout)."""
+
+    def is_target_available(self, target: tvm.target.Target) -> bool:
+        """Whether the rule applies to `target` (CPU targets only)."""
+        return _is_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
+        """Schedule `func` when all its blocks are spatial, else None."""
+        if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
+            return None
+        remaining = dl.base.common_schedules.try_inline(sch, infos)
+        for info in remaining:
+            schedule_injective(sch, info.block_rv)
+        return sch
+
+
+def default_schedules() -> tvm.transform.Pass:
+    """The pass that gives every unscheduled CPU PrimFunc relay_amp's rule-based schedule (or TVM's CPU rules)."""
+    return dl.ApplyDefaultSchedule(ContractionRule(), ElementwiseRule(), dl.cpu.Reduction())

@@ -1,0 +1,96 @@
+"""dispatch: eligible bf16/int8 matmuls and NHWC convs become kernel calls with packed constant weights."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp import dispatch, kernels, targets
+from relay_amp.build import build
+from relay_amp.runtime import run_executable
+from pass_checks import assert_transforms
+
+BF16 = "bfloat16"
+
+
+def _matmul_module(dtype: str, weight: np.ndarray, rows: int = 8):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, rows, weight.shape[0]), dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.const(weight), out_dtype="float32"))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _conv_module(weight_hwio: np.ndarray, dtype: str = "int8"):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 7, 7, weight_hwio.shape[2]), dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            conv = relax.op.nn.conv2d(x, relax.const(weight_hwio), strides=2, padding=1, data_layout="NHWC",
+                                      kernel_layout="HWIO", out_dtype="int32")
+            out = bb.emit_output(conv)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _bf16_weight(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+
+def test_bf16_matmul_becomes_a_kernel_call_on_packed_weights():
+    weight = _bf16_weight((32, 16))
+    after = dispatch.UseDotKernels({BF16})(_matmul_module(BF16, weight))
+    relax.analysis.well_formed(after)
+    bindings = [b.value for b in after["main"].body.blocks[0].bindings]
+    ops = [v.op.name for v in bindings if isinstance(v, relax.Call)]
+    assert ops == ["relax.reshape", "relax.call_tir", "relax.reshape"]
+    call = bindings[1]
+    assert call.args[0].name_hint == "relay_amp_dot_kernel1"
+    np.testing.assert_array_equal(call.args[1].fields[1].value.numpy(),
+                                  kernels.pack_weight(weight, "IO", kernels.BF16_DOT))
+    assert relay_amp.transform.UseDotKernels({BF16})(_matmul_module(BF16, weight)).script() == after.script()
+
+
+@pytest.mark.parametrize("reason,module", [
+    ("fp32 has no dot kernel", lambda: _matmul_module("float32", np.ones((32, 16), "float32"))),
+    ("16 lanes do not divide 24 outputs", lambda: _matmul_module(BF16, _bf16_weight((32, 24)))),
+    ("dtype not enabled for the target", lambda: _conv_module(np.ones((3, 3, 8, 16), "int8"), "int8")),
+])
+def test_calls_the_kernels_cannot_take_are_left_alone(reason, module):
+    before = module()
+    expected = relax.transform.FoldConstant()(module())
+    assert_transforms(dispatch.UseDotKernels({BF16}), before, expected)
+
+
+def test_int8_conv_is_padded_then_dispatched():
+    after = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 8, 16), "int8")))
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.nn.pad", "relax.call_tir"]
+
+
+def test_target_dtypes_follow_the_cpu_features():
+    assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {BF16, "int8", "uint8"}
+    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == set()
+    assert dispatch.target_dtypes(targets.get_target("cuda-tensorcore")) == set()
+
+
+@pytest.mark.parametrize("dtype,feature", [(BF16, "avx512_bf16"), ("int8", "avx512_vnni")])
+def test_built_model_with_kernels_matches_the_generic_build(dtype, feature):
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}")
+    rng = np.random.default_rng(1)
+    if dtype == BF16:
+        mod = _matmul_module(BF16, _bf16_weight((64, 32)))
+        inputs = [rng.standard_normal((2, 8, 64)).astype(ml_dtypes.bfloat16)]
+        tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
+    else:
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, 8, 16)).astype("int8"))
+        inputs = [rng.integers(-128, 128, (1, 7, 7, 8)).astype("int8")]
+        tolerance = 0  # integer arithmetic is exact
+    got = run_executable(build(mod, "cpu-avx512-bf16"), inputs)[0].astype("float64")
+    expected = relay_amp.run(mod, inputs)[0].astype("float64")
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
