@@ -11,14 +11,20 @@ import tvm
 from tabulate import tabulate
 from tvm import relax
 
+from . import pytorch
 from .amp import to_mixed_precision
 from .build import build
-from .errors import TuningError
+from .errors import OptionError, TuningError
+from .layout import convert_layout
 from .models import example_inputs
+from .recast import recast
 from .runtime import run_executable
+from .targets import host_cores
 from .tuning import LOG_FILES, log_dir
 
 BASELINE = "float32"
+INT8_OPS = ("relax.nn.conv2d", "relax.matmul")
+CPU_LAYOUTS = {"NHWC": {"relax.nn.conv2d": ["NHWC", "HWIO"]}}  # the layout relay_amp's CPU kernels take
 
 
 @dataclass(frozen=True)
@@ -30,11 +36,20 @@ class BenchRow:
     speedup: float
     max_rel_error: float
     tuned: bool
+    torch_ms: float | None = None
 
 
 def variant(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
-    """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults."""
-    return mod if dtype == BASELINE else to_mixed_precision(mod, dtype)
+    """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast.
+
+    int8 is TVM's recast experiment (convs and matmuls in int8 accumulating in int32, values cast, not
+    calibrated), so its error column measures the casts, not a quantized model's accuracy.
+    """
+    if dtype == BASELINE:
+        return mod
+    if dtype == "int8":
+        return recast(mod, "int8", "int32", ops=INT8_OPS)
+    return to_mixed_precision(mod, dtype)
 
 
 def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, target: str) -> Path | None:
@@ -57,10 +72,18 @@ def _median_ms(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], rep
 
 def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16"), target: str = "cpu",
               tune_logs: str | os.PathLike | None = None, model: str = "model", repeat: int = 10,
-              seed: int = 0) -> list[BenchRow]:
-    """Build and time every dtype variant of `mod` (fp32 always first), with errors against fp32."""
+              seed: int = 0, *, layout: str | None = None, torch_twin: str | None = None) -> list[BenchRow]:
+    """Build and time every dtype variant of `mod` (fp32 always first), with errors against fp32.
+
+    `layout` ("NHWC") converts convolutions first; `torch_twin` names a built-in model whose PyTorch twin
+    (relay_amp.pytorch) is timed for fp32 and bf16 on the same number of threads.
+    """
     order = [BASELINE] + [d for d in dtypes if d != BASELINE]
     inputs = example_inputs(mod, seed)
+    if layout is not None:
+        if layout not in CPU_LAYOUTS:
+            raise OptionError(f"unknown benchmark layout {layout!r}; choose one of {sorted(CPU_LAYOUTS)}")
+        mod = convert_layout(mod, CPU_LAYOUTS[layout])
     measured = {}
     for dtype in order:
         logs = _logs_for(tune_logs, model, dtype, target)
@@ -70,16 +93,29 @@ def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16")
     base_ms, reference, _ = measured[BASELINE]
     scale = max(float(np.abs(reference).max()), 1e-12)
     return [
-        BenchRow(dtype, ms, base_ms / ms, float(np.abs(out - reference).max()) / scale, tuned)
+        BenchRow(dtype, ms, base_ms / ms, float(np.abs(out - reference).max()) / scale, tuned,
+                 _torch_ms(torch_twin, dtype, repeat))
         for dtype, (ms, out, tuned) in measured.items()
     ]
 
 
+def _torch_ms(twin: str | None, dtype: str, repeat: int) -> float | None:
+    if twin is None or dtype not in pytorch.TORCH_DTYPES:
+        return None
+    return pytorch.time_twin(twin, dtype, host_cores(), repeat=repeat)
+
+
 def format_rows(rows: Sequence[BenchRow]) -> str:
     """A printable table of benchmark rows."""
-    table = [(r.dtype, f"{r.median_ms:.2f}", f"{r.speedup:.2f}x", f"{r.max_rel_error:.2e}", "yes" if r.tuned else "no")
+    table = [(r.dtype, f"{r.median_ms:.2f}", f"{r.speedup:.2f}x", f"{r.max_rel_error:.2e}", "yes" if r.tuned else "no",
+              _optional(r.torch_ms, "{:.2f}"), _optional(r.torch_ms and r.torch_ms / r.median_ms, "{:.2f}x"))
              for r in rows]
-    return tabulate(table, headers=("dtype", "median ms", "speed-up vs fp32", "max rel error", "tuned"))
+    headers = ("dtype", "median ms", "speed-up vs fp32", "max rel error", "tuned", "torch ms", "TVM speed-up vs torch")
+    return tabulate(table, headers=headers)
+
+
+def _optional(value: float | None, fmt: str) -> str:
+    return "" if value is None else fmt.format(value)
 
 
 def rows_to_json(rows: Sequence[BenchRow], **context) -> str:

@@ -8,13 +8,13 @@ import tvm
 from tabulate import tabulate
 
 from . import frontend, models
-from .bench import benchmark, format_rows, rows_to_json, variant
+from .bench import CPU_LAYOUTS, benchmark, format_rows, rows_to_json, variant
 from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from .errors import RelayAmpError
 from .layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from .recast import DEFAULT_RECAST_OPS, recast
 from .serialization import atomic_write_text, save
-from .targets import host_preset
+from .targets import host_cores, host_preset
 from .tuning import log_dir, tune
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
@@ -90,11 +90,15 @@ def _cmd_tune(args: argparse.Namespace) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch)
-    rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat)
+    twin = args.model if args.torch else None
+    rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
+                     torch_twin=twin)
     if args.json:
-        print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat))
+        print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat,
+                           layout=args.layout or "as built", threads=host_cores()))
     else:
-        print(f"{args.model} (batch {args.batch}) on {args.target}, median of {args.repeat} runs")
+        print(f"{args.model} (batch {args.batch}) on {args.target}, {host_cores()} threads, "
+              f"median of {args.repeat} runs, conv layout {args.layout or 'as built'}")
         print(f"tuning logs: {args.tune_logs or 'none'}\n")
         print(format_rows(rows))
 
@@ -170,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
                   target=True)
-    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16")
+    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8")
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
     bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bn.add_argument("--layout", choices=sorted(CPU_LAYOUTS), help="convert convolutions first (NHWC: the CPU kernels' layout)")
+    bn.add_argument("--torch", action="store_true", help="add the PyTorch twin's fp32/bf16 times (needs torch)")
     return parser
 
 

@@ -18,7 +18,6 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from .dtypes import numpy_dtype
 from .errors import DTypeError
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register

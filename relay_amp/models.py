@@ -132,10 +132,36 @@ def bert_encoder(batch: int = 1, seq_len: int = 128, hidden: int = 256, heads: i
     return bb.get()
 
 
+def matmul(batch: int = 1, size: int = 1024, seed: int = 0) -> tvm.IRModule:
+    """One (batch*size) x size x size matmul against a constant weight: the kernel-level benchmark."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((batch * size, size), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            net = _Weights(bb, seed)
+            out = bb.emit_output(R.matmul(x, net.const((size, size), np.sqrt(1.0 / size))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def resnet18_conv(batch: int = 1, channels: int = 128, image_size: int = 28, seed: int = 0) -> tvm.IRModule:
+    """One 3x3 conv layer of ResNet-18's second stage (128 channels at 28x28) with its ReLU."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((batch, channels, image_size, image_size), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            net = _Weights(bb, seed)
+            out = bb.emit_output(R.nn.relu(net.conv(x, channels, channels, 3)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 MODELS: dict[str, Callable[..., tvm.IRModule]] = {
     "small_cnn": small_cnn,
     "resnet18": resnet18,
+    "resnet18_conv": resnet18_conv,
     "bert": bert_encoder,
+    "matmul": matmul,
 }
 
 

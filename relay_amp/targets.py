@@ -12,17 +12,18 @@ FORCE_BF16_ENV = "RELAY_AMP_FORCE_BF16"
 BF16_CPU = "cooperlake"  # the first x86 CPU with avx512_bf16 and avx512_vnni; Zen 4 and Sapphire Rapids extend it
 
 
-def _cores() -> int:
+def host_cores() -> int:
+    """CPU cores this process may run on (TVM's thread pool uses them all)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _cpu() -> tvm.target.Target:
     mcpu = tvm.target.codegen.llvm_get_system_cpu()
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": _cores()})
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": host_cores()})
 
 
 def _cpu_bf16() -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mcpu": BF16_CPU, "num-cores": _cores()})
+    return tvm.target.Target({"kind": "llvm", "mcpu": BF16_CPU, "num-cores": host_cores()})
 
 
 def _cuda(arch: str) -> tvm.target.Target:

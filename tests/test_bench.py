@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import relay_amp
 from relay_amp import models
 from relay_amp.bench import benchmark, format_rows, rows_to_json
 from relay_amp.cli import main
@@ -48,3 +49,17 @@ def test_bench_command_rejects_unknown_target(capsys):
 def test_bench_command_rejects_a_missing_log_directory(capsys):
     assert main(["bench", "small_cnn", "--tune-logs", "no/such/dir"]) == 1
     assert "tuning log directory no/such/dir does not exist" in capsys.readouterr().err
+
+
+def test_int8_variant_in_nhwc_with_torch_columns():
+    pytest.importorskip("torch")
+    mod = models.resnet18_conv(channels=16, image_size=8)
+    rows = benchmark(mod, ["int8"], "cpu", repeat=2, layout="NHWC", torch_twin="resnet18_conv")
+    assert [r.dtype for r in rows] == ["float32", "int8"]
+    assert rows[0].torch_ms > 0 and rows[1].torch_ms is None  # PyTorch has no int8 twin
+    assert "TVM speed-up vs torch" in format_rows(rows)
+
+
+def test_unknown_layout_is_an_option_error():
+    with pytest.raises(relay_amp.OptionError, match="NCHW4c"):
+        benchmark(models.small_cnn(), ["float32"], "cpu", layout="NCHW4c")
