@@ -8,7 +8,6 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import meta_schedule as ms
 
-from .dispatch import UseDotKernels, target_dtypes
 from .errors import TargetError, TuningError
 from .schedules import default_schedules
 from .targets import check_host, get_target
@@ -31,9 +30,6 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
                           "(tuned for another model, dtype or target?)")
     if tgt.kind.name != "llvm":
         return _build_gpu(mod, tgt, database)
-    dtypes = target_dtypes(tgt)
-    if dtypes:
-        mod = UseDotKernels(dtypes)(mod)
     with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
         return relax.build(mod, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None))
 

@@ -11,6 +11,7 @@ from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from .dispatch import UseDotKernels, target_dtypes
 from .errors import OptionError, TuningError
 from .serialization import atomic_write_text
 from .targets import check_host, get_target
@@ -30,8 +31,14 @@ def log_dir(root: str | os.PathLike, model: str, dtype: str, target: str) -> Pat
 
 
 def prepare_passes(target: tvm.target.Target) -> tvm.transform.Pass:
-    """Legalization and fusion exactly as MetaSchedule's compile_relax does them, so database keys match."""
+    """relay_amp's kernel dispatch (CPU), then legalization and fusion as MetaSchedule's compile_relax does them.
+
+    Tuning, record matching and building all prepare a module this way, so database keys match; dispatched
+    kernels are already scheduled and tensorized, so MetaSchedule leaves them alone.
+    """
+    dtypes = target_dtypes(target)
     return tvm.transform.Sequential([
+        *([UseDotKernels(dtypes)] if dtypes else []),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax
+from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp import models, schedules, targets, tuning
@@ -68,3 +69,57 @@ def test_contraction_rule_declines_other_functions_and_targets():
     matmul = tuning.prepare(_module(*CASES["matmul_even"]), targets.get_target("cpu"))
     func = next(f for _, f in matmul.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
     assert schedules.ContractionRule().apply(func, targets.get_target("cuda-tensorcore"), False) is None
+
+
+@T.prim_func(private=True, s_tir=True)
+def _matmul_bias(x: T.Buffer((T.int64(8), T.int64(16)), "float32"), w: T.Buffer((T.int64(16), T.int64(32)), "float32"),
+                 b: T.Buffer((T.int64(32),), "float32"), out: T.Buffer((T.int64(8), T.int64(32)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    mm = T.sblock_alloc_buffer((T.int64(8), T.int64(32)))
+    for i, j, k in T.grid(T.int64(8), T.int64(32), T.int64(16)):
+        with T.sblock("matmul"):
+            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+            with T.init():
+                mm[vi, vj] = T.float32(0)
+            mm[vi, vj] = mm[vi, vj] + x[vi, vk] * w[vk, vj]
+    for i, j in T.grid(T.int64(8), T.int64(32)):
+        with T.sblock("add"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = mm[vi, vj] + b[vj]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
+                           w: T.Buffer((T.int64(16), T.int64(32)), "float32"), b: T.Buffer((T.int64(32),), "float32"),
+                           out: T.Buffer((T.int64(8), T.int64(32)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    mm_local = T.sblock_alloc_buffer((T.int64(8), T.int64(32)), scope="local")
+    for tile in T.parallel(T.int64(1)):
+        for row_init in T.unroll(T.int64(8)):
+            for lane_init in T.vectorized(T.int64(32)):
+                with T.sblock("matmul_init"):
+                    v0, v1 = T.axis.remap("SS", [row_init, lane_init])
+                    T.reads()
+                    T.writes(mm_local[v0, v1])
+                    mm_local[v0, v1] = T.float32(0.0)
+        for k in range(T.int64(16)):
+            for row in T.unroll(T.int64(8)):
+                for lane in T.vectorized(T.int64(32)):
+                    with T.sblock("matmul_update"):
+                        v0, v1, v2 = T.axis.remap("SSR", [row, lane, k])
+                        T.reads(mm_local[v0, v1], x[v0, v2], w[v2, v1])
+                        T.writes(mm_local[v0, v1])
+                        mm_local[v0, v1] = mm_local[v0, v1] + x[v0, v2] * w[v2, v1]
+        for row in range(T.int64(8)):
+            for lane in T.vectorized(T.int64(32)):
+                with T.sblock("mm_local"):
+                    v0, v1 = T.axis.remap("SS", [row, lane])
+                    T.reads(mm_local[v0, v1], b[v1])
+                    T.writes(out[v0, v1])
+                    out[v0, v1] = mm_local[v0, v1] + b[v1]
+
+
+def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
+    """8 rows x 32 lanes (two zmm) of accumulators in registers, the bias add fused into the write-back."""
+    scheduled = schedules.ContractionRule().apply(_matmul_bias, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _matmul_bias_scheduled)

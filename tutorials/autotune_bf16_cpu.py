@@ -58,3 +58,23 @@ assert error < 2e-2
 
 # %%
 print(format_rows(benchmark(mod, ["bfloat16"], target, repeat=5)))
+
+# %% [markdown]
+# ## Fast without tuning: relay_amp's dot-product kernels
+# `relay_amp.build` needs no records to be fast: untuned operators get relay_amp's rule-based
+# schedules, and on targets with avx512_bf16 / VNNI every bf16 or int8 matmul (and NHWC conv) with
+# a constant weight goes to a tensorized kernel on `vdpbf16ps` / `vpdpbusd`, its weight packed at
+# compile time. Here is a 64x64x64 bf16 matmul kernel (a 1x1 convolution) and the instruction in
+# its assembly; compiling it needs no such CPU, running it does.
+
+# %%
+import tvm
+
+from relay_amp import kernels
+
+spec = kernels.ConvSpec(data_shape=(1, 1, 64, 64), kernel_size=(1, 1), out_channels=64)
+kernel = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
+library = tvm.compile(tvm.IRModule({"main": kernel}), target=targets.get_target("cpu-avx512-bf16"))
+assembly = library.mod.inspect_source("asm")
+print("vdpbf16ps instructions:", assembly.count("vdpbf16ps"))
+assert "vdpbf16ps" in assembly
