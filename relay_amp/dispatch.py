@@ -2,8 +2,9 @@
 
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
 kernel (vdpbf16ps or vpdpbusd) whose weight is packed once, here, into a new constant. Calls the kernels
-cannot take (other dtypes, non-constant weights, NCHW data, channel counts that do not fit 16-lane blocks,
-groups or dilation) are left to the generic schedules.
+cannot take (other dtypes, non-constant weights, NCHW data, output channels that do not fit 16-lane blocks,
+groups or dilation) are left to the generic schedules. Conv inputs whose channels do not fill the instruction's
+group (an RGB stem conv) get zero channels added to data and weight.
 """
 
 import math
@@ -77,18 +78,21 @@ class _Dispatcher(relax.PyExprMutator):
                 or any(int(d) != 1 for d in attrs.dilation) or shape is None
                 or not all(isinstance(d, int) for d in shape)):
             return None
-        layout = str(attrs.kernel_layout)
+        layout, dot = str(attrs.kernel_layout), kernels.intrinsic_for(dtype)
+        extra = -weight.shape[layout.index("I")] % dot.group  # zero channels that round inputs up to the group
+        weight = np.pad(weight, [(0, extra if axis == "I" else 0) for axis in layout])
         out_ch, in_ch = weight.shape[layout.index("O")], weight.shape[layout.index("I")]
+        if not kernels.supports(out_ch, in_ch, dot):
+            return None
         top, left, bottom, right = (int(p) for p in attrs.padding)
-        padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, shape[3])
+        padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, in_ch)
         kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
         spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
                                 _out_dtype(call, dtype))
-        if not kernels.supports(out_ch, in_ch, spec.dot):
-            return None
-        if top or left or bottom or right:
-            data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, top, bottom, left, right, 0, 0]))
-        return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, spec.dot))
+        pad_width = [0, 0, top, bottom, left, right, 0, extra]
+        if any(pad_width):
+            data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
+        return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
         self.kernel_count += 1

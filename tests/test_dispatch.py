@@ -25,9 +25,9 @@ def _matmul_module(dtype: str, weight: np.ndarray, rows: int = 8):
     return bb.get()
 
 
-def _conv_module(weight_hwio: np.ndarray, dtype: str = "int8"):
+def _conv_module(weight_hwio: np.ndarray, dtype: str = "int8", channels: int | None = None):
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 7, 7, weight_hwio.shape[2]), dtype))
+    x = relax.Var("x", relax.TensorType((1, 7, 7, channels or weight_hwio.shape[2]), dtype))
     with bb.function("main", [x]):
         with bb.dataflow():
             conv = relax.op.nn.conv2d(x, relax.const(weight_hwio), strides=2, padding=1, data_layout="NHWC",
@@ -78,8 +78,15 @@ def test_target_dtypes_follow_the_cpu_features():
     assert dispatch.target_dtypes(targets.get_target("cuda-tensorcore")) == set()
 
 
-@pytest.mark.parametrize("dtype,feature", [(BF16, "avx512_bf16"), ("int8", "avx512_vnni")])
-def test_built_model_with_kernels_matches_the_generic_build(dtype, feature):
+def test_conv_with_three_input_channels_gets_a_zero_channel():
+    after = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 3, 16), "int8")))
+    pad = next(b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call))
+    assert [int(p) for p in pad.attrs.pad_width] == [0, 0, 1, 1, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("dtype,feature,channels", [(BF16, "avx512_bf16", 8), ("int8", "avx512_vnni", 8),
+                                                     ("int8", "avx512_vnni", 3)])
+def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, channels):
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")
     rng = np.random.default_rng(1)
@@ -88,8 +95,8 @@ def test_built_model_with_kernels_matches_the_generic_build(dtype, feature):
         inputs = [rng.standard_normal((2, 8, 64)).astype(ml_dtypes.bfloat16)]
         tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
     else:
-        mod = _conv_module(rng.integers(-128, 128, (3, 3, 8, 16)).astype("int8"))
-        inputs = [rng.integers(-128, 128, (1, 7, 7, 8)).astype("int8")]
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, channels, 16)).astype("int8"))
+        inputs = [rng.integers(-128, 128, (1, 7, 7, channels)).astype("int8")]
         tolerance = 0  # integer arithmetic is exact
     got = run_executable(build(mod, "cpu-avx512-bf16"), inputs)[0].astype("float64")
     expected = relay_amp.run(mod, inputs)[0].astype("float64")
