@@ -92,8 +92,8 @@ def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
         return None
     vector_var = out_vars[-1][0]
     vector_index = next((i for i, it in enumerate(spatial) if it.var.same_as(vector_var)), None)
-    if vector_index is None:
-        return None
+    if vector_index is None or not _const(spatial[vector_index].dom):
+        return None  # no output axis to vectorize, or a symbolic one
     streamed = [_index_vars(read) for read in block.reads if any(v.same_as(vector_var) for v in _index_vars(read))]
     candidates = [i for i, it in enumerate(spatial) if i != vector_index and _const(it.dom) > 1
                   and not any(any(v.same_as(it.var) for v in used) for used in streamed)]

@@ -52,6 +52,24 @@ def test_scheduled_build_matches_tvm_default(case):
     assert np.abs(got - expected).max() <= TOLERANCE * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("rows,cols", [("n", 32), (4, "m")])
+def test_symbolic_shapes_build_and_match(rows, cols):
+    dims = {"n": tvm.tirx.Var("n", "int64"), "m": tvm.tirx.Var("m", "int64")}
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((dims.get(rows, rows), 16), "float32"))
+    w = relax.Var("w", relax.TensorType((16, dims.get(cols, cols)), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, w))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((5 if rows == "n" else rows, 16)).astype("float32"),
+              rng.standard_normal((16, 7 if cols == "m" else cols)).astype("float32")]
+    got = run_executable(build(mod, "cpu"), inputs)[0]
+    np.testing.assert_allclose(got, inputs[0] @ inputs[1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["resnet18", "bert"])
 def test_every_operator_of_the_built_in_models_gets_a_schedule(name):
     target = targets.get_target("cpu")
