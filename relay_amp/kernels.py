@@ -19,6 +19,7 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from .errors import DTypeError
+from .schedules import largest_divisor, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
@@ -208,19 +209,13 @@ def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
     return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
 
 
-def _largest_divisor(extent: int, limit: int) -> int:
-    return max(d for d in range(1, min(extent, limit) + 1) if extent % d == 0)
-
-
 def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec) -> None:
-    from .schedules import schedule_injective  # pylint: disable=import-outside-toplevel
-
     block = sch.get_sblock("acc")
     batch, out_y, out_x, out_c, row, col, chan = sch.get_loops(block)
     columns = 2 if spec.out_channels % (2 * LANES) == 0 else 1
     out_c_outer, out_c_column, out_c_lane = sch.split(out_c, [None, columns, LANES])
     chan_outer, chan_group = sch.split(chan, [None, spec.dot.group])
-    x_outer, x_row = sch.split(out_x, [None, _largest_divisor(spec.out_shape[2], MAX_ROWS * 2 // columns)])
+    x_outer, x_row = sch.split(out_x, [None, largest_divisor(spec.out_shape[2], MAX_ROWS * 2 // columns)])
     sch.reorder(batch, out_y, x_outer, out_c_outer, row, col, chan_outer, x_row, out_c_column, out_c_lane, chan_group)
     cache = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(cache, out_c_outer)

@@ -62,17 +62,18 @@ def _vector_factor(extent: int) -> int:
     for lanes in (2 * ACCUMULATOR_LANES, ACCUMULATOR_LANES, ACCUMULATOR_LANES // 2):
         if extent % lanes == 0:
             return lanes
-    return _largest_divisor(extent, ACCUMULATOR_LANES)
+    return largest_divisor(extent, ACCUMULATOR_LANES)
 
 
-def _largest_divisor(extent: int, limit: int) -> int:
+def largest_divisor(extent: int, limit: int) -> int:
+    """The largest divisor of `extent` that is at most `limit`."""
     return max(d for d in range(1, min(extent, limit) + 1) if extent % d == 0)
 
 
 def _register_factor(extent: int, vector_lanes: int) -> int:
     """Rows of accumulators: the most that divide `extent` and keep at most 16 registers of them."""
     registers_per_row = -(-vector_lanes // ACCUMULATOR_LANES)
-    return _largest_divisor(extent, MAX_ACCUMULATORS // registers_per_row)
+    return largest_divisor(extent, MAX_ACCUMULATORS // registers_per_row)
 
 
 def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
@@ -102,21 +103,31 @@ def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
                         vector_index, register_index)
 
 
-class ContractionRule(dl.ScheduleRule):
-    """Register-blocked, vectorized, parallel schedule for a matmul/conv-like block and its epilogue."""
+class _CpuRule(dl.ScheduleRule):
+    """A rule for llvm targets that works on the normalized blocks of a PrimFunc."""
 
     def is_target_available(self, target: tvm.target.Target) -> bool:
         """Whether the rule applies to `target` (CPU targets only)."""
         return _is_cpu(target)
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
-        """Schedule `func` when it holds exactly one contraction block, else None."""
+        """The scheduled function, or None where the rule does not apply."""
         if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
+        return None if not infos else self.schedule(sch, infos)
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule the normalized blocks `infos` of `sch`, or return None."""
+        raise NotImplementedError
+
+
+class ContractionRule(_CpuRule):
+    """Register-blocked, vectorized, parallel schedule for a matmul/conv-like block and its epilogue."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule a function holding exactly one contraction block, else None."""
         found = _find_contraction(sch, infos)
         if found is None:
             return None
@@ -183,20 +194,12 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     sch.vectorize(inner)
 
 
-class ElementwiseRule(dl.ScheduleRule):
+class ElementwiseRule(_CpuRule):
     """Parallel, vectorized loops for functions made only of spatial blocks (elementwise, broadcast, layout)."""
 
-    def is_target_available(self, target: tvm.target.Target) -> bool:
-        """Whether the rule applies to `target` (CPU targets only)."""
-        return _is_cpu(target)
-
-    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
-        """Schedule `func` when all its blocks are spatial, else None."""
-        if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos or any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule a function whose blocks are all spatial, else None."""
+        if any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
             return None
         remaining = dl.base.common_schedules.try_inline(sch, infos)
         for info in remaining:
