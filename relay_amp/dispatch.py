@@ -16,8 +16,8 @@ from tvm import relax
 from . import kernels
 from ._ir import get_function, tensor_dtype, tensor_shape
 
-FEATURES = {"bfloat16": "avx512bf16", "int8": "avx512vnni", "uint8": "avx512vnni"}
-WEIGHT_DTYPES = {"bfloat16": "bfloat16", "int8": "int8", "uint8": "int8"}
+FEATURES = {"float32": "avx512f", "bfloat16": "avx512bf16", "int8": "avx512vnni", "uint8": "avx512vnni"}
+WEIGHT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "uint8": "int8"}
 
 
 def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
@@ -35,8 +35,8 @@ def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
 
 
 def _out_dtype(call: relax.Call, data_dtype: str) -> str:
-    out_dtype = str(call.attrs.out_dtype)
-    return data_dtype if out_dtype in ("", "void") else out_dtype
+    out_dtype = call.attrs.out_dtype
+    return data_dtype if out_dtype is None or str(out_dtype) in ("", "void") else str(out_dtype)
 
 
 @relax.expr_functor.mutator

@@ -23,7 +23,7 @@ from .schedules import largest_divisor, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
-MAX_ROWS = 8  # output pixels (rows) blocked in registers; times two column vectors = 16 accumulators
+MAX_ROWS = 15  # accumulator registers (rows x column vectors); TVM keeps a tile in registers only under 1 KiB
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class DotIntrin:
     acc_dtype: str
     group: int
     cpu_feature: str
-    llvm_intrinsic: str
-    llvm_acc: str
-    llvm_operand: str
+    llvm_intrinsic: str = ""  # empty: no instruction to tensorize with, the lane loop is vectorized (fp32 FMA)
+    llvm_acc: str = ""
+    llvm_operand: str = ""
 
     @property
     def symbol(self) -> str:
@@ -67,7 +67,8 @@ BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32
                      "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>")
 INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512_vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
-INTRINSICS = (BF16_DOT, INT8_DOT)
+FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "avx512f")
+INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
 
 
 def _description(dot: DotIntrin):
@@ -76,7 +77,7 @@ def _description(dot: DotIntrin):
     @T.prim_func(s_tir=True)
     def desc(A: T.Buffer((group,), a_dtype, offset_factor=1),
              B: T.Buffer((LANES, group), b_dtype, offset_factor=1),
-             C: T.Buffer((LANES,), acc, offset_factor=1, scope="local")):
+             C: T.Buffer((LANES,), acc, offset_factor=1)):
         with T.sblock("root"):
             T.reads(C[0:LANES], A[0:group], B[0:LANES, 0:group])
             T.writes(C[0:LANES])
@@ -94,7 +95,7 @@ def _implementation(dot: DotIntrin):
     @T.prim_func(s_tir=True)
     def impl(A: T.Buffer((group,), a_dtype, offset_factor=1),
              B: T.Buffer((LANES, group), b_dtype, offset_factor=1),
-             C: T.Buffer((LANES,), acc, offset_factor=1, scope="local")):
+             C: T.Buffer((LANES,), acc, offset_factor=1)):
         with T.sblock("root"):
             T.reads(C[0:LANES], A[0:group], B[0:LANES, 0:group])
             T.writes(C[0:LANES])
@@ -109,12 +110,14 @@ for _dot in INTRINSICS:
 
 
 def intrinsic_for(dtype: str) -> DotIntrin:
-    """The dot-product intrinsic that computes `dtype` ("bfloat16" or "int8"/"uint8") operands."""
+    """The dot product that computes `dtype` ("float32", "bfloat16" or "int8"/"uint8") operands."""
+    if dtype == "float32":
+        return FP32_FMA
     if dtype == "bfloat16":
         return BF16_DOT
     if dtype in ("int8", "uint8"):
         return INT8_DOT
-    raise DTypeError(f"no AVX-512 dot-product kernel for {dtype!r}: relay_amp has them for bfloat16, int8 and uint8")
+    raise DTypeError(f"no AVX-512 dot-product kernel for {dtype!r}: relay_amp has them for float32, bfloat16, int8 and uint8")
 
 
 def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
@@ -215,19 +218,25 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec) -> None:
     columns = 2 if spec.out_channels % (2 * LANES) == 0 else 1
     out_c_outer, out_c_column, out_c_lane = sch.split(out_c, [None, columns, LANES])
     chan_outer, chan_group = sch.split(chan, [None, spec.dot.group])
-    x_outer, x_row = sch.split(out_x, [None, largest_divisor(spec.out_shape[2], MAX_ROWS * 2 // columns)])
-    sch.reorder(batch, out_y, x_outer, out_c_outer, row, col, chan_outer, x_row, out_c_column, out_c_lane, chan_group)
-    cache = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(cache, out_c_outer)
+    x_outer, x_row = sch.split(out_x, [None, largest_divisor(spec.out_shape[2], MAX_ROWS // columns)])
+    tensorized = spec.dot in INTRINSICS
+    lanes = [out_c_lane, chan_group] if tensorized else [chan_group, out_c_lane]
+    # output-channel tiles outermost: one weight panel stays in L2 while every pixel streams past it
+    sch.reorder(out_c_outer, batch, out_y, x_outer, row, col, chan_outer, x_row, out_c_column, *lanes)
+    cache = sch.cache_write(block, 0, "global")
+    sch.reverse_compute_at(cache, x_outer)
     sch.reverse_compute_inline(sch.get_sblock("out"))
-    tile = sch.fuse(batch, out_y, x_outer, out_c_outer)
+    tile = sch.fuse(out_c_outer, batch, out_y, x_outer)
     sch.parallel(tile)
     sch.unroll(x_row)
     sch.unroll(out_c_column)
     sch.vectorize(sch.get_loops(cache)[-1])
+    if not tensorized:
+        sch.vectorize(out_c_lane)
     init = sch.decompose_reduction(block, row)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(out_c_lane, spec.dot.name)
-    sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
+    if tensorized:
+        sch.tensorize(out_c_lane, spec.dot.name)
+        sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
     if spec.shifted:
         schedule_injective(sch, sch.get_sblock("shifted"))

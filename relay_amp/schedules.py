@@ -16,7 +16,9 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 VECTOR_BYTES = 64  # one AVX-512 register
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
-MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
+CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of a core's L2
+MAX_ACCUMULATORS = 16
+STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this  # zmm registers holding accumulators, of the 32; the rest hold operands
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
 
 
@@ -66,14 +68,15 @@ def _vector_factor(extent: int) -> int:
 
 
 def largest_divisor(extent: int, limit: int) -> int:
-    """The largest divisor of `extent` that is at most `limit`."""
-    return max(d for d in range(1, min(extent, limit) + 1) if extent % d == 0)
+    """The largest divisor of `extent` that is at most `limit` (1 when `limit` is below 1)."""
+    return max((d for d in range(1, min(extent, limit) + 1) if extent % d == 0), default=1)
 
 
 def _register_factor(extent: int, vector_lanes: int) -> int:
     """Rows of accumulators: the most that divide `extent` and keep at most 16 registers of them."""
     registers_per_row = -(-vector_lanes // ACCUMULATOR_LANES)
-    return largest_divisor(extent, MAX_ACCUMULATORS // registers_per_row)
+    limit = min(MAX_ACCUMULATORS // registers_per_row, (STACK_BYTES - 1) // (4 * vector_lanes))
+    return largest_divisor(extent, limit)
 
 
 def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
@@ -151,19 +154,22 @@ def _inline_epilogue(sch: s_tir.Schedule, block) -> None:
 
 
 def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
+    """Register tile (rows x lanes), cache tile (whose operands fit in L2), then parallel tiles, outermost first."""
     spatial = list(found.spatial)
+    depth = math.prod(_extent(sch, loop) or 0 for loop in found.reduction) or None
     vector_lanes = _vector_factor(_extent(sch, spatial[found.vector_index]))
-    outer_v, inner_v = sch.split(spatial[found.vector_index], [None, vector_lanes])
-    spatial[found.vector_index] = outer_v
-    inner = [inner_v]
+    parallel_v, cached_v, inner_v = _split_twice(sch, spatial[found.vector_index], vector_lanes, depth)
+    spatial[found.vector_index] = parallel_v
+    cached, inner = [cached_v], [inner_v]
     if found.register_index is not None:
         rows = _register_factor(_extent(sch, spatial[found.register_index]), vector_lanes)
-        outer_r, inner_r = sch.split(spatial[found.register_index], [None, rows])
-        spatial[found.register_index] = outer_r
+        parallel_r, cached_r, inner_r = _split_twice(sch, spatial[found.register_index], rows, depth, share=2)
+        spatial[found.register_index] = parallel_r
+        cached.append(cached_r)
         inner.insert(0, inner_r)
-    sch.reorder(*spatial, *found.reduction, *inner)
-    cache = sch.cache_write(found.block, 0, "local")
-    sch.reverse_compute_at(cache, spatial[-1])
+    sch.reorder(*spatial, *cached, *found.reduction, *inner)
+    cache = sch.cache_write(found.block, 0, "global")
+    sch.reverse_compute_at(cache, cached[-1])
     for consumer in sch.get_consumers(cache):
         _try_reverse_inline(sch, consumer)
     sch.parallel(sch.fuse(*spatial))
@@ -173,6 +179,14 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     sch.vectorize(sch.get_loops(cache)[-1])
     if found.reduction:
         sch.decompose_reduction(found.block, found.reduction[0])
+
+
+def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share: int = 1) -> list:
+    """Split `loop` into [parallel, cached, inner]: `cached` inner tiles of operand data (depth x inner x 4 bytes
+    each) fit in 1/share of CACHE_BYTES, so the cache tile's loops reuse them from L2."""
+    outer_extent = (_extent(sch, loop) or 0) // inner
+    budget = CACHE_BYTES // share // (4 * inner * depth) if depth else 1
+    return sch.split(loop, [None, largest_divisor(outer_extent, budget) if outer_extent else 1, inner])
 
 
 def _try_reverse_inline(sch: s_tir.Schedule, block) -> None:

@@ -56,7 +56,7 @@ def test_bf16_matmul_becomes_a_kernel_call_on_packed_weights():
 
 
 @pytest.mark.parametrize("reason,module", [
-    ("fp32 has no dot kernel", lambda: _matmul_module("float32", np.ones((32, 16), "float32"))),
+    ("fp32 is not enabled here", lambda: _matmul_module("float32", np.ones((32, 16), "float32"))),
     ("16 lanes do not divide 24 outputs", lambda: _matmul_module(BF16, _bf16_weight((32, 24)))),
     ("dtype not enabled for the target", lambda: _conv_module(np.ones((3, 3, 8, 16), "int8"), "int8")),
 ])
@@ -73,7 +73,8 @@ def test_int8_conv_is_padded_then_dispatched():
 
 
 def test_target_dtypes_follow_the_cpu_features():
-    assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {BF16, "int8", "uint8"}
+    assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
+    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}
     assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == set()
     assert dispatch.target_dtypes(targets.get_target("cuda-tensorcore")) == set()
 
@@ -85,7 +86,7 @@ def test_conv_with_three_input_channels_gets_a_zero_channel():
 
 
 @pytest.mark.parametrize("dtype,feature,channels", [(BF16, "avx512_bf16", 8), ("int8", "avx512_vnni", 8),
-                                                     ("int8", "avx512_vnni", 3)])
+                                                     ("int8", "avx512_vnni", 3), ("float32", "avx512f", 8)])
 def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, channels):
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")
@@ -94,6 +95,10 @@ def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, chan
         mod = _matmul_module(BF16, _bf16_weight((64, 32)))
         inputs = [rng.standard_normal((2, 8, 64)).astype(ml_dtypes.bfloat16)]
         tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
+    elif dtype == "float32":
+        mod = _matmul_module("float32", rng.standard_normal((64, 32)).astype("float32"))
+        inputs = [rng.standard_normal((2, 8, 64)).astype("float32")]
+        tolerance = 1e-5  # the same products summed in another order
     else:
         mod = _conv_module(rng.integers(-128, 128, (3, 3, channels, 16)).astype("int8"))
         inputs = [rng.integers(-128, 128, (1, 7, 7, channels)).astype("int8")]

@@ -13,15 +13,16 @@ CASES = {
     "bf16_matmul": (kernels.ConvSpec((1, 1, 24, 64), (1, 1), 48, (1, 1), "bfloat16", "float32"), "avx512_bf16"),
     "int8_conv_stride2": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32"), "avx512_vnni"),
     "uint8_conv": (kernels.ConvSpec((2, 6, 6, 4), (3, 3), 16, (1, 1), "uint8", "int32"), "avx512_vnni"),
+    "fp32_conv": (kernels.ConvSpec((1, 8, 8, 5), (3, 3), 32, (1, 1), "float32", "float32"), "avx512f"),
 }
-INSTRUCTION = {"bfloat16": "vdpbf16ps", "int8": "vpdpbusd", "uint8": "vpdpbusd"}
+INSTRUCTION = {"bfloat16": "vdpbf16ps", "int8": "vpdpbusd", "uint8": "vpdpbusd", "float32": "vfmadd"}
 
 
 def _random(spec: kernels.ConvSpec, rng):
     weight_shape = (spec.out_channels, spec.data_shape[-1], *spec.kernel_size)
-    if spec.data_dtype == "bfloat16":
-        return (rng.standard_normal(spec.data_shape).astype(ml_dtypes.bfloat16),
-                rng.standard_normal(weight_shape).astype(ml_dtypes.bfloat16))
+    if spec.data_dtype in ("bfloat16", "float32"):
+        dtype = ml_dtypes.bfloat16 if spec.data_dtype == "bfloat16" else "float32"
+        return rng.standard_normal(spec.data_shape).astype(dtype), rng.standard_normal(weight_shape).astype(dtype)
     low = 0 if spec.data_dtype == "uint8" else -128
     return (rng.integers(low, low + 256, spec.data_shape).astype(spec.data_dtype),
             rng.integers(-128, 128, weight_shape).astype("int8"))
@@ -53,7 +54,7 @@ def test_kernel_uses_the_instruction_and_matches_numpy(case):
     tensors = [tvm.runtime.tensor(a) for a in args] + [tvm.runtime.empty(spec.out_shape, spec.out_dtype, tvm.cpu())]
     lib["main"](*tensors)
     got, expected = tensors[-1].numpy().astype("float64"), _reference(data, weight, spec)
-    tolerance = 1e-5 if spec.data_dtype == "bfloat16" else 0  # fp32 sums in another order; integers are exact
+    tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 sums in another order; integers are exact
     assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
 
 
@@ -75,5 +76,7 @@ def test_matmul_weights_pack_like_a_1x1_conv():
 def test_unsupported_dtype_and_channel_counts_are_dtype_errors():
     with pytest.raises(relay_amp.DTypeError, match="float16"):
         kernels.intrinsic_for("float16")
+    with pytest.raises(relay_amp.DTypeError, match="input channels by 2; got 16 and 3"):
+        kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 3), (1, 1), 16))
     with pytest.raises(relay_amp.DTypeError, match="divisible by 16"):
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 8), (1, 1), 24))

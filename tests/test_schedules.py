@@ -111,33 +111,39 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
                            w: T.Buffer((T.int64(16), T.int64(32)), "float32"), b: T.Buffer((T.int64(32),), "float32"),
                            out: T.Buffer((T.int64(8), T.int64(32)), "float32")):
     T.func_attr({"tirx.noalias": True})
-    mm_local = T.sblock_alloc_buffer((T.int64(8), T.int64(32)), scope="local")
+    mm_global = T.sblock_alloc_buffer((T.int64(8), T.int64(32)))
     for tile in T.parallel(T.int64(1)):
-        for row_init in T.unroll(T.int64(8)):
-            for lane_init in T.vectorized(T.int64(32)):
-                with T.sblock("matmul_init"):
-                    v0, v1 = T.axis.remap("SS", [row_init, lane_init])
-                    T.reads()
-                    T.writes(mm_local[v0, v1])
-                    mm_local[v0, v1] = T.float32(0.0)
-        for k in range(T.int64(16)):
-            for row in T.unroll(T.int64(8)):
+        for column, row_block in T.grid(T.int64(1), T.int64(2)):
+            for row_init in T.unroll(T.int64(4)):
+                for lane_init in T.vectorized(T.int64(32)):
+                    with T.sblock("matmul_init"):
+                        v0 = T.axis.spatial(T.int64(8), row_block * T.int64(4) + row_init)
+                        v1 = T.axis.spatial(T.int64(32), column * T.int64(32) + lane_init)
+                        T.reads()
+                        T.writes(mm_global[v0, v1])
+                        mm_global[v0, v1] = T.float32(0.0)
+            for k in range(T.int64(16)):
+                for row in T.unroll(T.int64(4)):
+                    for lane in T.vectorized(T.int64(32)):
+                        with T.sblock("matmul_update"):
+                            v0 = T.axis.spatial(T.int64(8), row_block * T.int64(4) + row)
+                            v1 = T.axis.spatial(T.int64(32), column * T.int64(32) + lane)
+                            v2 = T.axis.reduce(T.int64(16), k)
+                            T.reads(mm_global[v0, v1], x[v0, v2], w[v2, v1])
+                            T.writes(mm_global[v0, v1])
+                            mm_global[v0, v1] = mm_global[v0, v1] + x[v0, v2] * w[v2, v1]
+            for row in range(T.int64(4)):
                 for lane in T.vectorized(T.int64(32)):
-                    with T.sblock("matmul_update"):
-                        v0, v1, v2 = T.axis.remap("SSR", [row, lane, k])
-                        T.reads(mm_local[v0, v1], x[v0, v2], w[v2, v1])
-                        T.writes(mm_local[v0, v1])
-                        mm_local[v0, v1] = mm_local[v0, v1] + x[v0, v2] * w[v2, v1]
-        for row in range(T.int64(8)):
-            for lane in T.vectorized(T.int64(32)):
-                with T.sblock("mm_local"):
-                    v0, v1 = T.axis.remap("SS", [row, lane])
-                    T.reads(mm_local[v0, v1], b[v1])
-                    T.writes(out[v0, v1])
-                    out[v0, v1] = mm_local[v0, v1] + b[v1]
+                    with T.sblock("mm_global"):
+                        v0 = T.axis.spatial(T.int64(8), row_block * T.int64(4) + row)
+                        v1 = T.axis.spatial(T.int64(32), lane)
+                        T.reads(mm_global[v0, v1], b[v1])
+                        T.writes(out[v0, v1])
+                        out[v0, v1] = mm_global[v0, v1] + b[v1]
 
 
 def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
-    """8 rows x 32 lanes (two zmm) of accumulators in registers, the bias add fused into the write-back."""
+    """4 rows x 32 lanes (two zmm) of accumulators: under 1 KiB, so on the stack and in registers; a cache tile
+    of row blocks over the whole (L2-sized) reduction; the bias add fused into the write-back."""
     scheduled = schedules.ContractionRule().apply(_matmul_bias, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _matmul_bias_scheduled)
