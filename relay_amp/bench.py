@@ -106,11 +106,14 @@ def _torch_ms(twin: str | None, dtype: str, repeat: int) -> float | None:
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
-    """A printable table of benchmark rows."""
-    table = [(r.dtype, f"{r.median_ms:.2f}", f"{r.speedup:.2f}x", f"{r.max_rel_error:.2e}", "yes" if r.tuned else "no",
-              _optional(r.torch_ms, "{:.2f}"), _optional(r.torch_ms and r.torch_ms / r.median_ms, "{:.2f}x"))
+    """A printable table of benchmark rows (with PyTorch columns when any row was compared with PyTorch)."""
+    headers = ["dtype", "median ms", "speed-up vs fp32", "max rel error", "tuned"]
+    table = [[r.dtype, f"{r.median_ms:.2f}", f"{r.speedup:.2f}x", f"{r.max_rel_error:.2e}", "yes" if r.tuned else "no"]
              for r in rows]
-    headers = ("dtype", "median ms", "speed-up vs fp32", "max rel error", "tuned", "torch ms", "TVM speed-up vs torch")
+    if any(r.torch_ms is not None for r in rows):
+        headers += ["torch ms", "TVM speed-up vs torch"]
+        for line, r in zip(table, rows):
+            line += [_optional(r.torch_ms, "{:.2f}"), _optional(r.torch_ms and r.torch_ms / r.median_ms, "{:.2f}x")]
     return tabulate(table, headers=headers)
 
 
