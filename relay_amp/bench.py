@@ -72,11 +72,12 @@ def _median_ms(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], rep
 
 def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16"), target: str = "cpu",
               tune_logs: str | os.PathLike | None = None, model: str = "model", repeat: int = 10,
-              seed: int = 0, *, layout: str | None = None, torch_twin: str | None = None) -> list[BenchRow]:
+              seed: int = 0, *, layout: str | None = None, torch_twin: str | None = None,
+              fast_math: bool = True) -> list[BenchRow]:
     """Build and time every dtype variant of `mod` (fp32 always first), with errors against fp32.
 
     `layout` ("NHWC") converts convolutions first; `torch_twin` names a built-in model whose PyTorch twin
-    (relay_amp.pytorch) is timed for fp32 and bf16 on the same number of threads.
+    (relay_amp.pytorch) is timed for fp32 and bf16 on the same number of threads; `fast_math` goes to build.
     """
     order = [BASELINE] + [d for d in dtypes if d != BASELINE]
     inputs = example_inputs(mod, seed)
@@ -87,7 +88,7 @@ def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16")
     measured = {}
     for dtype in order:
         logs = _logs_for(tune_logs, model, dtype, target)
-        executable = build(variant(mod, dtype), target, logs)
+        executable = build(variant(mod, dtype), target, logs, fast_math)
         outputs = run_executable(executable, inputs)
         measured[dtype] = (_median_ms(executable, inputs, repeat), outputs[0].astype("float64"), logs is not None)
     base_ms, reference, _ = measured[BASELINE]

@@ -15,10 +15,11 @@ from .tuning import load_database, matching_records, prepare_passes
 
 
 def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
-          tune_logs: str | os.PathLike | None = None) -> relax.VMExecutable:
+          tune_logs: str | os.PathLike | None = None, fast_math: bool = True) -> relax.VMExecutable:
     """Compile `mod` for `target`: dot-product kernels, then tuning records (when given), then default schedules.
 
-    On CPU targets bf16/int8 matmuls and NHWC convs with constant weights go to relay_amp.kernels where the
+    On CPU targets GELU/erf/exp/tanh/softmax become vectorizable approximations (relay_amp.fastmath; turn off
+    with `fast_math=False`), and matmuls and NHWC convs with constant weights go to relay_amp.kernels where the
     target has the instruction; MetaSchedule records from `tune_logs` schedule what they cover; relay_amp's
     rule-based schedules (relay_amp.schedules) the rest. CUDA targets get TVM's dlight schedules.
     """
@@ -31,7 +32,7 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     if tgt.kind.name != "llvm":
         return _build_gpu(mod, tgt, database)
     with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
-        return relax.build(mod, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None))
+        return relax.build(mod, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None, fast_math))
 
 
 def _build_gpu(mod: tvm.IRModule, tgt: tvm.target.Target, database) -> relax.VMExecutable:
@@ -40,10 +41,10 @@ def _build_gpu(mod: tvm.IRModule, tgt: tvm.target.Target, database) -> relax.VME
     return ms.relax_integration.compile_relax(database, mod, tgt, params=None)
 
 
-def _cpu_pipeline(tgt: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
+def _cpu_pipeline(tgt: tvm.target.Target, tuned: bool, fast_math: bool) -> tvm.transform.Pass:
     """Legalize and fuse as MetaSchedule does, apply the records, then relay_amp's CPU schedules for the rest."""
     passes = [
-        prepare_passes(tgt),
+        prepare_passes(tgt, fast_math),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(),
         *cpu_generic.dataflow_lower_passes(tgt),

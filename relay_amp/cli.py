@@ -92,7 +92,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch)
     twin = args.model if args.torch else None
     rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
-                     torch_twin=twin)
+                     torch_twin=twin, fast_math=not args.exact_math)
     if args.json:
         print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat,
                            layout=args.layout or "as built", threads=host_cores()))
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
     bn.add_argument("--layout", choices=sorted(CPU_LAYOUTS), help="convert convolutions first (NHWC: the CPU kernels' layout)")
     bn.add_argument("--torch", action="store_true", help="add the PyTorch twin's fp32/bf16 times (needs torch)")
+    bn.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.fastmath)")
     return parser
 
 

@@ -3,7 +3,8 @@
 from .amp import ToMixedPrecision
 from .casts import EliminateRedundantCasts
 from .dispatch import UseDotKernels
+from .fastmath import FastMath
 from .layout import ConvertLayout
 from .recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "Recast", "ToMixedPrecision", "UseDotKernels"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "Recast", "ToMixedPrecision", "UseDotKernels"]

@@ -13,6 +13,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .dispatch import UseDotKernels, target_dtypes
 from .errors import OptionError, TuningError
+from .fastmath import FastMath
 from .serialization import atomic_write_text
 from .targets import check_host, get_target
 
@@ -30,14 +31,17 @@ def log_dir(root: str | os.PathLike, model: str, dtype: str, target: str) -> Pat
     return Path(root) / f"{model}-{dtype}-{target}"
 
 
-def prepare_passes(target: tvm.target.Target) -> tvm.transform.Pass:
-    """relay_amp's kernel dispatch (CPU), then legalization and fusion as MetaSchedule's compile_relax does them.
+def prepare_passes(target: tvm.target.Target, fast_math: bool = True) -> tvm.transform.Pass:
+    """On CPU relay_amp's fast math and kernel dispatch, then legalization and fusion as MetaSchedule's
+    compile_relax does them.
 
     Tuning, record matching and building all prepare a module this way, so database keys match; dispatched
     kernels are already scheduled and tensorized, so MetaSchedule leaves them alone.
     """
     dtypes = target_dtypes(target)
+    cpu = target.kind.name == "llvm"
     return tvm.transform.Sequential([
+        *([FastMath()] if cpu and fast_math else []),
         *([UseDotKernels(dtypes)] if dtypes else []),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),

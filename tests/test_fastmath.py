@@ -1,0 +1,55 @@
+"""fastmath: GELU and friends become TVM's fast approximations, within 1e-6 of the exact functions."""
+
+import math
+
+import numpy as np
+import pytest
+from tvm import relax
+
+from relay_amp import fastmath, models
+from relay_amp.build import build
+from relay_amp.runtime import run_executable
+from pass_checks import assert_transforms
+
+TOLERANCE = 2e-6  # relative to the output's largest magnitude
+
+
+def _gelu_module(dtype: str = "float32"):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 64), dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.gelu(x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_gelu_becomes_a_fast_erf_primfunc():
+    before = _gelu_module()
+    text = before.script()
+    after = fastmath.FastMath()(before)
+    relax.analysis.well_formed(after)
+    assert before.script() == text, "the pass mutated its input module"
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.call_tir"]
+    assert "fast_gelu" in [gv.name_hint for gv in after.get_global_vars()]
+
+
+def test_bf16_gelu_is_left_alone():
+    assert_transforms(fastmath.FastMath(), _gelu_module("bfloat16"), _gelu_module("bfloat16"))
+
+
+def test_fast_gelu_matches_the_exact_formula():
+    x = np.linspace(-6, 6, 256, dtype="float32").reshape(4, 64)
+    got = run_executable(build(_gelu_module(), "cpu"), [x])[0]
+    expected = np.array([[v * 0.5 * (1 + math.erf(v / math.sqrt(2))) for v in row] for row in x.astype("float64")])
+    assert np.abs(got - expected).max() <= TOLERANCE * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("name", ["bert", "small_cnn"])
+def test_fast_math_build_matches_the_exact_build(name):
+    mod = models.get_model(name, **({"seq_len": 16, "layers": 1} if name == "bert" else {}))
+    inputs = models.example_inputs(mod)
+    fast = run_executable(build(mod, "cpu"), inputs)[0]
+    exact = run_executable(build(mod, "cpu", fast_math=False), inputs)[0]
+    assert np.abs(fast - exact).max() <= TOLERANCE * np.abs(exact).max()
