@@ -28,6 +28,12 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     return frozenset(dtype for dtype, feature in FEATURES.items() if has(feature, target))
 
 
+def target_has_amx(target: tvm.target.Target) -> bool:
+    """Whether `target` (an llvm target) may use AMX bf16 tiles."""
+    has = tvm.target.codegen.target_has_features
+    return target.kind.name == "llvm" and has("amx-tile", target) and has("amx-bf16", target)
+
+
 def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
     if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != WEIGHT_DTYPES.get(data_dtype):
         return None
@@ -43,9 +49,10 @@ def _out_dtype(call: relax.Call, data_dtype: str) -> str:
 class _Dispatcher(relax.PyExprMutator):
     """Rewrites eligible matmul/conv2d calls into kernel calls."""
 
-    def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str]):
+    def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str], amx: bool):
         super().__init__(mod)
         self.dtypes = dtypes
+        self.amx = amx
         self.kernel_count = 0
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -96,7 +103,8 @@ class _Dispatcher(relax.PyExprMutator):
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
         self.kernel_count += 1
-        gvar = self.builder_.add_func(kernels.conv2d_nhwc(spec), f"relay_amp_dot_kernel{self.kernel_count}")
+        func = kernels.amx_matmul(spec) if self.amx and kernels.amx_supports(spec) else kernels.conv2d_nhwc(spec)
+        gvar = self.builder_.add_func(func, f"relay_amp_dot_kernel{self.kernel_count}")
         args = [data, relax.const(packed)]
         if spec.shifted:
             args.append(relax.const(kernels.weight_sums(packed)))
@@ -106,16 +114,18 @@ class _Dispatcher(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")
 class UseDotKernels:
-    """Route eligible bf16/int8 matmuls and NHWC conv2ds to relay_amp's AVX-512 dot-product kernels."""
+    """Route eligible matmuls and NHWC conv2ds to relay_amp's AVX-512 kernels (AMX for bf16 matmuls if `amx`)."""
 
-    def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(FEATURES), func: str = "main"):
+    def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(FEATURES), func: str = "main",
+                 amx: bool = False):
         self.dtypes = frozenset(dtypes)
         self.func = func
+        self.amx = amx
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
         mod = relax.transform.FoldConstant()(mod)
-        mutator = _Dispatcher(mod, self.dtypes)
+        mutator = _Dispatcher(mod, self.dtypes, self.amx)
         gvar = mod.get_global_var(self.func)
         mutator.builder_.update_func(gvar, mutator.visit_expr(get_function(mod, self.func)))
         return mutator.builder_.get()

@@ -13,21 +13,26 @@ from tvm import relax, topi
 
 from ._ir import get_function
 
+FAST_DTYPES = ("float32", "float16", "bfloat16")  # GELU in these is computed through fp32 fast_erf
+
 
 def _fast_gelu(x: tvm.te.Tensor) -> tvm.te.Tensor:
-    half = tvm.tirx.const(0.5, x.dtype)
-    scaled = topi.fast_erf(topi.multiply(x, tvm.tirx.const(1.0 / math.sqrt(2.0), x.dtype)))
-    return topi.multiply(topi.multiply(x, half), topi.add(scaled, tvm.tirx.const(1.0, x.dtype)))
+    """GELU through fast_erf, computed in fp32 (fast_erf's only fast dtype) and returned in x's dtype."""
+    wide = topi.cast(x, "float32") if x.dtype != "float32" else x
+    scaled = topi.fast_erf(topi.multiply(wide, tvm.tirx.const(1.0 / math.sqrt(2.0), "float32")))
+    gelu = topi.multiply(topi.multiply(wide, tvm.tirx.const(0.5, "float32")),
+                         topi.add(scaled, tvm.tirx.const(1.0, "float32")))
+    return topi.cast(gelu, x.dtype) if x.dtype != "float32" else gelu
 
 
 @relax.expr_functor.mutator
 class _GeluRewriter(relax.PyExprMutator):
-    """Replaces fp32 relax.nn.gelu calls by the fast_erf formulation."""
+    """Replaces relax.nn.gelu calls on floats by the fast_erf formulation."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
         if isinstance(new_call.op, tvm.ir.Op) and new_call.op.name == "relax.nn.gelu" \
-                and str(new_call.args[0].ty.dtype) == "float32":
+                and str(new_call.args[0].ty.dtype) in FAST_DTYPES:
             return self.builder_.call_te(_fast_gelu, new_call.args[0], primfunc_name_hint="fast_gelu")
         return new_call
 

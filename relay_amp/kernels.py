@@ -240,3 +240,122 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec) -> None:
         sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
     if spec.shifted:
         schedule_injective(sch, sch.get_sblock("shifted"))
+
+
+AMX_TILE = 32  # the AMX kernel computes 32x32 output blocks: 2x2 tiles of 16x16 fp32
+AMX_SYMBOL = "relay_amp_amx_bf16_32x32"
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+def amx_llvm_ir() -> str:
+    """LLVM IR of a 32x32 bf16 block matmul on AMX tiles: C (fp32, row stride n) = A (bf16, row stride k) x B.
+
+    B is one pair of 16-column panels in `pack_weight`'s layout, which is AMX's bf16 B-tile layout.
+    Tiles 0-3 accumulate C, 4-5 hold A rows, 6-7 B panels; each step of 32 k does four tdpbf16ps.
+    """
+    config = "\n".join([f"  %cb{t} = getelementptr i8, ptr %cfg, i64 {16 + 2 * t}\n  store i16 64, ptr %cb{t}"
+                        for t in range(8)] +
+                       [f"  %rw{t} = getelementptr i8, ptr %cfg, i64 {48 + t}\n  store i8 16, ptr %rw{t}"
+                        for t in range(8)])
+    loads = "\n".join(f"  call void @llvm.x86.tileloadd64(i8 {tile}, ptr %{ptr}, i64 %{stride})"
+                      for tile, ptr, stride in ((4, "pa0", "lda"), (5, "pa1", "lda"), (6, "pb0", "ldb"), (7, "pb1", "ldb")))
+    products = "\n".join(f"  call void @llvm.x86.tdpbf16ps(i8 {c}, i8 {a}, i8 {b})"
+                         for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
+    stores = "\n".join(f"  call void @llvm.x86.tilestored64(i8 {tile}, ptr %{ptr}, i64 %ldc)"
+                       for tile, ptr in ((0, "c"), (1, "c1"), (2, "c2"), (3, "c3")))
+    return f"""
+declare void @llvm.x86.ldtilecfg(ptr)
+declare void @llvm.x86.tilerelease()
+declare void @llvm.x86.tilezero(i8 immarg)
+declare void @llvm.x86.tileloadd64(i8 immarg, ptr, i64)
+declare void @llvm.x86.tdpbf16ps(i8 immarg, i8 immarg, i8 immarg)
+declare void @llvm.x86.tilestored64(i8 immarg, ptr, i64)
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1 immarg)
+define void @{AMX_SYMBOL}(ptr %c, ptr %a, ptr %b, i64 %k, i64 %n) {{
+entry:
+  %cfg = alloca [64 x i8], align 64
+  call void @llvm.memset.p0.i64(ptr align 64 %cfg, i8 0, i64 64, i1 false)
+  store i8 1, ptr %cfg
+{config}
+  call void @llvm.x86.ldtilecfg(ptr %cfg)
+  call void @llvm.x86.tilezero(i8 0)
+  call void @llvm.x86.tilezero(i8 1)
+  call void @llvm.x86.tilezero(i8 2)
+  call void @llvm.x86.tilezero(i8 3)
+  %lda = shl i64 %k, 1
+  %ldb = add i64 0, 64
+  %ldc = shl i64 %n, 2
+  %a16 = shl i64 %lda, 4
+  %a1 = getelementptr i8, ptr %a, i64 %a16
+  %panel = shl i64 %k, 5
+  %b1 = getelementptr i8, ptr %b, i64 %panel
+  br label %loop
+loop:
+  %kk = phi i64 [ 0, %entry ], [ %next, %loop ]
+  %aoff = shl i64 %kk, 1
+  %boff = shl i64 %kk, 5
+  %pa0 = getelementptr i8, ptr %a, i64 %aoff
+  %pa1 = getelementptr i8, ptr %a1, i64 %aoff
+  %pb0 = getelementptr i8, ptr %b, i64 %boff
+  %pb1 = getelementptr i8, ptr %b1, i64 %boff
+{loads}
+{products}
+  %next = add i64 %kk, 32
+  %done = icmp uge i64 %next, %k
+  br i1 %done, label %exit, label %loop
+exit:
+  %c16 = shl i64 %ldc, 4
+  %c1 = getelementptr i8, ptr %c, i64 64
+  %c2 = getelementptr i8, ptr %c, i64 %c16
+  %c3 = getelementptr i8, ptr %c2, i64 64
+{stores}
+  call void @llvm.x86.tilerelease()
+  ret void
+}}
+"""
+
+
+def amx_supports(spec: ConvSpec) -> bool:
+    """Whether the AMX kernel computes `spec`: a bf16 -> fp32 matmul (1x1, stride 1, one image row) in 32-blocks."""
+    batch, height, rows, depth = spec.data_shape
+    return (spec.data_dtype == "bfloat16" and spec.out_dtype == "float32" and spec.kernel_size == (1, 1)
+            and spec.strides == (1, 1) and batch == height == 1
+            and rows % AMX_TILE == 0 and depth % AMX_TILE == 0 and spec.out_channels % AMX_TILE == 0)
+
+
+def amx_matmul(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """The AMX kernel for `spec` (see amx_supports), taking the same packed weight as conv2d_nhwc."""
+    if not amx_supports(spec):
+        raise DTypeError(f"the AMX kernel takes bf16 -> fp32 matmuls with sizes divisible by {AMX_TILE}; got {spec}")
+    request_amx_permission()
+    _, _, rows, depth = spec.data_shape
+    cols, row_blocks = spec.out_channels, spec.data_shape[2] // AMX_TILE
+
+    @T.prim_func(s_tir=True)
+    def kernel(data: T.Buffer((1, 1, rows, depth), "bfloat16"),
+               packed: T.Buffer((cols // LANES, 1, 1, depth // 2, LANES, 2), "bfloat16"),
+               out: T.Buffer((1, 1, rows, cols), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for block in T.parallel(cols // AMX_TILE * row_blocks):
+            with T.sblock("amx_block"):
+                T.reads(data[0, 0, 0:rows, 0:depth], packed[0:cols // LANES, 0, 0, 0:depth // 2, 0:LANES, 0:2])
+                T.writes(out[0, 0, 0:rows, 0:cols])
+                row, col = block % row_blocks * AMX_TILE, block // row_blocks * AMX_TILE
+                T.evaluate(T.call_extern("int32", AMX_SYMBOL, T.address_of(out[0, 0, row, col]),
+                                         T.address_of(data[0, 0, row, 0]),
+                                         T.address_of(packed[col // LANES, 0, 0, 0, 0, 0]), T.int64(depth),
+                                         T.int64(cols)))
+
+    sch = s_tir.Schedule(kernel)
+    sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm", amx_llvm_ir())
+    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state for this process (needed before any AMX instruction runs); True if granted."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    try:
+        return ctypes.CDLL(None).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False

@@ -10,6 +10,7 @@ from .errors import TargetError
 
 FORCE_BF16_ENV = "RELAY_AMP_FORCE_BF16"
 BF16_CPU = "cooperlake"  # the first x86 CPU with avx512_bf16 and avx512_vnni; Zen 4 and Sapphire Rapids extend it
+AMX_CPU = "sapphirerapids"  # the first with AMX tiles (bf16 and int8) and avx512_fp16
 
 
 def host_cores() -> int:
@@ -26,6 +27,10 @@ def _cpu_bf16() -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", "mcpu": BF16_CPU, "num-cores": host_cores()})
 
 
+def _cpu_amx() -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "mcpu": AMX_CPU, "num-cores": host_cores()})
+
+
 def _cuda(arch: str) -> tvm.target.Target:
     host = tvm.target.Target({"kind": "llvm"})
     return tvm.target.Target({"kind": "cuda", "arch": arch, "max_num_threads": 1024}, host=host)
@@ -34,15 +39,22 @@ def _cuda(arch: str) -> tvm.target.Target:
 PRESETS = {
     "cpu": _cpu,
     "cpu-avx512-bf16": _cpu_bf16,
+    "cpu-amx": _cpu_amx,
     "cuda-tensorcore": lambda: _cuda("sm_80"),
     "cuda-tensorcore-sm90": lambda: _cuda("sm_90"),
 }
-PRESET_FEATURES = {"cpu-avx512-bf16": ("avx512_bf16", "avx512_vnni")}
+PRESET_FEATURES = {
+    "cpu-avx512-bf16": ("avx512_bf16", "avx512_vnni"),
+    "cpu-amx": ("avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"),
+}
 
 
 def host_preset() -> str:
-    """The fastest CPU preset this host can run: cpu-avx512-bf16 where it has the features, else cpu."""
-    return "cpu-avx512-bf16" if all(map(host_supports, PRESET_FEATURES["cpu-avx512-bf16"])) else "cpu"
+    """The fastest CPU preset this host can run: cpu-amx, cpu-avx512-bf16 or cpu, by the CPU's features."""
+    for preset in ("cpu-amx", "cpu-avx512-bf16"):
+        if all(map(host_supports, PRESET_FEATURES[preset])):
+            return preset
+    return "cpu"
 
 
 def get_target(target: "str | tvm.target.Target") -> tvm.target.Target:

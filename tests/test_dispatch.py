@@ -66,6 +66,16 @@ def test_calls_the_kernels_cannot_take_are_left_alone(reason, module):
     assert_transforms(dispatch.UseDotKernels({BF16}), before, expected)
 
 
+def test_amx_takes_bf16_matmuls_that_fit_its_blocks():
+    def kernel_text(rows):
+        after = dispatch.UseDotKernels({BF16}, amx=True)(_matmul_module(BF16, _bf16_weight((64, 32)), rows))
+        return after["relay_amp_dot_kernel1"].script()
+    assert kernels.AMX_SYMBOL in kernel_text(16)  # 2 x 16 rows
+    assert kernels.AMX_SYMBOL not in kernel_text(4)  # 8 rows: the AVX-512 kernel
+    assert dispatch.target_has_amx(targets.get_target("cpu-amx"))
+    assert not dispatch.target_has_amx(targets.get_target("cpu-avx512-bf16"))
+
+
 def test_int8_conv_is_padded_then_dispatched():
     after = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 8, 16), "int8")))
     ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]

@@ -35,8 +35,21 @@ def test_gelu_becomes_a_fast_erf_primfunc():
     assert "fast_gelu" in [gv.name_hint for gv in after.get_global_vars()]
 
 
-def test_bf16_gelu_is_left_alone():
-    assert_transforms(fastmath.FastMath(), _gelu_module("bfloat16"), _gelu_module("bfloat16"))
+def test_integer_ops_are_left_alone():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 64), "int32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(x, x))
+        bb.emit_func_output(out)
+    assert_transforms(fastmath.FastMath(), bb.get(), bb.get())
+
+
+def test_bf16_gelu_goes_through_fp32_and_matches():
+    x = np.linspace(-6, 6, 256, dtype="float32").reshape(4, 64)
+    got = run_executable(build(_gelu_module("bfloat16"), "cpu"), [x.astype("bfloat16")])[0].astype("float32")
+    exact = run_executable(build(_gelu_module("bfloat16"), "cpu", fast_math=False), [x.astype("bfloat16")])[0]
+    assert np.abs(got - exact.astype("float32")).max() <= 8e-3 * np.abs(got).max()  # one bf16 rounding step
 
 
 def test_fast_gelu_matches_the_exact_formula():

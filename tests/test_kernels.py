@@ -80,3 +80,32 @@ def test_unsupported_dtype_and_channel_counts_are_dtype_errors():
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 3), (1, 1), 16))
     with pytest.raises(relay_amp.DTypeError, match="divisible by 16"):
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 8), (1, 1), 24))
+
+
+def test_amx_kernel_uses_tile_instructions_and_matches_numpy():
+    spec = kernels.ConvSpec((1, 1, 64, 96), (1, 1), 64)
+    func = kernels.amx_matmul(spec).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-amx"))
+    assembly = lib.mod.inspect_source("asm")
+    assert "tdpbf16ps" in assembly and "ldtilecfg" in assembly
+    if not (targets.host_supports("amx_bf16") and kernels.request_amx_permission()):
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal(spec.data_shape).astype(ml_dtypes.bfloat16)
+    weight = rng.standard_normal((96, 64)).astype(ml_dtypes.bfloat16)
+    out = tvm.runtime.empty(spec.out_shape, "float32", tvm.cpu())
+    lib["main"](tvm.runtime.tensor(data), tvm.runtime.tensor(kernels.pack_weight(weight, "IO", spec.dot)), out)
+    expected = data.astype("float64")[0, 0] @ weight.astype("float64")
+    assert np.abs(out.numpy()[0, 0] - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("spec", [
+    kernels.ConvSpec((1, 1, 48, 64), (1, 1), 64),  # rows not a multiple of 32
+    kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, out_dtype="bfloat16"),  # the tiles accumulate fp32
+    kernels.ConvSpec((1, 3, 3, 64), (3, 3), 64),  # a 3x3 conv
+    kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype="int32"),
+])
+def test_amx_kernel_takes_only_bf16_matmuls_in_32_blocks(spec):
+    assert not kernels.amx_supports(spec)
+    with pytest.raises(relay_amp.DTypeError, match="AMX kernel"):
+        kernels.amx_matmul(spec)

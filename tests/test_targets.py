@@ -7,8 +7,8 @@ import relay_amp
 from relay_amp import targets
 
 
-@pytest.mark.parametrize("preset, kind", [("cpu", "llvm"), ("cpu-avx512-bf16", "llvm"), ("cuda-tensorcore", "cuda"),
-                                          ("cuda-tensorcore-sm90", "cuda")])
+@pytest.mark.parametrize("preset, kind", [("cpu", "llvm"), ("cpu-avx512-bf16", "llvm"), ("cpu-amx", "llvm"),
+                                          ("cuda-tensorcore", "cuda"), ("cuda-tensorcore-sm90", "cuda")])
 def test_presets_are_targets(preset, kind):
     target = targets.get_target(preset)
     assert isinstance(target, tvm.target.Target) and target.kind.name == kind
@@ -18,6 +18,7 @@ def test_bf16_preset_uses_a_cpu_with_avx512_bf16_and_vnni():
     target = targets.get_target("cpu-avx512-bf16")
     assert tvm.target.codegen.target_has_features(["avx512bf16", "avx512vnni"], target)
     assert str(targets.get_target("cuda-tensorcore").attrs["arch"]) == "sm_80"
+    assert tvm.target.codegen.target_has_features(["amx-tile", "amx-bf16", "avx512bf16"], targets.get_target("cpu-amx"))
 
 
 def test_unknown_preset_is_a_target_error():
@@ -43,6 +44,8 @@ def test_bf16_preset_on_a_cpu_without_bf16_is_refused_unless_forced(monkeypatch)
 
 def test_host_preset_follows_cpu_features(monkeypatch):
     monkeypatch.setattr(targets, "host_supports", lambda feature: True)
+    assert targets.host_preset() == "cpu-amx"
+    monkeypatch.setattr(targets, "host_supports", lambda feature: not feature.startswith("amx"))
     assert targets.host_preset() == "cpu-avx512-bf16"
     monkeypatch.setattr(targets, "host_supports", lambda feature: feature != "avx512_vnni")
     assert targets.host_preset() == "cpu"
