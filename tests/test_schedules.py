@@ -82,7 +82,7 @@ def test_every_operator_of_the_built_in_models_gets_a_schedule(name):
 
 def test_contraction_rule_declines_other_functions_and_targets():
     mod = tuning.prepare(_module(*CASES["softmax_layer_norm"]), targets.get_target("cpu"))
-    softmax = next(f for gv, f in mod.functions_items() if gv.name_hint == "softmax")
+    softmax = next(f for gv, f in mod.functions_items() if "softmax" in gv.name_hint)
     assert schedules.ContractionRule().apply(softmax, targets.get_target("cpu"), False) is None
     matmul = tuning.prepare(_module(*CASES["matmul_even"]), targets.get_target("cpu"))
     func = next(f for _, f in matmul.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
