@@ -17,6 +17,13 @@ def get_function(mod: tvm.IRModule, func: str) -> relax.Function:
     return mod[func]
 
 
+def rewrite_function(mutator: relax.PyExprMutator, mod: tvm.IRModule, func: str) -> tvm.IRModule:
+    """`mod` with Relax function `func` replaced by `mutator`'s rewrite of it (the mutator was built on `mod`)."""
+    function = get_function(mod, func)
+    mutator.builder_.update_func(mod.get_global_var(func), mutator.visit_expr(function))
+    return mutator.builder_.get()
+
+
 def tensor_dtype(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, None for anything else."""
     ty = expr.ty

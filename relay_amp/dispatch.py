@@ -14,10 +14,9 @@ import tvm
 from tvm import relax
 
 from . import kernels
-from ._ir import get_function, tensor_dtype, tensor_shape
+from ._ir import rewrite_function, tensor_dtype, tensor_shape
 
-FEATURES = {"float32": "avx512f", "bfloat16": "avx512bf16", "int8": "avx512vnni", "uint8": "avx512vnni"}
-WEIGHT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "uint8": "int8"}
+DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.kernels has a dot product for
 
 
 def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
@@ -25,7 +24,7 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     if target.kind.name != "llvm":
         return frozenset()
     has = tvm.target.codegen.target_has_features
-    return frozenset(dtype for dtype, feature in FEATURES.items() if has(feature, target))
+    return frozenset(dtype for dtype in DATA_DTYPES if has(kernels.intrinsic_for(dtype).llvm_feature, target))
 
 
 def target_has_amx(target: tvm.target.Target) -> bool:
@@ -35,9 +34,14 @@ def target_has_amx(target: tvm.target.Target) -> bool:
 
 
 def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
-    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != WEIGHT_DTYPES.get(data_dtype):
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != kernels.intrinsic_for(data_dtype).b_dtype:
         return None
     return expr.value.numpy()
+
+
+def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    shape = tensor_shape(expr)
+    return shape if shape is not None and all(isinstance(d, int) for d in shape) else None
 
 
 def _out_dtype(call: relax.Call, data_dtype: str) -> str:
@@ -66,8 +70,8 @@ class _Dispatcher(relax.PyExprMutator):
     def _matmul(self, call: relax.Call) -> relax.Expr | None:
         data, dtype = call.args[0], tensor_dtype(call.args[0])
         weight = _constant_weight(call.args[1], dtype)
-        shape = tensor_shape(data)
-        if weight is None or weight.ndim != 2 or shape is None or not all(isinstance(d, int) for d in shape):
+        shape = _static_shape(data)
+        if weight is None or weight.ndim != 2 or shape is None:
             return None
         (in_ch, out_ch), rows = weight.shape, math.prod(shape[:-1])
         spec = kernels.ConvSpec((1, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype))
@@ -80,10 +84,9 @@ class _Dispatcher(relax.PyExprMutator):
     def _conv2d(self, call: relax.Call) -> relax.Expr | None:
         attrs, data, dtype = call.attrs, call.args[0], tensor_dtype(call.args[0])
         weight = _constant_weight(call.args[1], dtype)
-        shape = tensor_shape(data)
+        shape = _static_shape(data)
         if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or int(attrs.groups) != 1
-                or any(int(d) != 1 for d in attrs.dilation) or shape is None
-                or not all(isinstance(d, int) for d in shape)):
+                or any(int(d) != 1 for d in attrs.dilation) or shape is None):
             return None
         layout, dot = str(attrs.kernel_layout), kernels.intrinsic_for(dtype)
         extra = -weight.shape[layout.index("I")] % dot.group  # zero channels that round inputs up to the group
@@ -116,7 +119,7 @@ class _Dispatcher(relax.PyExprMutator):
 class UseDotKernels:
     """Route eligible matmuls and NHWC conv2ds to relay_amp's AVX-512 kernels (AMX for bf16 matmuls if `amx`)."""
 
-    def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(FEATURES), func: str = "main",
+    def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(DATA_DTYPES), func: str = "main",
                  amx: bool = False):
         self.dtypes = frozenset(dtypes)
         self.func = func
@@ -125,7 +128,4 @@ class UseDotKernels:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
         mod = relax.transform.FoldConstant()(mod)
-        mutator = _Dispatcher(mod, self.dtypes, self.amx)
-        gvar = mod.get_global_var(self.func)
-        mutator.builder_.update_func(gvar, mutator.visit_expr(get_function(mod, self.func)))
-        return mutator.builder_.get()
+        return rewrite_function(_Dispatcher(mod, self.dtypes, self.amx), mod, self.func)

@@ -11,7 +11,7 @@ import math
 import tvm
 from tvm import relax, topi
 
-from ._ir import get_function
+from ._ir import rewrite_function
 
 FAST_DTYPES = ("float32", "float16", "bfloat16")  # GELU in these is computed through fp32 fast_erf
 
@@ -46,7 +46,4 @@ class FastMath:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        rewriter = _GeluRewriter(mod)
-        gvar = mod.get_global_var(self.func)
-        rewriter.builder_.update_func(gvar, rewriter.visit_expr(get_function(mod, self.func)))
-        return relax.transform.FastMathTransform()(rewriter.builder_.get())
+        return relax.transform.FastMathTransform()(rewrite_function(_GeluRewriter(mod), mod, self.func))

@@ -9,21 +9,25 @@ bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrin
 `conv2d_nhwc` builds a tensorized NHWC convolution (a matmul is the 1x1 case) over weights packed once, at
 compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` = 2 for bf16, 4 for int8).
 Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
+fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic.
+
+`amx_matmul` computes bf16 matmuls on AMX tiles (tdpbf16ps) in 32x32 blocks over the same packed weight, which
+is AMX's bf16 B-tile layout; the `cpu-amx` preset enables it.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import s_tir
+from tvm import s_tir, te
 from tvm.script import tirx as T
 
 from .errors import DTypeError
-from .schedules import largest_divisor, schedule_injective
+from .schedules import STACK_BYTES, largest_divisor, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
-MAX_ROWS = 15  # accumulator registers (rows x column vectors); TVM keeps a tile in registers only under 1 KiB
+MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class DotIntrin:
     b_dtype: str
     acc_dtype: str
     group: int
-    cpu_feature: str
+    llvm_feature: str  # the LLVM target feature the instruction needs
     llvm_intrinsic: str = ""  # empty: no instruction to tensorize with, the lane loop is vectorized (fp32 FMA)
     llvm_acc: str = ""
     llvm_operand: str = ""
@@ -63,9 +67,9 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
 """
 
 
-BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512_bf16",
+BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512bf16",
                      "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>")
-INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512_vnni",
+INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "avx512f")
 INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
@@ -175,8 +179,6 @@ def _compute(spec: ConvSpec) -> list:
 
     A bf16 operand must be a parameter: TVM's bf16 legalization would store an intermediate bf16 buffer as fp32.
     """
-    from tvm import te  # pylint: disable=import-outside-toplevel
-
     dot, channels = spec.dot, spec.data_shape[-1]
     data = te.placeholder(spec.data_shape, spec.data_dtype, "data")
     packed = te.placeholder((spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group),
@@ -202,8 +204,6 @@ def _compute(spec: ConvSpec) -> list:
 
 def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
     """A scheduled, tensorized PrimFunc computing `spec` over a weight packed by `pack_weight` (+ `weight_sums` for int8)."""
-    from tvm import te  # pylint: disable=import-outside-toplevel
-
     if not supports(spec.out_channels, spec.data_shape[-1], spec.dot):
         raise DTypeError(f"kernel needs output channels divisible by {LANES} and input channels by "
                          f"{spec.dot.group}; got {spec.out_channels} and {spec.data_shape[-1]}")
@@ -329,7 +329,7 @@ def amx_matmul(spec: ConvSpec) -> tvm.tirx.PrimFunc:
         raise DTypeError(f"the AMX kernel takes bf16 -> fp32 matmuls with sizes divisible by {AMX_TILE}; got {spec}")
     request_amx_permission()
     _, _, rows, depth = spec.data_shape
-    cols, row_blocks = spec.out_channels, spec.data_shape[2] // AMX_TILE
+    cols, row_blocks = spec.out_channels, rows // AMX_TILE
 
     @T.prim_func(s_tir=True)
     def kernel(data: T.Buffer((1, 1, rows, depth), "bfloat16"),

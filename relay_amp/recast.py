@@ -5,7 +5,7 @@ from collections.abc import Iterable
 import tvm
 from tvm import relax
 
-from ._ir import cast_result, emit_cast, get_function, has_attr_field, tensor_dtype, with_attr
+from ._ir import cast_result, emit_cast, has_attr_field, rewrite_function, tensor_dtype, with_attr
 from .dtypes import check_dtype
 from .layers import layer_bindings, list_layers, resolve_layers
 from .ops import canonical_ops
@@ -58,10 +58,7 @@ class Recast:
         skipped = resolve_layers(list_layers(mod, self.ops, self.func), self.skip_layers)
         bindings = layer_bindings(mod, self.ops, self.func)
         chosen = {b.value for i, b in enumerate(bindings) if i not in skipped}
-        mutator = _RecastMutator(mod, chosen, self.dtype, self.out_dtype)
-        gvar = mod.get_global_var(self.func)
-        mutator.builder_.update_func(gvar, mutator.visit_expr(get_function(mod, self.func)))
-        return mutator.builder_.get()
+        return rewrite_function(_RecastMutator(mod, chosen, self.dtype, self.out_dtype), mod, self.func)
 
 
 def recast(mod: tvm.IRModule, dtype: str, out_dtype: str, ops: Iterable[str] = DEFAULT_RECAST_OPS,

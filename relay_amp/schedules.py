@@ -3,7 +3,7 @@
 TVM 0.27 ships no default CPU schedule for matmul or convolution, so an untuned build runs them as
 scalar, single-threaded loop nests. `ContractionRule` schedules every contraction (a reduction
 block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
-vectorized, parallel loop nest; `InjectiveRule` parallelizes and vectorizes elementwise functions.
+vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions.
 """
 
 import math
@@ -14,11 +14,10 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
-VECTOR_BYTES = 64  # one AVX-512 register
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
 CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of a core's L2
-MAX_ACCUMULATORS = 16
-STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this  # zmm registers holding accumulators, of the 32; the rest hold operands
+MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
+STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
 
 
@@ -37,8 +36,7 @@ def _is_cpu(target: tvm.target.Target) -> bool:
 
 
 def _extent(sch: s_tir.Schedule, loop) -> int | None:
-    extent = sch.get(loop).extent
-    return int(extent) if isinstance(extent, tirx.IntImm) else None
+    return _const(sch.get(loop).extent) or None
 
 
 def _const(extent) -> int:
@@ -73,7 +71,7 @@ def largest_divisor(extent: int, limit: int) -> int:
 
 
 def _register_factor(extent: int, vector_lanes: int) -> int:
-    """Rows of accumulators: the most that divide `extent` and keep at most 16 registers of them."""
+    """Rows of accumulators: the most that divide `extent`, fit MAX_ACCUMULATORS registers and stay under STACK_BYTES."""
     registers_per_row = -(-vector_lanes // ACCUMULATOR_LANES)
     limit = min(MAX_ACCUMULATORS // registers_per_row, (STACK_BYTES - 1) // (4 * vector_lanes))
     return largest_divisor(extent, limit)
