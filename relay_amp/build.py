@@ -11,7 +11,7 @@ from tvm.s_tir import meta_schedule as ms
 from .errors import TargetError, TuningError
 from .schedules import default_schedules
 from .targets import check_host, get_target
-from .tuning import load_database, matching_records, prepare_passes
+from .tuning import load_database, matching_records, prepare_passes, prepared_records
 
 
 def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
@@ -26,25 +26,31 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     check_host(target)
     tgt = get_target(target)
     database = None if tune_logs is None else load_database(tune_logs)
-    if database is not None and matching_records(database, mod, tgt) == 0:
+    if tgt.kind.name != "llvm":
+        return _build_gpu(mod, tgt, database, tune_logs)
+    with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
+        prepared = prepare_passes(tgt, fast_math)(mod)  # once: the record check and the build share it
+        if database is not None:
+            _require_records(prepared_records(database, prepared, tgt), tune_logs)
+        return relax.build(prepared, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None))
+
+
+def _require_records(count: int, tune_logs) -> None:
+    if count == 0:
         raise TuningError(f"tuning log {tune_logs} has no record for any operator of this module "
                           "(tuned for another model, dtype or target?)")
-    if tgt.kind.name != "llvm":
-        return _build_gpu(mod, tgt, database)
-    with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
-        return relax.build(mod, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None, fast_math))
 
 
-def _build_gpu(mod: tvm.IRModule, tgt: tvm.target.Target, database) -> relax.VMExecutable:
+def _build_gpu(mod: tvm.IRModule, tgt: tvm.target.Target, database, tune_logs) -> relax.VMExecutable:
     if database is None:
         return tvm.compile(mod, target=tgt)
+    _require_records(matching_records(database, mod, tgt), tune_logs)
     return ms.relax_integration.compile_relax(database, mod, tgt, params=None)
 
 
-def _cpu_pipeline(tgt: tvm.target.Target, tuned: bool, fast_math: bool) -> tvm.transform.Pass:
-    """Legalize and fuse as MetaSchedule does, apply the records, then relay_amp's CPU schedules for the rest."""
+def _cpu_pipeline(tgt: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
+    """For a prepared module: apply the records, then relay_amp's CPU schedules for the rest, then lower."""
     passes = [
-        prepare_passes(tgt, fast_math),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(),
         *cpu_generic.dataflow_lower_passes(tgt),

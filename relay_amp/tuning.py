@@ -155,6 +155,10 @@ def _check_json_lines(path: Path) -> None:
 
 def matching_records(database: ms.Database, mod: tvm.IRModule, target: tvm.target.Target) -> int:
     """How many of `mod`'s operators for `target` have a record in the database."""
-    prepared = prepare(mod, target)
+    return prepared_records(database, prepare(mod, target), target)
+
+
+def prepared_records(database: ms.Database, prepared: tvm.IRModule, target: tvm.target.Target) -> int:
+    """How many operators of an already prepared module (see prepare_passes) have a record in the database."""
     tasks = ms.relax_integration.extract_tasks(prepared, target)
     return sum(database.has_workload(task.dispatched[0]) for task in tasks)
