@@ -1,6 +1,6 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import amp, digits, frontend, kernels, metrics, models, schedules, targets, transform
+from . import amp, digits, frontend, kernels, metrics, models, schedules, targets, tensorcore, transform
 from .accuracy import Report, tune_precision
 from .bench import benchmark
 from .build import build
@@ -64,6 +64,7 @@ __all__ = [
     "save",
     "schedules",
     "targets",
+    "tensorcore",
     "to_mixed_precision",
     "transform",
     "tune",

@@ -6,12 +6,14 @@ import os
 import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
-from tvm.s_tir import meta_schedule as ms
+from tvm.relax.backend.cuda import pipeline as cuda_backend
 
-from .errors import TargetError, TuningError
+from ._ir import tensor_dtype
+from .errors import DTypeError, TargetError, TuningError
 from .schedules import default_schedules
 from .targets import check_host, get_target
-from .tuning import load_database, matching_records, prepare_passes, prepared_records
+from .tensorcore import gpu_schedules
+from .tuning import load_database, prepare_passes, prepared_records
 
 
 def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
@@ -21,18 +23,31 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     On CPU targets GELU/erf/exp/tanh/softmax become vectorizable approximations (relay_amp.fastmath; turn off
     with `fast_math=False`), and matmuls and NHWC convs with constant weights go to relay_amp.kernels where the
     target has the instruction; MetaSchedule records from `tune_logs` schedule what they cover; relay_amp's
-    rule-based schedules (relay_amp.schedules) the rest. CUDA targets get TVM's dlight schedules.
+    rule-based schedules (relay_amp.schedules) the rest. On CUDA targets matmuls and convs in int8 or float16
+    run on tensor cores (relay_amp.tensorcore), and TVM's dlight rules schedule the rest.
     """
     check_host(target)
+    _reject_sub_byte_tensors(mod)
     tgt = get_target(target)
     database = None if tune_logs is None else load_database(tune_logs)
-    if tgt.kind.name != "llvm":
-        return _build_gpu(mod, tgt, database, tune_logs)
     with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
         prepared = prepare_passes(tgt, fast_math)(mod)  # once: the record check and the build share it
         if database is not None:
             _require_records(prepared_records(database, prepared, tgt), tune_logs)
-        return relax.build(prepared, target=tgt, relax_pipeline=_cpu_pipeline(tgt, database is not None))
+        return relax.build(prepared, target=tgt, relax_pipeline=_pipeline(tgt, database is not None))
+
+
+def _reject_sub_byte_tensors(mod: tvm.IRModule) -> None:
+    """TVM 0.27 cannot compile int4/uint4 tensors: folding a constant into one corrupts the heap and the CUDA
+    codegen has no type for its vectors. Refuse them here instead of crashing the process later."""
+    for gvar, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            found = []
+            relax.analysis.post_order_visit(func, lambda expr: found.append(tensor_dtype(expr)))
+            sub_byte = sorted({dtype for dtype in found if dtype and tvm.DataType(dtype).bits < 8})
+            if sub_byte:
+                raise DTypeError(f"{gvar.name_hint} holds {'/'.join(sub_byte)} tensors, which TVM 0.27 cannot "
+                                 "compile (see README, 'int4'): recast to int8 for a build")
 
 
 def _require_records(count: int, tune_logs) -> None:
@@ -41,22 +56,17 @@ def _require_records(count: int, tune_logs) -> None:
                           "(tuned for another model, dtype or target?)")
 
 
-def _build_gpu(mod: tvm.IRModule, tgt: tvm.target.Target, database, tune_logs) -> relax.VMExecutable:
-    if database is None:
-        return tvm.compile(mod, target=tgt)
-    _require_records(matching_records(database, mod, tgt), tune_logs)
-    return ms.relax_integration.compile_relax(database, mod, tgt, params=None)
-
-
-def _cpu_pipeline(tgt: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
-    """For a prepared module: apply the records, then relay_amp's CPU schedules for the rest, then lower."""
+def _pipeline(tgt: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
+    """For a prepared module: apply the records, then relay_amp's schedules for the rest, then lower."""
+    cpu = tgt.kind.name == "llvm"
+    lowering = cpu_generic if cpu else cuda_backend
     passes = [
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
-        default_schedules(),
-        *cpu_generic.dataflow_lower_passes(tgt),
-        *cpu_generic.finalize_passes(tgt),
+        default_schedules() if cpu else gpu_schedules(),
+        *lowering.dataflow_lower_passes(tgt),
+        *lowering.finalize_passes(tgt),
     ]
-    return tvm.transform.Sequential(passes, name="relay_amp_cpu_pipeline")
+    return tvm.transform.Sequential(passes, name="relay_amp_pipeline")
 
 
 def cuda_source(executable: relax.VMExecutable) -> str:
