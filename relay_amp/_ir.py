@@ -63,9 +63,33 @@ def cast_constant(const: tvm.ir.expr.Constant, dtype: str) -> tvm.ir.expr.Consta
     return relax.const(cast_array(const.value.numpy(), dtype), dtype)
 
 
+def is_sub_byte(dtype: str) -> bool:
+    """Whether `dtype` packs several values per byte (int4, uint4): TVM 0.27 can neither store nor compile it."""
+    return tvm.DataType(dtype).bits < 8
+
+
 def can_cast_offline(dtype: str) -> bool:
     """Whether a constant can be stored in `dtype` (TVM 0.27 cannot build sub-byte constants)."""
-    return tvm.DataType(dtype).bits >= 8
+    return not is_sub_byte(dtype)
+
+
+def vars_in(expr) -> list:
+    """The variables a TIR expression reads."""
+    return list(tvm.tirx.analysis.undefined_vars(expr))
+
+
+def index_vars(access) -> list:
+    """The variables in every index of a TIR block's buffer access (a read or write region)."""
+    return [var for index in access.region for var in vars_in(index.min)]
+
+
+def try_primitive(primitive, block) -> bool:
+    """Apply a schedule primitive such as sch.compute_inline to `block`; False where TIR refuses it."""
+    try:
+        primitive(block)
+    except tvm.s_tir.ScheduleError:
+        return False
+    return True
 
 
 def emit_cast(builder: relax.BlockBuilder, expr: relax.Expr, dtype: str) -> relax.Expr:

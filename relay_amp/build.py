@@ -8,7 +8,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.relax.backend.cuda import pipeline as cuda_backend
 
-from ._ir import tensor_dtype
+from ._ir import is_sub_byte, tensor_dtype
 from .errors import DTypeError, TargetError, TuningError
 from .schedules import default_schedules
 from .targets import check_host, get_target
@@ -44,7 +44,7 @@ def _reject_sub_byte_tensors(mod: tvm.IRModule) -> None:
         if isinstance(func, relax.Function):
             found = []
             relax.analysis.post_order_visit(func, lambda expr: found.append(tensor_dtype(expr)))
-            sub_byte = sorted({dtype for dtype in found if dtype and tvm.DataType(dtype).bits < 8})
+            sub_byte = sorted({dtype for dtype in found if dtype and is_sub_byte(dtype)})
             if sub_byte:
                 raise DTypeError(f"{gvar.name_hint} holds {'/'.join(sub_byte)} tensors, which TVM 0.27 cannot "
                                  "compile (see README, 'int4'): recast to int8 for a build")

@@ -14,6 +14,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
+from ._ir import index_vars, try_primitive, vars_in
+
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
 CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of a core's L2
 MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
@@ -44,14 +46,6 @@ def _const(extent) -> int:
     if isinstance(extent, int):
         return extent
     return int(extent) if isinstance(extent, tirx.IntImm) else 0
-
-
-def _vars_in(expr) -> list:
-    return list(tirx.analysis.undefined_vars(expr))
-
-
-def _index_vars(region) -> list:
-    return [var for rng in region.region for var in _vars_in(rng.min)]
 
 
 def _vector_factor(extent: int) -> int:
@@ -89,14 +83,14 @@ def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
     reduction = [it for it in info.iters if it.kind == "R"]
     if len(block.reads) < 2 and math.prod(_const(it.dom) for it in reduction) > MAX_WINDOW:
         return None  # a long single-tensor reduction (sum, mean): TVM's CPU reduction rule suits it better
-    out_vars = [_vars_in(index.min) for index in block.writes[0].region]
+    out_vars = [vars_in(index.min) for index in block.writes[0].region]
     if not spatial or not out_vars or not out_vars[-1]:
         return None
     vector_var = out_vars[-1][0]
     vector_index = next((i for i, it in enumerate(spatial) if it.var.same_as(vector_var)), None)
     if vector_index is None or not _const(spatial[vector_index].dom):
         return None  # no output axis to vectorize, or a symbolic one
-    streamed = [_index_vars(read) for read in block.reads if any(v.same_as(vector_var) for v in _index_vars(read))]
+    streamed = [index_vars(read) for read in block.reads if any(v.same_as(vector_var) for v in index_vars(read))]
     candidates = [i for i, it in enumerate(spatial) if i != vector_index and _const(it.dom) > 1
                   and not any(any(v.same_as(it.var) for v in used) for used in streamed)]
     register_index = max(candidates, key=lambda i: (_const(spatial[i].dom), i)) if candidates else None
@@ -169,7 +163,7 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     cache = sch.cache_write(found.block, 0, "global")
     sch.reverse_compute_at(cache, cached[-1])
     for consumer in sch.get_consumers(cache):
-        _try_reverse_inline(sch, consumer)
+        try_primitive(sch.reverse_compute_inline, consumer)
     sch.parallel(sch.fuse(*spatial))
     if len(inner) == 2:
         sch.unroll(inner[0])
@@ -185,13 +179,6 @@ def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share
     outer_extent = (_extent(sch, loop) or 0) // inner
     budget = CACHE_BYTES // share // (4 * inner * depth) if depth else 1
     return sch.split(loop, [None, largest_divisor(outer_extent, budget) if outer_extent else 1, inner])
-
-
-def _try_reverse_inline(sch: s_tir.Schedule, block) -> None:
-    try:
-        sch.reverse_compute_inline(block)
-    except s_tir.ScheduleError:
-        pass
 
 
 def schedule_injective(sch: s_tir.Schedule, block) -> None:

@@ -18,6 +18,8 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_index_map, get_reduction_blocks
 
+from ._ir import index_vars, try_primitive, vars_in
+
 FRAGMENT = 16  # wmma m16n16k16: the side of every fragment
 WARP_SIZE = 32
 MAX_WARPS = 2  # warps per block along i and along j
@@ -113,7 +115,7 @@ class TensorCoreRule(dl.ScheduleRule):
         main = blocks[0]
         stmt = sch.get(main)
         dtypes = _dtypes(stmt)
-        if WMMA_DTYPES.get(dtypes, 1000) > sm_version(target) or get_index_map(stmt) is None:
+        if dtypes not in WMMA_DTYPES or WMMA_DTYPES[dtypes] > sm_version(target) or get_index_map(stmt) is None:
             return None
         return _schedule(sch, main, dtypes)
 
@@ -134,8 +136,8 @@ def _inline_consumers(sch: s_tir.Schedule, block) -> None:
     Intermediate epilogue blocks are first inlined into their consumers (GELU reads its input three times),
     then the one left reading `block` is inlined into it backwards; raises ScheduleError if one remains."""
     while sch.get_consumers(block):
-        inlined = sum(_try(sch.compute_inline, consumer) for consumer in _all_consumers(sch, block))
-        inlined += sum(_try(sch.reverse_compute_inline, consumer) for consumer in sch.get_consumers(block))
+        inlined = sum(try_primitive(sch.compute_inline, consumer) for consumer in _all_consumers(sch, block))
+        inlined += sum(try_primitive(sch.reverse_compute_inline, consumer) for consumer in sch.get_consumers(block))
         if not inlined:
             sch.reverse_compute_inline(sch.get_consumers(block)[0])  # raises the reason it cannot be inlined
 
@@ -145,35 +147,23 @@ def _all_consumers(sch: s_tir.Schedule, block) -> list:
     return direct + [later for consumer in direct for later in _all_consumers(sch, consumer)]
 
 
-def _try(primitive, block) -> bool:
-    try:
-        primitive(block)
-    except s_tir.ScheduleError:
-        return False
-    return True
-
-
 def _order_reduction_like_input(sch: s_tir.Schedule, main) -> None:
     """Reorder the block's reduction axes as A's buffer nests them, so K runs along A's contiguous axis.
 
     A HWNC conv reduces over (c, kh, kw) but reads c innermost; fused in that order, K would step by
     whole pixels, and the im2col copy could not be vectorized."""
     stmt = sch.get(main)
-    access = [_vars_in(index.min) for index in stmt.reads[0].region]
+    access = [vars_in(index.min) for index in stmt.reads[0].region]
 
     def depth(var: tirx.Var) -> int:
         return next((dim for dim, used in enumerate(access) if any(var.same_as(u) for u in used)), -1)
 
-    old = [tirx.Var(f"v{n}", it.var.ty) for n, it in enumerate(stmt.iter_vars)]
-    kinds = [it.iter_type == tirx.IterVar.CommReduce for it in stmt.iter_vars]
-    spatial = [var for var, reduce in zip(old, kinds) if not reduce]
-    reduction = sorted((var for var, reduce in zip(old, kinds) if reduce),
-                       key=lambda var: depth(stmt.iter_vars[old.index(var)].var))
-    sch.transform_block_layout(main, tirx.IndexMap(old, spatial + reduction, None))
-
-
-def _vars_in(expr) -> list:
-    return list(tirx.analysis.undefined_vars(expr))
+    axes = [(tirx.Var(f"v{n}", it.var.ty), it) for n, it in enumerate(stmt.iter_vars)]
+    spatial = [var for var, it in axes if it.iter_type != tirx.IterVar.CommReduce]
+    reduction = sorted((pair for pair in axes if pair[1].iter_type == tirx.IterVar.CommReduce),
+                       key=lambda pair: depth(pair[1].var))
+    sch.transform_block_layout(main, tirx.IndexMap([var for var, _ in axes],
+                                                   spatial + [var for var, _ in reduction], None))
 
 
 def _normalize(sch: s_tir.Schedule, main) -> None:
@@ -216,16 +206,12 @@ def _staging_of(stmt: s_tir.SBlock, operand: int, dtype: str) -> _Staging:
     reduction axis, across (transposing) where it is its innermost spatial axis (a [K, N] weight), else lane by lane."""
     access = stmt.reads[operand]
     innermost = access.region[-1].min
-    used = [it for it in stmt.iter_vars if any(it.var.same_as(var) for var in _index_vars(access))]
+    used = [it for it in stmt.iter_vars if any(it.var.same_as(var) for var in index_vars(access))]
     spatial = [it for it in used if it.iter_type == tirx.IterVar.DataPar]
     for axis, along_k in ((stmt.iter_vars[-1], True), (spatial[-1] if spatial else None, False)):
         if axis is not None and isinstance(innermost, tirx.Var) and axis.var.same_as(innermost):
             return _Staging(_vector_lanes(access, axis, dtype), along_k)
     return _Staging(1, True)
-
-
-def _index_vars(access: tvm.ir.TensorRegion) -> list:
-    return [var for index in access.region for var in _vars_in(index.min)]
 
 
 def _tensorize(sch: s_tir.Schedule, main, tiles: tuple[_Tile, _Tile], staging: list[_Staging],
