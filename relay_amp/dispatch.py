@@ -1,7 +1,8 @@
 """dispatch: route bf16 and int8 matmuls and NHWC convolutions with constant weights to relay_amp.kernels.
 
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
-kernel (vdpbf16ps or vpdpbusd) whose weight is packed once, here, into a new constant. Calls the kernels
+kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.amx) whose weight is packed once, here, into a
+new constant. Calls the kernels
 cannot take (other dtypes, non-constant weights, NCHW data, output channels that do not fit 16-lane blocks,
 groups or dilation) are left to the generic schedules. Conv inputs whose channels do not fill the instruction's
 group (an RGB stem conv) get zero channels added to data and weight.
@@ -13,7 +14,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import kernels
+from . import amx, kernels
 from ._ir import rewrite_function, tensor_dtype, tensor_shape
 
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.kernels has a dot product for
@@ -25,12 +26,6 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
         return frozenset()
     has = tvm.target.codegen.target_has_features
     return frozenset(dtype for dtype in DATA_DTYPES if has(kernels.intrinsic_for(dtype).llvm_feature, target))
-
-
-def target_has_amx(target: tvm.target.Target) -> bool:
-    """Whether `target` (an llvm target) may use AMX bf16 tiles."""
-    has = tvm.target.codegen.target_has_features
-    return target.kind.name == "llvm" and has("amx-tile", target) and has("amx-bf16", target)
 
 
 def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
@@ -53,10 +48,10 @@ def _out_dtype(call: relax.Call, data_dtype: str) -> str:
 class _Dispatcher(relax.PyExprMutator):
     """Rewrites eligible matmul/conv2d calls into kernel calls."""
 
-    def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str], amx: bool):
+    def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str], amx_dtypes: frozenset[str]):
         super().__init__(mod)
         self.dtypes = dtypes
-        self.amx = amx
+        self.amx_dtypes = amx_dtypes
         self.kernel_count = 0
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -106,26 +101,30 @@ class _Dispatcher(relax.PyExprMutator):
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
         self.kernel_count += 1
-        func = kernels.amx_matmul(spec) if self.amx and kernels.amx_supports(spec) else kernels.conv2d_nhwc(spec)
-        gvar = self.builder_.add_func(func, f"relay_amp_dot_kernel{self.kernel_count}")
         args = [data, relax.const(packed)]
-        if spec.shifted:
-            args.append(relax.const(kernels.weight_sums(packed)))
+        if spec.data_dtype in self.amx_dtypes and amx.supports(spec):
+            func = amx.conv2d_nhwc(spec)
+        else:
+            func = kernels.conv2d_nhwc(spec)
+            if spec.shifted:
+                args.append(relax.const(kernels.weight_sums(packed)))
+        gvar = self.builder_.add_func(func, f"relay_amp_dot_kernel{self.kernel_count}")
         out_ty = relax.TensorType(spec.out_shape, spec.out_dtype)
         return self.builder_.emit(relax.call_tir(gvar, args, out_ty))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")
 class UseDotKernels:
-    """Route eligible matmuls and NHWC conv2ds to relay_amp's AVX-512 kernels (AMX for bf16 matmuls if `amx`)."""
+    """Route eligible matmuls and NHWC conv2ds to relay_amp's AVX-512 kernels, or its AMX kernels where their
+    data dtype is in `amx_dtypes` and the shapes fit AMX tiles."""
 
     def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(DATA_DTYPES), func: str = "main",
-                 amx: bool = False):
+                 amx_dtypes: "frozenset[str] | set[str]" = frozenset()):
         self.dtypes = frozenset(dtypes)
         self.func = func
-        self.amx = amx
+        self.amx_dtypes = frozenset(amx_dtypes)
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
         mod = relax.transform.FoldConstant()(mod)
-        return rewrite_function(_Dispatcher(mod, self.dtypes, self.amx), mod, self.func)
+        return rewrite_function(_Dispatcher(mod, self.dtypes, self.amx_dtypes), mod, self.func)

@@ -11,7 +11,8 @@ from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from .dispatch import UseDotKernels, target_dtypes, target_has_amx
+from . import amx
+from .dispatch import UseDotKernels, target_dtypes
 from .errors import OptionError, TuningError
 from .fastmath import FastMath
 from .serialization import atomic_write_text
@@ -42,7 +43,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True) -> tvm.tra
     cpu = target.kind.name == "llvm"
     return tvm.transform.Sequential([
         *([FastMath()] if cpu and fast_math else []),
-        *([UseDotKernels(dtypes, amx=target_has_amx(target))] if dtypes else []),
+        *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),

@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 
 import relay_amp
-from relay_amp import dispatch, kernels, targets
+from relay_amp import amx, dispatch, kernels, targets
 from relay_amp.build import build
 from relay_amp.runtime import run_executable
 from pass_checks import assert_transforms
@@ -66,14 +66,37 @@ def test_calls_the_kernels_cannot_take_are_left_alone(reason, module):
     assert_transforms(dispatch.UseDotKernels({BF16}), before, expected)
 
 
-def test_amx_takes_bf16_matmuls_that_fit_its_blocks():
+def test_amx_takes_the_calls_that_fit_its_tiles():
     def kernel_text(rows):
-        after = dispatch.UseDotKernels({BF16}, amx=True)(_matmul_module(BF16, _bf16_weight((64, 32)), rows))
+        after = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(_matmul_module(BF16, _bf16_weight((64, 32)), rows))
         return after["relay_amp_dot_kernel1"].script()
-    assert kernels.AMX_SYMBOL in kernel_text(16)  # 2 x 16 rows
-    assert kernels.AMX_SYMBOL not in kernel_text(4)  # 8 rows: the AVX-512 kernel
-    assert dispatch.target_has_amx(targets.get_target("cpu-amx"))
-    assert not dispatch.target_has_amx(targets.get_target("cpu-avx512-bf16"))
+    assert amx.PRODUCTS[BF16].symbol in kernel_text(16)  # 2 x 16 rows
+    assert amx.PRODUCTS[BF16].symbol not in kernel_text(1)  # 2 rows: the AVX-512 kernel
+    int8 = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(_conv_module(np.ones((3, 3, 8, 32), "int8")))
+    call = next(b.value for b in int8["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)
+                and b.value.op.name == "relax.call_tir")
+    assert len(call.args[1].fields) == 2  # data and packed weight: tdpbssd takes signed int8, no weight sums
+    assert amx.PRODUCTS["int8"].symbol in int8["relay_amp_dot_kernel1"].script()
+
+
+@pytest.mark.parametrize("dtype", [BF16, "int8"])
+def test_built_model_with_amx_kernels_matches_the_generic_build(dtype):
+    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+        pytest.skip("host CPU (or kernel) has no AMX")
+    rng = np.random.default_rng(2)
+    if dtype == BF16:
+        mod = _matmul_module(BF16, _bf16_weight((64, 64)), rows=16)
+        inputs = [rng.standard_normal((2, 16, 64)).astype(ml_dtypes.bfloat16)]
+        tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
+    else:
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, 3, 32)).astype("int8"))  # 3 channels padded to 4
+        inputs = [rng.integers(-128, 128, (1, 7, 7, 3)).astype("int8")]
+        tolerance = 0  # integer arithmetic is exact
+    executable = build(mod, "cpu-amx")
+    assert amx.PRODUCTS[dtype].instruction in executable.mod.imports[0].inspect_source("asm")
+    got = run_executable(executable, inputs)[0].astype("float64")
+    expected = relay_amp.run(mod, inputs)[0].astype("float64")
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
 
 
 def test_int8_conv_is_padded_then_dispatched():
