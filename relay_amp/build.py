@@ -10,6 +10,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_backend
 
 from ._ir import is_sub_byte, tensor_dtype
 from .errors import DTypeError, TargetError, TuningError
+from .kernels import DotKernelRule
 from .schedules import default_schedules
 from .targets import check_host, get_target
 from .tensorcore import gpu_schedules
@@ -62,7 +63,7 @@ def _pipeline(tgt: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
     lowering = cpu_generic if cpu else cuda_backend
     passes = [
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
-        default_schedules() if cpu else gpu_schedules(),
+        default_schedules(DotKernelRule()) if cpu else gpu_schedules(),
         *lowering.dataflow_lower_passes(tgt),
         *lowering.finalize_passes(tgt),
     ]

@@ -105,7 +105,7 @@ class _Dispatcher(relax.PyExprMutator):
         if spec.data_dtype in self.amx_dtypes and amx.supports(spec):
             func = amx.conv2d_nhwc(spec)
         else:
-            func = kernels.conv2d_nhwc(spec)
+            func = kernels.conv2d_nhwc_compute(spec)
             if spec.shifted:
                 args.append(relax.const(kernels.weight_sums(packed)))
         gvar = self.builder_.add_func(func, f"relay_amp_dot_kernel{self.kernel_count}")

@@ -14,11 +14,14 @@ fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of a
 `relay_amp.amx` computes the same convolutions on AMX tiles, over the same packed weight.
 """
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import tvm
 from tvm import s_tir, te
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
 from .errors import DTypeError
@@ -27,6 +30,10 @@ from .schedules import STACK_BYTES, largest_divisor, schedule_injective
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
 MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
+RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
+SPEC_ANNOTATION = "relay_amp.conv_spec"
+_RULE_ATTRS = {"schedule_rule": RULE}
+OPAQUE_PATTERN = 8  # relax's kOpaque: FuseOps leaves the call alone
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,7 @@ def _compute(spec: ConvSpec) -> list:
     operand = data
     if spec.shifted:
         operand = te.compute(spec.data_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
-                             name="shifted")
+                             name="shifted", attrs=_RULE_ATTRS)
     row = te.reduce_axis((0, spec.kernel_size[0]), "row")
     col = te.reduce_axis((0, spec.kernel_size[1]), "col")
     chan = te.reduce_axis((0, channels), "chan")
@@ -193,31 +200,65 @@ def _compute(spec: ConvSpec) -> list:
     acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
         operand[b, y * stride_h + row, x * stride_w + col, chan].astype(dot.acc_dtype)
         * packed[o // LANES, row, col, chan // dot.group, o % LANES, chan % dot.group].astype(dot.acc_dtype),
-        axis=[row, col, chan]), name="acc")
+        axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: json.dumps(asdict(spec))})
     if not spec.shifted:
-        return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out")]
+        return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out",
+                                         attrs=_RULE_ATTRS)]
     sums = te.placeholder((spec.out_channels,), "int32", "sums")
-    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[i[-1]]).astype(spec.out_dtype), name="out")
+    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[i[-1]]).astype(spec.out_dtype), name="out",
+                     attrs=_RULE_ATTRS)
     return [data, packed, sums, out]
 
 
-def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
-    """A scheduled, tensorized PrimFunc computing `spec` over a weight packed by `pack_weight` (+ `weight_sums` for int8)."""
+def conv2d_nhwc_compute(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """The unscheduled kernel for `spec`: its blocks carry relay_amp's schedule rule, which MetaSchedule tunes
+    (`ApplyCustomRule`) and `DotKernelRule` applies untuned. It stays out of operator fusion."""
     if not supports(spec.out_channels, spec.data_shape[-1], spec.dot):
         raise DTypeError(f"kernel needs output channels divisible by {LANES} and input channels by "
                          f"{spec.dot.group}; got {spec.out_channels} and {spec.data_shape[-1]}")
     sch = s_tir.Schedule(te.create_prim_func(_compute(spec)))
-    _schedule_conv(sch, spec)
-    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+    sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's generic rules skip the function
+    return sch.mod["main"].without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
 
 
-def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec) -> None:
-    block = sch.get_sblock("acc")
+def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """A scheduled, tensorized PrimFunc computing `spec` over a weight packed by `pack_weight` (+ `weight_sums` for int8)."""
+    sch = s_tir.Schedule(conv2d_nhwc_compute(spec))
+    schedule_kernel(sch, sch.get_sblock("acc"))
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def kernel_spec(sch: s_tir.Schedule, block) -> ConvSpec | None:
+    """The ConvSpec a kernel's accumulating block was built from, or None for any other block."""
+    annotation = sch.get(block).annotations.get(SPEC_ANNOTATION)
+    if annotation is None:
+        return None
+    fields = json.loads(str(annotation))
+    return ConvSpec(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
+
+
+def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
+    """Tile, tensorize and parallelize a kernel's accumulating `block`; `tunable` samples its register tile
+    (output-channel columns and pixel rows) for MetaSchedule instead of taking the default one."""
+    spec = kernel_spec(sch, block)
+    _, _, out_x, out_c, *_ = sch.get_loops(block)
+    wide = spec.out_channels % (2 * LANES) == 0
+    if tunable:
+        columns = sch.sample_categorical([1, 2], [0.5, 0.5]) if wide else 1
+        rows = sch.sample_perfect_tile(out_x, n=2, max_innermost_factor=MAX_ROWS)[1]
+    else:
+        columns = 2 if wide else 1
+        rows = largest_divisor(spec.out_shape[2], MAX_ROWS // columns)
+    _schedule_conv(sch, spec, block, columns, rows, vectorize_copies=not tunable)
+
+
+def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, vectorize_copies: bool) -> None:
+    """The kernel's loop nest. With sampled tiles the accumulator copies are left to LLVM's vectorizer: how many
+    loops they keep depends on the sample, and a traced get_loops must return as many loops on every replay."""
     batch, out_y, out_x, out_c, row, col, chan = sch.get_loops(block)
-    columns = 2 if spec.out_channels % (2 * LANES) == 0 else 1
     out_c_outer, out_c_column, out_c_lane = sch.split(out_c, [None, columns, LANES])
     chan_outer, chan_group = sch.split(chan, [None, spec.dot.group])
-    x_outer, x_row = sch.split(out_x, [None, largest_divisor(spec.out_shape[2], MAX_ROWS // columns)])
+    x_outer, x_row = sch.split(out_x, [None, rows])
     tensorized = spec.dot in INTRINSICS
     lanes = [out_c_lane, chan_group] if tensorized else [chan_group, out_c_lane]
     # output-channel tiles outermost: one weight panel stays in L2 while every pixel streams past it
@@ -229,13 +270,50 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec) -> None:
     sch.parallel(tile)
     sch.unroll(x_row)
     sch.unroll(out_c_column)
-    sch.vectorize(sch.get_loops(cache)[-1])
     if not tensorized:
         sch.vectorize(out_c_lane)
     init = sch.decompose_reduction(block, row)
-    sch.vectorize(sch.get_loops(init)[-1])
+    if vectorize_copies:
+        sch.vectorize(sch.get_loops(cache)[-1])
+        sch.vectorize(sch.get_loops(init)[-1])
     if tensorized:
         sch.tensorize(out_c_lane, spec.dot.name)
         sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
     if spec.shifted:
         schedule_injective(sch, sch.get_sblock("shifted"))
+
+
+def _kernel_block(sch: s_tir.Schedule):
+    """The accumulating block of a kernel compute (see conv2d_nhwc_compute), or None."""
+    for block in sch.get_child_blocks(get_root_block(sch)):
+        if kernel_spec(sch, block) is not None:
+            return block
+    return None
+
+
+class DotKernelRule(dl.ScheduleRule):
+    """Default (untuned) schedule for the kernel computes UseDotKernels emits: `schedule_kernel`'s register tile."""
+
+    def is_target_available(self, target: tvm.target.Target) -> bool:
+        """Whether the rule applies to `target` (CPU targets only)."""
+        return target.kind.name == "llvm"
+
+    def apply(self, func: tvm.tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
+        """The scheduled kernel, or None for any other function."""
+        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        block = _kernel_block(sch)
+        if block is None:
+            return None
+        schedule_kernel(sch, block)
+        return sch
+
+
+@tvm.register_global_func(f"s_tir.meta_schedule.cpu.{RULE}", override=True)
+def _sample_kernel_schedule(sch: s_tir.Schedule, block) -> list:
+    """MetaSchedule's ApplyCustomRule calls this for each annotated block; the accumulating one is scheduled with
+    a sampled register tile, the others (int8 shift, output cast) are scheduled with it."""
+    if kernel_spec(sch, block) is not None:
+        schedule_kernel(sch, block, tunable=True)
+    return [sch]

@@ -206,6 +206,7 @@ class ElementwiseRule(_CpuRule):
         return sch
 
 
-def default_schedules() -> tvm.transform.Pass:
-    """The pass that gives every unscheduled CPU PrimFunc relay_amp's rule-based schedule (or TVM's CPU rules)."""
-    return dl.ApplyDefaultSchedule(ContractionRule(), ElementwiseRule(), dl.cpu.Reduction())
+def default_schedules(*first_rules: dl.ScheduleRule) -> tvm.transform.Pass:
+    """The pass that gives every unscheduled CPU PrimFunc relay_amp's rule-based schedule (or TVM's CPU rules);
+    `first_rules` get the first chance."""
+    return dl.ApplyDefaultSchedule(*first_rules, ContractionRule(), ElementwiseRule(), dl.cpu.Reduction())

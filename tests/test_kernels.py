@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tvm
+from tvm.s_tir import meta_schedule as ms
 
 import relay_amp
 from relay_amp import kernels, targets
@@ -57,3 +58,45 @@ def test_unsupported_dtype_and_channel_counts_are_dtype_errors():
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 3), (1, 1), 16))
     with pytest.raises(relay_amp.DTypeError, match="divisible by 16"):
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 8), (1, 1), 24))
+
+
+def _design_space(spec: kernels.ConvSpec) -> tuple:
+    mod = tvm.IRModule({"main": kernels.conv2d_nhwc_compute(spec).with_attr("global_symbol", "main")})
+    context = ms.TuneContext(mod=mod, target=targets.get_target("cpu-avx512-bf16"), space_generator="post-order-apply",
+                             task_name="kernel")
+    return mod, context, context.generate_design_space()
+
+
+def _instructions(trace, kind: str) -> list:
+    return [inst for inst in trace.insts if inst.kind.name == kind]
+
+
+@pytest.mark.parametrize("case", ["bf16_matmul", "int8_conv_stride2"])
+def test_metaschedule_samples_register_tiles_of_the_tensorized_kernel(case):
+    spec, feature = CASES[case]
+    mod, context, spaces = _design_space(spec)
+    assert len(spaces) == 1
+    trace = spaces[0].trace
+    assert [str(inst.attrs[0]) for inst in _instructions(trace, "Tensorize")] == [spec.dot.name]
+    (rows,) = _instructions(trace, "SamplePerfectTile")
+    column_samples = _instructions(trace, "SampleCategorical")[:1] if spec.out_channels % 32 == 0 else []
+    out_w = spec.out_shape[2]
+    variants = [[(rows, [out_w // r, r])] + [(c, 1 - trace.decisions[c]) for c in column_samples] for r in (1, out_w)]
+    data, weight = random_operands(spec, np.random.default_rng(0))
+    packed = kernels.pack_weight(weight, "OIHW", spec.dot)
+    for decisions in variants:  # every sampled tile is a valid, tensorized, correct kernel
+        sch = tvm.s_tir.Schedule(mod)
+        variant = trace
+        for inst, decision in decisions:
+            variant = variant.with_decision(inst, decision, remove_postproc=True)
+        variant.apply_to_schedule(sch, remove_postproc=True)
+        for postproc in context.space_generator.postprocs:
+            assert postproc.apply(sch)
+        lib = tvm.compile(sch.mod, target=context.target)
+        assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
+        if targets.host_supports(feature):
+            args = [data, packed] + ([kernels.weight_sums(packed)] if spec.shifted else [])
+            out = tvm.runtime.empty(spec.out_shape, spec.out_dtype, tvm.cpu())
+            lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+            tolerance = 0 if spec.shifted else 1e-5
+            assert max_relative_error(out.numpy(), reference_conv(data, weight, spec)) <= tolerance

@@ -4,11 +4,13 @@ import json
 import logging
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
+from tvm import relax
 
 import relay_amp
-from relay_amp import models
+from relay_amp import kernels, models, targets
 from relay_amp.build import build
 from relay_amp.runtime import run_executable
 from relay_amp.tuning import MANIFEST, load_database, tune
@@ -83,3 +85,29 @@ def test_all_trials_failing_is_an_error_not_a_silent_success(tmp_path):
 def test_bad_tuning_options(options, fragment, tmp_path):
     with pytest.raises(relay_amp.OptionError, match=fragment):
         tune(matmul_module(32), "cpu", tmp_path, **options)
+
+
+def _bf16_conv_module():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 32), "bfloat16"))
+    weight = np.random.default_rng(0).standard_normal((1, 1, 32, 32)).astype(ml_dtypes.bfloat16)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.conv2d(x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO",
+                                                    out_dtype="float32"))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_tuned_bf16_kernel_is_tensorized_and_matches(tmp_path):
+    # the conv becomes one relay_amp kernel, the only task; MetaSchedule samples its register tile
+    mod = _bf16_conv_module()
+    database = tune(mod, "cpu-avx512-bf16", tmp_path, trials=2, trials_per_iter=2, progress=False)
+    traces = [record.trace for record in database.get_all_tuning_records()]
+    assert traces and all(kernels.BF16_DOT.name in str(trace) for trace in traces)
+    if not targets.host_supports("avx512_bf16"):
+        pytest.skip("host CPU lacks avx512_bf16: tuned, not run")
+    inputs = [np.random.default_rng(1).standard_normal((1, 8, 8, 32)).astype(ml_dtypes.bfloat16)]
+    got = run_executable(build(mod, "cpu-avx512-bf16", tmp_path), inputs)[0].astype("float64")
+    expected = relay_amp.run(mod, inputs)[0].astype("float64")
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # same bf16 products, summed in another order
