@@ -1,6 +1,6 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import amp, digits, frontend, kernels, metrics, models, schedules, targets, tensorcore, transform
+from . import amp, amx, digits, frontend, kernels, metrics, models, schedules, targets, tensorcore, transform
 from .accuracy import Report, tune_precision
 from .bench import benchmark
 from .build import build
@@ -45,6 +45,7 @@ __all__ = [
     "TuningError",
     "UnknownOpError",
     "amp",
+    "amx",
     "apply_plan",
     "benchmark",
     "build",

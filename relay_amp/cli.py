@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tn = _command(commands, "tune", "autotune a model with MetaSchedule (XGBoost cost model)", _cmd_tune,
                   target=True)
-    tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults)")
+    tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults), or int8 (recast)")
     tn.add_argument("--trials", type=int, required=True, help="measurement trials over all operators")
     tn.add_argument("--trials-per-task", type=int, help="cap on the trials of one operator")
     tn.add_argument("--trials-per-iter", type=int, default=16, help="candidates measured per round and task")
