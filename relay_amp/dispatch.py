@@ -2,9 +2,8 @@
 
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.amx) whose weight is packed once, here, into a
-new constant. Calls the kernels
-cannot take (other dtypes, non-constant weights, NCHW data, output channels that do not fit 16-lane blocks,
-groups or dilation) are left to the generic schedules. Conv inputs whose channels do not fill the instruction's
+new constant. Calls the kernels cannot take (other dtypes, non-constant weights, NCHW data, output channels
+that do not fit 16-lane blocks, groups or dilation) are left to the generic schedules. Conv inputs whose channels do not fill the instruction's
 group (an RGB stem conv) get zero channels added to data and weight.
 """
 

@@ -11,7 +11,10 @@ compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` 
 Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
 fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic.
 
-`relay_amp.amx` computes the same convolutions on AMX tiles, over the same packed weight.
+`conv2d_nhwc_compute` is the kernel before scheduling, its blocks annotated for relay_amp's schedule rule:
+MetaSchedule (`ApplyCustomRule`) samples the register tile around the intrinsic, `DotKernelRule` gives the
+default tile to an untuned build. `relay_amp.amx` computes the same convolutions on AMX tiles, over the same
+packed weight.
 """
 
 import json
