@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tvm
+from tvm import te
 from tvm.s_tir import meta_schedule as ms
 
 import relay_amp
@@ -100,3 +101,15 @@ def test_metaschedule_samples_register_tiles_of_the_tensorized_kernel(case):
             lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
             tolerance = 0 if spec.shifted else 1e-5
             assert max_relative_error(out.numpy(), reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_functions():
+    spec, _ = CASES["int8_conv_stride2"]
+    target = targets.get_target("cpu-avx512-bf16")
+    scheduled = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), target, False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"].with_attr("tirx.is_scheduled", True),
+                                   kernels.conv2d_nhwc(spec))
+    a, b = te.placeholder((16, 16), name="a"), te.placeholder((16, 16), name="b")
+    k = te.reduce_axis((0, 16), "k")
+    matmul = te.compute((16, 16), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k))
+    assert kernels.DotKernelRule().apply(te.create_prim_func([a, b, matmul]), target, False) is None
