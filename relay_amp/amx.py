@@ -15,6 +15,7 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from .errors import DTypeError
+from . import kernels
 from .kernels import LANES, ConvSpec
 from .schedules import largest_divisor
 
@@ -143,18 +144,19 @@ def _blocking(spec: ConvSpec) -> _Blocking:
     batch, out_h, out_w, _ = spec.out_shape
     tile_rows = largest_divisor(out_w, MAX_TILE_ROWS)
     row_bytes = spec.kernel_size[1] * spec.data_shape[-1] * PRODUCTS[spec.data_dtype].element_bytes
-    step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if row_bytes % d == 0) if row_bytes % 4 == 0 else 0
+    step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if row_bytes % d == 0)  # channels fill 4-byte groups
     return _Blocking(tile_rows, out_w // tile_rows, batch * out_h * (out_w // tile_rows), step_bytes, row_bytes)
 
 
 def supports(spec: ConvSpec) -> bool:
     """Whether the AMX kernel computes `spec`: bf16 -> fp32 or int8/uint8 -> int32, output channels in 32-blocks,
-    output rows tiling into at least MIN_TILE_ROWS pixels, K runs in whole 4-byte groups."""
+    input channels in whole 4-byte groups (as `kernels.pack_weight` packs them), output rows tiling into at
+    least MIN_TILE_ROWS pixels."""
     product = PRODUCTS.get(spec.data_dtype)
-    if product is None or spec.out_dtype != product.acc_dtype or spec.out_channels % (PANELS * LANES):
+    if (product is None or spec.out_dtype != product.acc_dtype or spec.out_channels % (PANELS * LANES)
+            or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot)):
         return False
-    blocking = _blocking(spec)
-    return blocking.tile_rows >= MIN_TILE_ROWS and blocking.step_bytes > 0
+    return _blocking(spec).tile_rows >= MIN_TILE_ROWS
 
 
 def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
@@ -169,7 +171,8 @@ def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
     """The AMX kernel for `spec` (see `supports`), taking the weight `kernels.pack_weight` packs (no weight sums)."""
     if not supports(spec):
         raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with output channels divisible by "
-                         f"{PANELS * LANES} and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
+                         f"{PANELS * LANES}, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
+                         f"of at least {MIN_TILE_ROWS} pixels; got {spec}")
     request_permission()
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], _blocking(spec)))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",

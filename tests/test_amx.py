@@ -55,6 +55,7 @@ def test_a_strided_conv_walks_its_input_with_tile_strides():
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype=F32, out_dtype=F32), "no fp32 tiles"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype=F32), "int8 accumulates int32"),
     (kernels.ConvSpec((1, 1, 17, 64), (1, 1), 64), "17 pixels tile only by 1"),
+    (kernels.ConvSpec((1, 1, 16, 6), (1, 1), 32, data_dtype="int8", out_dtype="int32"), "6 int8 channels: 4-byte groups"),
 ])
 def test_shapes_the_tiles_do_not_fit_are_refused(spec, reason):
     assert not amx.supports(spec), reason
