@@ -100,16 +100,28 @@ class _Dispatcher(relax.PyExprMutator):
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
         self.kernel_count += 1
-        args = [data, relax.const(packed)]
+        name = f"relay_amp_dot_kernel{self.kernel_count}"
         if spec.data_dtype in self.amx_dtypes and amx.supports(spec):
-            func = amx.conv2d_nhwc(spec)
-        else:
-            func = kernels.conv2d_nhwc_compute(spec)
-            if spec.shifted:
-                args.append(relax.const(kernels.weight_sums(packed)))
-        gvar = self.builder_.add_func(func, f"relay_amp_dot_kernel{self.kernel_count}")
-        out_ty = relax.TensorType(spec.out_shape, spec.out_dtype)
-        return self.builder_.emit(relax.call_tir(gvar, args, out_ty))
+            return self._emit_amx_kernel(spec, data, packed, name)
+        args = [data, relax.const(packed)]
+        if spec.shifted:
+            args.append(relax.const(kernels.weight_sums(packed)))
+        gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
+        return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
+
+    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray, name: str) -> relax.Expr:
+        """The AMX kernel call, with the zero rows its input buffer adds and the output columns it slices off."""
+        tiles = amx.tiling(spec)
+        extra_rows = tiles.data_shape[1] - spec.data_shape[1]
+        if extra_rows:
+            data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, 0, extra_rows, 0, 0, 0, 0]))
+        gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
+        out = self.builder_.emit(relax.call_tir(gvar, [data, relax.const(packed)],
+                                                relax.TensorType(tiles.out_shape, spec.out_dtype)))
+        if tiles.out_shape == spec.out_shape:
+            return out
+        _, out_h, out_w, _ = spec.out_shape
+        return self.builder_.emit(relax.op.strided_slice(out, axes=[1, 2], begin=[0, 0], end=[out_h, out_w]))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")

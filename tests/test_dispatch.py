@@ -25,12 +25,12 @@ def _matmul_module(dtype: str, weight: np.ndarray, rows: int = 8):
     return bb.get()
 
 
-def _conv_module(weight_hwio: np.ndarray, dtype: str = "int8", channels: int | None = None):
+def _conv_module(weight_hwio: np.ndarray, dtype: str = "int8", channels: int | None = None, strides: int = 2):
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 7, 7, channels or weight_hwio.shape[2]), dtype))
     with bb.function("main", [x]):
         with bb.dataflow():
-            conv = relax.op.nn.conv2d(x, relax.const(weight_hwio), strides=2, padding=1, data_layout="NHWC",
+            conv = relax.op.nn.conv2d(x, relax.const(weight_hwio), strides=strides, padding=1, data_layout="NHWC",
                                       kernel_layout="HWIO", out_dtype="int32")
             out = bb.emit_output(conv)
         bb.emit_func_output(out)
@@ -79,8 +79,16 @@ def test_amx_takes_the_calls_that_fit_its_tiles():
     assert amx.PRODUCTS["int8"].symbol in int8["relay_amp_dot_kernel1"].script()
 
 
-@pytest.mark.parametrize("dtype", [BF16, "int8"])
-def test_built_model_with_amx_kernels_matches_the_generic_build(dtype):
+def test_flat_amx_tiles_get_zero_rows_in_and_a_slice_out():
+    after = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(_conv_module(np.ones((3, 3, 8, 32), "int8"),
+                                                                              strides=1))
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.nn.pad", "relax.nn.pad", "relax.call_tir", "relax.strided_slice"]
+    relax.analysis.well_formed(after)
+
+
+@pytest.mark.parametrize("dtype,strides", [(BF16, 1), ("int8", 2), ("int8", 1)])
+def test_built_model_with_amx_kernels_matches_the_generic_build(dtype, strides):
     if not (targets.host_supports("amx_tile") and amx.request_permission()):
         pytest.skip("host CPU (or kernel) has no AMX")
     rng = np.random.default_rng(2)
@@ -88,8 +96,8 @@ def test_built_model_with_amx_kernels_matches_the_generic_build(dtype):
         mod = _matmul_module(BF16, _bf16_weight((64, 64)), rows=16)
         inputs = [rng.standard_normal((2, 16, 64)).astype(ml_dtypes.bfloat16)]
         tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
-    else:
-        mod = _conv_module(rng.integers(-128, 128, (3, 3, 3, 32)).astype("int8"))  # 3 channels padded to 4
+    else:  # stride 2: row tiles of a 4x4 output; stride 1: flat tiles of a 7x7 output
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, 3, 32)).astype("int8"), strides=strides)  # 3 channels -> 4
         inputs = [rng.integers(-128, 128, (1, 7, 7, 3)).astype("int8")]
         tolerance = 0  # integer arithmetic is exact
     executable = build(mod, "cpu-amx")
