@@ -28,6 +28,11 @@ def test_kernel_uses_the_instruction_and_matches_numpy(case):
     assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}: the code is checked, not run")
+    _assert_matches_numpy(lib, spec)
+
+
+def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
+    """Run a compiled kernel on random operands (packed weight, + weight sums for int8) and compare with numpy."""
     data, weight = random_operands(spec, np.random.default_rng(0))
     packed = kernels.pack_weight(weight, "OIHW", spec.dot)
     args = [data, packed] + ([kernels.weight_sums(packed)] if spec.shifted else [])
@@ -83,8 +88,6 @@ def test_metaschedule_samples_register_tiles_of_the_tensorized_kernel(case):
     column_samples = _instructions(trace, "SampleCategorical")[:1] if spec.out_channels % 32 == 0 else []
     out_w = spec.out_shape[2]
     variants = [[(rows, [out_w // r, r])] + [(c, 1 - trace.decisions[c]) for c in column_samples] for r in (1, out_w)]
-    data, weight = random_operands(spec, np.random.default_rng(0))
-    packed = kernels.pack_weight(weight, "OIHW", spec.dot)
     for decisions in variants:  # every sampled tile is a valid, tensorized, correct kernel
         sch = tvm.s_tir.Schedule(mod)
         variant = trace
@@ -96,11 +99,7 @@ def test_metaschedule_samples_register_tiles_of_the_tensorized_kernel(case):
         lib = tvm.compile(sch.mod, target=context.target)
         assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
         if targets.host_supports(feature):
-            args = [data, packed] + ([kernels.weight_sums(packed)] if spec.shifted else [])
-            out = tvm.runtime.empty(spec.out_shape, spec.out_dtype, tvm.cpu())
-            lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
-            tolerance = 0 if spec.shifted else 1e-5
-            assert max_relative_error(out.numpy(), reference_conv(data, weight, spec)) <= tolerance
+            _assert_matches_numpy(lib, spec)
 
 
 def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_functions():
