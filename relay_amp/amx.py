@@ -15,8 +15,8 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from .errors import DTypeError
 from . import kernels
+from .errors import DTypeError
 from .kernels import LANES, ConvSpec
 from .schedules import largest_divisor
 
@@ -147,7 +147,6 @@ class Tiling:
     out_shape: tuple[int, int, int, int]  # the output buffer: the spec's, or wider and taller for flat tiling
     step_bytes: int  # K bytes per tdp step
     row_bytes: int  # K bytes per kernel row: KW x C elements
-
 
 
 def _row_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:

@@ -244,7 +244,7 @@ def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
     """Tile, tensorize and parallelize a kernel's accumulating `block`; `tunable` samples its register tile
     (output-channel columns and pixel rows) for MetaSchedule instead of taking the default one."""
     spec = kernel_spec(sch, block)
-    _, _, out_x, out_c, *_ = sch.get_loops(block)
+    _, _, out_x, *_ = sch.get_loops(block)
     wide = spec.out_channels % (2 * LANES) == 0
     if tunable:
         columns = sch.sample_categorical([1, 2], [0.5, 0.5]) if wide else 1
