@@ -1,11 +1,8 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
-from . import amp, amx, digits, frontend, kernels, metrics, models, schedules, targets, tensorcore, transform
-from .accuracy import Report, tune_precision
-from .bench import benchmark
-from .build import build
-from .amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
-from .casts import eliminate_redundant_casts
+from . import frontend, targets, transform
+from .compile.build import build, compile_ptx, cuda_source
+from .compile.tuning import tune
 from .errors import (
     DTypeError,
     LayerIndexError,
@@ -19,13 +16,18 @@ from .errors import (
     TuningError,
     UnknownOpError,
 )
-from .layers import Layer, count_layers, list_layers
-from .layout import LayoutConfig
-from .ranges import RangeStats, calibrate
-from .recast import recast
+from .passes import amp
+from .passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
+from .passes.casts import eliminate_redundant_casts
+from .passes.layers import Layer, count_layers, list_layers
+from .passes.layout import LayoutConfig
+from .passes.ranges import RangeStats, calibrate
+from .passes.recast import recast
 from .runtime import run
 from .serialization import load, save
-from .tuning import tune
+from .tools import digits, metrics, models
+from .tools.accuracy import Report, tune_precision
+from .tools.bench import benchmark
 
 __all__ = [
     "DTypeError",
@@ -45,16 +47,16 @@ __all__ = [
     "TuningError",
     "UnknownOpError",
     "amp",
-    "amx",
     "apply_plan",
     "benchmark",
     "build",
     "calibrate",
+    "compile_ptx",
     "count_layers",
+    "cuda_source",
     "digits",
     "eliminate_redundant_casts",
     "frontend",
-    "kernels",
     "list_layers",
     "load",
     "metrics",
@@ -63,9 +65,7 @@ __all__ = [
     "recast",
     "run",
     "save",
-    "schedules",
     "targets",
-    "tensorcore",
     "to_mixed_precision",
     "transform",
     "tune",

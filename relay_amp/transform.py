@@ -1,10 +1,10 @@
 """The relay_amp passes as tvm.transform.Pass objects, for use inside tvm.transform.Sequential."""
 
-from .amp import ToMixedPrecision
-from .casts import EliminateRedundantCasts
-from .dispatch import UseDotKernels
-from .fastmath import FastMath
-from .layout import ConvertLayout
-from .recast import Recast
+from .backend.cpu.dispatch import UseDotKernels
+from .backend.cpu.fastmath import FastMath
+from .passes.amp import ToMixedPrecision
+from .passes.casts import EliminateRedundantCasts
+from .passes.layout import ConvertLayout
+from .passes.recast import Recast
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "Recast", "ToMixedPrecision", "UseDotKernels"]

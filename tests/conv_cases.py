@@ -3,7 +3,7 @@
 import ml_dtypes
 import numpy as np
 
-from relay_amp import kernels
+from relay_amp.backend.cpu import kernels
 
 
 def random_operands(spec: kernels.ConvSpec, rng) -> tuple[np.ndarray, np.ndarray]:

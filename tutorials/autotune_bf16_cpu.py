@@ -15,8 +15,8 @@ import numpy as np
 
 import relay_amp
 from relay_amp import models, targets
-from relay_amp.bench import benchmark, format_rows
 from relay_amp.runtime import run_executable
+from relay_amp.tools.bench import benchmark, format_rows
 
 trials = int(os.environ.get("RELAY_AMP_TUTORIAL_TRIALS", "64"))
 target = "cpu-avx512-bf16" if targets.host_supports("avx512_bf16") else "cpu"
@@ -74,7 +74,7 @@ print(format_rows(benchmark(mod, ["bfloat16"], target, repeat=5)))
 # %%
 import tvm
 
-from relay_amp import kernels
+from relay_amp.backend.cpu import kernels
 
 spec = kernels.ConvSpec(data_shape=(1, 1, 64, 64), kernel_size=(1, 1), out_channels=64)
 kernel = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")

@@ -1,0 +1,16 @@
+"""Backends: what turns a converted Relax module into scheduled, lowered code for one kind of target.
+
+Each backend has a `pipeline.py` with two functions that build and tuning both call:
+`prepare_passes(target, fast_math)` (kernel dispatch, legalization, fusion: the tasks MetaSchedule sees) and
+`lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM).
+"""
+
+import tvm
+
+from .cpu import pipeline as cpu_pipeline
+from .cuda import pipeline as cuda_pipeline
+
+
+def pipeline_for(target: tvm.target.Target):
+    """The pipeline module (`prepare_passes`, `lowering_passes`) of the backend that compiles for `target`."""
+    return cpu_pipeline if target.kind.name == "llvm" else cuda_pipeline

@@ -1,0 +1,270 @@
+"""amx: bf16 and int8 convolutions and matmuls on AMX tiles, as implicit GEMMs over NHWC data.
+
+One call of the kernel's LLVM function computes a block of 2 x 16 output channels for two tiles of up to 16
+output pixels (`tdpbf16ps` for bf16 -> fp32, `tdpbssd` / `tdpbusd` for int8 / uint8 -> int32). In NHWC the
+inputs one output pixel reads for one kernel row are contiguous: KW x C values. So an A tile is M pixels of one
+output row, each row of the tile K values of that run, and the tile's row stride (stride x C) covers strided
+convolutions; a matmul is the 1x1 case. Stride-1 outputs whose rows tile badly are tiled flattened over the
+input's width instead (see `Tiling`). The weight is the one `kernels.pack_weight` packs, [O/16, KH, KW, C/g,
+16, g], which is AMX's B-tile layout (g = 2 for bf16, 4 for int8), so signed int8 needs no shift to uint8.
+"""
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from ...errors import DTypeError
+from . import kernels
+from .kernels import LANES, ConvSpec
+from .schedules import largest_divisor
+
+TILE_BYTES = 64  # bytes in one row of a tile
+MAX_TILE_ROWS = 16
+MIN_TILE_ROWS = 4  # below this a tile wastes most of each tdp instruction: the AVX-512 kernel does better
+FLAT_GAIN = 1.25  # flat tiling (an extra pad and slice) where it fills tiles this many times better than rows
+PANELS = 2  # output-channel panels of 16 per call
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+@dataclass(frozen=True)
+class AmxProduct:
+    """One AMX dot-product instruction: its data dtype, accumulator dtype and data element size."""
+    instruction: str
+    data_dtype: str
+    acc_dtype: str
+    element_bytes: int
+
+    @property
+    def symbol(self) -> str:
+        """The name of the LLVM IR function that runs one block on this instruction."""
+        return f"relay_amp_amx_{self.instruction}"
+
+
+PRODUCTS = {product.data_dtype: product for product in (
+    AmxProduct("tdpbf16ps", "bfloat16", "float32", 2),
+    AmxProduct("tdpbssd", "int8", "int32", 1),
+    AmxProduct("tdpbusd", "uint8", "int32", 1),
+)}
+TARGET_FEATURES = {"bfloat16": "amx-bf16", "int8": "amx-int8", "uint8": "amx-int8"}
+
+
+def _tile_config() -> str:
+    """LLVM IR filling the 64-byte tile configuration: tiles 0-3 accumulate (M x 64 bytes), 4-5 hold A rows
+    (M x K bytes), 6-7 B panels (K/4 x 64 bytes)."""
+    shapes = [("%m8", "64")] * 4 + [("%m8", "%kt16")] * 2 + [("%kr8", "64")] * 2
+    lines = []
+    for tile, (rows, colsb) in enumerate(shapes):
+        lines += [f"  %cb{tile} = getelementptr i8, ptr %cfg, i64 {16 + 2 * tile}", f"  store i16 {colsb}, ptr %cb{tile}",
+                  f"  %rw{tile} = getelementptr i8, ptr %cfg, i64 {48 + tile}", f"  store i8 {rows}, ptr %rw{tile}"]
+    return "\n".join(lines)
+
+
+def llvm_ir(product: AmxProduct) -> str:
+    """LLVM IR of one block: C tiles (ldc bytes per pixel) += A (pixels lda bytes apart, kernel rows a_kh bytes
+    apart, K bytes per kernel row in steps of kt) x B (two packed panels of 16 output channels)."""
+    loads = "\n".join(f"  call void @llvm.x86.tileloadd64(i8 {tile}, ptr %{ptr}, i64 %{stride})" for tile, ptr, stride in
+                      ((4, "pa0", "lda"), (5, "pa1", "lda"), (6, "pb0", "ldb"), (7, "pb1", "ldb")))
+    products = "\n".join(f"  call void @llvm.x86.{product.instruction}(i8 {c}, i8 {a}, i8 {b})"
+                         for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
+    stores = "\n".join(f"  call void @llvm.x86.tilestored64(i8 {tile}, ptr %{ptr}, i64 %ldc)"
+                       for tile, ptr in ((0, "c0"), (1, "c0b"), (2, "c1"), (3, "c1b")))
+    return f"""
+declare void @llvm.x86.ldtilecfg(ptr)
+declare void @llvm.x86.tilerelease()
+declare void @llvm.x86.tilezero(i8 immarg)
+declare void @llvm.x86.tileloadd64(i8 immarg, ptr, i64)
+declare void @llvm.x86.{product.instruction}(i8 immarg, i8 immarg, i8 immarg)
+declare void @llvm.x86.tilestored64(i8 immarg, ptr, i64)
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1 immarg)
+define void @{product.symbol}(ptr %c0, ptr %c1, ptr %a0, ptr %a1, ptr %b, i64 %m, i64 %kt, i64 %lda, i64 %a_kh,
+                               i64 %kh, i64 %kwc, i64 %ldc) {{
+entry:
+  %cfg = alloca [64 x i8], align 64
+  call void @llvm.memset.p0.i64(ptr align 64 %cfg, i8 0, i64 64, i1 false)
+  store i8 1, ptr %cfg
+  %m8 = trunc i64 %m to i8
+  %kt16 = trunc i64 %kt to i16
+  %kr = lshr i64 %kt, 2
+  %kr8 = trunc i64 %kr to i8
+{_tile_config()}
+  call void @llvm.x86.ldtilecfg(ptr %cfg)
+  call void @llvm.x86.tilezero(i8 0)
+  call void @llvm.x86.tilezero(i8 1)
+  call void @llvm.x86.tilezero(i8 2)
+  call void @llvm.x86.tilezero(i8 3)
+  %ldb = add i64 0, {TILE_BYTES}
+  %weights = mul i64 %kh, %kwc
+  %panel = shl i64 %weights, 4
+  %b1 = getelementptr i8, ptr %b, i64 %panel
+  br label %row
+row:
+  %r = phi i64 [ 0, %entry ], [ %rnext, %row_end ]
+  %arow = mul i64 %r, %a_kh
+  %brow = mul i64 %r, %kwc
+  br label %step
+step:
+  %k = phi i64 [ 0, %row ], [ %knext, %step ]
+  %aoff = add i64 %arow, %k
+  %pa0 = getelementptr i8, ptr %a0, i64 %aoff
+  %pa1 = getelementptr i8, ptr %a1, i64 %aoff
+  %bk = add i64 %brow, %k
+  %boff = shl i64 %bk, 4
+  %pb0 = getelementptr i8, ptr %b, i64 %boff
+  %pb1 = getelementptr i8, ptr %b1, i64 %boff
+{loads}
+{products}
+  %knext = add i64 %k, %kt
+  %kdone = icmp uge i64 %knext, %kwc
+  br i1 %kdone, label %row_end, label %step
+row_end:
+  %rnext = add i64 %r, 1
+  %rdone = icmp uge i64 %rnext, %kh
+  br i1 %rdone, label %exit, label %row
+exit:
+  %c0b = getelementptr i8, ptr %c0, i64 {TILE_BYTES}
+  %c1b = getelementptr i8, ptr %c1, i64 {TILE_BYTES}
+{stores}
+  call void @llvm.x86.tilerelease()
+  ret void
+}}
+"""
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a convolution maps onto pixel tiles, and the buffer shapes the kernel takes for it.
+
+    Row tiling: a tile is `tile_rows` pixels of one output row. Flat tiling (stride 1 only): a tile is 16
+    consecutive pixels of the output flattened over the input's width, whose pixels are C apart in the input
+    too; the columns past the output's width are computed into a wider output buffer (sliced off after), and
+    the input gets zero rows at the bottom for the last tile to read.
+    """
+    tile_rows: int
+    tiles_per_image: int
+    data_shape: tuple[int, int, int, int]  # the input buffer: the spec's, plus any zero rows
+    out_shape: tuple[int, int, int, int]  # the output buffer: the spec's, or wider and taller for flat tiling
+    step_bytes: int  # K bytes per tdp step
+    row_bytes: int  # K bytes per kernel row: KW x C elements
+
+
+def _row_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
+    _, out_h, out_w, _ = spec.out_shape
+    rows = largest_divisor(out_w, MAX_TILE_ROWS)
+    return Tiling(rows, out_h * out_w // rows, spec.data_shape, spec.out_shape, step_bytes, row_bytes)
+
+
+def _flat_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
+    batch, height, width, channels = spec.data_shape
+    _, out_h, _, out_c = spec.out_shape
+    tiles = -(-out_h * width // MAX_TILE_ROWS)
+    pixels = tiles * MAX_TILE_ROWS
+    read = pixels - 1 + (spec.kernel_size[0] - 1) * width + spec.kernel_size[1]  # input pixels the last tile reads
+    data_rows = max(height, -(-read // width))
+    return Tiling(MAX_TILE_ROWS, tiles, (batch, data_rows, width, channels),
+                  (batch, -(-pixels // width), width, out_c), step_bytes, row_bytes)
+
+
+def tiling(spec: ConvSpec) -> Tiling:
+    """Row tiling, or flat tiling where it fills tiles at least FLAT_GAIN times better (a 7x7 output: 44% vs 77%)."""
+    row_bytes = spec.kernel_size[1] * spec.data_shape[-1] * PRODUCTS[spec.data_dtype].element_bytes
+    step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if row_bytes % d == 0)  # channels fill 4-byte groups
+    rows = _row_tiling(spec, step_bytes, row_bytes)
+    if spec.strides != (1, 1):
+        return rows
+    flat = _flat_tiling(spec, step_bytes, row_bytes)
+    _, out_h, out_w, _ = spec.out_shape
+    flat_filled = out_h * out_w / (flat.tiles_per_image * MAX_TILE_ROWS)
+    return flat if flat_filled >= FLAT_GAIN * rows.tile_rows / MAX_TILE_ROWS else rows
+
+
+def supports(spec: ConvSpec) -> bool:
+    """Whether the AMX kernel computes `spec`: bf16 -> fp32 or int8/uint8 -> int32, output channels in 32-blocks,
+    input channels in whole 4-byte groups (as `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS
+    pixels."""
+    product = PRODUCTS.get(spec.data_dtype)
+    if (product is None or spec.out_dtype != product.acc_dtype or spec.out_channels % (PANELS * LANES)
+            or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot)):
+        return False
+    return tiling(spec).tile_rows >= MIN_TILE_ROWS
+
+
+def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
+    """The data dtypes `target` (an llvm target) may compute on AMX tiles."""
+    has = tvm.target.codegen.target_has_features
+    if target.kind.name != "llvm" or not has("amx-tile", target):
+        return frozenset()
+    return frozenset(dtype for dtype, feature in TARGET_FEATURES.items() if has(feature, target))
+
+
+def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """The AMX kernel for `spec` (see `supports`), taking the weight `kernels.pack_weight` packs (no weight sums)
+    and the input and output buffers `tiling(spec)` describes."""
+    if not supports(spec):
+        raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with output channels divisible by "
+                         f"{PANELS * LANES}, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
+                         f"of at least {MIN_TILE_ROWS} pixels; got {spec}")
+    request_permission()
+    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec)))
+    sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
+                 llvm_ir(PRODUCTS[spec.data_dtype]))
+    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+
+
+def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling) -> tvm.tirx.PrimFunc:
+    """The PrimFunc: a parallel loop over (32 output channels, pair of pixel tiles), one LLVM call each.
+
+    Tile t of an image starts at output pixel t x tile_rows of the output buffer flattened (row tiling: rows
+    tile the buffer's width exactly; flat tiling: the buffer is as wide as the input), at (y, x) there, which
+    reads the input from (y x stride, x x stride)."""
+    batch, data_rows, width, channels = tiles.data_shape
+    _, out_rows, out_width, out_c = tiles.out_shape
+    (kernel_h, kernel_w), (stride_h, stride_w) = spec.kernel_size, spec.strides
+    group, size = 4 // product.element_bytes, product.element_bytes
+    rows, per_image = tiles.tile_rows, tiles.tiles_per_image
+    positions = batch * per_image
+    pairs = (positions + 1) // 2
+
+    @T.prim_func(s_tir=True)
+    def kernel(data: T.Buffer(tiles.data_shape, spec.data_dtype),
+               packed: T.Buffer((out_c // LANES, kernel_h, kernel_w, channels // group, LANES, group),
+                                spec.data_dtype if size == 2 else "int8"),
+               out: T.Buffer(tiles.out_shape, product.acc_dtype)):
+        T.func_attr({"tirx.noalias": True})
+        for item in T.parallel(out_c // (PANELS * LANES) * pairs):
+            with T.sblock("amx_block"):
+                T.reads(data[0:batch, 0:data_rows, 0:width, 0:channels],
+                        packed[0:out_c // LANES, 0:kernel_h, 0:kernel_w, 0:channels // group, 0:LANES, 0:group])
+                T.writes(out[0:batch, 0:out_rows, 0:out_width, 0:out_c])
+                panel = item // pairs * PANELS
+                first = item % pairs * 2
+                second = T.min(first + 1, positions - 1)
+                first_pixel = first % per_image * rows
+                second_pixel = second % per_image * rows
+                T.evaluate(T.call_extern(
+                    "int32", product.symbol,
+                    T.address_of(out[first // per_image, first_pixel // out_width, first_pixel % out_width,
+                                     panel * LANES]),
+                    T.address_of(out[second // per_image, second_pixel // out_width, second_pixel % out_width,
+                                     panel * LANES]),
+                    T.address_of(data[first // per_image, first_pixel // out_width * stride_h,
+                                      first_pixel % out_width * stride_w, 0]),
+                    T.address_of(data[second // per_image, second_pixel // out_width * stride_h,
+                                      second_pixel % out_width * stride_w, 0]),
+                    T.address_of(packed[panel, 0, 0, 0, 0, 0]),
+                    T.int64(rows), T.int64(tiles.step_bytes), T.int64(stride_w * channels * size),
+                    T.int64(width * channels * size), T.int64(kernel_h), T.int64(tiles.row_bytes),
+                    T.int64(out_c * 4)))
+
+    return kernel
+
+
+def request_permission() -> bool:
+    """Ask Linux for AMX tile state for this process (needed before any AMX instruction runs); True if granted."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    try:
+        return ctypes.CDLL(None).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,141 @@
+"""dispatch: route bf16 and int8 matmuls and NHWC convolutions with constant weights to relay_amp.backend.cpu.kernels.
+
+`UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
+kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx) whose weight is packed once, here, into a
+new constant. Calls the kernels cannot take (other dtypes, non-constant weights, NCHW data, output channels
+that do not fit 16-lane blocks, groups or dilation) are left to the generic schedules. Conv inputs whose channels do not fill the instruction's
+group (an RGB stem conv) get zero channels added to data and weight.
+"""
+
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..._ir import rewrite_function, tensor_dtype, tensor_shape
+from . import amx, kernels
+
+DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
+
+
+def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
+    """The data dtypes whose dot-product instruction `target` (an llvm target) has."""
+    if target.kind.name != "llvm":
+        return frozenset()
+    has = tvm.target.codegen.target_has_features
+    return frozenset(dtype for dtype in DATA_DTYPES if has(kernels.intrinsic_for(dtype).llvm_feature, target))
+
+
+def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != kernels.intrinsic_for(data_dtype).b_dtype:
+        return None
+    return expr.value.numpy()
+
+
+def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    shape = tensor_shape(expr)
+    return shape if shape is not None and all(isinstance(d, int) for d in shape) else None
+
+
+def _out_dtype(call: relax.Call, data_dtype: str) -> str:
+    out_dtype = call.attrs.out_dtype
+    return data_dtype if out_dtype is None or str(out_dtype) in ("", "void") else str(out_dtype)
+
+
+@relax.expr_functor.mutator
+class _Dispatcher(relax.PyExprMutator):
+    """Rewrites eligible matmul/conv2d calls into kernel calls."""
+
+    def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str], amx_dtypes: frozenset[str]):
+        super().__init__(mod)
+        self.dtypes = dtypes
+        self.amx_dtypes = amx_dtypes
+        self.kernel_count = 0
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if not isinstance(new_call.op, tvm.ir.Op) or tensor_dtype(new_call.args[0]) not in self.dtypes:
+            return new_call
+        rewrite = {"relax.matmul": self._matmul, "relax.nn.conv2d": self._conv2d}.get(new_call.op.name)
+        replaced = None if rewrite is None else rewrite(new_call)
+        return new_call if replaced is None else replaced
+
+    def _matmul(self, call: relax.Call) -> relax.Expr | None:
+        data, dtype = call.args[0], tensor_dtype(call.args[0])
+        weight = _constant_weight(call.args[1], dtype)
+        shape = _static_shape(data)
+        if weight is None or weight.ndim != 2 or shape is None:
+            return None
+        (in_ch, out_ch), rows = weight.shape, math.prod(shape[:-1])
+        spec = kernels.ConvSpec((1, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype))
+        if not kernels.supports(out_ch, in_ch, spec.dot):
+            return None
+        flat = self.builder_.emit(relax.op.reshape(data, (1, 1, rows, in_ch)))
+        result = self._emit_kernel(spec, flat, kernels.pack_weight(weight, "IO", spec.dot))
+        return relax.op.reshape(result, (*shape[:-1], out_ch))
+
+    def _conv2d(self, call: relax.Call) -> relax.Expr | None:
+        attrs, data, dtype = call.attrs, call.args[0], tensor_dtype(call.args[0])
+        weight = _constant_weight(call.args[1], dtype)
+        shape = _static_shape(data)
+        if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or int(attrs.groups) != 1
+                or any(int(d) != 1 for d in attrs.dilation) or shape is None):
+            return None
+        layout, dot = str(attrs.kernel_layout), kernels.intrinsic_for(dtype)
+        extra = -weight.shape[layout.index("I")] % dot.group  # zero channels that round inputs up to the group
+        weight = np.pad(weight, [(0, extra if axis == "I" else 0) for axis in layout])
+        out_ch, in_ch = weight.shape[layout.index("O")], weight.shape[layout.index("I")]
+        if not kernels.supports(out_ch, in_ch, dot):
+            return None
+        top, left, bottom, right = (int(p) for p in attrs.padding)
+        padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, in_ch)
+        kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
+        spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
+                                _out_dtype(call, dtype))
+        pad_width = [0, 0, top, bottom, left, right, 0, extra]
+        if any(pad_width):
+            data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
+        return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
+
+    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
+        self.kernel_count += 1
+        name = f"relay_amp_dot_kernel{self.kernel_count}"
+        if spec.data_dtype in self.amx_dtypes and amx.supports(spec):
+            return self._emit_amx_kernel(spec, data, packed, name)
+        args = [data, relax.const(packed)]
+        if spec.shifted:
+            args.append(relax.const(kernels.weight_sums(packed)))
+        gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
+        return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
+
+    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray, name: str) -> relax.Expr:
+        """The AMX kernel call, with the zero rows its input buffer adds and the output columns it slices off."""
+        tiles = amx.tiling(spec)
+        extra_rows = tiles.data_shape[1] - spec.data_shape[1]
+        if extra_rows:
+            data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, 0, extra_rows, 0, 0, 0, 0]))
+        gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
+        out = self.builder_.emit(relax.call_tir(gvar, [data, relax.const(packed)],
+                                                relax.TensorType(tiles.out_shape, spec.out_dtype)))
+        if tiles.out_shape == spec.out_shape:
+            return out
+        _, out_h, out_w, _ = spec.out_shape
+        return self.builder_.emit(relax.op.strided_slice(out, axes=[1, 2], begin=[0, 0], end=[out_h, out_w]))
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")
+class UseDotKernels:
+    """Route eligible matmuls and NHWC conv2ds to relay_amp's AVX-512 kernels, or its AMX kernels where their
+    data dtype is in `amx_dtypes` and the shapes fit AMX tiles."""
+
+    def __init__(self, dtypes: "frozenset[str] | set[str]" = frozenset(DATA_DTYPES), func: str = "main",
+                 amx_dtypes: "frozenset[str] | set[str]" = frozenset()):
+        self.dtypes = frozenset(dtypes)
+        self.func = func
+        self.amx_dtypes = frozenset(amx_dtypes)
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
+        mod = relax.transform.FoldConstant()(mod)
+        return rewrite_function(_Dispatcher(mod, self.dtypes, self.amx_dtypes), mod, self.func)

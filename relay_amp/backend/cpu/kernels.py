@@ -1,0 +1,322 @@
+"""kernels: AVX-512 dot-product tensor intrinsics and the packed-weight conv/matmul kernels that use them.
+
+Two TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
+- `BF16_DOT` on `vdpbf16ps`: 16 fp32 lanes, each += a bf16 pair of A times a bf16 pair of B.
+- `INT8_DOT` on `vpdpbusd`: 16 int32 lanes, each += four uint8 of A times four int8 of B.
+Their bodies call a small LLVM IR function that TVM links in and inlines (`pragma_import_llvm`), because TVM's
+bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrinsic cannot be called from TIR.
+
+`conv2d_nhwc` builds a tensorized NHWC convolution (a matmul is the 1x1 case) over weights packed once, at
+compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` = 2 for bf16, 4 for int8).
+Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
+fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic.
+
+`conv2d_nhwc_compute` is the kernel before scheduling, its blocks annotated for relay_amp's schedule rule:
+MetaSchedule (`ApplyCustomRule`) samples the register tile around the intrinsic, `DotKernelRule` gives the
+default tile to an untuned build. `relay_amp.backend.cpu.amx` computes the same convolutions on AMX tiles, over the same
+packed weight.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import tvm
+from tvm import s_tir, te
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import get_root_block
+from tvm.script import tirx as T
+
+from ...errors import DTypeError
+from .schedules import STACK_BYTES, largest_divisor, schedule_injective
+
+LANES = 16  # 32-bit accumulator lanes of one zmm register
+INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
+MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
+RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
+SPEC_ANNOTATION = "relay_amp.conv_spec"
+_RULE_ATTRS = {"schedule_rule": RULE}
+OPAQUE_PATTERN = 8  # relax's kOpaque: FuseOps leaves the call alone
+
+
+@dataclass(frozen=True)
+class DotIntrin:
+    """One dot-product instruction: its operand dtypes, the group it reduces per lane, and its LLVM form."""
+    name: str
+    a_dtype: str
+    b_dtype: str
+    acc_dtype: str
+    group: int
+    llvm_feature: str  # the LLVM target feature the instruction needs
+    llvm_intrinsic: str = ""  # empty: no instruction to tensorize with, the lane loop is vectorized (fp32 FMA)
+    llvm_acc: str = ""
+    llvm_operand: str = ""
+
+    @property
+    def symbol(self) -> str:
+        """The name of the LLVM IR function the intrinsic's body calls."""
+        return "relay_amp_" + self.name.replace(".", "_")
+
+    def llvm_ir(self) -> str:
+        """LLVM IR of the inlined function: acc[16] = instruction(acc, broadcast(a group), b[16 x group])."""
+        group_bits = 32
+        return f"""
+declare <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}>, {self.llvm_operand}, {self.llvm_operand})
+define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
+  %acc = load <16 x {self.llvm_acc}>, ptr %c, align 4
+  %group = load i{group_bits}, ptr %a, align 1
+  %one = insertelement <16 x i32> poison, i32 %group, i64 0
+  %all = shufflevector <16 x i32> %one, <16 x i32> poison, <16 x i32> zeroinitializer
+  %av = bitcast <16 x i32> %all to {self.llvm_operand}
+  %bv = load {self.llvm_operand}, ptr %b, align 1
+  %r = call <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}> %acc, {self.llvm_operand} %av, {self.llvm_operand} %bv)
+  store <16 x {self.llvm_acc}> %r, ptr %c, align 4
+  ret void
+}}
+"""
+
+
+BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512bf16",
+                     "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>")
+INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
+                     "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
+FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "avx512f")
+INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
+
+
+def _description(dot: DotIntrin):
+    a_dtype, b_dtype, acc, group = dot.a_dtype, dot.b_dtype, dot.acc_dtype, dot.group
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((group,), a_dtype, offset_factor=1),
+             B: T.Buffer((LANES, group), b_dtype, offset_factor=1),
+             C: T.Buffer((LANES,), acc, offset_factor=1)):
+        with T.sblock("root"):
+            T.reads(C[0:LANES], A[0:group], B[0:LANES, 0:group])
+            T.writes(C[0:LANES])
+            for i, k in T.grid(LANES, group):
+                with T.sblock("update"):
+                    vi, vk = T.axis.remap("SR", [i, k])
+                    C[vi] = C[vi] + T.cast(A[vk], acc) * T.cast(B[vi, vk], acc)
+
+    return desc
+
+
+def _implementation(dot: DotIntrin):
+    a_dtype, b_dtype, acc, group, symbol = dot.a_dtype, dot.b_dtype, dot.acc_dtype, dot.group, dot.symbol
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((group,), a_dtype, offset_factor=1),
+             B: T.Buffer((LANES, group), b_dtype, offset_factor=1),
+             C: T.Buffer((LANES,), acc, offset_factor=1)):
+        with T.sblock("root"):
+            T.reads(C[0:LANES], A[0:group], B[0:LANES, 0:group])
+            T.writes(C[0:LANES])
+            T.evaluate(T.call_extern("int32", symbol, T.address_of(C[0]), T.address_of(A[0]),
+                                     T.address_of(B[0, 0])))
+
+    return impl
+
+
+for _dot in INTRINSICS:
+    s_tir.TensorIntrin.register(_dot.name, _description(_dot), _implementation(_dot), override=True)
+
+
+def intrinsic_for(dtype: str) -> DotIntrin:
+    """The dot product that computes `dtype` ("float32", "bfloat16" or "int8"/"uint8") operands."""
+    if dtype == "float32":
+        return FP32_FMA
+    if dtype == "bfloat16":
+        return BF16_DOT
+    if dtype in ("int8", "uint8"):
+        return INT8_DOT
+    raise DTypeError(f"no AVX-512 dot-product kernel for {dtype!r}: relay_amp has them for float32, bfloat16, int8 and uint8")
+
+
+def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
+    """Reorder a conv weight (`layout` a permutation of "OIHW") or a [I, O] matmul weight into the kernel's layout."""
+    if layout == "IO":
+        weight, layout = weight[:, :, None, None], "IOHW"
+    ohwi = np.transpose(weight, [layout.index(axis) for axis in "OHWI"])
+    out_ch, height, width, in_ch = ohwi.shape
+    blocked = ohwi.reshape(out_ch // LANES, LANES, height, width, in_ch // dot.group, dot.group)
+    return np.ascontiguousarray(blocked.transpose(0, 2, 3, 4, 1, 5))
+
+
+def weight_sums(weight_ohwi_packed: np.ndarray) -> np.ndarray:
+    """Per output channel, INT8_SHIFT times the sum of its int8 weights: the correction for shifted activations."""
+    sums = weight_ohwi_packed.astype("int64").sum(axis=(1, 2, 3, 5))  # [O/16, 16]
+    return (INT8_SHIFT * sums).reshape(-1).astype("int32")
+
+
+def supports(out_channels: int, in_channels: int, dot: DotIntrin) -> bool:
+    """Whether a conv/matmul with these channel counts fits the kernel's 16-lane, group-wide blocks."""
+    return out_channels % LANES == 0 and in_channels % dot.group == 0
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """An unpadded NHWC convolution the kernel computes (pad the data first): shapes, strides, dtypes."""
+    data_shape: tuple[int, int, int, int]
+    kernel_size: tuple[int, int]
+    out_channels: int
+    strides: tuple[int, int] = (1, 1)
+    data_dtype: str = "bfloat16"
+    out_dtype: str = "float32"
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """The NHWC output shape."""
+        batch, height, width, _ = self.data_shape
+        out_h = (height - self.kernel_size[0]) // self.strides[0] + 1
+        out_w = (width - self.kernel_size[1]) // self.strides[1] + 1
+        return batch, out_h, out_w, self.out_channels
+
+    @property
+    def dot(self) -> DotIntrin:
+        """The intrinsic for the data dtype."""
+        return intrinsic_for(self.data_dtype)
+
+    @property
+    def shifted(self) -> bool:
+        """Whether signed int8 data is shifted to uint8 (and corrected through the weight sums)."""
+        return self.data_dtype == "int8"
+
+
+def _compute(spec: ConvSpec) -> list:
+    """TE stages: [shift int8 to uint8,] the blocked dot product, the cast to the output dtype.
+
+    A bf16 operand must be a parameter: TVM's bf16 legalization would store an intermediate bf16 buffer as fp32.
+    """
+    dot, channels = spec.dot, spec.data_shape[-1]
+    data = te.placeholder(spec.data_shape, spec.data_dtype, "data")
+    packed = te.placeholder((spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group),
+                            dot.b_dtype, "packed")
+    operand = data
+    if spec.shifted:
+        operand = te.compute(spec.data_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
+                             name="shifted", attrs=_RULE_ATTRS)
+    row = te.reduce_axis((0, spec.kernel_size[0]), "row")
+    col = te.reduce_axis((0, spec.kernel_size[1]), "col")
+    chan = te.reduce_axis((0, channels), "chan")
+    stride_h, stride_w = spec.strides
+    acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
+        operand[b, y * stride_h + row, x * stride_w + col, chan].astype(dot.acc_dtype)
+        * packed[o // LANES, row, col, chan // dot.group, o % LANES, chan % dot.group].astype(dot.acc_dtype),
+        axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: json.dumps(asdict(spec))})
+    if not spec.shifted:
+        return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out",
+                                         attrs=_RULE_ATTRS)]
+    sums = te.placeholder((spec.out_channels,), "int32", "sums")
+    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[i[-1]]).astype(spec.out_dtype), name="out",
+                     attrs=_RULE_ATTRS)
+    return [data, packed, sums, out]
+
+
+def conv2d_nhwc_compute(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """The unscheduled kernel for `spec`: its blocks carry relay_amp's schedule rule, which MetaSchedule tunes
+    (`ApplyCustomRule`) and `DotKernelRule` applies untuned. It stays out of operator fusion."""
+    if not supports(spec.out_channels, spec.data_shape[-1], spec.dot):
+        raise DTypeError(f"kernel needs output channels divisible by {LANES} and input channels by "
+                         f"{spec.dot.group}; got {spec.out_channels} and {spec.data_shape[-1]}")
+    sch = s_tir.Schedule(te.create_prim_func(_compute(spec)))
+    sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's generic rules skip the function
+    return sch.mod["main"].without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
+
+
+def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
+    """A scheduled, tensorized PrimFunc computing `spec` over a weight packed by `pack_weight` (+ `weight_sums` for int8)."""
+    sch = s_tir.Schedule(conv2d_nhwc_compute(spec))
+    schedule_kernel(sch, sch.get_sblock("acc"))
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def kernel_spec(sch: s_tir.Schedule, block) -> ConvSpec | None:
+    """The ConvSpec a kernel's accumulating block was built from, or None for any other block."""
+    annotation = sch.get(block).annotations.get(SPEC_ANNOTATION)
+    if annotation is None:
+        return None
+    fields = json.loads(str(annotation))
+    return ConvSpec(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
+
+
+def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
+    """Tile, tensorize and parallelize a kernel's accumulating `block`; `tunable` samples its register tile
+    (output-channel columns and pixel rows) for MetaSchedule instead of taking the default one."""
+    spec = kernel_spec(sch, block)
+    _, _, out_x, *_ = sch.get_loops(block)
+    wide = spec.out_channels % (2 * LANES) == 0
+    if tunable:
+        columns = sch.sample_categorical([1, 2], [0.5, 0.5]) if wide else 1
+        rows = sch.sample_perfect_tile(out_x, n=2, max_innermost_factor=MAX_ROWS)[1]
+    else:
+        columns = 2 if wide else 1
+        rows = largest_divisor(spec.out_shape[2], MAX_ROWS // columns)
+    _schedule_conv(sch, spec, block, columns, rows, vectorize_copies=not tunable)
+
+
+def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, vectorize_copies: bool) -> None:
+    """The kernel's loop nest. With sampled tiles the accumulator copies are left to LLVM's vectorizer: how many
+    loops they keep depends on the sample, and a traced get_loops must return as many loops on every replay."""
+    batch, out_y, out_x, out_c, row, col, chan = sch.get_loops(block)
+    out_c_outer, out_c_column, out_c_lane = sch.split(out_c, [None, columns, LANES])
+    chan_outer, chan_group = sch.split(chan, [None, spec.dot.group])
+    x_outer, x_row = sch.split(out_x, [None, rows])
+    tensorized = spec.dot in INTRINSICS
+    lanes = [out_c_lane, chan_group] if tensorized else [chan_group, out_c_lane]
+    # output-channel tiles outermost: one weight panel stays in L2 while every pixel streams past it
+    sch.reorder(out_c_outer, batch, out_y, x_outer, row, col, chan_outer, x_row, out_c_column, *lanes)
+    cache = sch.cache_write(block, 0, "global")
+    sch.reverse_compute_at(cache, x_outer)
+    sch.reverse_compute_inline(sch.get_sblock("out"))
+    tile = sch.fuse(out_c_outer, batch, out_y, x_outer)
+    sch.parallel(tile)
+    sch.unroll(x_row)
+    sch.unroll(out_c_column)
+    if not tensorized:
+        sch.vectorize(out_c_lane)
+    init = sch.decompose_reduction(block, row)
+    if vectorize_copies:
+        sch.vectorize(sch.get_loops(cache)[-1])
+        sch.vectorize(sch.get_loops(init)[-1])
+    if tensorized:
+        sch.tensorize(out_c_lane, spec.dot.name)
+        sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
+    if spec.shifted:
+        schedule_injective(sch, sch.get_sblock("shifted"))
+
+
+def _kernel_block(sch: s_tir.Schedule):
+    """The accumulating block of a kernel compute (see conv2d_nhwc_compute), or None."""
+    for block in sch.get_child_blocks(get_root_block(sch)):
+        if kernel_spec(sch, block) is not None:
+            return block
+    return None
+
+
+class DotKernelRule(dl.ScheduleRule):
+    """Default (untuned) schedule for the kernel computes UseDotKernels emits: `schedule_kernel`'s register tile."""
+
+    def is_target_available(self, target: tvm.target.Target) -> bool:
+        """Whether the rule applies to `target` (CPU targets only)."""
+        return target.kind.name == "llvm"
+
+    def apply(self, func: tvm.tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
+        """The scheduled kernel, or None for any other function."""
+        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        block = _kernel_block(sch)
+        if block is None:
+            return None
+        schedule_kernel(sch, block)
+        return sch
+
+
+@tvm.register_global_func(f"s_tir.meta_schedule.cpu.{RULE}", override=True)
+def _sample_kernel_schedule(sch: s_tir.Schedule, block) -> list:
+    """MetaSchedule's ApplyCustomRule calls this for each annotated block; the accumulating one is scheduled with
+    a sampled register tile, the others (int8 shift, output cast) are scheduled with it."""
+    if kernel_spec(sch, block) is not None:
+        schedule_kernel(sch, block, tunable=True)
+    return [sch]

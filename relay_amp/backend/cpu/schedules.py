@@ -1,0 +1,212 @@
+"""schedules: rule-based CPU schedules for operators no tuning record covers (dlight-style, no search).
+
+TVM 0.27 ships no default CPU schedule for matmul or convolution, so an untuned build runs them as
+scalar, single-threaded loop nests. `ContractionRule` schedules every contraction (a reduction
+block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
+vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+from ..._ir import index_vars, try_primitive, vars_in
+
+MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
+CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of a core's L2
+MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
+STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
+ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
+
+
+@dataclass(frozen=True)
+class _Contraction:
+    """The loops of a contraction block, by role."""
+    block: s_tir.schedule.SBlockRV
+    spatial: list
+    reduction: list
+    vector_index: int
+    register_index: int | None
+
+
+def _is_cpu(target: tvm.target.Target) -> bool:
+    return target.kind.name == "llvm"
+
+
+def _extent(sch: s_tir.Schedule, loop) -> int | None:
+    return _const(sch.get(loop).extent) or None
+
+
+def _const(extent) -> int:
+    """The extent as an int, or 0 when it is symbolic."""
+    if isinstance(extent, int):
+        return extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else 0
+
+
+def _vector_factor(extent: int) -> int:
+    """Lanes to vectorize an output axis by: whole registers where they divide `extent`, else one partial one.
+
+    A divisor keeps the vector loop free of tail predicates, which TVM's vectorizer would scalarize.
+    """
+    for lanes in (2 * ACCUMULATOR_LANES, ACCUMULATOR_LANES, ACCUMULATOR_LANES // 2):
+        if extent % lanes == 0:
+            return lanes
+    return largest_divisor(extent, ACCUMULATOR_LANES)
+
+
+def largest_divisor(extent: int, limit: int) -> int:
+    """The largest divisor of `extent` that is at most `limit` (1 when `limit` is below 1)."""
+    return max((d for d in range(1, min(extent, limit) + 1) if extent % d == 0), default=1)
+
+
+def _register_factor(extent: int, vector_lanes: int) -> int:
+    """Rows of accumulators: the most that divide `extent`, fit MAX_ACCUMULATORS registers and stay under STACK_BYTES."""
+    registers_per_row = -(-vector_lanes // ACCUMULATOR_LANES)
+    limit = min(MAX_ACCUMULATORS // registers_per_row, (STACK_BYTES - 1) // (4 * vector_lanes))
+    return largest_divisor(extent, limit)
+
+
+def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
+    reductions = [info for info in infos if info.is_reduction()]
+    if len(reductions) != 1:
+        return None
+    info = reductions[0]
+    block = sch.get(info.block_rv)
+    if any(it.kind not in "SR" for it in info.iters):
+        return None
+    spatial = [it for it in info.iters if it.kind == "S"]
+    reduction = [it for it in info.iters if it.kind == "R"]
+    if len(block.reads) < 2 and math.prod(_const(it.dom) for it in reduction) > MAX_WINDOW:
+        return None  # a long single-tensor reduction (sum, mean): TVM's CPU reduction rule suits it better
+    out_vars = [vars_in(index.min) for index in block.writes[0].region]
+    if not spatial or not out_vars or not out_vars[-1]:
+        return None
+    vector_var = out_vars[-1][0]
+    vector_index = next((i for i, it in enumerate(spatial) if it.var.same_as(vector_var)), None)
+    if vector_index is None or not _const(spatial[vector_index].dom):
+        return None  # no output axis to vectorize, or a symbolic one
+    streamed = [index_vars(read) for read in block.reads if any(v.same_as(vector_var) for v in index_vars(read))]
+    candidates = [i for i, it in enumerate(spatial) if i != vector_index and _const(it.dom) > 1
+                  and not any(any(v.same_as(it.var) for v in used) for used in streamed)]
+    register_index = max(candidates, key=lambda i: (_const(spatial[i].dom), i)) if candidates else None
+    return _Contraction(info.block_rv, [it.loop_rv for it in spatial], [it.loop_rv for it in reduction],
+                        vector_index, register_index)
+
+
+class _CpuRule(dl.ScheduleRule):
+    """A rule for llvm targets that works on the normalized blocks of a PrimFunc."""
+
+    def is_target_available(self, target: tvm.target.Target) -> bool:
+        """Whether the rule applies to `target` (CPU targets only)."""
+        return _is_cpu(target)
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
+        """The scheduled function, or None where the rule does not apply."""
+        if not isinstance(func, tirx.PrimFunc) or not _is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        return None if not infos else self.schedule(sch, infos)
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule the normalized blocks `infos` of `sch`, or return None."""
+        raise NotImplementedError
+
+
+class ContractionRule(_CpuRule):
+    """Register-blocked, vectorized, parallel schedule for a matmul/conv-like block and its epilogue."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule a function holding exactly one contraction block, else None."""
+        found = _find_contraction(sch, infos)
+        if found is None:
+            return None
+        producers = sch.get_producers(found.block)
+        _inline_epilogue(sch, found.block)
+        _tile(sch, found)
+        for producer in producers:
+            schedule_injective(sch, producer)
+        return sch
+
+
+def _inline_epilogue(sch: s_tir.Schedule, block) -> None:
+    consumers = sch.get_consumers(block)
+    while consumers:
+        consumer = consumers[0]
+        try:
+            sch.compute_inline(consumer)
+        except s_tir.ScheduleError:
+            break
+        consumers = sch.get_consumers(block)
+
+
+def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
+    """Register tile (rows x lanes), cache tile (whose operands fit in L2), then parallel tiles, outermost first."""
+    spatial = list(found.spatial)
+    depth = math.prod(_extent(sch, loop) or 0 for loop in found.reduction) or None
+    vector_lanes = _vector_factor(_extent(sch, spatial[found.vector_index]))
+    parallel_v, cached_v, inner_v = _split_twice(sch, spatial[found.vector_index], vector_lanes, depth)
+    spatial[found.vector_index] = parallel_v
+    cached, inner = [cached_v], [inner_v]
+    if found.register_index is not None:
+        rows = _register_factor(_extent(sch, spatial[found.register_index]), vector_lanes)
+        parallel_r, cached_r, inner_r = _split_twice(sch, spatial[found.register_index], rows, depth, share=2)
+        spatial[found.register_index] = parallel_r
+        cached.append(cached_r)
+        inner.insert(0, inner_r)
+    sch.reorder(*spatial, *cached, *found.reduction, *inner)
+    cache = sch.cache_write(found.block, 0, "global")
+    sch.reverse_compute_at(cache, cached[-1])
+    for consumer in sch.get_consumers(cache):
+        try_primitive(sch.reverse_compute_inline, consumer)
+    sch.parallel(sch.fuse(*spatial))
+    if len(inner) == 2:
+        sch.unroll(inner[0])
+    sch.vectorize(inner[-1])
+    sch.vectorize(sch.get_loops(cache)[-1])
+    if found.reduction:
+        sch.decompose_reduction(found.block, found.reduction[0])
+
+
+def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share: int = 1) -> list:
+    """Split `loop` into [parallel, cached, inner]: `cached` inner tiles of operand data (depth x inner x 4 bytes
+    each) fit in 1/share of CACHE_BYTES, so the cache tile's loops reuse them from L2."""
+    outer_extent = (_extent(sch, loop) or 0) // inner
+    budget = CACHE_BYTES // share // (4 * inner * depth) if depth else 1
+    return sch.split(loop, [None, largest_divisor(outer_extent, budget) if outer_extent else 1, inner])
+
+
+def schedule_injective(sch: s_tir.Schedule, block) -> None:
+    """Fuse a spatial block's loops, vectorize the innermost lanes when they divide evenly, run the rest in parallel."""
+    fused = sch.fuse(*sch.get_loops(block))
+    extent = _extent(sch, fused)
+    if extent is None or extent % ACCUMULATOR_LANES:
+        sch.parallel(fused)
+        return
+    outer, inner = sch.split(fused, [None, ACCUMULATOR_LANES])
+    sch.parallel(outer)
+    sch.vectorize(inner)
+
+
+class ElementwiseRule(_CpuRule):
+    """Parallel, vectorized loops for functions made only of spatial blocks (elementwise, broadcast, layout)."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule a function whose blocks are all spatial, else None."""
+        if any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
+            return None
+        remaining = dl.base.common_schedules.try_inline(sch, infos)
+        for info in remaining:
+            schedule_injective(sch, info.block_rv)
+        return sch
+
+
+def default_schedules(*first_rules: dl.ScheduleRule) -> tvm.transform.Pass:
+    """The pass that gives every unscheduled CPU PrimFunc relay_amp's rule-based schedule (or TVM's CPU rules);
+    `first_rules` get the first chance."""
+    return dl.ApplyDefaultSchedule(*first_rules, ContractionRule(), ElementwiseRule(), dl.cpu.Reduction())

@@ -1,0 +1,17 @@
+"""The legalization and fusion passes every backend runs after its own graph rewrites (as MetaSchedule's
+compile_relax does them), so tuning, record matching and building see the same fused tasks."""
+
+import tvm
+from tvm import relax
+
+
+def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Library dispatch, legalization, op-pattern annotation, constant folding and fusion for `target`."""
+    return [
+        *relax.pipeline.library_dispatch_passes(target),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+    ]

@@ -1,0 +1,74 @@
+"""EliminateRedundantCasts: drop no-op casts, share duplicate casts, fold round trips and constants."""
+
+import tvm
+from tvm import relax
+
+from .._ir import can_cast_offline, cast_constant, tensor_dtype
+from ..dtypes import is_float
+from ..ops import call_op_name
+
+_ASTYPE = "relax.astype"
+
+
+@relax.expr_functor.mutator
+class _CastSimplifier(relax.PyExprMutator):
+    """Rewrites astype calls; the aliases it leaves are removed by CanonicalizeBindings."""
+
+    def __init__(self, mod: tvm.IRModule, fold_constants: bool):
+        super().__init__(mod)
+        self.fold_constants = fold_constants
+        self.seen: dict[tuple[relax.Expr, str], relax.Expr] = {}
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if call_op_name(new_call) != _ASTYPE:
+            return new_call
+        source, dtype = new_call.args[0], str(new_call.attrs.dtype)
+        simpler = self._simplify(source, dtype)
+        if simpler is not None:
+            return simpler
+        key = (source, dtype)
+        if key in self.seen:
+            return self.seen[key]
+        self.seen[key] = self.builder_.emit(new_call)
+        return self.seen[key]
+
+    def _simplify(self, source: relax.Expr, dtype: str) -> relax.Expr | None:
+        if tensor_dtype(source) == dtype:
+            return source
+        if self.fold_constants and isinstance(source, tvm.ir.expr.Constant) and can_cast_offline(dtype):
+            return cast_constant(source, dtype)
+        origin = self._cast_origin(source)
+        if origin is not None and tensor_dtype(origin) == dtype and is_float(dtype) and is_float(tensor_dtype(source)):
+            return origin
+        return None
+
+    def _cast_origin(self, expr: relax.Expr) -> relax.Expr | None:
+        """The input of the astype that `expr` is bound to, if it is bound to one."""
+        bound = expr
+        while isinstance(bound, relax.Var):
+            bound = self.lookup_binding(bound)
+        return bound.args[0] if call_op_name(bound) == _ASTYPE else None
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.EliminateRedundantCasts")
+class EliminateRedundantCasts:
+    """Remove same-dtype casts, merge duplicate casts, fold float round trips and casts of constants."""
+
+    def __init__(self, fold_constants: bool = True):
+        self.fold_constants = fold_constants
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        simplifier = _CastSimplifier(mod, self.fold_constants)
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                simplifier.builder_.update_func(gvar, simplifier.visit_expr(func))
+        cleanup = tvm.transform.Sequential(
+            [relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination()]
+        )
+        return cleanup(simplifier.builder_.get())
+
+
+def eliminate_redundant_casts(mod: tvm.IRModule, fold_constants: bool = True) -> tvm.IRModule:
+    """Functional form of EliminateRedundantCasts."""
+    return EliminateRedundantCasts(fold_constants)(mod)

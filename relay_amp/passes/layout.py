@@ -1,0 +1,80 @@
+"""LayoutConfig and ConvertLayout: convert conv layouts (NHWC, HWNC for tensor cores) but for chosen layers."""
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import tvm
+from tvm import relax
+
+from ..errors import OptionError
+from ..ops import canonical_op
+from .layers import layer_bindings, list_layers, resolve_layers
+
+CONV_OPS = ("relax.nn.conv2d",)
+# data layout -> the kernel layout "default" stands for (the channel roles of the data layout)
+DEFAULT_KERNEL_LAYOUTS = {"NCHW": "OIHW", "NHWC": "OHWI", "HWNC": "HWOI", "HWCN": "HWIO"}
+
+
+class LayoutConfig:
+    """A scope whose skip_layers (indices into list_layers over conv2d) ConvertLayout leaves alone."""
+
+    _stack: ClassVar[list["LayoutConfig"]] = []
+
+    def __init__(self, skip_layers: Iterable[int | str] | None = None):
+        self.skip_layers = list(skip_layers or ())
+
+    def __enter__(self) -> "LayoutConfig":
+        LayoutConfig._stack.append(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        LayoutConfig._stack.remove(self)
+
+    @classmethod
+    def current(cls) -> "LayoutConfig | None":
+        """The innermost active LayoutConfig, None outside any."""
+        return cls._stack[-1] if cls._stack else None
+
+
+def _resolve_layouts(desired: dict[str, list[str]]) -> dict[str, list[str]]:
+    resolved = {}
+    for op, layouts in desired.items():
+        layouts = list(layouts)
+        if not layouts or len(layouts) > 2:
+            raise OptionError(f"desired layouts for {op!r} are [data_layout, kernel_layout], got {layouts!r}")
+        data = layouts[0]
+        kernel = layouts[1] if len(layouts) == 2 else "default"
+        if kernel == "default":
+            if data not in DEFAULT_KERNEL_LAYOUTS:
+                raise OptionError(f"no default kernel layout for data layout {data!r} of {op!r}; "
+                                  f"known: {sorted(DEFAULT_KERNEL_LAYOUTS)}")
+            kernel = DEFAULT_KERNEL_LAYOUTS[data]
+        resolved[canonical_op(op)] = [data, kernel]
+    return resolved
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.ConvertLayout")
+class ConvertLayout:
+    """relax.transform.ConvertLayout that skips the conv layers of the current LayoutConfig."""
+
+    def __init__(self, desired_layouts: dict[str, list[str]], func: str = "main"):
+        self.desired_layouts = _resolve_layouts(desired_layouts)
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        config = LayoutConfig.current()
+        skipped = resolve_layers(list_layers(mod, CONV_OPS, self.func), config.skip_layers if config else ())
+        convs = layer_bindings(mod, CONV_OPS, self.func)
+        kept = {convs[index].value for index in skipped}
+
+        def layout_for(call: relax.Call) -> dict[str, list[str]]:
+            if call in kept:  # pin the layouts it has: returning {} would let it follow a converted input
+                return {call.op.name: [call.attrs.data_layout, call.attrs.kernel_layout]}
+            return self.desired_layouts
+
+        return relax.transform.ConvertLayout(self.desired_layouts, layout_for)(mod)
+
+
+def convert_layout(mod: tvm.IRModule, desired_layouts: dict[str, list[str]], func: str = "main") -> tvm.IRModule:
+    """Functional form of ConvertLayout (honours the current LayoutConfig)."""
+    return ConvertLayout(desired_layouts, func)(mod)

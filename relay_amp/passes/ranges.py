@@ -1,0 +1,126 @@
+"""Calibration: observed activation ranges per layer, and the float16 range guard that uses them."""
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .._ir import get_function
+from ..errors import LayerIndexError, ModelLoadError, OptionError
+from ..runtime import compile_module, run_executable
+from ..serialization import atomic_write_text
+from .layers import DEFAULT_LAYER_OPS, layer_bindings, list_layers
+
+FINITE_MAX = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.389531e38}
+DEFAULT_MARGIN = 2.0  # keep a layer in fp32 once its observed range passes half the dtype's finite range
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """The largest |output| a layer produced on the calibration data."""
+
+    index: int
+    op: str
+    name: str
+    output_shape: tuple
+    max_abs: float
+
+    def describes(self, layer) -> bool:
+        """Whether this record was taken on `layer` (same index, op, name and output shape)."""
+        return (self.index, self.op, self.name, tuple(self.output_shape)) == (
+            layer.index, layer.op, layer.name, tuple(layer.output_shape or ()))
+
+
+@dataclass
+class RangeStats:
+    """Per-layer output ranges recorded by calibrate()."""
+
+    ops: tuple = DEFAULT_LAYER_OPS
+    layers: list[LayerRange] = field(default_factory=list)
+
+    def over(self, dtype: str, margin: float = DEFAULT_MARGIN) -> list[LayerRange]:
+        """The layers whose range exceeds dtype's finite range divided by margin (NaN and inf count)."""
+        limit = FINITE_MAX[dtype] / margin
+        return [layer for layer in self.layers if not layer.max_abs <= limit]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the stats as JSON, atomically."""
+        atomic_write_text(path, json.dumps({"ops": list(self.ops), "layers": [asdict(l) for l in self.layers]}))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RangeStats":
+        """Read stats written by save()."""
+        try:
+            data = json.loads(open(path, encoding="utf-8").read())
+            layers = [LayerRange(**{**layer, "output_shape": tuple(layer["output_shape"])}) for layer in data["layers"]]
+            return cls(tuple(data["ops"]), layers)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ModelLoadError(f"{path} is not a relay_amp range file: {err}") from err
+
+
+def as_input_list(batch) -> list[np.ndarray]:
+    """One batch of model inputs as a list of arrays (a single array means a one-input model)."""
+    return [np.asarray(x) for x in batch] if isinstance(batch, (list, tuple)) else [np.asarray(batch)]
+
+
+def check_inputs(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "main") -> None:
+    """Raise OptionError when inputs do not match the parameters of `func` in number, shape or dtype."""
+    params = get_function(mod, func).params
+    if len(inputs) != len(params):
+        raise OptionError(f"{func} takes {len(params)} inputs, a batch holds {len(inputs)}")
+    for param, value in zip(params, inputs):
+        shape = tuple(int(d) for d in param.ty.shape.values)
+        if value.shape != shape or str(value.dtype) != str(param.ty.dtype):
+            raise OptionError(f"input {param.name!r} must be {shape} {param.ty.dtype}, "
+                              f"got {value.shape} {value.dtype}")
+
+
+def _probe(mod: tvm.IRModule, ops: Iterable[str], func: str) -> tvm.IRModule:
+    """`mod` with `func` returning the outputs of its layers instead of its result."""
+    flat = relax.transform.ToNonDataflow()(mod)
+    outputs = [b.var for b in layer_bindings(flat, ops, func)]
+    original = flat[func]
+    body = relax.BlockBuilder().normalize(relax.SeqExpr(original.body.blocks, relax.Tuple(outputs)))
+    probe = relax.Function(original.params, body, None, original.is_pure, original.attrs)
+    return flat.__class__({flat.get_global_var(func): probe, **{
+        gv: f for gv, f in flat.functions_items() if gv.name_hint != func}})
+
+
+def calibrate(mod: tvm.IRModule, dataset: Iterable, ops: Iterable[str] = DEFAULT_LAYER_OPS,
+              func: str = "main") -> RangeStats:
+    """Run `mod` on every input batch of `dataset` and record each layer's largest |output|."""
+    layers = list_layers(mod, ops, func)
+    if not layers:
+        raise OptionError(f"the module has no layers of {list(ops)} to calibrate")
+    executable = compile_module(_probe(mod, ops, func))
+    peaks = np.zeros(len(layers))
+    seen = 0
+    for batch in dataset:
+        inputs = as_input_list(batch)
+        check_inputs(mod, inputs, func)
+        outputs = run_executable(executable, inputs, func)
+        peaks = np.fmax(peaks, [np.nanmax(np.abs(o.astype("float64")), initial=0.0) for o in outputs])
+        peaks = np.where([np.isnan(o.astype("float64")).any() for o in outputs], np.nan, peaks)
+        seen += 1
+    if not seen:
+        raise OptionError("the calibration dataset is empty")
+    return RangeStats(tuple(ops), [LayerRange(l.index, l.op, l.name, tuple(l.output_shape or ()), float(p))
+                                   for l, p in zip(layers, peaks)])
+
+
+def range_excluded(mod: tvm.IRModule, stats: RangeStats, dtype: str, margin: float,
+                   func: str = "main") -> dict[relax.Call, str]:
+    """The calls the range guard keeps in fp32, with the reason it records for each."""
+    layers = list_layers(mod, stats.ops, func)
+    bindings = layer_bindings(mod, stats.ops, func)
+    kept = {}
+    for layer in stats.over(dtype, margin):
+        if layer.index >= len(layers) or not layer.describes(layers[layer.index]):
+            raise LayerIndexError(f"range stats for layer {layer.index} ({layer.op} {layer.name!r}) "
+                                  "do not match this module: calibrate this module")
+        kept[bindings[layer.index].value] = f"range: max |x| {layer.max_abs:.3g} > {FINITE_MAX[dtype]:.5g}/{margin:g}"
+    return kept

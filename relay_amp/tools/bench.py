@@ -1,0 +1,127 @@
+"""Benchmarks: each dtype variant of one model built, timed and checked against fp32 in one process."""
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tabulate import tabulate
+from tvm import relax
+
+from ..compile.build import build
+from ..compile.tuning import LOG_FILES, log_dir
+from ..errors import OptionError, TuningError
+from ..passes.amp import to_mixed_precision
+from ..passes.layout import convert_layout
+from ..passes.recast import recast
+from ..runtime import run_executable
+from ..targets import host_cores
+from . import pytorch
+from .models import example_inputs
+
+BASELINE = "float32"
+INT8_OPS = ("relax.nn.conv2d", "relax.matmul")
+CPU_LAYOUTS = {"NHWC": {"relax.nn.conv2d": ["NHWC", "HWIO"]}}  # the layout relay_amp's CPU kernels take
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One variant: its median latency, speed-up over fp32 (same run) and output error against fp32."""
+
+    dtype: str
+    median_ms: float
+    speedup: float
+    max_rel_error: float
+    tuned: bool
+    torch_ms: float | None = None
+
+
+def variant(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
+    """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast.
+
+    int8 is TVM's recast experiment (convs and matmuls in int8 accumulating in int32, values cast, not
+    calibrated), so its error column measures the casts, not a quantized model's accuracy.
+    """
+    if dtype == BASELINE:
+        return mod
+    if dtype == "int8":
+        return recast(mod, "int8", "int32", ops=INT8_OPS)
+    return to_mixed_precision(mod, dtype)
+
+
+def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, target: str) -> Path | None:
+    if tune_logs is None:
+        return None
+    root = Path(tune_logs)
+    if not root.is_dir():
+        raise TuningError(f"tuning log directory {root} does not exist")
+    if all((root / name).is_file() for name in LOG_FILES):
+        return root
+    candidate = log_dir(root, model, dtype, target)
+    return candidate if candidate.is_dir() else None
+
+
+def _median_ms(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], repeat: int) -> float:
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    args = [tvm.runtime.tensor(x) for x in inputs]
+    return vm.time_evaluator("main", tvm.cpu(), number=1, repeat=repeat)(*args).median * 1e3
+
+
+def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16"), target: str = "cpu",
+              tune_logs: str | os.PathLike | None = None, model: str = "model", repeat: int = 10,
+              seed: int = 0, *, layout: str | None = None, torch_twin: str | None = None,
+              fast_math: bool = True) -> list[BenchRow]:
+    """Build and time every dtype variant of `mod` (fp32 always first), with errors against fp32.
+
+    `layout` ("NHWC") converts convolutions first; `torch_twin` names a built-in model whose PyTorch twin
+    (relay_amp.tools.pytorch) is timed for fp32 and bf16 on the same number of threads; `fast_math` goes to build.
+    """
+    order = [BASELINE] + [d for d in dtypes if d != BASELINE]
+    inputs = example_inputs(mod, seed)
+    if layout is not None:
+        if layout not in CPU_LAYOUTS:
+            raise OptionError(f"unknown benchmark layout {layout!r}; choose one of {sorted(CPU_LAYOUTS)}")
+        mod = convert_layout(mod, CPU_LAYOUTS[layout])
+    measured = {}
+    for dtype in order:
+        logs = _logs_for(tune_logs, model, dtype, target)
+        executable = build(variant(mod, dtype), target, logs, fast_math)
+        outputs = run_executable(executable, inputs)
+        measured[dtype] = (_median_ms(executable, inputs, repeat), outputs[0].astype("float64"), logs is not None)
+    base_ms, reference, _ = measured[BASELINE]
+    scale = max(float(np.abs(reference).max()), 1e-12)
+    return [
+        BenchRow(dtype, ms, base_ms / ms, float(np.abs(out - reference).max()) / scale, tuned,
+                 _torch_ms(torch_twin, dtype, repeat))
+        for dtype, (ms, out, tuned) in measured.items()
+    ]
+
+
+def _torch_ms(twin: str | None, dtype: str, repeat: int) -> float | None:
+    if twin is None or dtype not in pytorch.TORCH_DTYPES:
+        return None
+    return pytorch.time_twin(twin, dtype, host_cores(), repeat=repeat)
+
+
+def format_rows(rows: Sequence[BenchRow]) -> str:
+    """A printable table of benchmark rows (with PyTorch columns when any row was compared with PyTorch)."""
+    headers = ["dtype", "median ms", "speed-up vs fp32", "max rel error", "tuned"]
+    table = [[r.dtype, f"{r.median_ms:.2f}", f"{r.speedup:.2f}x", f"{r.max_rel_error:.2e}", "yes" if r.tuned else "no"]
+             for r in rows]
+    if any(r.torch_ms is not None for r in rows):
+        headers += ["torch ms", "TVM speed-up vs torch"]
+        for line, r in zip(table, rows):
+            line += [_optional(r.torch_ms, "{:.2f}"), _optional(r.torch_ms and r.torch_ms / r.median_ms, "{:.2f}x")]
+    return tabulate(table, headers=headers)
+
+
+def _optional(value: float | None, fmt: str) -> str:
+    return "" if value is None else fmt.format(value)
+
+
+def rows_to_json(rows: Sequence[BenchRow], **context) -> str:
+    """Benchmark rows and their context (model, target, ...) as JSON."""
+    return json.dumps({**context, "rows": [asdict(r) for r in rows]}, indent=1)

@@ -1,0 +1,200 @@
+"""The relay-amp command line: inspect layers and convert models from a shell."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import tvm
+from tabulate import tabulate
+
+from .. import frontend
+from ..compile.tuning import log_dir, tune
+from ..errors import RelayAmpError
+from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
+from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
+from ..passes.recast import DEFAULT_RECAST_OPS, recast
+from ..serialization import atomic_write_text, save
+from ..targets import host_cores, host_preset
+from . import models
+from .bench import CPU_LAYOUTS, benchmark, format_rows, rows_to_json, variant
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
+
+
+def load_model(spec: str, batch: int = 1) -> tvm.IRModule:
+    """A built-in model by name (see relay_amp.models.MODELS) or an ONNX file by path."""
+    if spec in models.MODELS:
+        return models.get_model(spec, batch=batch)
+    return frontend.from_onnx(spec)
+
+
+def layer_table(mod: tvm.IRModule, ops: Sequence[str]) -> str:
+    """The layer index of `mod` as a printable table."""
+    rows = [
+        (l.index, l.op.removeprefix("relax."), l.name, " x ".join(map(str, l.input_shapes)),
+         ",".join(l.input_dtypes), l.output_shape, l.output_dtype)
+        for l in list_layers(mod, ops)
+    ]
+    headers = ("index", "op", "name", "input shapes", "input dtypes", "output shape", "output dtype")
+    return tabulate(rows, headers=headers)
+
+
+def _cmd_layers(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    print(layer_table(mod, args.ops))
+    print(f"\n{count_layers(mod, args.ops)} layers, longest chain {count_layers(mod, args.ops, depth=True)}")
+
+
+def _cmd_recast(args: argparse.Namespace) -> None:
+    mod = recast(load_model(args.model, args.batch), args.dtype, args.out_dtype, args.ops, args.skip)
+    print(layer_table(mod, args.ops))
+    _write_text(args.output, mod.script(show_meta=True))
+
+
+def _write_text(path: str | None, text: str) -> None:
+    if path is None:
+        return
+    atomic_write_text(path, text)
+    print(f"wrote {path}")
+
+
+def _cmd_convert(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    if args.apply_plan:
+        converted = apply_plan(mod, PrecisionPlan.load(args.apply_plan))
+    else:
+        overrides = {"fp32_ops": args.fp32_ops, "target_dtype_ops": args.target_ops}
+        converted = to_mixed_precision(
+            mod, args.dtype, excluded_layers=args.exclude, keep_io_types=not args.low_io,
+            **{key: ops for key, ops in overrides.items() if ops is not None},
+        )
+    plan = precision_plan(converted)
+    print(layer_table(converted, DEFAULT_LAYER_OPS))
+    print()
+    print(plan.summary())
+    if args.plan:
+        plan.save(args.plan)
+        print(f"wrote {args.plan}")
+    if args.output:
+        save(converted, args.output)
+        print(f"wrote {args.output}")
+
+
+def _cmd_tune(args: argparse.Namespace) -> None:
+    mod = variant(load_model(args.model, args.batch), args.dtype)
+    work_dir = args.work_dir or log_dir("tune_logs", args.model, args.dtype, args.target)
+    description = {"model": args.model, "batch": args.batch, "dtype": args.dtype}
+    tune(mod, args.target, work_dir, args.trials, trials_per_task=args.trials_per_task,
+         trials_per_iter=args.trials_per_iter, description=description)
+    print(f"wrote tuning records to {work_dir}")
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    twin = args.model if args.torch else None
+    rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
+                     torch_twin=twin, fast_math=not args.exact_math)
+    if args.json:
+        print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat,
+                           layout=args.layout or "as built", threads=host_cores()))
+    else:
+        print(f"{args.model} (batch {args.batch}) on {args.target}, {host_cores()} threads, "
+              f"median of {args.repeat} runs, conv layout {args.layout or 'as built'}")
+        print(f"tuning logs: {args.tune_logs or 'none'}\n")
+        print(format_rows(rows))
+
+
+def _target(text: str) -> str:
+    return host_preset() if text == "auto" else text
+
+
+def _dtype_list(text: str) -> list[str]:
+    return [_dtype(part) for part in _op_list(text)]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _op_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None = None,
+             target: bool = False) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=help_text)
+    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    if ops is not None:
+        parser.add_argument("--ops", type=_op_list, default=list(ops), help="comma-separated op names")
+    if target:
+        parser.add_argument("--target", type=_target, default="auto",
+                            help="target preset (cpu, cpu-avx512-bf16, ...); auto picks the best this CPU runs")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the relay-amp command."""
+    parser = argparse.ArgumentParser(prog="relay-amp", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    _command(commands, "layers", "print the layer index of a model", _cmd_layers, ops=DEFAULT_LAYER_OPS)
+
+    rc = _command(commands, "recast", "force ops to a dtype with a wider accumulator", _cmd_recast,
+                  ops=DEFAULT_RECAST_OPS)
+    rc.add_argument("--dtype", type=_dtype, default="int8", help="compute dtype of the chosen ops")
+    rc.add_argument("--out-dtype", default="int32", help="accumulator dtype")
+    rc.add_argument("--skip", type=_int_list, default=[], help="layer indices to leave alone, e.g. 0,-1")
+    rc.add_argument("-o", "--output", help="write the converted module as TVMScript")
+
+    cv = _command(commands, "convert", "automatic mixed precision with a precision plan", _cmd_convert)
+    cv.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (bfloat16) or fp16 (float16)")
+    cv.add_argument("--fp32-ops", type=_op_list, help="replace the fp32 list, e.g. nn.softmax,nn.layer_norm")
+    cv.add_argument("--target-ops", type=_op_list, help="replace the always-low-precision list")
+    cv.add_argument("--exclude", type=_int_list, default=[], help="layer indices kept in fp32, e.g. 0,3")
+    cv.add_argument("--low-io", action="store_true", help="make inputs and outputs low precision too")
+    cv.add_argument("--apply-plan", help="re-apply a saved (possibly edited) precision plan instead")
+    cv.add_argument("--plan", help="write the precision plan as JSON")
+    cv.add_argument("-o", "--output", help="write the converted module (TVM JSON, relay_amp.load reads it)")
+
+    tn = _command(commands, "tune", "autotune a model with MetaSchedule (XGBoost cost model)", _cmd_tune,
+                  target=True)
+    tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults), or int8 (recast)")
+    tn.add_argument("--trials", type=int, required=True, help="measurement trials over all operators")
+    tn.add_argument("--trials-per-task", type=int, help="cap on the trials of one operator")
+    tn.add_argument("--trials-per-iter", type=int, default=16, help="candidates measured per round and task")
+    tn.add_argument("--work-dir", help="where the records go (default tune_logs/MODEL-DTYPE-TARGET)")
+
+    bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
+                  target=True)
+    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8")
+    bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
+    bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
+    bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bn.add_argument("--layout", choices=sorted(CPU_LAYOUTS), help="convert convolutions first (NHWC: the CPU kernels' layout)")
+    bn.add_argument("--torch", action="store_true", help="add the PyTorch twin's fp32/bf16 times (needs torch)")
+    bn.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.backend.cpu.fastmath)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the relay-amp console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (RelayAmpError, OSError) as err:
+        print(f"relay-amp: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

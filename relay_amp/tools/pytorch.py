@@ -1,0 +1,82 @@
+"""pytorch: PyTorch twins of the built-in models (same architecture and shapes), timed for side-by-side columns.
+
+Only the timing is compared, so the twins have their own random weights. Needs the `torch` extra.
+"""
+
+import statistics
+import time
+
+from ..errors import MissingDependencyError, OptionError
+
+TORCH_DTYPES = ("float32", "bfloat16")  # bf16 runs under torch.autocast, as PyTorch users run it
+
+
+def _torch():
+    try:
+        import torch  # pylint: disable=import-outside-toplevel
+    except ImportError as err:
+        raise MissingDependencyError("PyTorch columns need torch: pip install -e '.[torch]'") from err
+    return torch
+
+
+def _resnet18(torch, classes: int = 1000):
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                      nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    stages, cin = [], 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        stages += [Block(cin, cout, stride), Block(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                         *stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+
+
+def _bert(torch, hidden: int = 256, heads: int = 4, layers: int = 4, vocab: int = 1000):
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0, activation="gelu", batch_first=True)
+    encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    return nn.Sequential(nn.Embedding(vocab, hidden), nn.LayerNorm(hidden), encoder)
+
+
+def twin(name: str, batch: int = 1):
+    """The PyTorch twin of built-in model `name` in eval mode, and an input for it."""
+    torch = _torch()
+    nn = torch.nn
+    builders = {
+        "matmul": lambda: (nn.Linear(1024, 1024, bias=False), torch.randn(batch * 1024, 1024)),
+        "resnet18_conv": lambda: (nn.Sequential(nn.Conv2d(128, 128, 3, 1, 1, bias=False), nn.ReLU()),
+                                  torch.randn(batch, 128, 28, 28)),
+        "resnet18": lambda: (_resnet18(torch), torch.randn(batch, 3, 224, 224)),
+        "bert": lambda: (_bert(torch), torch.randint(0, 1000, (batch, 128))),
+    }
+    if name not in builders:
+        raise OptionError(f"no PyTorch twin for model {name!r}; twins exist for {sorted(builders)}")
+    module, example = builders[name]()
+    return module.eval(), example
+
+
+def time_twin(name: str, dtype: str, threads: int, batch: int = 1, repeat: int = 10) -> float:
+    """Median milliseconds of the PyTorch twin of `name` in `dtype` on `threads` CPU threads."""
+    if dtype not in TORCH_DTYPES:
+        raise OptionError(f"PyTorch timing supports {TORCH_DTYPES}, not {dtype!r}")
+    torch = _torch()
+    torch.set_num_threads(threads)
+    module, example = twin(name, batch)
+    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+        module(example)
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            module(example)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3

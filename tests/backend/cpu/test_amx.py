@@ -1,0 +1,88 @@
+"""amx: AMX tile kernels are in the generated code, match numpy, and take only the shapes their tiles fit."""
+
+import numpy as np
+import pytest
+import tvm
+
+import relay_amp
+from relay_amp import targets
+from relay_amp.backend.cpu import amx, kernels
+
+from conv_cases import max_relative_error, random_operands, reference_conv
+
+BF16, F32 = "bfloat16", "float32"
+CASES = {
+    "bf16_matmul": kernels.ConvSpec((1, 1, 64, 96), (1, 1), 64),
+    "bf16_matmul_17_rows_flat": kernels.ConvSpec((1, 1, 17, 64), (1, 1), 32),  # 2 tiles, the input gets a row
+    "bf16_conv_stride2_batch2": kernels.ConvSpec((2, 17, 17, 64), (3, 3), 64, (2, 2)),  # 8 rows x 8 wide
+    "bf16_stem_7x7": kernels.ConvSpec((1, 23, 23, 4), (7, 7), 32, (2, 2)),  # K steps of 28 values, 9 tiles
+    "int8_conv": kernels.ConvSpec((1, 10, 10, 32), (3, 3), 64, (1, 1), "int8", "int32"),
+    "bf16_7x7_output_flat": kernels.ConvSpec((1, 9, 9, 64), (3, 3), 64),  # tiles over the 9-wide input
+    "int8_3x3_output_flat_batch2": kernels.ConvSpec((2, 5, 5, 32), (3, 3), 32, (1, 1), "int8", "int32"),
+    "uint8_matmul": kernels.ConvSpec((1, 1, 48, 128), (1, 1), 32, (1, 1), "uint8", "int32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_uses_tiles_and_matches_numpy(case):
+    spec = CASES[case]
+    func = amx.conv2d_nhwc(spec).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-amx"))
+    assembly = lib.mod.inspect_source("asm")
+    assert amx.PRODUCTS[spec.data_dtype].instruction in assembly and "ldtilecfg" in assembly
+    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
+    data, weight = random_operands(spec, np.random.default_rng(0))
+    tiles = amx.tiling(spec)
+    buffer = np.zeros(tiles.data_shape, data.dtype)
+    buffer[:, :spec.data_shape[1]] = data
+    tensors = [tvm.runtime.tensor(buffer), tvm.runtime.tensor(kernels.pack_weight(weight, "OIHW", spec.dot)),
+               tvm.runtime.empty(tiles.out_shape, spec.out_dtype, tvm.cpu())]
+    lib["main"](*tensors)
+    _, out_h, out_w, _ = spec.out_shape
+    got = tensors[-1].numpy()[:, :out_h, :out_w]
+    tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 tile sums in another order; integers are exact
+    assert max_relative_error(got, reference_conv(data, weight, spec)) <= tolerance
+
+
+def _call_arguments(spec: kernels.ConvSpec) -> list[int]:
+    sch = tvm.s_tir.Schedule(amx.conv2d_nhwc(spec))
+    call = sch.get(sch.get_sblock("amx_block")).body.seq[-1].value  # the block's last statement: the kernel call
+    assert call.args[0].value == amx.PRODUCTS[spec.data_dtype].symbol
+    return [int(arg) for arg in call.args[6:]]
+
+
+def test_a_strided_conv_walks_its_input_with_tile_strides():
+    spec = kernels.ConvSpec((1, 9, 9, 64), (3, 3), 64, (2, 2))  # 4x4 output
+    # tile rows 4, K step 64 bytes, next pixel 2 x 64 x 2 bytes on, next kernel row 9 x 64 x 2 bytes on,
+    # 3 kernel rows of 3 x 64 x 2 bytes, output pixels 64 x 4 bytes apart
+    assert _call_arguments(spec) == [4, 64, 256, 1152, 3, 384, 256]
+
+
+def test_small_stride_1_outputs_tile_flat_over_the_input_width():
+    tiles = amx.tiling(kernels.ConvSpec((1, 9, 9, 512), (3, 3), 512))  # ResNet-18's last stage: 7x7 outputs
+    # 63 flat pixels (7 rows of 9) in 4 tiles of 16; the last reads 2 pixels past the input: one zero row
+    assert (tiles.tile_rows, tiles.tiles_per_image) == (16, 4)
+    assert tiles.data_shape == (1, 10, 9, 512) and tiles.out_shape == (1, 8, 9, 512)
+    rows = amx.tiling(kernels.ConvSpec((1, 16, 16, 256), (3, 3), 256))  # 14 of 16 rows filled either way
+    assert (rows.tile_rows, rows.data_shape, rows.out_shape) == (14, (1, 16, 16, 256), (1, 14, 14, 256))
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 48), "output channels not in 32-blocks"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, out_dtype=BF16), "tiles accumulate fp32"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype=F32, out_dtype=F32), "no fp32 tiles"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype=F32), "int8 accumulates int32"),
+    (kernels.ConvSpec((1, 1, 33, 64), (1, 1), 64, (1, 2)), "17 pixels at stride 2 tile only by 1"),
+    (kernels.ConvSpec((1, 1, 16, 6), (1, 1), 32, data_dtype="int8", out_dtype="int32"), "6 int8 channels: 4-byte groups"),
+])
+def test_shapes_the_tiles_do_not_fit_are_refused(spec, reason):
+    assert not amx.supports(spec), reason
+    with pytest.raises(relay_amp.DTypeError, match="AMX kernel"):
+        amx.conv2d_nhwc(spec)
+
+
+def test_target_dtypes_follow_the_target_features():
+    assert amx.target_dtypes(targets.get_target("cpu-amx")) == {BF16, "int8", "uint8"}
+    assert not amx.target_dtypes(targets.get_target("cpu-avx512-bf16"))
+    assert not amx.target_dtypes(targets.get_target("cuda-tensorcore"))

@@ -1,0 +1,142 @@
+"""dispatch: eligible bf16/int8 matmuls and NHWC convs become kernel calls with packed constant weights."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp import targets
+from relay_amp.backend.cpu import amx, dispatch, kernels
+from relay_amp.compile.build import build
+from relay_amp.runtime import run_executable
+
+from builders import single_output_module, tensor
+from pass_checks import assert_transforms
+
+BF16 = "bfloat16"
+
+
+def _matmul_module(dtype: str, weight: np.ndarray, rows: int = 8):
+    return single_output_module(lambda x: relax.op.matmul(x, relax.const(weight), out_dtype="float32"),
+                                tensor("x", (2, rows, weight.shape[0]), dtype))
+
+
+def _conv_module(weight_hwio: np.ndarray, dtype: str = "int8", channels: int | None = None, strides: int = 2):
+    return single_output_module(
+        lambda x: relax.op.nn.conv2d(x, relax.const(weight_hwio), strides=strides, padding=1, data_layout="NHWC",
+                                     kernel_layout="HWIO", out_dtype="int32"),
+        tensor("x", (1, 7, 7, channels or weight_hwio.shape[2]), dtype))
+
+
+def _bf16_weight(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+
+def test_bf16_matmul_becomes_a_kernel_call_on_packed_weights():
+    weight = _bf16_weight((32, 16))
+    after = dispatch.UseDotKernels({BF16})(_matmul_module(BF16, weight))
+    relax.analysis.well_formed(after)
+    bindings = [b.value for b in after["main"].body.blocks[0].bindings]
+    ops = [v.op.name for v in bindings if isinstance(v, relax.Call)]
+    assert ops == ["relax.reshape", "relax.call_tir", "relax.reshape"]
+    call = bindings[1]
+    assert call.args[0].name_hint == "relay_amp_dot_kernel1"
+    np.testing.assert_array_equal(call.args[1].fields[1].value.numpy(),
+                                  kernels.pack_weight(weight, "IO", kernels.BF16_DOT))
+    assert relay_amp.transform.UseDotKernels({BF16})(_matmul_module(BF16, weight)).script() == after.script()
+
+
+@pytest.mark.parametrize("reason,module", [
+    ("fp32 is not enabled here", lambda: _matmul_module("float32", np.ones((32, 16), "float32"))),
+    ("16 lanes do not divide 24 outputs", lambda: _matmul_module(BF16, _bf16_weight((32, 24)))),
+    ("dtype not enabled for the target", lambda: _conv_module(np.ones((3, 3, 8, 16), "int8"), "int8")),
+])
+def test_calls_the_kernels_cannot_take_are_left_alone(reason, module):
+    before = module()
+    expected = relax.transform.FoldConstant()(module())
+    assert_transforms(dispatch.UseDotKernels({BF16}), before, expected)
+
+
+def test_amx_takes_the_calls_that_fit_its_tiles():
+    def kernel_text(rows):
+        after = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(_matmul_module(BF16, _bf16_weight((64, 32)), rows))
+        return after["relay_amp_dot_kernel1"].script()
+    assert amx.PRODUCTS[BF16].symbol in kernel_text(16)  # 2 x 16 rows
+    assert amx.PRODUCTS[BF16].symbol not in kernel_text(1)  # 2 rows: the AVX-512 kernel
+    int8 = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(_conv_module(np.ones((3, 3, 8, 32), "int8")))
+    call = next(b.value for b in int8["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)
+                and b.value.op.name == "relax.call_tir")
+    assert len(call.args[1].fields) == 2  # data and packed weight: tdpbssd takes signed int8, no weight sums
+    assert amx.PRODUCTS["int8"].symbol in int8["relay_amp_dot_kernel1"].script()
+
+
+def test_flat_amx_tiles_get_zero_rows_in_and_a_slice_out():
+    after = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(_conv_module(np.ones((3, 3, 8, 32), "int8"),
+                                                                              strides=1))
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.nn.pad", "relax.nn.pad", "relax.call_tir", "relax.strided_slice"]
+    relax.analysis.well_formed(after)
+
+
+@pytest.mark.parametrize("dtype,strides", [(BF16, 1), ("int8", 2), ("int8", 1)])
+def test_built_model_with_amx_kernels_matches_the_generic_build(dtype, strides):
+    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+        pytest.skip("host CPU (or kernel) has no AMX")
+    rng = np.random.default_rng(2)
+    if dtype == BF16:
+        mod = _matmul_module(BF16, _bf16_weight((64, 64)), rows=16)
+        inputs = [rng.standard_normal((2, 16, 64)).astype(ml_dtypes.bfloat16)]
+        tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
+    else:  # stride 2: row tiles of a 4x4 output; stride 1: flat tiles of a 7x7 output
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, 3, 32)).astype("int8"), strides=strides)  # 3 channels -> 4
+        inputs = [rng.integers(-128, 128, (1, 7, 7, 3)).astype("int8")]
+        tolerance = 0  # integer arithmetic is exact
+    executable = build(mod, "cpu-amx")
+    assert amx.PRODUCTS[dtype].instruction in executable.mod.imports[0].inspect_source("asm")
+    got = run_executable(executable, inputs)[0].astype("float64")
+    expected = relay_amp.run(mod, inputs)[0].astype("float64")
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
+
+
+def test_int8_conv_is_padded_then_dispatched():
+    after = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 8, 16), "int8")))
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.nn.pad", "relax.call_tir"]
+
+
+def test_target_dtypes_follow_the_cpu_features():
+    assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
+    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}
+    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == set()
+    assert dispatch.target_dtypes(targets.get_target("cuda-tensorcore")) == set()
+
+
+def test_conv_with_three_input_channels_gets_a_zero_channel():
+    after = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 3, 16), "int8")))
+    pad = next(b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call))
+    assert [int(p) for p in pad.attrs.pad_width] == [0, 0, 1, 1, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("dtype,feature,channels", [(BF16, "avx512_bf16", 8), ("int8", "avx512_vnni", 8),
+                                                     ("int8", "avx512_vnni", 3), ("float32", "avx512f", 8)])
+def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, channels):
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}")
+    rng = np.random.default_rng(1)
+    if dtype == BF16:
+        mod = _matmul_module(BF16, _bf16_weight((64, 32)))
+        inputs = [rng.standard_normal((2, 8, 64)).astype(ml_dtypes.bfloat16)]
+        tolerance = 1e-5  # fp32 sums of the same bf16 products, in another order
+    elif dtype == "float32":
+        mod = _matmul_module("float32", rng.standard_normal((64, 32)).astype("float32"))
+        inputs = [rng.standard_normal((2, 8, 64)).astype("float32")]
+        tolerance = 1e-5  # the same products summed in another order
+    else:
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, channels, 16)).astype("int8"))
+        inputs = [rng.integers(-128, 128, (1, 7, 7, channels)).astype("int8")]
+        tolerance = 0  # integer arithmetic is exact
+    got = run_executable(build(mod, "cpu-avx512-bf16"), inputs)[0].astype("float64")
+    expected = relay_amp.run(mod, inputs)[0].astype("float64")
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()

@@ -1,0 +1,116 @@
+"""kernels: the vdpbf16ps / vpdpbusd kernels are in the generated code and match numpy."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+from tvm.s_tir import meta_schedule as ms
+
+import relay_amp
+from relay_amp import targets
+from relay_amp.backend.cpu import kernels
+
+from conv_cases import max_relative_error, random_operands, reference_conv
+
+CASES = {
+    # name: (spec, host feature needed to run it)
+    "bf16_matmul": (kernels.ConvSpec((1, 1, 24, 64), (1, 1), 48, (1, 1), "bfloat16", "float32"), "avx512_bf16"),
+    "int8_conv_stride2": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32"), "avx512_vnni"),
+    "uint8_conv": (kernels.ConvSpec((2, 6, 6, 4), (3, 3), 16, (1, 1), "uint8", "int32"), "avx512_vnni"),
+    "fp32_conv": (kernels.ConvSpec((1, 8, 8, 5), (3, 3), 32, (1, 1), "float32", "float32"), "avx512f"),
+}
+INSTRUCTION = {"bfloat16": "vdpbf16ps", "int8": "vpdpbusd", "uint8": "vpdpbusd", "float32": "vfmadd"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_uses_the_instruction_and_matches_numpy(case):
+    spec, feature = CASES[case]
+    func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-avx512-bf16"))
+    assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}: the code is checked, not run")
+    _assert_matches_numpy(lib, spec)
+
+
+def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
+    """Run a compiled kernel on random operands (packed weight, + weight sums for int8) and compare with numpy."""
+    data, weight = random_operands(spec, np.random.default_rng(0))
+    packed = kernels.pack_weight(weight, "OIHW", spec.dot)
+    args = [data, packed] + ([kernels.weight_sums(packed)] if spec.shifted else [])
+    tensors = [tvm.runtime.tensor(a) for a in args] + [tvm.runtime.empty(spec.out_shape, spec.out_dtype, tvm.cpu())]
+    lib["main"](*tensors)
+    tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 sums in another order; integers are exact
+    assert max_relative_error(tensors[-1].numpy(), reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_packing_does_not_depend_on_the_source_layout():
+    weight = np.arange(32 * 8 * 3 * 3, dtype="float32").reshape(32, 8, 3, 3)
+    from_oihw = kernels.pack_weight(weight, "OIHW", kernels.BF16_DOT)
+    from_hwio = kernels.pack_weight(weight.transpose(2, 3, 1, 0), "HWIO", kernels.BF16_DOT)
+    np.testing.assert_array_equal(from_oihw, from_hwio)
+    assert from_oihw.shape == (2, 3, 3, 4, 16, 2)
+    np.testing.assert_array_equal(from_oihw[1, 2, 0, 3, 5, 1], weight[16 + 5, 3 * 2 + 1, 2, 0])
+
+
+def test_matmul_weights_pack_like_a_1x1_conv():
+    weight = np.arange(8 * 16, dtype="float32").reshape(8, 16)
+    np.testing.assert_array_equal(kernels.pack_weight(weight, "IO", kernels.INT8_DOT),
+                                  kernels.pack_weight(weight.T[:, :, None, None], "OIHW", kernels.INT8_DOT))
+
+
+def test_unsupported_dtype_and_channel_counts_are_dtype_errors():
+    with pytest.raises(relay_amp.DTypeError, match="float16"):
+        kernels.intrinsic_for("float16")
+    with pytest.raises(relay_amp.DTypeError, match="input channels by 2; got 16 and 3"):
+        kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 3), (1, 1), 16))
+    with pytest.raises(relay_amp.DTypeError, match="divisible by 16"):
+        kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 8), (1, 1), 24))
+
+
+def _design_space(spec: kernels.ConvSpec) -> tuple:
+    mod = tvm.IRModule({"main": kernels.conv2d_nhwc_compute(spec).with_attr("global_symbol", "main")})
+    context = ms.TuneContext(mod=mod, target=targets.get_target("cpu-avx512-bf16"), space_generator="post-order-apply",
+                             task_name="kernel")
+    return mod, context, context.generate_design_space()
+
+
+def _instructions(trace, kind: str) -> list:
+    return [inst for inst in trace.insts if inst.kind.name == kind]
+
+
+@pytest.mark.parametrize("case", ["bf16_matmul", "int8_conv_stride2"])
+def test_metaschedule_samples_register_tiles_of_the_tensorized_kernel(case):
+    spec, feature = CASES[case]
+    mod, context, spaces = _design_space(spec)
+    assert len(spaces) == 1
+    trace = spaces[0].trace
+    assert [str(inst.attrs[0]) for inst in _instructions(trace, "Tensorize")] == [spec.dot.name]
+    (rows,) = _instructions(trace, "SamplePerfectTile")
+    column_samples = _instructions(trace, "SampleCategorical")[:1] if spec.out_channels % 32 == 0 else []
+    out_w = spec.out_shape[2]
+    variants = [[(rows, [out_w // r, r])] + [(c, 1 - trace.decisions[c]) for c in column_samples] for r in (1, out_w)]
+    for decisions in variants:  # every sampled tile is a valid, tensorized, correct kernel
+        sch = tvm.s_tir.Schedule(mod)
+        variant = trace
+        for inst, decision in decisions:
+            variant = variant.with_decision(inst, decision, remove_postproc=True)
+        variant.apply_to_schedule(sch, remove_postproc=True)
+        for postproc in context.space_generator.postprocs:
+            assert postproc.apply(sch)
+        lib = tvm.compile(sch.mod, target=context.target)
+        assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
+        if targets.host_supports(feature):
+            _assert_matches_numpy(lib, spec)
+
+
+def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_functions():
+    spec, _ = CASES["int8_conv_stride2"]
+    target = targets.get_target("cpu-avx512-bf16")
+    scheduled = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), target, False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"].with_attr("tirx.is_scheduled", True),
+                                   kernels.conv2d_nhwc(spec))
+    a, b = te.placeholder((16, 16), name="a"), te.placeholder((16, 16), name="b")
+    k = te.reduce_axis((0, 16), "k")
+    matmul = te.compute((16, 16), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k))
+    assert kernels.DotKernelRule().apply(te.create_prim_func([a, b, matmul]), target, False) is None

@@ -1,0 +1,50 @@
+"""build: host CPU, bf16 preset, tuning logs, and CUDA tensor-core code without a GPU."""
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+from tvm import relax
+
+import relay_amp
+from relay_amp import models, targets
+from relay_amp.compile.build import build, compile_ptx, cuda_source
+from relay_amp.runtime import run_executable
+
+from builders import single_output_module, tensor
+
+
+def matmul_module(n: int = 256):
+    return single_output_module(relax.op.matmul, tensor("x", (n, n)), tensor("w", (n, n)))
+
+
+def test_build_for_host_cpu_matches_reference():
+    mod = models.small_cnn()
+    inputs = models.example_inputs(mod)
+    np.testing.assert_allclose(run_executable(build(mod, "cpu"), inputs)[0], relay_amp.run(mod, inputs)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not targets.host_supports("avx512_bf16"), reason="host CPU lacks avx512_bf16")
+def test_build_bf16_model_for_the_bf16_preset():
+    mod = models.small_cnn()
+    inputs = models.example_inputs(mod)
+    got = run_executable(build(relay_amp.to_mixed_precision(mod, "bfloat16"), "cpu-avx512-bf16"), inputs)[0]
+    expected = relay_amp.run(mod, inputs)[0]
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 2e-2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_float16_matmul_for_tensor_cores_uses_mma_instructions():
+    executable = build(relay_amp.to_mixed_precision(matmul_module(), "float16"), "cuda-tensorcore")
+    source = cuda_source(executable)
+    assert "wmma" in source or "mma" in source
+    instructions = set(re.findall(r"(?:wmma\.mma|mma)\.sync[\w.]*", compile_ptx(source)))
+    assert instructions, "no tensor-core instruction in the PTX"
+    assert any(".m16n16k16" in i or ".f16" in i for i in instructions), instructions
+
+
+def test_cuda_source_of_a_cpu_build_is_a_target_error():
+    with pytest.raises(relay_amp.TargetError, match="no CUDA module"):
+        cuda_source(build(models.small_cnn(), "cpu"))

@@ -1,0 +1,222 @@
+"""ToMixedPrecision: structural Before/Expected tests for every category, override and option."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+from relay_amp.passes.amp import default_lists, precision_plan
+
+
+def convert(before: tvm.IRModule, target_dtype: str = "float16", **options) -> tvm.IRModule:
+    """Convert, check well-formedness and that the input was left alone; drop the plan attribute."""
+    text = before.script()
+    after = relay_amp.to_mixed_precision(before, target_dtype, **options)
+    relax.analysis.well_formed(after)
+    assert before.script() == text, "to_mixed_precision mutated its input"
+    return after.without_attr("relay_amp.precision_plan")
+
+
+@I.ir_module
+class Mixed:
+    """matmul (target) -> relu (follow) -> softmax (fp32) -> add (widest)."""
+
+    @R.function
+    def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+        with R.dataflow():
+            mm = R.matmul(x, w)
+            r = R.nn.relu(mm)
+            s = R.nn.softmax(r)
+            gv = R.add(r, s)
+            R.output(gv)
+        return gv
+
+
+def test_categories_target_follow_fp32_widest():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            with R.dataflow():
+                x16 = R.astype(x, "float16")
+                w16 = R.astype(w, "float16")
+                mm32 = R.matmul(x16, w16, out_dtype="float32")
+                mm16 = R.astype(mm32, "float16")
+                r = R.nn.relu(mm16)
+                r32 = R.astype(r, "float32")
+                s = R.nn.softmax(r32)
+                gv = R.add(r32, s)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(convert(Mixed), Expected)
+
+
+def test_bfloat16_with_low_accumulation_and_overrides():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            with R.dataflow():
+                x16 = R.astype(x, "bfloat16")
+                w16 = R.astype(w, "bfloat16")
+                mm = R.matmul(x16, w16, out_dtype="bfloat16")
+                r = R.nn.relu(mm)
+                s = R.nn.softmax(r)
+                a = R.add(r, s)
+                R.output(a)
+            gv = R.astype(a, "float32")
+            return gv
+
+    # softmax moved from the fp32 list to the target list for this call only
+    after = convert(Mixed, "bfloat16", accumulation_dtype="bfloat16", target_dtype_ops=["matmul", "nn.softmax"])
+    tvm.ir.assert_structural_equal(after, Expected)
+    assert "relax.nn.softmax" in default_lists("bfloat16").fp32, "an override must not change the defaults"
+
+
+def test_fp32_ops_override_keeps_matmul_in_fp32():
+    after = convert(Mixed, fp32_ops=["matmul", "nn.softmax"])
+    tvm.ir.assert_structural_equal(after, Mixed)
+
+
+def test_excluded_layer_by_index_and_by_name_stays_fp32():
+    by_index = convert(Mixed, excluded_layers=[0])
+    by_name = convert(Mixed, excluded_layers=["mm"])
+    tvm.ir.assert_structural_equal(by_index, Mixed)
+    tvm.ir.assert_structural_equal(by_name, Mixed)
+
+
+def test_conditional_fp32_op_matches_attribute_value():
+    @I.ir_module
+    class Pools:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float16")) -> R.Tensor((1, 2, 2, 2), "float16"):
+            with R.dataflow():
+                a = R.nn.avg_pool2d(x, pool_size=2, strides=2, count_include_pad=True)
+                gv = R.nn.avg_pool2d(a, pool_size=1, count_include_pad=False)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 2, 4, 4), "float16")) -> R.Tensor((1, 2, 2, 2), "float16"):
+            with R.dataflow():
+                a = R.nn.avg_pool2d(x, pool_size=2, strides=2, count_include_pad=True)
+                gv = R.nn.avg_pool2d(a, pool_size=1, count_include_pad=False)
+                R.output(gv)
+            return gv
+
+    after = convert(Pools, conditional_fp32_ops=[("nn.avg_pool2d", "count_include_pad", [True])])
+    tvm.ir.assert_structural_equal(after, Expected)
+    reasons = [e.reason for e in precision_plan(relay_amp.to_mixed_precision(
+        Pools, "float16", conditional_fp32_ops=[("nn.avg_pool2d", "count_include_pad", [True])])).entries]
+    assert reasons == ["conditional: count_include_pad in [True]", "follow list"]
+
+
+def test_keep_io_types_false_lowers_the_signature():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            with R.dataflow():
+                mm = R.matmul(x, w)
+                gv = R.nn.relu(mm)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float16"), w: R.Tensor((4, 4), "float16")) -> R.Tensor((2, 4), "float16"):
+            with R.dataflow():
+                mm32 = R.matmul(x, w, out_dtype="float32")
+                mm = R.astype(mm32, "float16")
+                gv = R.nn.relu(mm)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class KeptIO:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            with R.dataflow():
+                x16 = R.astype(x, "float16")
+                w16 = R.astype(w, "float16")
+                mm32 = R.matmul(x16, w16, out_dtype="float32")
+                mm = R.astype(mm32, "float16")
+                r = R.nn.relu(mm)
+                R.output(r)
+            gv = R.astype(r, "float32")
+            return gv
+
+    tvm.ir.assert_structural_equal(convert(Before, keep_io_types=False), Expected)
+    tvm.ir.assert_structural_equal(convert(Before, keep_io_types=True), KeptIO)
+
+
+def _dense_module(weight_dtype: str, low: str | None) -> tvm.IRModule:
+    """x @ W with W a constant; with `low` the expected AMP output (weights stored in `weight_dtype`)."""
+    weight = (np.arange(12, dtype="float32").reshape(4, 3) - 6.0) / 8.0
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 4), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            data = bb.emit(relax.op.astype(x, low)) if low else x
+            w = relax.const(weight.astype(relay_amp.dtypes.numpy_dtype(weight_dtype)), weight_dtype)
+            out = bb.emit_output(relax.op.matmul(data, w, out_dtype="float32" if low else None))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+def test_constant_weights_are_cast_offline(low):
+    after = convert(_dense_module("float32", None), low)
+    tvm.ir.assert_structural_equal(after, _dense_module(low, low))
+
+
+def test_cast_params_offline_false_keeps_a_runtime_cast():
+    after = convert(_dense_module("float32", None), cast_params_offline=False)
+    casts = [b.value for b in after["main"].body.blocks[0].bindings if b.value.op.name == "relax.astype"]
+    assert len(casts) == 2 and isinstance(casts[1].args[0], tvm.ir.expr.Constant)
+
+
+def test_no_tensor_is_cast_twice_to_one_dtype():
+    mod = relay_amp.to_mixed_precision(relay_amp.models.bert_encoder(seq_len=8, layers=2), "float16")
+    seen = set()
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call) and value.op.name == "relax.astype":
+                key = (value.args[0], str(value.attrs.dtype))
+                assert key not in seen, f"{binding.var.name} repeats a cast"
+                seen.add(key)
+
+
+@pytest.mark.parametrize(
+    "options, error, fragment",
+    [
+        ({"target_dtype": "float8"}, relay_amp.DTypeError, "float8"),
+        ({"target_dtype": "int8"}, relay_amp.DTypeError, "target_dtype"),
+        ({"fp32_ops": ["nn.softmax"], "target_dtype_ops": ["nn.softmax"]}, relay_amp.OpListConflictError, "softmax"),
+        ({"widest_dtype_ops": ["add", "nn.convolution"]}, relay_amp.UnknownOpError, "nn.convolution"),
+        ({"excluded_layers": [5]}, relay_amp.LayerIndexError, "out of range"),
+        ({"excluded_layers": ["nope"]}, relay_amp.LayerIndexError, "nope"),
+        ({"missing_op_mode": "warn"}, relay_amp.OptionError, "missing_op_mode"),
+        ({"accumulation_dtype": "float64"}, relay_amp.DTypeError, "accumulation_dtype"),
+        ({"conditional_fp32_ops": [("nn.avg_pool2d", "count_include_pad")]}, relay_amp.OptionError, "triples"),
+        ({"fp32_ops": [], "missing_op_mode": "error"}, relay_amp.UnknownOpError, "nn.softmax"),
+    ],
+)
+def test_bad_options_raise_errors_naming_the_option(options, error, fragment):
+    target = options.pop("target_dtype", "float16")
+    with pytest.raises(error, match=fragment):
+        relay_amp.to_mixed_precision(Mixed, target, **options)
+
+
+def test_two_conversions_in_one_process_use_their_own_lists():
+    first = convert(Mixed, fp32_ops=["matmul", "nn.softmax"])
+    second = convert(Mixed)
+    assert "float16" not in first.script() and "float16" in second.script()

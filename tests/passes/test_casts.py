@@ -1,0 +1,146 @@
+"""EliminateRedundantCasts: one Before/Expected pair per rule."""
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+
+from pass_checks import assert_transforms
+
+
+def check(before: tvm.IRModule, expected: tvm.IRModule) -> None:
+    assert_transforms(relay_amp.transform.EliminateRedundantCasts(), before, expected)
+
+
+def test_same_dtype_cast_is_removed():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float32"):
+            with R.dataflow():
+                a = R.astype(x, "float32")
+                gv = R.nn.relu(a)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float32"):
+            with R.dataflow():
+                gv = R.nn.relu(x)
+                R.output(gv)
+            return gv
+
+    check(Before, Expected)
+
+
+def test_duplicate_casts_of_one_tensor_are_merged():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float16"):
+            with R.dataflow():
+                a = R.astype(x, "float16")
+                b = R.astype(x, "float16")
+                gv = R.add(a, b)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float16"):
+            with R.dataflow():
+                a = R.astype(x, "float16")
+                gv = R.add(a, a)
+                R.output(gv)
+            return gv
+
+    check(Before, Expected)
+
+
+def test_float_round_trip_folds_back_to_the_source():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4,), "float16")) -> R.Tensor((4,), "float16"):
+            with R.dataflow():
+                up = R.astype(x, "float32")
+                down = R.astype(up, "bfloat16")
+                back = R.astype(down, "float16")
+                gv = R.nn.relu(back)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4,), "float16")) -> R.Tensor((4,), "float16"):
+            with R.dataflow():
+                up = R.astype(x, "float32")
+                down = R.astype(up, "bfloat16")
+                back = R.astype(down, "float16")
+                gv = R.nn.relu(back)
+                R.output(gv)
+            return gv
+
+    # bf16 -> f16 is not a round trip back to x's dtype through one cast: nothing to fold
+    check(Before, Expected)
+
+    @I.ir_module
+    class RoundTrip:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float32"):
+            with R.dataflow():
+                low = R.astype(x, "float16")
+                back = R.astype(low, "float32")
+                gv = R.nn.relu(back)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Folded:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float32"):
+            with R.dataflow():
+                gv = R.nn.relu(x)
+                R.output(gv)
+            return gv
+
+    check(RoundTrip, Folded)
+
+
+def test_integer_round_trip_is_kept():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float32"):
+            with R.dataflow():
+                q = R.astype(x, "int8")
+                gv = R.astype(q, "float32")
+                R.output(gv)
+            return gv
+
+    check(Before, Before)
+
+
+def test_cast_of_a_constant_is_folded():
+    def module(cast: bool) -> tvm.IRModule:
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((3,), "float16"))
+        values = np.array([0.5, -1.25, 3.0], "float32")
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                if cast:
+                    c = bb.emit(relax.op.astype(relax.const(values), "float16"))
+                else:
+                    c = relax.const(values.astype("float16"))
+                out = bb.emit_output(relax.op.add(x, c))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    check(module(cast=True), module(cast=False))

@@ -1,0 +1,109 @@
+"""LayoutConfig + ConvertLayout: convert conv layouts except the layers the scope skips."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+from relay_amp import models
+from relay_amp.passes.layout import ConvertLayout, LayoutConfig, convert_layout
+
+from pass_checks import assert_transforms
+
+
+@I.ir_module
+class ThreeConvs:
+    @R.function
+    def main(x: R.Tensor((16, 16, 8, 8), "float32"), w0: R.Tensor((16, 16, 3, 3), "float32"),
+             w1: R.Tensor((16, 16, 3, 3), "float32"), w2: R.Tensor((16, 16, 3, 3), "float32")
+             ) -> R.Tensor((16, 16, 8, 8), "float32"):
+        with R.dataflow():
+            c0 = R.nn.conv2d(x, w0, padding=1)
+            r0 = R.nn.relu(c0)
+            c1 = R.nn.conv2d(r0, w1, padding=1)
+            r1 = R.nn.relu(c1)
+            gv = R.nn.conv2d(r1, w2, padding=1)
+            R.output(gv)
+        return gv
+
+
+def test_skip_first_layer_converts_the_rest_to_hwnc_with_transforms_at_the_boundaries():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((16, 16, 8, 8), "float32"), w0: R.Tensor((16, 16, 3, 3), "float32"),
+                 w1: R.Tensor((16, 16, 3, 3), "float32"), w2: R.Tensor((16, 16, 3, 3), "float32")
+                 ) -> R.Tensor((16, 16, 8, 8), "float32"):
+            with R.dataflow():
+                c0 = R.nn.conv2d(x, w0, padding=1)
+                r0 = R.nn.relu(c0)
+                r0_hwnc = R.permute_dims(r0, axes=[2, 3, 0, 1])
+                w1_hwoi = R.permute_dims(w1, axes=[2, 3, 0, 1])
+                c1 = R.nn.conv2d(r0_hwnc, w1_hwoi, padding=1, data_layout="HWNC", kernel_layout="HWOI",
+                                 out_layout="HWNC")
+                r1 = R.nn.relu(c1)
+                w2_hwoi = R.permute_dims(w2, axes=[2, 3, 0, 1])
+                c2 = R.nn.conv2d(r1, w2_hwoi, padding=1, data_layout="HWNC", kernel_layout="HWOI",
+                                 out_layout="HWNC")
+                gv = R.permute_dims(c2, axes=[2, 3, 0, 1])
+                R.output(gv)
+            return gv
+
+    with LayoutConfig(skip_layers=[0]):
+        assert_transforms(ConvertLayout({"nn.conv2d": ["HWNC", "default"]}), ThreeConvs, Expected)
+
+
+def layouts_of(mod: tvm.IRModule) -> list[str]:
+    return [call_layout(mod, layer.name) for layer in relay_amp.list_layers(mod, ["nn.conv2d"])]
+
+
+def call_layout(mod: tvm.IRModule, name: str) -> str:
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            if binding.var.name == name:
+                return f"{binding.value.attrs.data_layout}/{binding.value.attrs.kernel_layout}"
+    raise AssertionError(name)
+
+
+def test_nested_scopes_innermost_wins_and_outside_converts_everything():
+    nhwc = ConvertLayout({"nn.conv2d": ["NHWC", "default"]})
+    with LayoutConfig(skip_layers=[0]):
+        with LayoutConfig(skip_layers=[-1]):
+            inner = nhwc(ThreeConvs)
+        outer = nhwc(ThreeConvs)
+    everything = nhwc(ThreeConvs)
+    assert layouts_of(inner) == ["NHWC/OHWI", "NHWC/OHWI", "NCHW/OIHW"]
+    assert layouts_of(outer) == ["NCHW/OIHW", "NHWC/OHWI", "NHWC/OHWI"]
+    assert layouts_of(everything) == ["NHWC/OHWI"] * 3
+    assert LayoutConfig.current() is None
+
+
+@pytest.mark.parametrize("layout", ["HWNC", "NHWC"])
+def test_converted_resnet_matches_fp32(layout):
+    mod = models.resnet18(batch=16, image_size=32, classes=10)
+    with LayoutConfig(skip_layers=[0]):
+        converted = ConvertLayout({"relax.nn.conv2d": [layout, "default"]})(mod)
+    inputs = models.example_inputs(mod)
+    expected = relay_amp.run(mod, inputs)[0]
+    # a different loop order sums in another order: fp32 rounding only
+    np.testing.assert_allclose(relay_amp.run(converted, inputs)[0], expected, rtol=1e-4,
+                               atol=1e-4 * np.abs(expected).max())
+
+
+def test_layout_errors_name_the_problem():
+    with pytest.raises(relay_amp.OptionError, match="NCHW16c"):
+        ConvertLayout({"nn.conv2d": ["NCHW16c", "default"]})
+    with pytest.raises(relay_amp.UnknownOpError, match="conv9d"):
+        ConvertLayout({"nn.conv9d": ["NHWC", "default"]})
+    with LayoutConfig(skip_layers=[3]), pytest.raises(relay_amp.LayerIndexError, match="valid: -3..2"):
+        ConvertLayout({"nn.conv2d": ["NHWC", "default"]})(ThreeConvs)
+
+
+def test_functional_form_honours_the_scope():
+    with LayoutConfig(skip_layers=[1]):
+        via_function = convert_layout(ThreeConvs, {"nn.conv2d": ["NHWC", "default"]})
+        via_pass = ConvertLayout({"nn.conv2d": ["NHWC", "default"]})(ThreeConvs)
+    tvm.ir.assert_structural_equal(via_function, via_pass)
+    assert layouts_of(via_function) == ["NHWC/OHWI", "NCHW/OIHW", "NHWC/OHWI"]

@@ -1,0 +1,65 @@
+"""Benchmarks: every variant built, timed and checked against fp32 in one run (no timing asserted)."""
+
+import json
+
+import pytest
+
+import relay_amp
+from relay_amp import models
+from relay_amp.tools.bench import benchmark, format_rows, rows_to_json
+from relay_amp.tools.cli import main
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return benchmark(models.small_cnn(), ["bfloat16", "float16"], "cpu", repeat=3, model="small_cnn")
+
+
+def test_benchmark_measures_fp32_first_then_each_dtype(rows):
+    assert [r.dtype for r in rows] == ["float32", "bfloat16", "float16"]
+    assert rows[0].speedup == 1.0 and rows[0].max_rel_error == 0.0
+    assert all(r.median_ms > 0 and r.speedup > 0 and not r.tuned for r in rows)
+    # same tolerances as the AMP numeric tests
+    assert rows[1].max_rel_error < 2e-2 and rows[2].max_rel_error < 5e-3
+
+
+def test_rows_print_as_table_and_json(rows):
+    table = format_rows(rows)
+    assert "speed-up vs fp32" in table and "bfloat16" in table and "torch" not in table
+    data = json.loads(rows_to_json(rows, model="small_cnn"))
+    assert data["model"] == "small_cnn" and len(data["rows"]) == 3
+
+
+def test_missing_log_directory_means_an_untuned_build(tmp_path):
+    rows = benchmark(models.small_cnn(), ["float32"], "cpu", tune_logs=tmp_path, model="small_cnn", repeat=2)
+    assert [r.tuned for r in rows] == [False]
+
+
+def test_bench_command_prints_json(capsys):
+    assert main(["bench", "small_cnn", "--dtypes", "fp32,bf16", "--repeat", "2", "--json", "--exact-math"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [row["dtype"] for row in data["rows"]] == ["float32", "bfloat16"]
+
+
+def test_bench_command_rejects_unknown_target(capsys):
+    assert main(["bench", "small_cnn", "--target", "tpu"]) == 1
+    assert "unknown target preset 'tpu'" in capsys.readouterr().err
+
+
+def test_bench_command_rejects_a_missing_log_directory(capsys):
+    assert main(["bench", "small_cnn", "--tune-logs", "no/such/dir"]) == 1
+    assert "tuning log directory no/such/dir does not exist" in capsys.readouterr().err
+
+
+def test_int8_variant_in_nhwc_with_torch_columns():
+    pytest.importorskip("torch")
+    mod = models.resnet18_conv(channels=16, image_size=8)
+    rows = benchmark(mod, ["int8"], "cpu", repeat=2, layout="NHWC", torch_twin="resnet18_conv")
+    assert [r.dtype for r in rows] == ["float32", "int8"]
+    assert rows[0].torch_ms > 0 and rows[1].torch_ms is None  # PyTorch has no int8 twin
+    assert "TVM speed-up vs torch" in format_rows(rows)
+
+
+def test_unknown_layout_is_an_option_error():
+    with pytest.raises(relay_amp.OptionError, match="NCHW4c"):
+        benchmark(models.small_cnn(), ["float32"], "cpu", layout="NCHW4c")

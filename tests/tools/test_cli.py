@@ -1,0 +1,67 @@
+"""The relay-amp command line."""
+
+import pytest
+
+from relay_amp.tools.cli import main
+
+
+def test_layers_prints_the_layer_table(capsys):
+    assert main(["layers", "small_cnn"]) == 0
+    out = capsys.readouterr().out
+    assert "nn.conv2d" in out and "matmul" in out
+    assert "3 layers, longest chain 3" in out
+
+
+def test_recast_writes_tvmscript_atomically(tmp_path, capsys):
+    target = tmp_path / "out" / "recast.py"
+    assert main(["recast", "small_cnn", "--dtype", "float16", "--out-dtype", "float32", "--skip", "0",
+                 "-o", str(target)]) == 0
+    text = target.read_text()
+    assert 'R.astype(' in text and 'dtype="float16"' in text
+    assert [p.name for p in target.parent.iterdir()] == ["recast.py"]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["layers", "missing.onnx"], "not found: missing.onnx"),
+        (["layers", "small_cnn", "--ops", "nn.conv9d"], "unknown op 'nn.conv9d'"),
+        (["recast", "small_cnn", "--skip", "7"], "layer index 7 is out of range"),
+    ],
+)
+def test_errors_print_one_line_and_exit_nonzero(argv, fragment, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_option_value_exits_with_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recast", "small_cnn", "--skip", "a,b"])
+    assert exit_info.value.code == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_convert_prints_plan_and_writes_plan_and_module(tmp_path, capsys):
+    plan_path, module_path = tmp_path / "plan.json", tmp_path / "model.json"
+    assert main(["convert", "small_cnn", "--dtype", "fp16", "--exclude", "0",
+                 "--plan", str(plan_path), "-o", str(module_path)]) == 0
+    out = capsys.readouterr().out
+    assert "excluded" in out and "casts inserted" in out
+    from relay_amp import PrecisionPlan, load, precision_plan
+
+    plan = PrecisionPlan.load(plan_path)
+    assert plan.target_dtype == "float16"
+    assert precision_plan(load(module_path)) == plan
+    assert main(["convert", "small_cnn", "--apply-plan", str(plan_path)]) == 0
+    assert "plan" in capsys.readouterr().out
+
+
+def test_convert_rejects_unsupported_dtype(capsys):
+    assert main(["convert", "small_cnn", "--dtype", "int4"]) == 1
+    assert "target_dtype: 'int4' is not supported" in capsys.readouterr().err
+
+
+def test_tune_rejects_a_bad_trial_count(capsys):
+    assert main(["tune", "small_cnn", "--trials", "0", "--work-dir", "unused"]) == 1
+    assert "trials must be a positive integer" in capsys.readouterr().err

@@ -1,0 +1,30 @@
+"""pytorch: the twins have the built-in models' input and output shapes, and time in both dtypes."""
+
+import pytest
+
+import relay_amp
+from relay_amp import models
+from relay_amp.tools import pytorch
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("name", ["matmul", "resnet18_conv", "bert"])
+def test_twin_matches_the_built_in_model_shapes(name):
+    module, example = pytorch.twin(name)
+    relax_main = models.get_model(name)["main"]
+    assert list(example.shape) == [int(d) for d in relax_main.params[0].ty.shape.values]
+    with torch.inference_mode():
+        out = module(example)
+    assert list(out.shape) == [int(d) for d in relax_main.ret_ty.shape.values]
+
+
+def test_time_twin_in_fp32_and_bf16():
+    assert all(pytorch.time_twin("resnet18_conv", dtype, threads=1, repeat=2) > 0 for dtype in pytorch.TORCH_DTYPES)
+
+
+def test_unknown_twin_and_dtype_are_option_errors():
+    with pytest.raises(relay_amp.OptionError, match="small_cnn"):
+        pytorch.twin("small_cnn")
+    with pytest.raises(relay_amp.OptionError, match="int8"):
+        pytorch.time_twin("matmul", "int8", threads=1)
