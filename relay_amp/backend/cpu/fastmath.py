@@ -1,49 +1,95 @@
-"""fastmath: vectorizable approximations of erf, exp, tanh, softmax and GELU for CPU builds.
+"""fastmath: vectorizable fp32 approximations of the transcendental ops, in every float dtype, for CPU builds.
 
-LLVM compiles TVM's `erf`/`exp` to scalar libm calls, which left GELU as half of the BERT-style encoder's
-time. `FastMath` rewrites `relax.nn.gelu` as x/2 * (1 + erf(x/sqrt 2)) with TVM's polynomial `fast_erf`, then
-runs TVM's own `FastMathTransform` (fast_exp, fast_erf, fast_tanh, fast_softmax). The approximations stay
-within about 1e-6 relative of the exact functions in fp32.
+LLVM compiles TVM's `erf`/`exp`/`tanh`/`sigmoid` to scalar libm calls, and in bfloat16 or float16 TVM computes
+them op by op with a rounding step between each (10-30x slower than fp32 here), so a GELU, SiLU or softmax
+decomposed by an exporter fell to a slow path. `FastMath` computes every such call in fp32 with TVM's
+polynomial `fast_exp`/`fast_erf`/`fast_tanh` and casts the result back to the call's dtype:
+GELU (both forms), SiLU and sigmoid become one fused-friendly TE function each; a low-precision `erf`, `exp`
+or `tanh` gets fp32 casts around it; then TVM's own `FastMathTransform` turns the fp32 ones (and softmax) into
+the fast versions. The approximations stay within about 1e-6 relative of the exact functions in fp32.
 """
 
 import math
 
 import tvm
-from tvm import relax, topi
+from tvm import relax, te, topi
 
-from ..._ir import rewrite_function
+from ..._ir import rewrite_function, tensor_dtype
 
-FAST_DTYPES = ("float32", "float16", "bfloat16")  # GELU in these is computed through fp32 fast_erf
+LOW_FLOAT_DTYPES = ("float16", "bfloat16")
+FAST_DTYPES = ("float32", *LOW_FLOAT_DTYPES)
+WIDE = "float32"  # the only dtype TVM's fast_* functions are fast in
+# FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
+WIDENED_OPS = ("relax.erf", "relax.exp", "relax.tanh")
 
 
-def _fast_gelu(x: tvm.te.Tensor) -> tvm.te.Tensor:
-    """GELU through fast_erf, computed in fp32 (fast_erf's only fast dtype) and returned in x's dtype."""
-    wide = topi.cast(x, "float32") if x.dtype != "float32" else x
-    scaled = topi.fast_erf(topi.multiply(wide, tvm.tirx.const(1.0 / math.sqrt(2.0), "float32")))
-    gelu = topi.multiply(topi.multiply(wide, tvm.tirx.const(0.5, "float32")),
-                         topi.add(scaled, tvm.tirx.const(1.0, "float32")))
-    return topi.cast(gelu, x.dtype) if x.dtype != "float32" else gelu
+def _const(value: float) -> "tvm.tirx.PrimExpr":
+    return tvm.tirx.const(value, WIDE)
+
+
+def _gelu(x: te.Tensor) -> te.Tensor:
+    """x/2 * (1 + erf(x / sqrt 2))."""
+    erf = topi.fast_erf(topi.multiply(x, _const(1.0 / math.sqrt(2.0))))
+    return topi.multiply(topi.multiply(x, _const(0.5)), topi.add(erf, _const(1.0)))
+
+
+def _gelu_tanh(x: te.Tensor) -> te.Tensor:
+    """x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
+    cube = topi.multiply(topi.multiply(x, x), x)
+    inner = topi.multiply(topi.add(x, topi.multiply(cube, _const(0.044715))), _const(math.sqrt(2.0 / math.pi)))
+    return topi.multiply(topi.multiply(x, _const(0.5)), topi.add(topi.fast_tanh(inner), _const(1.0)))
+
+
+def _sigmoid(x: te.Tensor) -> te.Tensor:
+    """1 / (1 + exp(-x))."""
+    return topi.divide(_const(1.0), topi.add(topi.fast_exp(topi.negative(x)), _const(1.0)))
+
+
+def _silu(x: te.Tensor) -> te.Tensor:
+    """x * sigmoid(x)."""
+    return topi.multiply(x, _sigmoid(x))
+
+
+FORMULAS = {"relax.nn.gelu": _gelu, "relax.nn.gelu_tanh": _gelu_tanh, "relax.sigmoid": _sigmoid,
+            "relax.nn.silu": _silu}
+
+
+def _in_fp32(formula):
+    """A TE function computing `formula` in fp32 and returning the input's dtype."""
+    def compute(x: te.Tensor) -> te.Tensor:
+        wide = topi.cast(x, WIDE) if x.dtype != WIDE else x
+        result = formula(wide)
+        return topi.cast(result, x.dtype) if x.dtype != WIDE else result
+    return compute
 
 
 @relax.expr_functor.mutator
-class _GeluRewriter(relax.PyExprMutator):
-    """Replaces relax.nn.gelu calls on floats by the fast_erf formulation."""
+class _FastMathRewriter(relax.PyExprMutator):
+    """Replaces GELU, SiLU and sigmoid by fast fp32 TE functions and widens low-precision erf/exp/tanh."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        if isinstance(new_call.op, tvm.ir.Op) and new_call.op.name == "relax.nn.gelu" \
-                and str(new_call.args[0].ty.dtype) in FAST_DTYPES:
-            return self.builder_.call_te(_fast_gelu, new_call.args[0], primfunc_name_hint="fast_gelu")
+        if not isinstance(new_call.op, tvm.ir.Op) or len(new_call.args) != 1:
+            return new_call
+        name, dtype = new_call.op.name, tensor_dtype(new_call.args[0])
+        if dtype not in FAST_DTYPES:
+            return new_call
+        if name in FORMULAS:
+            hint = "fast_" + name.rpartition(".")[2]
+            return self.builder_.call_te(_in_fp32(FORMULAS[name]), new_call.args[0], primfunc_name_hint=hint)
+        if name in WIDENED_OPS and dtype in LOW_FLOAT_DTYPES:
+            wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))
+            return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
         return new_call
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FastMath")
 class FastMath:
-    """Rewrite GELU, erf, exp, tanh and softmax into TVM's vectorizable fast approximations."""
+    """Rewrite GELU, SiLU, sigmoid, erf, exp, tanh and softmax into TVM's vectorizable fp32 approximations."""
 
     def __init__(self, func: str = "main"):
         self.func = func
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return relax.transform.FastMathTransform()(rewrite_function(_GeluRewriter(mod), mod, self.func))
+        return relax.transform.FastMathTransform()(rewrite_function(_FastMathRewriter(mod), mod, self.func))

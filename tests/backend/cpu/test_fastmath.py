@@ -2,9 +2,13 @@
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 from relay_amp import models
 from relay_amp.backend.cpu import fastmath
@@ -58,3 +62,63 @@ def test_fast_math_build_matches_the_exact_build(name):
     fast = run_executable(build(mod, "cpu"), inputs)[0]
     exact = run_executable(build(mod, "cpu", fast_math=False), inputs)[0]
     assert np.abs(fast - exact).max() <= TOLERANCE * np.abs(exact).max()
+
+
+def test_low_precision_erf_is_computed_in_fp32():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 64), "bfloat16")) -> R.Tensor((4, 64), "bfloat16"):
+            with R.dataflow():
+                gv = R.erf(x)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Widened:  # then TVM's FastMathTransform takes the fp32 erf
+        @R.function
+        def main(x: R.Tensor((4, 64), "bfloat16")) -> R.Tensor((4, 64), "bfloat16"):
+            with R.dataflow():
+                wide = R.astype(x, "float32")
+                erf = R.erf(wide)
+                gv = R.astype(erf, "bfloat16")
+                R.output(gv)
+            return gv
+
+    assert_transforms(fastmath.FastMath(), Before, relax.transform.FastMathTransform()(Widened))
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh"])
+def test_sigmoid_family_becomes_one_fast_primfunc(name):
+    op = {"sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu_tanh": relax.op.nn.gelu_tanh}[name]
+    after = fastmath.FastMath()(single_output_module(op, tensor("x", (4, 64), "bfloat16")))
+    relax.analysis.well_formed(after)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings]
+    assert [c.op.name for c in calls] == ["relax.call_tir"] and calls[0].args[0].name_hint == f"fast_{name}"
+
+
+EXACT = {  # float64 references
+    "erf": np.vectorize(math.erf),
+    "exp": np.exp,
+    "tanh": np.tanh,
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "silu": lambda x: x / (1 + np.exp(-x)),
+    "gelu": lambda x: x * 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2))),
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+}
+RELAX_OPS = {"erf": relax.op.erf, "exp": relax.op.exp, "tanh": relax.op.tanh, "sigmoid": relax.op.sigmoid,
+             "silu": relax.op.nn.silu, "gelu": relax.op.nn.gelu, "gelu_tanh": relax.op.nn.gelu_tanh}
+# fp32: the polynomial's error; bf16/fp16: one rounding of the result (8 and 11 mantissa bits)
+RELATIVE = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+@pytest.mark.parametrize("dtype", list(RELATIVE))
+@pytest.mark.parametrize("name", list(EXACT))
+def test_fast_functions_match_the_exact_ones_in_every_float_dtype(name, dtype):
+    x = np.linspace(-6, 6, 256, dtype="float32").reshape(4, 64).astype(NUMPY_DTYPES[dtype])
+    got = run_executable(build(single_output_module(RELAX_OPS[name], tensor("x", (4, 64), dtype)), "cpu"), [x])[0]
+    expected = EXACT[name](x.astype("float64"))
+    # each value within its dtype's rounding, plus the fp32 polynomial's error (TOLERANCE of the largest value)
+    bound = RELATIVE[dtype] * np.abs(expected) + TOLERANCE * np.abs(expected).max()
+    assert np.all(np.abs(got.astype("float64") - expected) <= bound)
