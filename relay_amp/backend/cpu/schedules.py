@@ -111,7 +111,12 @@ class _CpuRule(dl.ScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        return None if not infos else self.schedule(sch, infos)
+        if not infos:
+            return None
+        try:
+            return self.schedule(sch, infos)
+        except tvm.error.InternalError:  # a TVM primitive failed on an unusual block: the next rule takes it
+            return None
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
         """Schedule the normalized blocks `infos` of `sch`, or return None."""
@@ -168,9 +173,17 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     if len(inner) == 2:
         sch.unroll(inner[0])
     sch.vectorize(inner[-1])
-    sch.vectorize(sch.get_loops(cache)[-1])
+    copy_loops = _own_loops(sch, cache, found.block)
+    if copy_loops:  # a 1x1 register tile leaves the write-back no loop of its own
+        sch.vectorize(copy_loops[-1])
     if found.reduction:
         sch.decompose_reduction(found.block, found.reduction[0])
+
+
+def _own_loops(sch: s_tir.Schedule, block, other) -> list:
+    """The loops around `block` that do not also surround `other`."""
+    shared = [sch.get(loop) for loop in sch.get_loops(other)]
+    return [loop for loop in sch.get_loops(block) if not any(sch.get(loop).same_as(s) for s in shared)]
 
 
 def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share: int = 1) -> list:

@@ -28,6 +28,10 @@ CASES = {
     "dense_bias_gelu": (lambda x, w, b: relax.op.nn.gelu(relax.op.add(relax.op.matmul(x, w), b)),
                         ("x", (2, 8, 40)), ("w", (40, 48)), ("b", (48,))),
     "batch_matmul": (lambda a, b: relax.op.matmul(a, b), ("a", (2, 4, 16, 8)), ("b", (2, 4, 8, 24))),
+    # 17 (ViT-tiny's tokens) has no divisor up to 16: a 1x1 register tile, whose write-back has no loop of its own
+    "matmul_prime": (lambda x, w: relax.op.matmul(x, w), ("x", (17, 32)), ("w", (32, 17))),
+    "attention_scores_prime": (lambda q, k: relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])),
+                               ("q", (1, 2, 17, 32)), ("k", (1, 2, 17, 32))),
     "conv_nchw_stride2": (lambda x, w: relax.op.nn.conv2d(x, w, strides=2, padding=1),
                           ("x", (1, 8, 15, 15)), ("w", (16, 8, 3, 3))),
     "conv_nhwc": (lambda x, w: relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1, data_layout="NHWC",
