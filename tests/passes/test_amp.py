@@ -6,6 +6,7 @@ import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp.passes.amp import default_lists, precision_plan
@@ -220,3 +221,45 @@ def test_two_conversions_in_one_process_use_their_own_lists():
     first = convert(Mixed, fp32_ops=["matmul", "nn.softmax"])
     second = convert(Mixed)
     assert "float16" not in first.script() and "float16" in second.script()
+
+
+def test_calls_into_primfuncs_keep_the_dtypes_their_signature_fixes():
+    # the ONNX importer writes Clip as call_tir of a TE PrimFunc: its fp32 buffers must get fp32 tensors
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True)
+        def relu6(a: T.Buffer((2, 4), "float32"), out: T.Buffer((2, 4), "float32")):
+            for i, j in T.grid(2, 4):
+                out[i, j] = T.min(T.max(a[i, j], T.float32(0)), T.float32(6))
+
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            cls = Before
+            with R.dataflow():
+                mm = R.matmul(x, w)
+                gv = R.call_tir(cls.relu6, (mm,), out_ty=R.Tensor((2, 4), "float32"))
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True)
+        def relu6(a: T.Buffer((2, 4), "float32"), out: T.Buffer((2, 4), "float32")):
+            for i, j in T.grid(2, 4):
+                out[i, j] = T.min(T.max(a[i, j], T.float32(0)), T.float32(6))
+
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            cls = Expected
+            with R.dataflow():
+                x16 = R.astype(x, "bfloat16")
+                w16 = R.astype(w, "bfloat16")
+                mm = R.matmul(x16, w16, out_dtype="float32")
+                gv = R.call_tir(cls.relu6, (mm,), out_ty=R.Tensor((2, 4), "float32"))
+                R.output(gv)
+            return gv
+
+    after = convert(Before, "bfloat16")
+    tvm.ir.assert_structural_equal(after, Expected)
+    reasons = {e.op: e.reason for e in precision_plan(relay_amp.to_mixed_precision(Before, "bfloat16")).entries}
+    assert reasons["relax.call_tir"].startswith("calls a PrimFunc")

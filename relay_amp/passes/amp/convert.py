@@ -36,6 +36,13 @@ from .policy import (
 _ASTYPE = "relax.astype"
 
 
+# calls into a PrimFunc or a packed function (an importer's TE fallback, a hand-written kernel): the callee's
+# signature fixes every dtype, so their arguments keep theirs
+FIXED_SIGNATURE_OPS = frozenset({"relax.call_tir", "relax.call_tir_inplace", "relax.call_tir_with_grad",
+                                 "relax.call_dps_packed", "relax.call_pure_packed", "relax.call_inplace_packed"})
+FIXED_SIGNATURE_REASON = "calls a PrimFunc or packed function: its signature fixes the dtypes"
+
+
 def _float_leaves(args: Iterable[relax.Expr]) -> list[relax.Expr]:
     leaves = []
     for arg in args:
@@ -83,6 +90,8 @@ class _AmpMutator(relax.PyExprMutator):
         if not _float_leaves(args) and not is_float(original):
             return None
         fp32 = self._compute_dtype(call)
+        if call.op.name in FIXED_SIGNATURE_OPS:
+            return fp32, FIXED_SIGNATURE_REASON
         if call in self.forced:
             return self.forced[call]
         if call in self.excluded:
