@@ -1,6 +1,9 @@
 """Frontends: ONNX and PyTorch models to Relax IRModules with weights bound as constants."""
 
+import contextlib
+import logging
 import os
+import warnings
 from collections.abc import Sequence
 
 import tvm
@@ -23,8 +26,45 @@ def _load_onnx(model):
         raise ModelLoadError(f"cannot parse ONNX model {path}: {err}") from err
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Silence a library's logger below ERROR (onnxscript logs every node it cannot evaluate ahead of time)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def simplify_onnx(proto):
+    """`proto` with its constant subgraphs folded by onnxscript's optimizer, ConstantOfShape included.
+
+    Exporters compute masks and shapes from constants (the TorchScript exporter writes ConstantOfShape of an
+    empty shape for a scalar, which TVM's importer cannot take); folding them leaves TVM plain constants.
+    """
+    from onnxscript import ir
+    from onnxscript.optimizer import fold_constants_ir, optimize_ir
+
+    model = ir.serde.deserialize_model(proto)
+    with _quiet("onnxscript"):
+        fold_constants_ir(model, should_fold=lambda node: True if node.op_type == "ConstantOfShape" else None)
+        optimize_ir(model)
+    return ir.serde.serialize_model(model)
+
+
+def _simplified(proto):
+    """simplify_onnx(proto), or proto itself (with a warning) where onnxscript fails."""
+    try:
+        return simplify_onnx(proto)
+    except Exception as err:  # an optimizer failure must not stop an import that TVM may manage alone
+        warnings.warn(f"ONNX simplification skipped for {proto.graph.name!r}: {err}", stacklevel=3)
+        return proto
+
+
 def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.IRModule:
-    """Import an ONNX model (a path or a ModelProto) into Relax, weights bound as constants."""
+    """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -32,7 +72,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.
         import onnx
 
         onnx.checker.check_model(proto)
-        return relax_from_onnx(proto, shape_dict=shape_dict, keep_params_in_input=False)
+        return relax_from_onnx(_simplified(proto), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
 

@@ -82,3 +82,26 @@ def test_from_torch_without_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(relay_amp.MissingDependencyError, match=r"relay_amp\[torch\]"):
         frontend.from_torch(object(), [])
+
+
+def scalar_constant_of_shape_onnx() -> onnx.ModelProto:
+    """y = x + ConstantOfShape([]) (a scalar 2.5), the way the TorchScript exporter spells a scalar mask fill."""
+    empty_shape = numpy_helper.from_array(np.zeros(0, dtype="int64"), "empty_shape")
+    fill = numpy_helper.from_array(np.array([2.5], dtype="float32"), "fill")
+    nodes = [
+        helper.make_node("Constant", [], ["shape"], value=empty_shape),
+        helper.make_node("ConstantOfShape", ["shape"], ["scalar"], value=fill),
+        helper.make_node("Add", ["x", "scalar"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "scalar_fill", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_constant_subgraphs_are_folded_before_tvm_imports_them():
+    model = scalar_constant_of_shape_onnx()
+    folded = frontend.simplify_onnx(model)
+    assert "ConstantOfShape" not in [node.op_type for node in folded.graph.node]
+    x = np.arange(6, dtype="float32").reshape(2, 3)
+    got = relay_amp.run(frontend.from_onnx(model), [x])[0]
+    np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])  # exact: one fp32 add
