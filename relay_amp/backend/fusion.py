@@ -4,6 +4,8 @@ compile_relax does them), so tuning, record matching and building see the same f
 import tvm
 from tvm import relax
 
+AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
+
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """Library dispatch, legalization, op-pattern annotation, constant folding and fusion for `target`."""

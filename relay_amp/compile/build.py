@@ -8,13 +8,15 @@ from tvm import relax
 
 from .._ir import is_sub_byte, tensor_dtype
 from ..backend import pipeline_for
+from ..backend.fusion import AUTO
 from ..errors import DTypeError, TargetError, TuningError
 from ..targets import check_host, get_target
 from .tuning import load_database, prepared_records
 
 
 def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
-          tune_logs: str | os.PathLike | None = None, fast_math: bool = True) -> relax.VMExecutable:
+          tune_logs: str | os.PathLike | None = None, fast_math: bool = True,
+          conv_layout: "str | list[str] | None" = AUTO) -> relax.VMExecutable:
     """Compile `mod` for `target`: dot-product kernels, then tuning records (when given), then default schedules.
 
     On CPU targets GELU/erf/exp/tanh/softmax become vectorizable approximations (relay_amp.backend.cpu.fastmath; turn off
@@ -22,6 +24,8 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     target has the instruction; MetaSchedule records from `tune_logs` schedule what they cover; relay_amp's
     rule-based schedules (relay_amp.backend.cpu.schedules) the rest. On CUDA targets matmuls and convs in int8 or float16
     run on tensor cores (relay_amp.backend.cuda.tensorcore), and TVM's dlight rules schedule the rest.
+    `conv_layout` "auto" lets the backend choose the convolutions' layout (CPU: NHWC, converted at the graph's
+    edges; CUDA: as the model has it); a data layout such as "NCHW" forces one, None keeps the model's.
     """
     check_host(target)
     _reject_sub_byte_tensors(mod)
@@ -29,7 +33,7 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     database = None if tune_logs is None else load_database(tune_logs)
     with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
         backend = pipeline_for(tgt)
-        prepared = backend.prepare_passes(tgt, fast_math)(mod)  # once: the record check and the build share it
+        prepared = backend.prepare_passes(tgt, fast_math, conv_layout)(mod)  # once: the record check and the build share it
         if database is not None:
             _require_records(prepared_records(database, prepared, tgt), tune_logs)
         return relax.build(prepared, target=tgt, relax_pipeline=backend.lowering_passes(tgt, database is not None))

@@ -78,3 +78,11 @@ class ConvertLayout:
 def convert_layout(mod: tvm.IRModule, desired_layouts: dict[str, list[str]], func: str = "main") -> tvm.IRModule:
     """Functional form of ConvertLayout (honours the current LayoutConfig)."""
     return ConvertLayout(desired_layouts, func)(mod)
+
+
+def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
+    """The ConvertLayout pass that puts conv2d into `conv_layout` (a data layout, or [data, kernel]); none for None."""
+    if conv_layout is None:
+        return []
+    layouts = [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)
+    return [ConvertLayout({CONV_OPS[0]: layouts})]

@@ -11,11 +11,11 @@ import tvm
 from tabulate import tabulate
 from tvm import relax
 
+from ..backend.fusion import AUTO
 from ..compile.build import build
 from ..compile.tuning import LOG_FILES, log_dir
 from ..errors import OptionError, TuningError
 from ..passes.amp import to_mixed_precision
-from ..passes.layout import convert_layout
 from ..passes.recast import recast
 from ..runtime import run_executable
 from ..targets import host_cores
@@ -24,7 +24,8 @@ from .models import example_inputs
 
 BASELINE = "float32"
 INT8_OPS = ("relax.nn.conv2d", "relax.matmul")
-CPU_LAYOUTS = {"NHWC": {"relax.nn.conv2d": ["NHWC", "HWIO"]}}  # the layout relay_amp's CPU kernels take
+# --layout: the backend's choice (auto), a data layout to force, or the model's own (keep)
+LAYOUTS = {AUTO: AUTO, "NHWC": "NHWC", "NCHW": "NCHW", "keep": None}
 
 
 @dataclass(frozen=True)
@@ -72,23 +73,21 @@ def _median_ms(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], rep
 
 def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16"), target: str = "cpu",
               tune_logs: str | os.PathLike | None = None, model: str = "model", repeat: int = 10,
-              seed: int = 0, *, layout: str | None = None, torch_twin: str | None = None,
+              seed: int = 0, *, layout: str = AUTO, torch_twin: str | None = None,
               fast_math: bool = True) -> list[BenchRow]:
     """Build and time every dtype variant of `mod` (fp32 always first), with errors against fp32.
 
-    `layout` ("NHWC") converts convolutions first; `torch_twin` names a built-in model whose PyTorch twin
+    `layout` is a key of LAYOUTS (build's conv_layout: "auto" lets the backend choose); `torch_twin` names a built-in model whose PyTorch twin
     (relay_amp.tools.pytorch) is timed for fp32 and bf16 on the same number of threads; `fast_math` goes to build.
     """
     order = [BASELINE] + [d for d in dtypes if d != BASELINE]
     inputs = example_inputs(mod, seed)
-    if layout is not None:
-        if layout not in CPU_LAYOUTS:
-            raise OptionError(f"unknown benchmark layout {layout!r}; choose one of {sorted(CPU_LAYOUTS)}")
-        mod = convert_layout(mod, CPU_LAYOUTS[layout])
+    if layout not in LAYOUTS:
+        raise OptionError(f"unknown benchmark layout {layout!r}; choose one of {list(LAYOUTS)}")
     measured = {}
     for dtype in order:
         logs = _logs_for(tune_logs, model, dtype, target)
-        executable = build(variant(mod, dtype), target, logs, fast_math)
+        executable = build(variant(mod, dtype), target, logs, fast_math, LAYOUTS[layout])
         outputs = run_executable(executable, inputs)
         measured[dtype] = (_median_ms(executable, inputs, repeat), outputs[0].astype("float64"), logs is not None)
     base_ms, reference, _ = measured[BASELINE]

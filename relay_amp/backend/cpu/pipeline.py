@@ -5,21 +5,34 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
-from ..fusion import fusion_passes
+from ...passes.layout import conv_layout_passes
+from ..fusion import AUTO, fusion_passes
 from . import amx
 from .dispatch import UseDotKernels, target_dtypes
 from .fastmath import FastMath
 from .kernels import DotKernelRule
 from .schedules import default_schedules
 
+CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 
-def prepare_passes(target: tvm.target.Target, fast_math: bool = True) -> tvm.transform.Pass:
-    """Fast math (unless turned off) and dot-product kernel dispatch, then legalization and fusion.
 
-    Dispatched kernels are already tensorized; MetaSchedule tunes their tiles through their own rule.
+def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:
+    """Convolutions to `conv_layout`; "auto" is CONV_LAYOUT, None keeps the model's layouts."""
+    return conv_layout_passes(CONV_LAYOUT if conv_layout == AUTO else conv_layout)
+
+
+def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
+                   conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
+    """Convolutions to NHWC (`conv_layout` overrides; None keeps the model's), fast math (unless turned off) and
+    dot-product kernel dispatch, then legalization and fusion.
+
+    Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
+    graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
+    tensorized; MetaSchedule tunes their tiles through their own rule.
     """
     dtypes = target_dtypes(target)
     return tvm.transform.Sequential([
+        *layout_passes(conv_layout),
         *([FastMath()] if fast_math else []),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *fusion_passes(target),

@@ -5,13 +5,22 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cuda import pipeline as cuda_lowering
 
-from ..fusion import fusion_passes
+from ...passes.layout import conv_layout_passes
+from ..fusion import AUTO, fusion_passes
 from .tensorcore import gpu_schedules
 
 
-def prepare_passes(target: tvm.target.Target, fast_math: bool = True) -> tvm.transform.Pass:
-    """Legalization and fusion (`fast_math` is a CPU option; CUDA's exact functions are already fast)."""
-    return tvm.transform.Sequential(fusion_passes(target), name="relay_amp_cuda_prepare")
+def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:
+    """Convolutions to `conv_layout`; "auto" and None keep the model's (the tensor-core rule takes them all)."""
+    return conv_layout_passes(None if conv_layout == AUTO else conv_layout)
+
+
+def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
+                   conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
+    """Legalization and fusion; convolutions keep their layout unless `conv_layout` names one (the tensor-core
+    rule takes NCHW, NHWC and HWNC). `fast_math` is a CPU option: CUDA's exact functions are already fast."""
+    return tvm.transform.Sequential([*layout_passes(conv_layout), *fusion_passes(target)],
+                                    name="relay_amp_cuda_prepare")
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
