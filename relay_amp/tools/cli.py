@@ -16,7 +16,8 @@ from ..passes.recast import DEFAULT_RECAST_OPS, recast
 from ..serialization import atomic_write_text, save
 from ..targets import host_cores, host_preset
 from . import models
-from .bench import CPU_LAYOUTS, benchmark, format_rows, rows_to_json, variant
+from .bench import LAYOUTS, benchmark, format_rows, rows_to_json, variant
+from .profile import format_profile, profile, profile_to_json
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
 
@@ -96,12 +97,23 @@ def _cmd_bench(args: argparse.Namespace) -> None:
                      torch_twin=twin, fast_math=not args.exact_math)
     if args.json:
         print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat,
-                           layout=args.layout or "as built", threads=host_cores()))
+                           layout=args.layout, threads=host_cores()))
     else:
         print(f"{args.model} (batch {args.batch}) on {args.target}, {host_cores()} threads, "
-              f"median of {args.repeat} runs, conv layout {args.layout or 'as built'}")
+              f"median of {args.repeat} runs, conv layout {args.layout}")
         print(f"tuning logs: {args.tune_logs or 'none'}\n")
         print(format_rows(rows))
+
+
+def _cmd_profile(args: argparse.Namespace) -> None:
+    rows = profile(load_model(args.model, args.batch), args.dtypes, args.target, args.repeat,
+                   conv_layout=LAYOUTS[args.layout])
+    if args.json:
+        print(profile_to_json(rows, model=args.model, batch=args.batch, target=args.target, dtypes=args.dtypes))
+    else:
+        print(f"{args.model} (batch {args.batch}) on {args.target}: ms per inference of each call group, "
+              f"median of {args.repeat} runs, worst {args.dtypes[-1]} penalty first\n")
+        print(format_profile(rows, args.dtypes, args.top))
 
 
 def _target(text: str) -> str:
@@ -179,9 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
     bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    bn.add_argument("--layout", choices=sorted(CPU_LAYOUTS), help="convert convolutions first (NHWC: the CPU kernels' layout)")
+    bn.add_argument("--layout", choices=list(LAYOUTS), default="auto",
+                    help="conv layout: the backend's choice (auto: NHWC on CPU), one to force, or the model's (keep)")
     bn.add_argument("--torch", action="store_true", help="add the PyTorch twin's fp32/bf16 times (needs torch)")
     bn.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.backend.cpu.fastmath)")
+
+    pf = _command(commands, "profile", "time every fused function and kernel call, dtype variants side by side",
+                  _cmd_profile, target=True)
+    pf.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16")
+    pf.add_argument("--repeat", type=int, default=5, help="timed runs per variant")
+    pf.add_argument("--top", type=int, default=20, help="rows to print")
+    pf.add_argument("--layout", choices=list(LAYOUTS), default="auto", help="conv layout, as for bench")
+    pf.add_argument("--json", action="store_true", help="print JSON (every row) instead of a table")
     return parser
 
 

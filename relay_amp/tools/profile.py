@@ -1,0 +1,109 @@
+"""profile: the time of every fused function and kernel call of a build, dtype variants side by side.
+
+The Relax VM calls a hook before and after each call (`VirtualMachine.set_instrument`); the time between the
+two is the call's. Calls are grouped by the ops their function computes, with casts and TVM's numbering
+dropped (`fused_reshape7_cast4_add5_erf` and `fused_reshape3_add1_erf` are both `reshape_add_erf`), so the
+same work lines up across dtypes; rows are sorted by how much slower the last variant is than the first.
+That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
+"""
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import tvm
+from tabulate import tabulate
+from tvm import relax
+
+from ..backend.fusion import AUTO
+from ..compile.build import build
+from ..errors import OptionError
+from .bench import BASELINE, variant
+from .models import example_inputs
+
+DROPPED_TOKENS = frozenset({"fused", "astype", "cast", ""})
+KEEP_GOING = 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
+
+
+def call_group(symbol: str) -> str:
+    """The ops a VM call computes, without casts and numbering: the key that lines variants up."""
+    tokens = (token.rstrip("0123456789") for token in symbol.split("_"))
+    return "_".join(token for token in tokens if token not in DROPPED_TOKENS) or "cast"  # a call that only casts
+
+
+def call_times(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], repeat: int = 5,
+               warmup: int = 2) -> dict[str, tuple[int, float]]:
+    """Per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`."""
+    if repeat < 1:
+        raise OptionError(f"repeat must be at least 1, got {repeat}")
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
+    for _ in range(warmup):
+        vm["main"](*args)
+    runs, started = [], []
+
+    def instrument(func, symbol, before_run, ret_value, *call_args) -> int:
+        if before_run:
+            started.append(time.perf_counter())
+        else:
+            runs[-1][call_group(symbol)].append(time.perf_counter() - started.pop())
+        return KEEP_GOING
+
+    vm.set_instrument(instrument)
+    for _ in range(repeat):
+        runs.append(defaultdict(list))
+        vm["main"](*args)
+    groups = {group for run in runs for group in run}
+    return {group: (len(runs[0][group]), statistics.median(sum(run[group]) for run in runs) * 1e3)
+            for group in groups}
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """One call group: how often it runs per inference and its ms per inference in each variant."""
+
+    group: str
+    calls: dict[str, int]
+    ms: dict[str, float]
+
+    def penalty(self, first: str, last: str) -> float:
+        """ms in `last` minus ms in `first` (a group missing from a variant counts 0 there)."""
+        return self.ms.get(last, 0.0) - self.ms.get(first, 0.0)
+
+
+def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), target: str = "cpu",
+            repeat: int = 5, *, conv_layout: "str | list[str] | None" = AUTO,
+            fast_math: bool = True) -> list[ProfileRow]:
+    """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group, worst penalty first."""
+    if not dtypes:
+        raise OptionError("profile needs at least one dtype")
+    inputs = example_inputs(mod)
+    measured = {dtype: call_times(build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout),
+                                  inputs, repeat)
+                for dtype in dtypes}
+    groups = sorted({group for times in measured.values() for group in times})
+    rows = [ProfileRow(group, {d: t[group][0] for d, t in measured.items() if group in t},
+                       {d: t[group][1] for d, t in measured.items() if group in t}) for group in groups]
+    return sorted(rows, key=lambda row: -row.penalty(dtypes[0], dtypes[-1]))
+
+
+def format_profile(rows: Sequence[ProfileRow], dtypes: Sequence[str], top: int | None = None) -> str:
+    """A printable table: per call group its calls and ms per variant, and the last variant's ratio to the first."""
+    first, last = dtypes[0], dtypes[-1]
+    table = []
+    for row in rows[:top]:
+        ratio = row.ms.get(last, 0.0) / row.ms[first] if row.ms.get(first) else float("inf")
+        table.append([row.group[:70], *(f"{row.ms[d]:.3f} ({row.calls[d]})" if d in row.ms else "-" for d in dtypes),
+                      f"{ratio:.2f}x"])
+    totals = ["total", *(f"{sum(r.ms.get(d, 0.0) for r in rows):.3f}" for d in dtypes), ""]
+    headers = ["call group", *(f"{d} ms (calls)" for d in dtypes), f"{last} / {first}"]
+    return tabulate([*table, totals], headers=headers)
+
+
+def profile_to_json(rows: Sequence[ProfileRow], **context) -> str:
+    """Profile rows and their context (model, target, ...) as JSON."""
+    return json.dumps({**context, "rows": [asdict(row) for row in rows]}, indent=1)

@@ -1,0 +1,46 @@
+"""profile: per-call times of a build, variants lined up by the ops each call computes."""
+
+import json
+
+import pytest
+
+from relay_amp import OptionError, models
+from relay_amp.tools.cli import main
+from relay_amp.tools.profile import call_group, format_profile, profile, profile_to_json
+
+
+@pytest.mark.parametrize("symbol, group", [
+    ("fused_reshape7_cast4_add5_divide_erf_add6_multiply1_reshape8", "reshape_add_divide_erf_add_multiply_reshape"),
+    ("fused_reshape3_add1_divide_erf_add_multiply_reshape2", "reshape_add_divide_erf_add_multiply_reshape"),
+    ("relay_amp_dot_kernel12", "relay_amp_dot_kernel"),
+    ("fused_astype3", "cast"),
+    ("vm.builtin.alloc_storage", "vm.builtin.alloc_storage"),
+])
+def test_call_groups_drop_casts_and_numbering(symbol, group):
+    assert call_group(symbol) == group
+
+
+def test_profile_lines_up_dtype_variants_worst_penalty_first():
+    rows = profile(models.small_cnn(), ["float32", "bfloat16"], "cpu", repeat=2)
+    penalties = [row.penalty("float32", "bfloat16") for row in rows]
+    assert penalties == sorted(penalties, reverse=True)
+    both = [row for row in rows if set(row.ms) == {"float32", "bfloat16"}]
+    assert any("conv2d" in row.group for row in both)  # the conv of both builds is one row
+    assert all(row.calls[d] >= 1 and row.ms[d] >= 0 for row in rows for d in row.ms)
+    table = format_profile(rows, ["float32", "bfloat16"], top=3)
+    assert "bfloat16 / float32" in table and table.splitlines()[-1].startswith("total")
+    assert json.loads(profile_to_json(rows, model="small_cnn"))["rows"][0]["group"] == rows[0].group
+
+
+def test_profile_needs_a_dtype_and_a_positive_repeat():
+    with pytest.raises(OptionError, match="at least one dtype"):
+        profile(models.small_cnn(), [])
+    with pytest.raises(OptionError, match="repeat must be at least 1"):
+        profile(models.small_cnn(), ["float32"], repeat=0)
+
+
+def test_cli_profile_prints_the_table_and_one_line_errors(capsys):
+    assert main(["profile", "small_cnn", "--dtypes", "fp32,bf16", "--repeat", "1", "--top", "3"]) == 0
+    assert "call group" in capsys.readouterr().out
+    assert main(["profile", "small_cnn", "--repeat", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "relay-amp: error: repeat must be at least 1, got 0"
