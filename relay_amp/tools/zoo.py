@@ -1,0 +1,210 @@
+"""The model zoo: real architectures from Hugging Face transformers' configs, random weights, exported as users do.
+
+Nothing is downloaded: each entry builds its architecture from a config with seeded random weights, in a full
+size (what the benchmark times) and a tiny one (what the tests convert). `load` exports it the way users do
+(`torch.onnx.export` with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and
+imports it into Relax. torchvision and timm would need another torch build than the one these machines run
+(their wheels pin torch 2.14 with CUDA), so the CNNs come from transformers' ResNet, MobileNetV2,
+EfficientNet and ConvNeXt, which are the same architectures. Needs the `zoo` extra (torch, transformers):
+import this module only where it is used.
+"""
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers as hf
+import tvm
+
+from .. import frontend
+from ..errors import OptionError
+
+EXPORTERS = ("torchscript", "dynamo", "torch.export")
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The input of a zoo model: images (batch, 3, size, size) or token ids (batch, length)."""
+
+    batch: int
+    size: int
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One architecture: how to build it at full and tiny size, and what it takes as input."""
+
+    name: str
+    kind: str  # "cnn" or "transformer": CNNs take images, transformers token ids and an attention mask
+    config: Callable[[bool], object]  # tiny -> a transformers config
+    model_class: str  # the transformers class that the config builds
+    output: str  # the attribute of the model's output returned as the zoo model's one output
+    full: Shape
+    tiny: Shape
+    batch_norm: bool = False  # a CNN with batch norms: trained-looking statistics instead of HF's init
+
+
+def _resnet50(tiny: bool):
+    if tiny:
+        return hf.ResNetConfig(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
+                               layer_type="bottleneck", num_labels=10)
+    return hf.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3],
+                           layer_type="bottleneck", num_labels=1000)
+
+
+def _mobilenet_v2(tiny: bool):
+    return hf.MobileNetV2Config(depth_multiplier=0.35 if tiny else 1.0, image_size=64 if tiny else 224,
+                                num_labels=10 if tiny else 1000)
+
+
+def _efficientnet_b0(tiny: bool):
+    return hf.EfficientNetConfig(width_coefficient=0.25 if tiny else 1.0, depth_coefficient=0.25 if tiny else 1.0,
+                                 image_size=64 if tiny else 224, hidden_dim=320 if tiny else 1280,
+                                 num_labels=10 if tiny else 1000)
+
+
+def _convnext_tiny(tiny: bool):
+    if tiny:
+        return hf.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], num_labels=10)
+    return hf.ConvNextConfig(num_labels=1000)  # the defaults are ConvNeXt-T
+
+
+def _vit_s16(tiny: bool):
+    if tiny:
+        return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                            image_size=32, patch_size=8, num_labels=10)
+    return hf.ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+                        image_size=224, patch_size=16, num_labels=1000)
+
+
+def _bert(tiny: bool):
+    if tiny:
+        return hf.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=128)
+    return hf.BertConfig(num_hidden_layers=6)  # BERT-base widths, 6 layers
+
+
+def _distilbert(tiny: bool):
+    if tiny:
+        return hf.DistilBertConfig(vocab_size=512, dim=64, n_layers=2, n_heads=2, hidden_dim=128)
+    return hf.DistilBertConfig()
+
+
+def _gpt2(tiny: bool):
+    if tiny:
+        return hf.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=64)
+    return hf.GPT2Config(n_layer=4)
+
+
+def _t5_encoder(tiny: bool):
+    if tiny:
+        return hf.T5Config(vocab_size=512, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2)
+    return hf.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8)  # t5-small's encoder
+
+
+ZOO = {entry.name: entry for entry in [
+    ZooEntry("resnet50", "cnn", _resnet50, "ResNetForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
+             batch_norm=True),
+    ZooEntry("mobilenet_v2", "cnn", _mobilenet_v2, "MobileNetV2ForImageClassification", "logits",
+             Shape(1, 224), Shape(1, 64), batch_norm=True),
+    ZooEntry("efficientnet_b0", "cnn", _efficientnet_b0, "EfficientNetForImageClassification", "logits",
+             Shape(1, 224), Shape(1, 64), batch_norm=True),
+    ZooEntry("convnext_tiny", "cnn", _convnext_tiny, "ConvNextForImageClassification", "logits",
+             Shape(1, 224), Shape(1, 64)),
+    ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
+    ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
+    ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
+             Shape(1, 128), Shape(2, 16)),
+    ZooEntry("gpt2", "transformer", _gpt2, "GPT2Model", "last_hidden_state", Shape(1, 64), Shape(2, 16)),
+    ZooEntry("t5_encoder", "transformer", _t5_encoder, "T5EncoderModel", "last_hidden_state",
+             Shape(1, 128), Shape(2, 16)),
+]}
+
+
+def entry(name: str) -> ZooEntry:
+    """The zoo entry called `name`, or OptionError listing the zoo."""
+    if name not in ZOO:
+        raise OptionError(f"unknown zoo model {name!r}; the zoo has {list(ZOO)}")
+    return ZOO[name]
+
+
+def torch_module(name: str, tiny: bool = False, seed: int = 0):
+    """The zoo model as an eval-mode torch.nn.Module taking example_inputs' arrays and returning one tensor."""
+    spec = entry(name)
+    torch.manual_seed(seed)
+    model = getattr(hf, spec.model_class)(spec.config(tiny))
+    if spec.batch_norm:
+        _trained_looking(model)
+    return SingleOutput(model, spec).eval()
+
+
+@torch.no_grad()
+def _trained_looking(model: torch.nn.Module) -> None:
+    """Fan-in scaled conv and linear weights and spread-out batch-norm statistics, as a trained CNN has.
+
+    With HF's init (weights N(0, 0.02), unit batch norms) a deep CNN's activations vanish: EfficientNet's
+    logits come out exactly zero, and nothing can be compared against them.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Conv2d | torch.nn.Linear):
+            fan_in = module.weight[0].numel()
+            module.weight.normal_(0.0, (2.0 / fan_in) ** 0.5)
+        elif isinstance(module, torch.nn.BatchNorm2d):
+            module.weight.uniform_(0.5, 1.5)
+            module.bias.normal_(0.0, 0.1)
+            module.running_mean.normal_(0.0, 0.1)
+            module.running_var.uniform_(0.5, 1.5)
+
+
+def example_inputs(name: str, tiny: bool = False, seed: int = 0) -> list[np.ndarray]:
+    """Seeded inputs: normalized images for CNNs; token ids (and an all-ones attention mask) for transformers."""
+    spec = entry(name)
+    shape = spec.tiny if tiny else spec.full
+    rng = np.random.default_rng(seed)
+    if spec.kind == "cnn":
+        return [rng.standard_normal((shape.batch, 3, shape.size, shape.size)).astype("float32")]
+    ids = rng.integers(0, spec.config(tiny).vocab_size, (shape.batch, shape.size)).astype("int64")
+    return [ids, np.ones_like(ids)]
+
+
+class SingleOutput(torch.nn.Module):
+    """A transformers model called with positional arrays, returning its one chosen output."""
+
+    def __init__(self, model: torch.nn.Module, spec: ZooEntry):
+        super().__init__()
+        self.model = model
+        self.input_names = ["pixel_values"] if spec.kind == "cnn" else ["input_ids", "attention_mask"]
+        self.output = spec.output
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The model's chosen output for positional inputs (images, or token ids and a mask)."""
+        return getattr(self.model(**dict(zip(self.input_names, inputs))), self.output)
+
+
+def export_onnx(name: str, path: "str | Path", tiny: bool = False, exporter: str = "torchscript") -> Path:
+    """Write the zoo model to an ONNX file with torch.onnx.export's TorchScript or dynamo exporter."""
+    if exporter not in EXPORTERS[:2]:
+        raise OptionError(f"ONNX exporter must be one of {list(EXPORTERS[:2])}, got {exporter!r}")
+    module = torch_module(name, tiny)
+    inputs = tuple(torch.from_numpy(x) for x in example_inputs(name, tiny))
+    with torch.no_grad():
+        torch.onnx.export(module, inputs, str(path), input_names=module.input_names[:len(inputs)],
+                          output_names=["output"],
+                          opset_version=OPSET if exporter == "torchscript" else None,
+                          dynamo=exporter == "dynamo", external_data=False)
+    module.eval()  # the TorchScript exporter restores the training flag it found, on the wrapper only
+    return Path(path)
+
+
+def load(name: str, tiny: bool = False, exporter: str = "torchscript") -> tvm.IRModule:
+    """The zoo model as a Relax module, exported with `exporter` (see EXPORTERS) and imported by relay_amp."""
+    if exporter not in EXPORTERS:
+        raise OptionError(f"exporter must be one of {list(EXPORTERS)}, got {exporter!r}")
+    if exporter == "torch.export":
+        return frontend.from_torch(torch_module(name, tiny), example_inputs(name, tiny))
+    with tempfile.TemporaryDirectory() as tmp:
+        return frontend.from_onnx(export_onnx(name, Path(tmp) / f"{name}.onnx", tiny, exporter))

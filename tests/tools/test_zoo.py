@@ -1,0 +1,57 @@
+"""The model zoo: every family exports, converts, builds and matches PyTorch on a tiny config."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+zoo = pytest.importorskip("relay_amp.tools.zoo")
+
+import relay_amp  # noqa: E402
+from relay_amp.runtime import run_executable  # noqa: E402
+
+FP32_TOLERANCE = 2e-5  # relative to the largest output: fp32 sums in another order, fast-math polynomials
+BF16_FLOOR = 1e-2  # bf16 AMP may be this far off, or as far off as PyTorch's own bf16 autocast (x1.5)
+
+
+def _reference(name: str, inputs: list[np.ndarray]) -> tuple[np.ndarray, float]:
+    """PyTorch's fp32 output, and the relative error of PyTorch's bf16 autocast against it."""
+    module = zoo.torch_module(name, tiny=True)
+    tensors = [torch.from_numpy(x) for x in inputs]
+    with torch.no_grad():
+        fp32 = module(*tensors).numpy()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = module(*tensors).float().numpy()
+    return fp32, _relative_error(bf16, fp32)
+
+
+def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(got.astype("float64") - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_zoo_model_converts_builds_and_matches_pytorch(name):
+    inputs = zoo.example_inputs(name, tiny=True)
+    expected, torch_bf16_error = _reference(name, inputs)
+    assert np.abs(expected).max() > 0, "the reference output is all zeros: nothing to compare"
+    mod = zoo.load(name, tiny=True)
+    target = relay_amp.targets.host_preset()
+    fp32 = run_executable(relay_amp.build(mod, target), inputs)[0]
+    assert _relative_error(fp32, expected) <= FP32_TOLERANCE
+    bf16 = run_executable(relay_amp.build(relay_amp.to_mixed_precision(mod, "bfloat16"), target), inputs)[0]
+    assert _relative_error(bf16, expected) <= max(BF16_FLOOR, 1.5 * torch_bf16_error)
+
+
+@pytest.mark.parametrize("name, exporter", [("resnet50", "dynamo"), ("bert", "dynamo"),
+                                            ("convnext_tiny", "torch.export"), ("t5_encoder", "torch.export")])
+def test_other_export_paths_import_and_match(name, exporter):
+    inputs = zoo.example_inputs(name, tiny=True)
+    expected, _ = _reference(name, inputs)
+    got = run_executable(relay_amp.build(zoo.load(name, tiny=True, exporter=exporter), "cpu"), inputs)[0]
+    assert _relative_error(got, expected) <= FP32_TOLERANCE
+
+
+def test_unknown_names_and_exporters_are_option_errors():
+    with pytest.raises(relay_amp.OptionError, match="unknown zoo model 'resnet9'"):
+        zoo.entry("resnet9")
+    with pytest.raises(relay_amp.OptionError, match="exporter must be one of"):
+        zoo.load("bert", tiny=True, exporter="tflite")
