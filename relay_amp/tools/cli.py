@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from .. import frontend
 from ..compile.tuning import log_dir, tune
-from ..errors import RelayAmpError
+from ..errors import MissingDependencyError, RelayAmpError
 from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from ..passes.recast import DEFAULT_RECAST_OPS, recast
@@ -90,7 +90,13 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     print(f"wrote tuning records to {work_dir}")
 
 
+ZOO_PREFIX = "zoo"
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
+    if args.model == ZOO_PREFIX or args.model.startswith(ZOO_PREFIX + ":"):
+        _bench_zoo(args)
+        return
     mod = load_model(args.model, args.batch)
     twin = args.model if args.torch else None
     rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
@@ -114,6 +120,23 @@ def _cmd_profile(args: argparse.Namespace) -> None:
         print(f"{args.model} (batch {args.batch}) on {args.target}: ms per inference of each call group, "
               f"median of {args.repeat} runs, worst {args.dtypes[-1]} penalty first\n")
         print(format_profile(rows, args.dtypes, args.top))
+
+
+def _bench_zoo(args: argparse.Namespace) -> None:
+    try:
+        from . import zoo, zoo_bench  # torch, transformers, onnxruntime: the zoo extra
+    except ImportError as err:
+        raise MissingDependencyError(f"bench zoo needs the zoo extra (pip install -e '.[zoo]'): {err}") from err
+    names = _op_list(args.model.partition(":")[2]) or list(zoo.ZOO)
+    for name in names:
+        zoo.entry(name)  # an unknown name fails before any model is built
+    dtypes = [d for d in args.dtypes if d != "float32"]
+    print(f"zoo on {args.target}, {host_cores()} threads, {args.rounds} rounds of {args.repeat} runs; "
+          f"results to {args.results}")
+    zoo_bench.bench_zoo(names, dtypes, args.target, args.results, rounds=args.rounds, repeat=args.repeat,
+                        torch_compile=args.torch_compile,
+                        progress=lambda result: print(zoo_bench.markdown_table([result]), flush=True))
+    print(f"wrote {args.results}/zoo.json, zoo.md and zoo.png")
 
 
 def _target(text: str) -> str:
@@ -142,7 +165,7 @@ def _dtype(text: str) -> str:
 def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None = None,
              target: bool = False) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help=help_text)
-    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}) or ONNX file")
+    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}), ONNX file, or (bench) zoo[:NAMES]")
     parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
     if ops is not None:
         parser.add_argument("--ops", type=_op_list, default=list(ops), help="comma-separated op names")
@@ -195,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="conv layout: the backend's choice (auto: NHWC on CPU), one to force, or the model's (keep)")
     bn.add_argument("--torch", action="store_true", help="add the PyTorch twin's fp32/bf16 times (needs torch)")
     bn.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.backend.cpu.fastmath)")
+    bn.add_argument("--rounds", type=int, default=3, help="zoo: rotating rounds of --repeat runs per runner")
+    bn.add_argument("--results", default="benchmarks/results", help="zoo: where zoo.json, zoo.md, zoo.png go")
+    bn.add_argument("--torch-compile", action="store_true", help="zoo: also time torch.compile (slow to compile)")
 
     pf = _command(commands, "profile", "time every fused function and kernel call, dtype variants side by side",
                   _cmd_profile, target=True)

@@ -82,13 +82,18 @@ def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), t
     if not dtypes:
         raise OptionError("profile needs at least one dtype")
     inputs = example_inputs(mod)
-    measured = {dtype: call_times(build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout),
-                                  inputs, repeat)
-                for dtype in dtypes}
+    return profile_rows({dtype: call_times(build(variant(mod, dtype), target, fast_math=fast_math,
+                                                 conv_layout=conv_layout), inputs, repeat)
+                         for dtype in dtypes})
+
+
+def profile_rows(measured: dict[str, dict[str, tuple[int, float]]]) -> list[ProfileRow]:
+    """call_times of several variants (variant -> group -> times) lined up, worst penalty of the last first."""
+    variants = list(measured)
     groups = sorted({group for times in measured.values() for group in times})
-    rows = [ProfileRow(group, {d: t[group][0] for d, t in measured.items() if group in t},
-                       {d: t[group][1] for d, t in measured.items() if group in t}) for group in groups]
-    return sorted(rows, key=lambda row: -row.penalty(dtypes[0], dtypes[-1]))
+    rows = [ProfileRow(group, {v: t[group][0] for v, t in measured.items() if group in t},
+                       {v: t[group][1] for v, t in measured.items() if group in t}) for group in groups]
+    return sorted(rows, key=lambda row: -row.penalty(variants[0], variants[-1]))
 
 
 def format_profile(rows: Sequence[ProfileRow], dtypes: Sequence[str], top: int | None = None) -> str:

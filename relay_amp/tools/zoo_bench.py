@@ -1,0 +1,210 @@
+"""The zoo benchmark: relay_amp against the runtimes users would pick instead, every zoo model, one process.
+
+For each model, one ONNX file (the TorchScript exporter's) goes to relay_amp and to ONNX Runtime, and the
+same torch module runs in PyTorch: eager fp32, and bf16 under autocast (channels_last for CNNs, PyTorch's
+best bf16 on CPU), optionally `torch.compile`d. Every runner is timed in rotating blocks (a block of runs of
+each in turn, several rounds, the median of the block medians), so a noisy neighbour slows them all alike;
+ONNX Runtime's thread pool does not spin, so it does not steal the next runner's cores. Errors are against
+PyTorch fp32. The profile of relay_amp's fp32 and bf16 builds names the call groups that are slower in bf16.
+"""
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import torch
+import tvm
+from tabulate import tabulate
+from tvm import relax
+
+from .. import frontend
+from ..compile.build import build
+from ..errors import OptionError
+from ..serialization import atomic_write_bytes, atomic_write_text
+from ..targets import host_cores
+from . import zoo
+from .bench import BASELINE, variant
+from .profile import ProfileRow, call_times, profile_rows
+
+SLOW_RATIO = 1.1  # a call group this much slower in bf16 than in fp32 is a slow path
+SLOW_SHARE = 0.02  # ... when the difference is at least this share of the bf16 inference
+TORCH_BF16 = "torch bf16"  # autocast, channels_last for CNNs
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
+
+
+@dataclass
+class ZooResult:
+    """One model: median ms per runner, relative error per runner against PyTorch fp32, bf16 slow paths."""
+
+    model: str
+    ms: dict[str, float] = field(default_factory=dict)
+    error: dict[str, float] = field(default_factory=dict)
+    slow_paths: list[str] = field(default_factory=list)
+
+
+def rotating_medians(runners: dict[str, Callable[[], object]], rounds: int, repeat: int) -> dict[str, float]:
+    """Median ms of each runner: `rounds` rounds of `repeat`-run blocks, runners in turn, median of block medians."""
+    if rounds < 1 or repeat < 1:
+        raise OptionError(f"rounds and repeat must be at least 1, got {rounds} and {repeat}")
+    blocks = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            run()
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            blocks[name].append(statistics.median(times))
+    return {name: statistics.median(medians) * 1e3 for name, medians in blocks.items()}
+
+
+def _relay_runner(executable: relax.VMExecutable, inputs: list[np.ndarray]) -> Callable[[], np.ndarray]:
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    args = [tvm.runtime.tensor(x) for x in inputs]
+    return lambda: vm["main"](*args)
+
+
+def _torch_runners(name: str, inputs: list[np.ndarray], compiled: bool,
+                   tiny: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    module = zoo.torch_module(name, tiny)
+    tensors = [torch.from_numpy(x) for x in inputs]
+    cnn = zoo.entry(name).kind == "cnn"
+    fast = zoo.torch_module(name, tiny)
+    fast = fast.to(memory_format=torch.channels_last) if cnn else fast
+    fast_inputs = [t.contiguous(memory_format=torch.channels_last) for t in tensors] if cnn else tensors
+
+    def eager() -> torch.Tensor:
+        with torch.inference_mode():
+            return module(*tensors)
+
+    def bf16(model=fast) -> torch.Tensor:
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+            return model(*fast_inputs)
+
+    runners = {"torch fp32": eager, TORCH_BF16: bf16}
+    if compiled:
+        compiled_model = torch.compile(fast)
+        runners["torch.compile bf16"] = lambda: bf16(compiled_model)
+    return runners
+
+
+def _ort_runner(path: Path, inputs: list[np.ndarray]) -> Callable[[], list]:
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = host_cores()
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feed = dict(zip([i.name for i in session.get_inputs()], inputs))
+    return lambda: session.run(None, feed)
+
+
+def _output(result) -> np.ndarray:
+    """The first output of any runner as a float64 numpy array."""
+    while isinstance(result, list | tuple | tvm.ir.Array) and not isinstance(result, tvm.runtime.Tensor):
+        result = result[0]
+    if isinstance(result, torch.Tensor):
+        return result.float().numpy().astype("float64")
+    return np.asarray(result.numpy() if hasattr(result, "numpy") else result, dtype="float64")
+
+
+def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, repeat: int = 5,
+                torch_compile: bool = False, tiny: bool = False) -> ZooResult:
+    """Time one zoo model (`tiny`: its test size) in every relay_amp dtype and every peer, in rotating blocks."""
+    torch.set_num_threads(host_cores())
+    inputs = zoo.example_inputs(name, tiny)
+    result = ZooResult(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = zoo.export_onnx(name, Path(tmp) / f"{name}.onnx", tiny)
+        mod = frontend.from_onnx(path)
+        executables = {dtype: build(variant(mod, dtype), target) for dtype in [BASELINE, *dtypes]}
+        runners = {f"relay_amp {SHORT.get(d, d)}": _relay_runner(ex, inputs) for d, ex in executables.items()}
+        runners.update(_torch_runners(name, inputs, torch_compile, tiny))
+        runners["onnxruntime fp32"] = _ort_runner(path, inputs)
+        result.ms = rotating_medians(runners, rounds, repeat)
+    reference = _output(runners["torch fp32"]())
+    result.error = {runner: float(np.abs(_output(run()) - reference).max() / np.abs(reference).max())
+                    for runner, run in runners.items()}
+    if "bfloat16" in executables:
+        rows = profile_rows({d: call_times(executables[d], inputs) for d in (BASELINE, "bfloat16")})
+        result.slow_paths = slow_paths(rows)
+    return result
+
+
+def slow_paths(rows: Sequence[ProfileRow], first: str = BASELINE, last: str = "bfloat16") -> list[str]:
+    """The call groups at least SLOW_RATIO slower in `last` than in `first`, by SLOW_SHARE of `last`'s time or more."""
+    total = sum(row.ms.get(last, 0.0) for row in rows)
+    found = []
+    for row in rows:
+        before, after = row.ms.get(first, 0.0), row.ms.get(last, 0.0)
+        if after - before >= SLOW_SHARE * total and after >= SLOW_RATIO * before:
+            found.append(f"{row.group} {before:.2f}->{after:.2f} ms")
+    return found
+
+
+def markdown_table(results: Sequence[ZooResult]) -> str:
+    """One row per model: each runner's ms (and error), then relay_amp bf16's ratio to its peers."""
+    runners = list(dict.fromkeys(runner for r in results for runner in r.ms))
+    headers = ["model", *runners, "bf16 vs fp32", "bf16 vs torch bf16", "fp32 vs ORT", "bf16 slow paths"]
+    rows = []
+    for r in results:
+        torch_bf16, bf16 = r.ms.get(TORCH_BF16), r.ms.get("relay_amp bf16")
+        rows.append([r.model, *(f"{r.ms[x]:.2f} ({r.error[x]:.0e})" if x in r.ms else "" for x in runners),
+                     _ratio(r.ms.get("relay_amp fp32"), bf16), _ratio(torch_bf16, bf16),
+                     _ratio(r.ms.get("onnxruntime fp32"), r.ms.get("relay_amp fp32")),
+                     "; ".join(r.slow_paths) or "none"])
+    return tabulate(rows, headers=headers, tablefmt="github")
+
+
+def _ratio(baseline: float | None, ours: float | None) -> str:
+    return f"{baseline / ours:.2f}x" if baseline and ours else ""
+
+
+def bar_chart(results: Sequence[ZooResult], path: Path) -> None:
+    """Speed of every runner relative to PyTorch fp32 (higher is faster), one group of bars per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    runners = list(dict.fromkeys(runner for r in results for runner in r.ms))
+    figure, axes = plt.subplots(figsize=(max(8, 1.6 * len(results)), 4.5))
+    width = 0.8 / len(runners)
+    for i, runner in enumerate(runners):
+        speed = [r.ms["torch fp32"] / r.ms[runner] if runner in r.ms else 0 for r in results]
+        label = f"{runner} (channels_last for CNNs)" if runner == TORCH_BF16 else runner
+        axes.bar(np.arange(len(results)) + i * width, speed, width, label=label)
+    axes.set_xticks(np.arange(len(results)) + 0.4 - width / 2, [r.model for r in results], rotation=20)
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_ylabel("speed-up over PyTorch fp32 eager")
+    axes.set_title(f"zoo, batch 1, {host_cores()} threads, untuned")
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    with tempfile.NamedTemporaryFile(suffix=".png") as tmp:
+        figure.savefig(tmp.name, dpi=110)
+        atomic_write_bytes(path, Path(tmp.name).read_bytes())
+    plt.close(figure)
+
+
+def bench_zoo(names: Sequence[str], dtypes: Sequence[str] = ("bfloat16",), target: str = "cpu",
+              results_dir: "str | Path | None" = None, progress: Callable[[ZooResult], None] | None = None,
+              **options) -> list[ZooResult]:
+    """Benchmark zoo models; with `results_dir`, write zoo.json, zoo.md and zoo.png there."""
+    results = []
+    for name in names:
+        results.append(bench_model(zoo.entry(name).name, dtypes, target, **options))
+        if progress:
+            progress(results[-1])
+    if results_dir is not None:
+        out = Path(results_dir)
+        context = {"target": target, "threads": host_cores(), "dtypes": list(dtypes), **options}
+        atomic_write_text(out / "zoo.json", json.dumps({**context, "models": [asdict(r) for r in results]}, indent=1))
+        atomic_write_text(out / "zoo.md", markdown_table(results) + "\n")
+        bar_chart(results, out / "zoo.png")
+    return results

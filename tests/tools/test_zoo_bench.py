@@ -1,0 +1,45 @@
+"""The zoo benchmark: rotating timing blocks, slow-path detection, and the files it writes."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+zoo_bench = pytest.importorskip("relay_amp.tools.zoo_bench")
+
+from relay_amp import OptionError  # noqa: E402
+from relay_amp.tools.cli import main  # noqa: E402
+from relay_amp.tools.profile import ProfileRow  # noqa: E402
+
+
+def test_rotating_medians_time_every_runner_in_turn():
+    order = []
+    medians = zoo_bench.rotating_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                         rounds=2, repeat=2)
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3  # a warm-up run, then the block, in turn
+    assert set(medians) == {"a", "b"} and all(ms >= 0 for ms in medians.values())
+    with pytest.raises(OptionError, match="at least 1"):
+        zoo_bench.rotating_medians({"a": lambda: None}, rounds=0, repeat=1)
+
+
+def test_slow_paths_are_groups_much_slower_in_bf16():
+    rows = [ProfileRow("erf", {}, {"float32": 0.1, "bfloat16": 2.0}),  # 20x and most of the time
+            ProfileRow("matmul", {}, {"float32": 4.0, "bfloat16": 2.0}),  # faster
+            ProfileRow("cast", {}, {"bfloat16": 0.01})]  # new, but too small to matter
+    assert zoo_bench.slow_paths(rows) == ["erf 0.10->2.00 ms"]
+
+
+def test_bench_zoo_writes_json_markdown_and_chart(tmp_path):
+    results = zoo_bench.bench_zoo(["distilbert"], ["bfloat16"], "cpu", tmp_path, rounds=1, repeat=1, tiny=True)
+    ms = results[0].ms
+    assert {"relay_amp fp32", "relay_amp bf16", "torch fp32", "torch bf16", "onnxruntime fp32"} <= set(ms)
+    assert results[0].error["relay_amp fp32"] < 1e-4  # the same weights in every runtime
+    saved = json.loads((tmp_path / "zoo.json").read_text())
+    assert saved["models"][0]["model"] == "distilbert" and saved["dtypes"] == ["bfloat16"]
+    assert "| distilbert |" in (tmp_path / "zoo.md").read_text()
+    assert (tmp_path / "zoo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_bench_zoo_rejects_an_unknown_model_in_one_line(capsys):
+    assert main(["bench", "zoo:resnet9"]) == 1
+    assert "unknown zoo model 'resnet9'" in capsys.readouterr().err
