@@ -21,6 +21,7 @@ CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of
 MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
 STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
+MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded to whole vectors
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class _Contraction:
     reduction: list
     vector_index: int
     register_index: int | None
+    vector_var: tirx.Var  # the block iterator of the output's innermost axis
 
 
 def _is_cpu(target: tvm.target.Target) -> bool:
@@ -95,7 +97,7 @@ def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
                   and not any(any(v.same_as(it.var) for v in used) for used in streamed)]
     register_index = max(candidates, key=lambda i: (_const(spatial[i].dom), i)) if candidates else None
     return _Contraction(info.block_rv, [it.loop_rv for it in spatial], [it.loop_rv for it in reduction],
-                        vector_index, register_index)
+                        vector_index, register_index, vector_var)
 
 
 class _CpuRule(dl.ScheduleRule):
@@ -131,12 +133,26 @@ class ContractionRule(_CpuRule):
         found = _find_contraction(sch, infos)
         if found is None:
             return None
+        if _pad_to_vectors(sch, found):
+            found = _find_contraction(sch, normalize_prim_func(sch))
+            if found is None:
+                return None
         producers = sch.get_producers(found.block)
         _inline_epilogue(sch, found.block)
         _tile(sch, found)
         for producer in producers:
             schedule_injective(sch, producer)
         return sch
+
+
+def _pad_to_vectors(sch: s_tir.Schedule, found: _Contraction) -> bool:
+    """Pad the output axis to whole vectors where its extent has no divisor of at least MIN_LANES (197 tokens),
+    the operands copied into zero-padded buffers and the result trimmed on the way out; True when it padded."""
+    extent = _extent(sch, found.spatial[found.vector_index])
+    if extent is None or _vector_factor(extent) >= MIN_LANES:
+        return False
+    factors = [ACCUMULATOR_LANES if iv.var.same_as(found.vector_var) else 1 for iv in sch.get(found.block).iter_vars]
+    return try_primitive(lambda block: sch.pad_einsum(block, factors), found.block)
 
 
 def _inline_epilogue(sch: s_tir.Schedule, block) -> None:

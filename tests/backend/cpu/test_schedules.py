@@ -143,3 +143,14 @@ def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
     of row blocks over the whole (L2-sized) reduction; the bias add fused into the write-back."""
     scheduled = schedules.ContractionRule().apply(_matmul_bias, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _matmul_bias_scheduled)
+
+
+def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
+    """17 columns (prime, like ViT's 197 tokens): the transposed operand is copied into a zero-padded buffer,
+    the contraction runs on two whole 16-lane vectors, the write-back trims the padding (before: scalar tiles)."""
+    mod = tuning.prepare(_module(*CASES["attention_scores_prime"]), targets.get_target("cpu"))
+    func = next(f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    sch = schedules.ContractionRule().apply(func, targets.get_target("cpu"), False)
+    sch.get_sblock("lv_pad")  # the zero-padded copy of the transposed operand (raises when it is missing)
+    loops = sch.get_loops(sch.get_sblock("matmul_update"))  # 17 columns of accumulators as 2 x 16 lanes
+    assert int(sch.get(loops[-1]).extent) == 32 and sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
