@@ -7,6 +7,7 @@ that do not fit 16-lane blocks, groups or dilation) are left to the generic sche
 group (an RGB stem conv) get zero channels added to data and weight.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -72,7 +73,13 @@ class _Dispatcher(relax.PyExprMutator):
         if not kernels.supports(out_ch, in_ch, spec.dot):
             return None
         flat = self.builder_.emit(relax.op.reshape(data, (1, 1, rows, in_ch)))
+        extra = 0 if self._on_amx(spec) else kernels.padded_width(rows, out_ch) - rows
+        if extra:  # zero rows complete the last register tile; the slice drops their outputs
+            flat = self.builder_.emit(relax.op.nn.pad(flat, [0, 0, 0, 0, 0, extra, 0, 0]))
+            spec = dataclasses.replace(spec, data_shape=(1, 1, rows + extra, in_ch))
         result = self._emit_kernel(spec, flat, kernels.pack_weight(weight, "IO", spec.dot))
+        if extra:
+            result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[rows]))
         return relax.op.reshape(result, (*shape[:-1], out_ch))
 
     def _conv2d(self, call: relax.Call) -> relax.Expr | None:
@@ -101,13 +108,16 @@ class _Dispatcher(relax.PyExprMutator):
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
         self.kernel_count += 1
         name = f"relay_amp_dot_kernel{self.kernel_count}"
-        if spec.data_dtype in self.amx_dtypes and amx.supports(spec):
+        if self._on_amx(spec):
             return self._emit_amx_kernel(spec, data, packed, name)
         args = [data, relax.const(packed)]
         if spec.shifted:
             args.append(relax.const(kernels.weight_sums(packed)))
         gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
         return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
+
+    def _on_amx(self, spec: kernels.ConvSpec) -> bool:
+        return spec.data_dtype in self.amx_dtypes and amx.supports(spec)
 
     def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray, name: str) -> relax.Expr:
         """The AMX kernel call, with the zero rows its input buffer adds and the output columns it slices off."""

@@ -33,6 +33,7 @@ from .schedules import STACK_BYTES, largest_divisor, schedule_injective
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
 MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
+MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: pad the rows instead
 RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
 SPEC_ANNOTATION = "relay_amp.conv_spec"
 _RULE_ATTRS = {"schedule_rule": RULE}
@@ -240,6 +241,23 @@ def kernel_spec(sch: s_tir.Schedule, block) -> ConvSpec | None:
     return ConvSpec(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 
+def default_tile(width: int, out_channels: int) -> tuple[int, int]:
+    """The untuned register tile for an output row of `width` pixels: (16-lane columns, pixel rows)."""
+    columns = 2 if out_channels % (2 * LANES) == 0 else 1
+    return columns, largest_divisor(width, MAX_ROWS // columns)
+
+
+def padded_width(width: int, out_channels: int) -> int:
+    """`width`, or rounded up to whole row tiles where it spans several tiles and its own best tile is under
+    MIN_ROWS rows (197 tokens: a 1-row tile runs two accumulator chains, latency-bound); dispatch adds the zero
+    rows and slices them off."""
+    columns, rows = default_tile(width, out_channels)
+    tile = MAX_ROWS // columns
+    if rows >= MIN_ROWS or width <= tile:  # a narrow output is one tile already
+        return width
+    return -(-width // tile) * tile
+
+
 def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
     """Tile, tensorize and parallelize a kernel's accumulating `block`; `tunable` samples its register tile
     (output-channel columns and pixel rows) for MetaSchedule instead of taking the default one."""
@@ -250,8 +268,7 @@ def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
         columns = sch.sample_categorical([1, 2], [0.5, 0.5]) if wide else 1
         rows = sch.sample_perfect_tile(out_x, n=2, max_innermost_factor=MAX_ROWS)[1]
     else:
-        columns = 2 if wide else 1
-        rows = largest_divisor(spec.out_shape[2], MAX_ROWS // columns)
+        columns, rows = default_tile(spec.out_shape[2], spec.out_channels)
     _schedule_conv(sch, spec, block, columns, rows, vectorize_copies=not tunable)
 
 

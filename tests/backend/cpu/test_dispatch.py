@@ -106,6 +106,27 @@ def test_int8_conv_is_padded_then_dispatched():
     assert ops == ["relax.nn.pad", "relax.call_tir"]
 
 
+def test_rows_that_tile_badly_get_zero_rows_in_and_a_slice_out():
+    after = dispatch.UseDotKernels({BF16})(_matmul_module(BF16, _bf16_weight((64, 32)), rows=197))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [c.op.name for c in calls] == ["relax.reshape", "relax.nn.pad", "relax.call_tir",
+                                          "relax.strided_slice", "relax.reshape"]
+    assert [int(p) for p in calls[1].attrs.pad_width] == [0, 0, 0, 0, 0, 5, 0, 0]  # 2 x 197 rows: 394 -> 399, 7-row tiles
+    assert kernels.padded_width(2, 32) == 2 and kernels.padded_width(128, 32) == 128  # one tile; 4-row tiles
+    relax.analysis.well_formed(after)
+
+
+def test_built_model_with_padded_rows_matches_the_generic_build():
+    if not targets.host_supports("avx512f"):
+        pytest.skip("host CPU lacks avx512f")
+    rng = np.random.default_rng(3)
+    mod = _matmul_module("float32", rng.standard_normal((64, 32)).astype("float32"), rows=197)
+    inputs = [rng.standard_normal((2, 197, 64)).astype("float32")]
+    got = run_executable(build(mod, "cpu-avx512-bf16"), inputs)[0]
+    expected = relay_amp.run(mod, inputs)[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # the same products in another order
+
+
 def test_target_dtypes_follow_the_cpu_features():
     assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
     assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}

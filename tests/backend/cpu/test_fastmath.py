@@ -5,7 +5,6 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
