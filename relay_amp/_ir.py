@@ -108,3 +108,9 @@ def cast_result(builder: relax.BlockBuilder, call: relax.Call, dtype: str) -> re
     if tensor_dtype(call) == dtype:
         return call
     return relax.op.astype(builder.emit(call), dtype)
+
+
+def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` with every conv2d -> inference batch_norm (constant weights and statistics) folded into the conv's
+    weights and a bias add (TVM's FoldBatchnormToConv2D), the new weights computed once (FoldConstant)."""
+    return relax.transform.FoldConstant()(relax.transform.FoldBatchnormToConv2D()(mod))

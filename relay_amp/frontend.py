@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import tvm
 
+from ._ir import fold_batch_norm
 from .errors import MissingDependencyError, ModelLoadError
 
 
@@ -78,7 +79,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
-    """Import a torch.nn.Module through torch.export, weights bound as constants."""
+    """Import a torch.nn.Module through torch.export, weights bound as constants, batch norms folded into convs."""
     try:
         import torch
         from tvm.relax.frontend.torch import from_exported_program
@@ -89,4 +90,4 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     inputs = tuple(torch.as_tensor(x) for x in example_inputs)
     with torch.no_grad():
         exported = torch.export.export(module.eval(), inputs)
-    return from_exported_program(exported, unwrap_unit_return_tuple=True)
+    return fold_batch_norm(from_exported_program(exported, unwrap_unit_return_tuple=True))

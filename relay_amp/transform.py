@@ -3,8 +3,10 @@
 from .backend.cpu.dispatch import UseDotKernels
 from .backend.cpu.fastmath import FastMath
 from .passes.amp import ToMixedPrecision
+from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.layout import ConvertLayout
 from .passes.recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "Recast", "ToMixedPrecision", "UseDotKernels"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "Recast", "ToMixedPrecision",
+           "UseDotKernels"]

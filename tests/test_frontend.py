@@ -73,6 +73,7 @@ def test_from_torch_matches_torch():
     mod = frontend.from_torch(net, [x])
     assert len(mod["main"].params) == 1, "weights must be bound as constants, not parameters"
     assert relay_amp.count_layers(mod) == 2
+    assert "R.nn.batch_norm" not in mod.script(), "the batch norm is folded into the conv"
     with torch.no_grad():
         expected = net(x).numpy()
     np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,54 @@
+"""FoldBatchNorm: conv2d -> batch_norm becomes one conv2d on scaled weights plus a bias add."""
+
+import numpy as np
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+from relay_amp import models
+
+from pass_checks import assert_transforms
+
+W = np.arange(8, dtype="float32").reshape(2, 1, 2, 2) / 8  # 2 output channels, 1 input channel, 2x2
+GAMMA, BETA = np.array([2.0, 0.5], "float32"), np.array([1.0, -1.0], "float32")
+MEAN, VAR = np.array([0.25, -0.5], "float32"), np.array([3.0, 0.0], "float32")
+EPS = 1e-5
+SCALE = GAMMA / np.sqrt(VAR + EPS)
+
+
+@I.ir_module
+class ConvBatchNorm:
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            c = R.nn.conv2d(x, R.const(W))
+            bn = R.nn.batch_norm(c, R.const(GAMMA), R.const(BETA), R.const(MEAN), R.const(VAR), axis=1,
+                                 epsilon=EPS)
+            gv = bn[0]
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class Folded:
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            c = R.nn.conv2d(x, R.const(W * SCALE.reshape(2, 1, 1, 1)))
+            gv = R.add(c, R.const((BETA - MEAN * SCALE).reshape(1, 2, 1, 1)))
+            R.output(gv)
+        return gv
+
+
+def test_conv_batch_norm_folds_into_scaled_weights_and_a_bias():
+    assert_transforms(relay_amp.transform.FoldBatchNorm(), ConvBatchNorm, Folded)
+
+
+def test_folded_model_computes_the_same():
+    mod = models.small_cnn()  # conv -> batch_norm -> relu
+    inputs = models.example_inputs(mod)
+    folded = relay_amp.transform.FoldBatchNorm()(mod)
+    assert "R.nn.batch_norm" in mod.script() and "R.nn.batch_norm" not in folded.script()
+    expected = relay_amp.run(mod, inputs)[0]
+    np.testing.assert_allclose(relay_amp.run(folded, inputs)[0], expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())  # the scale applied before the sum
