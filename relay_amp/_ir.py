@@ -1,7 +1,10 @@
 """Small Relax helpers shared by the passes: function lookup, dtypes of expressions, casts."""
 
+import math
+
 import tvm
 from tvm import relax
+from tvm.relax import dpl
 
 from .dtypes import cast_array
 from .errors import ModuleError
@@ -111,6 +114,27 @@ def cast_result(builder: relax.BlockBuilder, call: relax.Call, dtype: str) -> re
 
 
 def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
-    """`mod` with every conv2d -> inference batch_norm (constant weights and statistics) folded into the conv's
-    weights and a bias add (TVM's FoldBatchnormToConv2D), the new weights computed once (FoldConstant)."""
-    return relax.transform.FoldConstant()(relax.transform.FoldBatchnormToConv2D()(mod))
+    """`mod` with every conv2d [-> bias add] -> inference batch_norm (constant weights and statistics) folded into
+    the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), the new weights computed once."""
+    fold = relax.transform.FoldConstant()  # biases arrive as reshapes of constants; shifted means, scaled weights
+    return tvm.transform.Sequential([fold, _bias_into_statistics, fold, relax.transform.FoldBatchnormToConv2D(),
+                                     fold])(mod)
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.BiasIntoBatchNormStatistics")
+def _bias_into_statistics(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+    """batch_norm(conv2d(x, W) + b, ..., mean, var) as batch_norm(conv2d(x, W), ..., mean - b, var): the same
+    values, in the form FoldBatchnormToConv2D matches (a conv with its own bias exports as conv, add)."""
+    conv, bias = dpl.is_op("relax.nn.conv2d")(dpl.wildcard(), dpl.is_const()), dpl.is_const()
+    gamma, beta, mean, var = dpl.is_const(), dpl.is_const(), dpl.is_const(), dpl.is_const()
+    norm = dpl.is_op("relax.nn.batch_norm")(dpl.is_op("relax.add")(conv, bias), gamma, beta, mean, var)
+
+    def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
+        channels = tensor_shape(matches[mean])
+        if channels is None or math.prod(tensor_shape(matches[bias]) or (0,)) != channels[0]:
+            return call  # not one value per channel
+        shifted = relax.op.subtract(matches[mean], relax.op.reshape(matches[bias], channels))
+        return relax.Call(call.op, [matches[conv], matches[gamma], matches[beta], shifted, matches[var]],
+                          call.attrs, call.ty_args)
+
+    return dpl.rewrite_call(norm, rewrite, func)

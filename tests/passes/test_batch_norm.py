@@ -52,3 +52,35 @@ def test_folded_model_computes_the_same():
     expected = relay_amp.run(mod, inputs)[0]
     np.testing.assert_allclose(relay_amp.run(folded, inputs)[0], expected, rtol=1e-5,
                                atol=1e-5 * np.abs(expected).max())  # the scale applied before the sum
+
+
+B = np.array([0.75, -0.25], "float32").reshape(1, 2, 1, 1)  # the conv's own bias
+
+
+@I.ir_module
+class ConvBiasBatchNorm:
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            c = R.nn.conv2d(x, R.const(W))
+            biased = R.add(c, R.const(B))
+            bn = R.nn.batch_norm(biased, R.const(GAMMA), R.const(BETA), R.const(MEAN), R.const(VAR), axis=1,
+                                 epsilon=EPS)
+            gv = bn[0]
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class FoldedWithBias:
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            c = R.nn.conv2d(x, R.const(W * SCALE.reshape(2, 1, 1, 1)))
+            gv = R.add(c, R.const((BETA - (MEAN - B.reshape(2)) * SCALE).reshape(1, 2, 1, 1)))
+            R.output(gv)
+        return gv
+
+
+def test_a_conv_bias_before_the_batch_norm_moves_into_its_statistics():
+    assert_transforms(relay_amp.transform.FoldBatchNorm(), ConvBiasBatchNorm, FoldedWithBias)
