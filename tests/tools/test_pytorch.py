@@ -23,6 +23,15 @@ def test_time_twin_in_fp32_and_bf16():
     assert all(pytorch.time_twin("resnet18_conv", dtype, threads=1, repeat=2) > 0 for dtype in pytorch.TORCH_DTYPES)
 
 
+def test_bf16_conv_twins_run_channels_last_as_pytorch_runs_them_best():
+    _, bf16_input = pytorch.best_twin("resnet18_conv", "bfloat16")
+    _, fp32_input = pytorch.best_twin("resnet18_conv", "float32")
+    assert bf16_input.is_contiguous(memory_format=torch.channels_last)
+    assert not fp32_input.is_contiguous(memory_format=torch.channels_last)
+    _, tokens = pytorch.best_twin("bert", "bfloat16")  # not an image: as it is
+    assert tokens.dim() == 2
+
+
 def test_unknown_twin_and_dtype_are_option_errors():
     with pytest.raises(relay_amp.OptionError, match="small_cnn"):
         pytorch.twin("small_cnn")
