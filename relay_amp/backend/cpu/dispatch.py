@@ -44,6 +44,15 @@ def _out_dtype(call: relax.Call, data_dtype: str) -> str:
     return data_dtype if out_dtype is None or str(out_dtype) in ("", "void") else str(out_dtype)
 
 
+def _packed_at_run_time(operand: relax.Expr, shape: tuple[int, ...], dot: kernels.DotIntrin, batch: int) -> relax.Expr:
+    """A runtime [..., K, N] operand in the kernel's weight layout [batch, N/16, 1, 1, K/group, 16, group]: the
+    same order kernels.pack_weight gives a constant, by a reshape and a transpose (fused with its producer)."""
+    (k, n), lanes, group = shape[-2:], kernels.LANES, dot.group
+    split = relax.op.reshape(operand, (batch, k // group, group, n // lanes, lanes))
+    blocked = relax.op.permute_dims(split, [0, 3, 1, 4, 2])
+    return relax.op.reshape(blocked, (batch, n // lanes, 1, 1, k // group, lanes, group))
+
+
 @relax.expr_functor.mutator
 class _Dispatcher(relax.PyExprMutator):
     """Rewrites eligible matmul/conv2d calls into kernel calls."""
@@ -63,21 +72,44 @@ class _Dispatcher(relax.PyExprMutator):
         return new_call if replaced is None else replaced
 
     def _matmul(self, call: relax.Call) -> relax.Expr | None:
-        data, dtype = call.args[0], tensor_dtype(call.args[0])
-        weight = _constant_weight(call.args[1], dtype)
-        shape = _static_shape(data)
-        if weight is None or weight.ndim != 2 or shape is None:
+        data, operand = call.args
+        dtype, shape = tensor_dtype(data), _static_shape(data)
+        weight = _constant_weight(operand, dtype)
+        if shape is None:
             return None
-        (in_ch, out_ch), rows = weight.shape, math.prod(shape[:-1])
-        spec = kernels.ConvSpec((1, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype))
-        if not kernels.supports(out_ch, in_ch, spec.dot):
-            return None
-        flat = self.builder_.emit(relax.op.reshape(data, (1, 1, rows, in_ch)))
+        if weight is not None:
+            if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], kernels.intrinsic_for(dtype)):
+                return None
+            return self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO",
+                                                                                       kernels.intrinsic_for(dtype)))
+        return self._runtime_matmul(call, shape)
+
+    def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
+        """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
+        at run time, one packed weight per batch element (a 2-D one is a batch of one)."""
+        data, operand = call.args
+        dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
+        if (tensor_dtype(data) == "int8" or tensor_dtype(operand) != dot.b_dtype or operand_shape is None
+                or len(operand_shape) < 2 or operand_shape[-2] != shape[-1]
+                or operand_shape[:-2] not in ((), shape[:-2]) or not kernels.supports(operand_shape[-1], shape[-1], dot)):
+            return None  # signed int8 would need run-time weight sums; broadcasting batches, odd widths
+        batch = math.prod(operand_shape[:-2])
+        packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
+        return self._emit_matmul(call, shape, operand_shape[-1], packed, batch if operand_shape[:-2] else 1)
+
+    def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | relax.Expr",
+                     weight_batch: int = 0) -> relax.Expr:
+        """The kernel call for a matmul as a 1x1 conv: rows as pixels (per weight when `weight_batch`)."""
+        data, dtype, in_ch = call.args[0], tensor_dtype(call.args[0]), shape[-1]
+        images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
+        spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
+                                weight_batch)
+        flat = self.builder_.emit(relax.op.reshape(data, spec.data_shape))
         extra = 0 if self._on_amx(spec) else kernels.padded_width(rows, out_ch) - rows
         if extra:  # zero rows complete the last register tile; the slice drops their outputs
             flat = self.builder_.emit(relax.op.nn.pad(flat, [0, 0, 0, 0, 0, extra, 0, 0]))
-            spec = dataclasses.replace(spec, data_shape=(1, 1, rows + extra, in_ch))
-        result = self._emit_kernel(spec, flat, kernels.pack_weight(weight, "IO", spec.dot))
+            spec = dataclasses.replace(spec, data_shape=(images, 1, rows + extra, in_ch))
+        result = self._emit_kernel(spec, flat, packed)
         if extra:
             result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[rows]))
         return relax.op.reshape(result, (*shape[:-1], out_ch))
@@ -105,19 +137,21 @@ class _Dispatcher(relax.PyExprMutator):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
         return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
 
-    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray) -> relax.Expr:
+    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr") -> relax.Expr:
+        """The kernel call on a weight packed here (a constant) or by Relax ops at run time."""
         self.kernel_count += 1
         name = f"relay_amp_dot_kernel{self.kernel_count}"
         if self._on_amx(spec):
             return self._emit_amx_kernel(spec, data, packed, name)
-        args = [data, relax.const(packed)]
-        if spec.shifted:
+        constant = isinstance(packed, np.ndarray)
+        args = [data, relax.const(packed) if constant else packed]
+        if spec.shifted:  # only for constant weights: _runtime_matmul declines signed int8
             args.append(relax.const(kernels.weight_sums(packed)))
         gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
         return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
 
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
-        return spec.data_dtype in self.amx_dtypes and amx.supports(spec)
+        return spec.data_dtype in self.amx_dtypes and not spec.weight_batch and amx.supports(spec)
 
     def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray, name: str) -> relax.Expr:
         """The AMX kernel call, with the zero rows its input buffer adds and the output columns it slices off."""

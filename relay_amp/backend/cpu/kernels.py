@@ -164,6 +164,7 @@ class ConvSpec:
     strides: tuple[int, int] = (1, 1)
     data_dtype: str = "bfloat16"
     out_dtype: str = "float32"
+    weight_batch: int = 0  # 0: one weight for the whole batch; else one packed weight per batch element
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -191,8 +192,8 @@ def _compute(spec: ConvSpec) -> list:
     """
     dot, channels = spec.dot, spec.data_shape[-1]
     data = te.placeholder(spec.data_shape, spec.data_dtype, "data")
-    packed = te.placeholder((spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group),
-                            dot.b_dtype, "packed")
+    blocks = (spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group)
+    packed = te.placeholder((spec.weight_batch, *blocks) if spec.weight_batch else blocks, dot.b_dtype, "packed")
     operand = data
     if spec.shifted:
         operand = te.compute(spec.data_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
@@ -201,9 +202,13 @@ def _compute(spec: ConvSpec) -> list:
     col = te.reduce_axis((0, spec.kernel_size[1]), "col")
     chan = te.reduce_axis((0, channels), "chan")
     stride_h, stride_w = spec.strides
+    def weight(b, o, r, c, k):
+        index = (o // LANES, r, c, k // dot.group, o % LANES, k % dot.group)
+        return packed[(b, *index) if spec.weight_batch else index]
+
     acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
         operand[b, y * stride_h + row, x * stride_w + col, chan].astype(dot.acc_dtype)
-        * packed[o // LANES, row, col, chan // dot.group, o % LANES, chan % dot.group].astype(dot.acc_dtype),
+        * weight(b, o, row, col, chan).astype(dot.acc_dtype),
         axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: json.dumps(asdict(spec))})
     if not spec.shifted:
         return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out",
