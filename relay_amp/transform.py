@@ -6,7 +6,8 @@ from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.layout import ConvertLayout
+from .passes.pooling import GlobalPoolWindows
 from .passes.recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "Recast", "ToMixedPrecision",
-           "UseDotKernels"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "GlobalPoolWindows", "Recast",
+           "ToMixedPrecision", "UseDotKernels"]

@@ -4,12 +4,16 @@ compile_relax does them), so tuning, record matching and building see the same f
 import tvm
 from tvm import relax
 
+from ..passes.pooling import GlobalPoolWindows
+
 AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    """Library dispatch, legalization, op-pattern annotation, constant folding and fusion for `target`."""
+    """Global pooling windows as reductions, then library dispatch, legalization, op-pattern annotation, constant
+    folding and fusion for `target`."""
     return [
+        GlobalPoolWindows(),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),

@@ -1,0 +1,54 @@
+"""GlobalPoolWindows: a pooling window that covers its whole input becomes a mean or max over the spatial axes.
+
+Models pool globally with windows far larger than the feature map (Hugging Face's EfficientNet:
+`AvgPool2d(kernel_size=1280, ceil_mode=True)` on a 7x7 map), which is legal and computes the same as a
+global pool, but TVM's pooling loops over the whole window: 1280 x 1280 positions per output, two seconds for
+one layer. With no padding and a 1x1 output, the window's valid part is the input itself, so the average is
+the spatial mean and the maximum the spatial max.
+"""
+
+import tvm
+from tvm import relax
+
+from .._ir import rewrite_function, tensor_shape
+
+REDUCTIONS = {"relax.nn.avg_pool2d": relax.op.mean, "relax.nn.max_pool2d": relax.op.max}
+
+
+def _spatial_axes(layout: str) -> list[int]:
+    return [layout.index("H"), layout.index("W")]
+
+
+def _is_global(call: relax.Call) -> bool:
+    """Whether the window covers the whole unpadded input and leaves one output position."""
+    attrs, in_shape, out_shape = call.attrs, tensor_shape(call.args[0]), tensor_shape(call)
+    if in_shape is None or out_shape is None or str(attrs.layout) != str(attrs.out_layout):
+        return False
+    axes = _spatial_axes(str(attrs.layout))
+    sizes = [in_shape[axis] for axis in axes]
+    if not all(isinstance(size, int) for size in sizes) or any(int(p) for p in attrs.padding):
+        return False
+    covered = all(int(window) >= size for window, size in zip(attrs.pool_size, sizes))
+    return covered and all(out_shape[axis] == 1 for axis in axes) and all(int(d) == 1 for d in attrs.dilation)
+
+
+@relax.expr_functor.mutator
+class _GlobalPoolRewriter(relax.PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name not in REDUCTIONS or not _is_global(new_call):
+            return new_call
+        axes = _spatial_axes(str(new_call.attrs.layout))
+        return REDUCTIONS[new_call.op.name](new_call.args[0], axis=axes, keepdims=True)
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.GlobalPoolWindows")
+class GlobalPoolWindows:
+    """Rewrite avg/max pools whose window covers the whole input into spatial mean/max reductions."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod`; the input module is left as it was."""
+        return rewrite_function(_GlobalPoolRewriter(mod), mod, self.func)
