@@ -80,8 +80,8 @@ class _Dispatcher(relax.PyExprMutator):
         if weight is not None:
             if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], kernels.intrinsic_for(dtype)):
                 return None
-            return self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO",
-                                                                                       kernels.intrinsic_for(dtype)))
+            packed = kernels.pack_weight(weight, "IO", kernels.intrinsic_for(dtype))
+            return self._emit_matmul(call, shape, weight.shape[1], packed)
         return self._runtime_matmul(call, shape)
 
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
@@ -89,17 +89,23 @@ class _Dispatcher(relax.PyExprMutator):
         at run time, one packed weight per batch element (a 2-D one is a batch of one)."""
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
-        if (tensor_dtype(data) == "int8" or tensor_dtype(operand) != dot.b_dtype or operand_shape is None
-                or len(operand_shape) < 2 or operand_shape[-2] != shape[-1]
-                or operand_shape[:-2] not in ((), shape[:-2]) or not kernels.supports(operand_shape[-1], shape[-1], dot)):
-            return None  # signed int8 would need run-time weight sums; broadcasting batches, odd widths
+        if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
+                or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])
+                or not kernels.supports(operand_shape[-1], shape[-1], dot)):
+            return None  # broadcast batches, widths off the 16-lane blocks
         batch = math.prod(operand_shape[:-2])
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
-        return self._emit_matmul(call, shape, operand_shape[-1], packed, batch if operand_shape[:-2] else 1)
+        sums = None
+        if tensor_dtype(data) == "int8":  # shifted to uint8: the correction is 128 x each column's sum
+            columns = relax.op.reshape(relax.op.astype(operand, "int32"), (batch, *operand_shape[-2:]))
+            sums = self.builder_.emit(relax.op.multiply(relax.op.sum(columns, axis=[1]),
+                                                        relax.const(kernels.INT8_SHIFT, "int32")))
+        return self._emit_matmul(call, shape, operand_shape[-1], (packed, sums), batch)
 
-    def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | relax.Expr",
+    def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | tuple",
                      weight_batch: int = 0) -> relax.Expr:
-        """The kernel call for a matmul as a 1x1 conv: rows as pixels (per weight when `weight_batch`)."""
+        """The kernel call for a matmul as a 1x1 conv: rows as pixels (per weight when `weight_batch`); `packed` is
+        a constant packed here or, for a runtime operand, its (packed, int8 weight sums or None) expressions."""
         data, dtype, in_ch = call.args[0], tensor_dtype(call.args[0]), shape[-1]
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
@@ -137,16 +143,17 @@ class _Dispatcher(relax.PyExprMutator):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
         return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
 
-    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr") -> relax.Expr:
-        """The kernel call on a weight packed here (a constant) or by Relax ops at run time."""
+    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | tuple") -> relax.Expr:
+        """The kernel call on a weight packed here (a constant) or by Relax ops at run time ((packed, sums))."""
         self.kernel_count += 1
         name = f"relay_amp_dot_kernel{self.kernel_count}"
         if self._on_amx(spec):
             return self._emit_amx_kernel(spec, data, packed, name)
-        constant = isinstance(packed, np.ndarray)
-        args = [data, relax.const(packed) if constant else packed]
-        if spec.shifted:  # only for constant weights: _runtime_matmul declines signed int8
-            args.append(relax.const(kernels.weight_sums(packed)))
+        if isinstance(packed, np.ndarray):
+            weight, sums = relax.const(packed), relax.const(kernels.weight_sums(packed)) if spec.shifted else None
+        else:
+            weight, sums = packed
+        args = [data, weight, *([sums] if spec.shifted else [])]
         gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
         return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
 

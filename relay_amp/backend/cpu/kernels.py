@@ -213,9 +213,10 @@ def _compute(spec: ConvSpec) -> list:
     if not spec.shifted:
         return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out",
                                          attrs=_RULE_ATTRS)]
-    sums = te.placeholder((spec.out_channels,), "int32", "sums")
-    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[i[-1]]).astype(spec.out_dtype), name="out",
-                     attrs=_RULE_ATTRS)
+    sums = te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
+                          "int32", "sums")
+    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[(i[0], i[-1]) if spec.weight_batch else i[-1]])
+                     .astype(spec.out_dtype), name="out", attrs=_RULE_ATTRS)
     return [data, packed, sums, out]
 
 

@@ -8,6 +8,7 @@ from tvm import relax
 
 import relay_amp
 from relay_amp import targets
+from relay_amp._ir import tensor_dtype
 from relay_amp.backend.cpu import amx, dispatch, kernels
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
@@ -164,9 +165,11 @@ def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, chan
 
 
 def _attention_scores(dtype: str, heads: int = 2, tokens: int = 16, width: int = 32) -> tvm.IRModule:
-    """Q.K^T of two runtime tensors, as a transformer's attention computes it."""
-    return single_output_module(lambda q, k: relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])),
-                                tensor("q", (1, heads, tokens, width), dtype), tensor("k", (1, heads, tokens, width), dtype))
+    """Q.K^T of two runtime tensors, as a transformer's attention computes it (int8 accumulates in int32)."""
+    out_dtype = "int32" if dtype == "int8" else None
+    return single_output_module(
+        lambda q, k: relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]), out_dtype=out_dtype),
+        tensor("q", (1, heads, tokens, width), dtype), tensor("k", (1, heads, tokens, width), dtype))
 
 
 def test_runtime_operands_are_packed_by_relax_ops_for_a_per_head_kernel():
@@ -182,7 +185,6 @@ def test_runtime_operands_are_packed_by_relax_ops_for_a_per_head_kernel():
 
 
 @pytest.mark.parametrize("reason, module", [
-    ("signed int8 needs run-time weight sums", _attention_scores("int8")),
     ("16 output columns do not divide 17", _attention_scores(BF16, tokens=17)),
     ("a batch broadcast against a 2-D operand", single_output_module(
         relax.op.matmul, tensor("a", (2, 8, 32), BF16), tensor("b", (1, 32, 16), BF16))),
@@ -192,16 +194,29 @@ def test_runtime_matmuls_the_kernel_cannot_take_are_left_alone(reason, module):
     assert not [gv for gv in after.get_global_vars() if "relay_amp_dot_kernel" in gv.name_hint], reason
 
 
+def test_signed_int8_runtime_operands_get_run_time_weight_sums():
+    after = dispatch.UseDotKernels({"int8"})(_attention_scores("int8"))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    kernel_call = next(c for c in calls if c.op.name == "relax.call_tir")
+    sums = kernel_call.args[1].fields[2]
+    assert [int(d) for d in sums.ty.shape.values] == [2, 16] and tensor_dtype(sums) == "int32"  # per head, column
+    assert "relax.sum" in [c.op.name for c in calls]
+
+
 @pytest.mark.parametrize("dtype, feature, tolerance", [
     (BF16, "avx512_bf16", 8e-3),  # one bf16 rounding of the fp32 sum (TVM's own bf16 matmul sums in bf16: 2e-2)
     ("float32", "avx512f", 1e-6),  # fp32 sums in another order
+    ("int8", "avx512_vnni", 0),  # integer arithmetic is exact
 ])
 def test_built_runtime_matmul_matches_exact_products(dtype, feature, tolerance):
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")
     rng = np.random.default_rng(4)
-    numpy_dtype = ml_dtypes.bfloat16 if dtype == BF16 else "float32"
-    q, k = (rng.standard_normal((1, 2, 16, 32)).astype(numpy_dtype) for _ in range(2))
+    if dtype == "int8":
+        q, k = (rng.integers(-128, 128, (1, 2, 16, 32)).astype("int8") for _ in range(2))
+    else:
+        numpy_dtype = ml_dtypes.bfloat16 if dtype == BF16 else "float32"
+        q, k = (rng.standard_normal((1, 2, 16, 32)).astype(numpy_dtype) for _ in range(2))
     got = run_executable(build(_attention_scores(dtype), "cpu-avx512-bf16"), [q, k])[0].astype("float64")
     exact = np.einsum("bhmk,bhnk->bhmn", q.astype("float64"), k.astype("float64"))
     assert np.abs(got - exact).max() <= tolerance * np.abs(exact).max()
