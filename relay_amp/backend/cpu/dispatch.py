@@ -44,6 +44,11 @@ def _out_dtype(call: relax.Call, data_dtype: str) -> str:
     return data_dtype if out_dtype is None or str(out_dtype) in ("", "void") else str(out_dtype)
 
 
+def _pad_last(expr: relax.Expr, ndim: int, extra: int) -> relax.Expr:
+    """`expr` with `extra` zeros after its last axis."""
+    return relax.op.nn.pad(expr, [0] * (2 * ndim - 1) + [extra])
+
+
 def _packed_at_run_time(operand: relax.Expr, shape: tuple[int, ...], dot: kernels.DotIntrin, batch: int) -> relax.Expr:
     """A runtime [..., K, N] operand in the kernel's weight layout [batch, N/16, 1, 1, K/group, 16, group]: the
     same order kernels.pack_weight gives a constant, by a reshape and a transpose (fused with its producer)."""
@@ -81,32 +86,41 @@ class _Dispatcher(relax.PyExprMutator):
             if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], kernels.intrinsic_for(dtype)):
                 return None
             packed = kernels.pack_weight(weight, "IO", kernels.intrinsic_for(dtype))
-            return self._emit_matmul(call, shape, weight.shape[1], packed)
+            return self._emit_matmul(call, data, shape, weight.shape[1], packed)
         return self._runtime_matmul(call, shape)
 
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
-        at run time, one packed weight per batch element (a 2-D one is a batch of one)."""
+        at run time, one packed weight per batch element (a 2-D one is a batch of one). A width off the kernel's
+        16-lane blocks (197 tokens) gets zero columns, sliced off the output."""
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
         if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
                 or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])
-                or not kernels.supports(operand_shape[-1], shape[-1], dot)):
-            return None  # broadcast batches, widths off the 16-lane blocks
-        batch = math.prod(operand_shape[:-2])
+                or shape[-1] % dot.group):
+            return None  # broadcast batches; an odd depth would copy the whole first operand (P.V over 197 tokens)
+        width, batch = operand_shape[-1], math.prod(operand_shape[:-2])
+        extra_width = -width % kernels.LANES
+        if extra_width:  # zero columns, padded as the operand is packed
+            operand = self.builder_.emit(_pad_last(operand, len(operand_shape), extra_width))
+            operand_shape = (*operand_shape[:-1], width + extra_width)
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
         sums = None
         if tensor_dtype(data) == "int8":  # shifted to uint8: the correction is 128 x each column's sum
             columns = relax.op.reshape(relax.op.astype(operand, "int32"), (batch, *operand_shape[-2:]))
             sums = self.builder_.emit(relax.op.multiply(relax.op.sum(columns, axis=[1]),
                                                         relax.const(kernels.INT8_SHIFT, "int32")))
-        return self._emit_matmul(call, shape, operand_shape[-1], (packed, sums), batch)
+        result = self._emit_matmul(call, data, shape, operand_shape[-1], (packed, sums), batch)
+        if not extra_width:
+            return result
+        axis = len(shape) - 1
+        return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[width])
 
-    def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | tuple",
-                     weight_batch: int = 0) -> relax.Expr:
+    def _emit_matmul(self, call: relax.Call, data: relax.Expr, shape: tuple[int, ...], out_ch: int,
+                     packed: "np.ndarray | tuple", weight_batch: int = 0) -> relax.Expr:
         """The kernel call for a matmul as a 1x1 conv: rows as pixels (per weight when `weight_batch`); `packed` is
         a constant packed here or, for a runtime operand, its (packed, int8 weight sums or None) expressions."""
-        data, dtype, in_ch = call.args[0], tensor_dtype(call.args[0]), shape[-1]
+        dtype, in_ch = tensor_dtype(data), shape[-1]
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
                                 weight_batch)

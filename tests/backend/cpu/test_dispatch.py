@@ -185,13 +185,21 @@ def test_runtime_operands_are_packed_by_relax_ops_for_a_per_head_kernel():
 
 
 @pytest.mark.parametrize("reason, module", [
-    ("16 output columns do not divide 17", _attention_scores(BF16, tokens=17)),
+    ("an odd depth would copy the whole first operand", _attention_scores(BF16, width=33)),
     ("a batch broadcast against a 2-D operand", single_output_module(
         relax.op.matmul, tensor("a", (2, 8, 32), BF16), tensor("b", (1, 32, 16), BF16))),
 ])
 def test_runtime_matmuls_the_kernel_cannot_take_are_left_alone(reason, module):
     after = dispatch.UseDotKernels({BF16, "int8"})(module)
     assert not [gv for gv in after.get_global_vars() if "relay_amp_dot_kernel" in gv.name_hint], reason
+
+
+def test_a_runtime_width_off_the_lanes_gets_zero_columns_and_a_slice():
+    after = dispatch.UseDotKernels({BF16})(_attention_scores(BF16, tokens=17))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert calls[1].op.name == "relax.nn.pad" and [int(w) for w in calls[1].attrs.pad_width][-2:] == [0, 15]
+    assert calls[-1].op.name == "relax.strided_slice" and [int(e.value) for e in calls[-1].args[3]] == [17]  # 32 -> 17
+    relax.analysis.well_formed(after)
 
 
 def test_signed_int8_runtime_operands_get_run_time_weight_sums():
