@@ -6,15 +6,32 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .errors import TargetError
+
 
 def compile_module(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> relax.VMExecutable:
     """Compile `mod` with TVM's default pipeline for `target` (the host CPU when None)."""
     return tvm.compile(mod, target=target or tvm.target.Target("llvm"))
 
 
+NO_CUDA_RUNTIME = "CUDA runtime is not linked"  # what TVM says when an executable's CUDA kernels cannot load
+
+
+def virtual_machine(executable: relax.VMExecutable) -> relax.VirtualMachine:
+    """A Relax VM for `executable` on the CPU; an executable holding CUDA kernels is a TargetError here."""
+    try:
+        return relax.VirtualMachine(executable, tvm.cpu())
+    except RuntimeError as err:
+        if NO_CUDA_RUNTIME in str(err):
+            raise TargetError("the executable holds CUDA kernels and this machine cannot run them (no NVIDIA GPU "
+                              "or CUDA driver): build for a CPU target to run here, or read them with "
+                              "relay_amp.cuda_source") from err
+        raise
+
+
 def run_executable(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], func: str = "main") -> list[np.ndarray]:
     """Run `func` of a compiled module on the CPU; every output as a numpy array."""
-    vm = relax.VirtualMachine(executable, tvm.cpu())
+    vm = virtual_machine(executable)
     result = vm[func](*(tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs))
     return _flatten(result)
 

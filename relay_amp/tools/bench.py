@@ -17,7 +17,7 @@ from ..compile.tuning import LOG_FILES, log_dir
 from ..errors import OptionError, TuningError
 from ..passes.amp import to_mixed_precision
 from ..passes.recast import recast
-from ..runtime import run_executable
+from ..runtime import run_executable, virtual_machine
 from ..targets import host_cores
 from . import pytorch
 from .models import example_inputs
@@ -66,7 +66,7 @@ def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, targe
 
 
 def _median_ms(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], repeat: int) -> float:
-    vm = relax.VirtualMachine(executable, tvm.cpu())
+    vm = virtual_machine(executable)
     args = [tvm.runtime.tensor(x) for x in inputs]
     return vm.time_evaluator("main", tvm.cpu(), number=1, repeat=repeat)(*args).median * 1e3
 

@@ -22,6 +22,7 @@ from tvm import relax
 from ..backend.fusion import AUTO
 from ..compile.build import build
 from ..errors import OptionError
+from ..runtime import virtual_machine
 from .bench import BASELINE, variant
 from .models import example_inputs
 
@@ -40,7 +41,7 @@ def call_times(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], rep
     """Per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`."""
     if repeat < 1:
         raise OptionError(f"repeat must be at least 1, got {repeat}")
-    vm = relax.VirtualMachine(executable, tvm.cpu())
+    vm = virtual_machine(executable)
     args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
     for _ in range(warmup):
         vm["main"](*args)

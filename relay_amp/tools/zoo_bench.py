@@ -26,6 +26,7 @@ from tvm import relax
 from .. import frontend
 from ..compile.build import build
 from ..errors import OptionError
+from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
 from ..targets import host_cores
 from . import zoo
@@ -66,7 +67,7 @@ def rotating_medians(runners: dict[str, Callable[[], object]], rounds: int, repe
 
 
 def _relay_runner(executable: relax.VMExecutable, inputs: list[np.ndarray]) -> Callable[[], np.ndarray]:
-    vm = relax.VirtualMachine(executable, tvm.cpu())
+    vm = virtual_machine(executable)
     args = [tvm.runtime.tensor(x) for x in inputs]
     return lambda: vm["main"](*args)
 

@@ -22,6 +22,8 @@ from relay_amp.backend.cuda.tensorcore import (
 )
 from relay_amp.compile.build import build, compile_ptx, cuda_source
 from relay_amp.passes.layout import convert_layout
+from relay_amp.runtime import run_executable
+from relay_amp.tools.cli import main
 
 from builders import single_output_module, tensor
 
@@ -241,3 +243,14 @@ def test_tvm_runs_an_int4_matmul_on_cpu():
                    reason="TVM 0.27's CUDA codegen has no type for int4 vectors (Cannot convert type T.int4x2)")
 def test_tvm_generates_cuda_for_an_int4_matmul():
     assert "int4" in cuda_source(tvm.compile(_int4_matmul(), target=targets.get_target("cuda-tensorcore")))
+
+
+def test_running_a_cuda_build_without_a_gpu_is_one_clear_error(capsys):
+    if tvm.cuda().exist:
+        pytest.skip("this machine has a GPU")
+    executable = build(single_output_module(relax.op.matmul, tensor("x", (64, 64), "float16"),
+                                            tensor("w", (64, 64), "float16")), "cuda-tensorcore")
+    with pytest.raises(relay_amp.TargetError, match="holds CUDA kernels and this machine cannot run them"):
+        run_executable(executable, [np.ones((64, 64), "float16")] * 2)
+    assert main(["bench", "matmul", "--target", "cuda-tensorcore", "--repeat", "1"]) == 1
+    assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
