@@ -146,11 +146,17 @@ def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
 
 
 def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
-    """17 columns (prime, like ViT's 197 tokens): the transposed operand is copied into a zero-padded buffer,
-    the contraction runs on two whole 16-lane vectors, the write-back trims the padding (before: scalar tiles)."""
-    mod = tuning.prepare(_module(*CASES["attention_scores_prime"]), targets.get_target("cpu"))
-    func = next(f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
-    sch = schedules.ContractionRule().apply(func, targets.get_target("cpu"), False)
-    sch.get_sblock("lv_pad")  # the zero-padded copy of the transposed operand (raises when it is missing)
+    """17 columns (prime, like ViT's 197 tokens): the second operand is copied into a zero-padded buffer, the
+    contraction runs on two whole 16-lane vectors, the write-back trims the padding (before: scalar tiles)."""
+    mod = relax.transform.LegalizeOps()(_module(relax.op.matmul, ("q", (1, 2, 17, 32)), ("k", (1, 2, 32, 17))))
+    sch = schedules.ContractionRule().apply(mod["matmul"], targets.get_target("cpu"), False)
+    sch.get_sblock("k_pad")  # the zero-padded copy of the second operand (raises when it is missing)
     loops = sch.get_loops(sch.get_sblock("matmul_update"))  # 17 columns of accumulators as 2 x 16 lanes
     assert int(sch.get(loops[-1]).extent) == 32 and sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
+    q, k = (np.random.default_rng(seed).standard_normal(shape).astype("float32")
+            for seed, shape in ((0, (1, 2, 17, 32)), (1, (1, 2, 32, 17))))
+    out = tvm.runtime.empty((1, 2, 17, 17), "float32")
+    func = sch.mod["main"].with_attr("global_symbol", "main")
+    tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu"))["main"](
+        *map(tvm.runtime.tensor, (q, k)), out)
+    np.testing.assert_allclose(out.numpy(), q @ k, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 products
