@@ -1,7 +1,8 @@
 """Backends: what turns a converted Relax module into scheduled, lowered code for one kind of target.
 
 Each backend has a `pipeline.py` with two functions that build and tuning both call:
-`prepare_passes(target, fast_math)` (kernel dispatch, legalization, fusion: the tasks MetaSchedule sees) and
+`prepare_passes(target, fast_math, conv_layout)` (layout, kernel dispatch, legalization, fusion: the tasks
+MetaSchedule sees) and
 `lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM).
 """
 

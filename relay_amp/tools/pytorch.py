@@ -65,12 +65,18 @@ def twin(name: str, batch: int = 1):
     return module.eval(), example
 
 
+def channels_last(module, inputs: list) -> tuple:
+    """`module` (converted in place) and its image `inputs` in channels_last: PyTorch's fastest bf16 CNN layout."""
+    torch = _torch()
+    return (module.to(memory_format=torch.channels_last),
+            [x.contiguous(memory_format=torch.channels_last) for x in inputs])
+
+
 def best_twin(name: str, dtype: str, batch: int = 1):
     """The twin and its input laid out as PyTorch runs `dtype` fastest on CPU: channels_last for bf16 CNNs."""
-    torch = _torch()
     module, example = twin(name, batch)
     if dtype == "bfloat16" and example.dim() == 4:
-        return module.to(memory_format=torch.channels_last), example.to(memory_format=torch.channels_last)
+        module, (example,) = channels_last(module, [example])
     return module, example
 
 

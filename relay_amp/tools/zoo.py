@@ -196,7 +196,6 @@ def export_onnx(name: str, path: "str | Path", tiny: bool = False, exporter: str
                           output_names=["output"],
                           opset_version=OPSET if exporter == "torchscript" else None,
                           dynamo=exporter == "dynamo", external_data=False)
-    module.eval()  # the TorchScript exporter restores the training flag it found, on the wrapper only
     return Path(path)
 
 

@@ -32,6 +32,7 @@ from ..targets import host_cores
 from . import zoo
 from .bench import BASELINE, variant
 from .profile import ProfileRow, call_times, profile_rows
+from .pytorch import channels_last
 
 SLOW_RATIO = 1.1  # a call group this much slower in bf16 than in fp32 is a slow path
 SLOW_SHARE = 0.02  # ... when the difference is at least this share of the bf16 inference
@@ -76,10 +77,8 @@ def _torch_runners(name: str, inputs: list[np.ndarray], compiled: bool,
                    tiny: bool) -> dict[str, Callable[[], torch.Tensor]]:
     module = zoo.torch_module(name, tiny)
     tensors = [torch.from_numpy(x) for x in inputs]
-    cnn = zoo.entry(name).kind == "cnn"
-    fast = zoo.torch_module(name, tiny)
-    fast = fast.to(memory_format=torch.channels_last) if cnn else fast
-    fast_inputs = [t.contiguous(memory_format=torch.channels_last) for t in tensors] if cnn else tensors
+    cnn = zoo.entry(name).kind == "cnn"  # a second copy in channels_last: the conversion works in place
+    fast, fast_inputs = channels_last(zoo.torch_module(name, tiny), tensors) if cnn else (module, tensors)
 
     def eager() -> torch.Tensor:
         with torch.inference_mode():

@@ -1,10 +1,12 @@
-"""dispatch: route bf16 and int8 matmuls and NHWC convolutions with constant weights to relay_amp.backend.cpu.kernels.
+"""dispatch: route fp32, bf16 and int8 matmuls and NHWC convolutions to relay_amp.backend.cpu.kernels.
 
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
-kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx) whose weight is packed once, here, into a
-new constant. Calls the kernels cannot take (other dtypes, non-constant weights, NCHW data, output channels
-that do not fit 16-lane blocks, groups or dilation) are left to the generic schedules. Conv inputs whose channels do not fill the instruction's
-group (an RGB stem conv) get zero channels added to data and weight.
+kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
+once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
+time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW data, groups or dilation, output
+channels off the 16-lane blocks for convs, broadcast or odd-depth runtime matmuls) are left to the generic
+schedules. Conv inputs whose channels do not fill the instruction's group (an RGB stem conv) get zero channels
+added to data and weight.
 """
 
 import dataclasses
@@ -83,10 +85,10 @@ class _Dispatcher(relax.PyExprMutator):
         if shape is None:
             return None
         if weight is not None:
-            if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], kernels.intrinsic_for(dtype)):
+            dot = kernels.intrinsic_for(dtype)
+            if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], dot):
                 return None
-            packed = kernels.pack_weight(weight, "IO", kernels.intrinsic_for(dtype))
-            return self._emit_matmul(call, data, shape, weight.shape[1], packed)
+            return self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
         return self._runtime_matmul(call, shape)
 
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
@@ -110,17 +112,17 @@ class _Dispatcher(relax.PyExprMutator):
             columns = relax.op.reshape(relax.op.astype(operand, "int32"), (batch, *operand_shape[-2:]))
             sums = self.builder_.emit(relax.op.multiply(relax.op.sum(columns, axis=[1]),
                                                         relax.const(kernels.INT8_SHIFT, "int32")))
-        result = self._emit_matmul(call, data, shape, operand_shape[-1], (packed, sums), batch)
+        result = self._emit_matmul(call, shape, operand_shape[-1], (packed, sums), batch)
         if not extra_width:
             return result
         axis = len(shape) - 1
         return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[width])
 
-    def _emit_matmul(self, call: relax.Call, data: relax.Expr, shape: tuple[int, ...], out_ch: int,
-                     packed: "np.ndarray | tuple", weight_batch: int = 0) -> relax.Expr:
+    def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | tuple",
+                     weight_batch: int = 0) -> relax.Expr:
         """The kernel call for a matmul as a 1x1 conv: rows as pixels (per weight when `weight_batch`); `packed` is
         a constant packed here or, for a runtime operand, its (packed, int8 weight sums or None) expressions."""
-        dtype, in_ch = tensor_dtype(data), shape[-1]
+        data, dtype, in_ch = call.args[0], tensor_dtype(call.args[0]), shape[-1]
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
                                 weight_batch)

@@ -1,5 +1,5 @@
-"""The CPU pipeline: fast math and kernel dispatch, then fusion; after fusion, tuning records, relay_amp's
-default schedules and TVM's CPU lowering."""
+"""The CPU pipeline: convolutions to NHWC, fast math and kernel dispatch, then fusion; after fusion, tuning
+records, relay_amp's default schedules and TVM's CPU lowering."""
 
 import tvm
 from tvm import relax
