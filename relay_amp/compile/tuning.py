@@ -3,12 +3,16 @@
 import json
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tqdm import tqdm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+from tvm.support.popen_pool import PopenPoolExecutor
 
 from ..backend import pipeline_for
 from ..errors import OptionError, TuningError
@@ -22,6 +26,10 @@ COST_MODELS = ("xgb", "random")
 # MetaSchedule's builder workers re-import TVM's tensor intrinsics (~26 s): its default 30 s timeout fails every build
 BUILDER_TIMEOUT_S = 300
 RUNNER_TIMEOUT_S = 60
+RPC_WAIT_S = 60.0  # how long a tune waits for a server of its key to register with the tracker
+RPC_POLL_S = 1.0
+TRACKER_TIMEOUT_S = 10.0
+NEW_CANDIDATE_ATTEMPTS = 3  # searches for unmeasured candidates before an operator counts as explored
 
 
 def log_dir(root: str | os.PathLike, model: str, dtype: str, target: str) -> Path:
@@ -37,63 +45,181 @@ def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
 
 @derived_object
 class _Progress(ms.measure_callback.PyMeasureCallback):
-    """Advances a progress bar by the candidates measured and counts the successful ones."""
+    """Advances a progress bar by the candidates measured."""
 
     def __init__(self, bar: tqdm):
         super().__init__()
         self.bar = bar
-        self.succeeded = 0
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
-        for result in runner_results:
-            if result.error_msg is None and result.run_secs:
-                self.succeeded += 1
         self.bar.update(len(measure_candidates))
+
+
+@derived_object
+class _SkipMeasured(ms.search_strategy.PySearchStrategy):
+    """Evolutionary search that leaves out the candidates the database already holds, so a resumed run does
+    not measure again what an earlier run on the same work_dir measured (MetaSchedule's own search would)."""
+
+    def __init__(self, search: ms.search_strategy.SearchStrategy | None = None):
+        super().__init__()
+        self.search = search or ms.search_strategy.EvolutionarySearch()
+        self.workload = None
+        self.measured = set()
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.workload = context.mod
+        self.search._initialize_with_tune_context(context)
+
+    def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
+        self.search.pre_tuning(max_trials, num_trials_per_iter, design_spaces, database, cost_model)
+        self.measured = {tvm_ffi.structural_hash(record.as_measure_candidate().sch.mod)
+                         for record in _records_of(database, self.workload)}
+
+    def post_tuning(self) -> None:
+        self.search.post_tuning()
+
+    def generate_measure_candidates(self):
+        for _ in range(NEW_CANDIDATE_ATTEMPTS):
+            candidates = self.search.generate_measure_candidates()
+            if candidates is None:
+                return None
+            fresh = [c for c in candidates if tvm_ffi.structural_hash(c.sch.mod) not in self.measured]
+            if fresh:
+                return fresh
+        return None  # the search keeps proposing measured candidates: this operator's space is explored
+
+    def notify_runner_results(self, measure_candidates, results) -> None:
+        self.measured.update(tvm_ffi.structural_hash(c.sch.mod) for c in measure_candidates)
+        self.search.notify_runner_results(measure_candidates, results)
+
+    def clone(self) -> "_SkipMeasured":
+        return _SkipMeasured(self.search.clone())
 
 
 def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | os.PathLike, trials: int, *,
          cost_model: str = "xgb", trials_per_task: int | None = None, trials_per_iter: int = 16,
          seed: int = 0, progress: bool = True, description: dict | None = None,
-         builder_timeout_s: int = BUILDER_TIMEOUT_S) -> ms.Database:
-    """Tune every operator of `mod` for `target` with MetaSchedule; the records go to work_dir."""
-    if not isinstance(trials, int) or trials < 1:
-        raise OptionError(f"trials must be a positive integer, got {trials!r}")
-    if cost_model not in COST_MODELS:
-        raise OptionError(f"cost_model must be one of {list(COST_MODELS)}, got {cost_model!r}")
-    check_host(target)
+         builder_timeout_s: int = BUILDER_TIMEOUT_S, rpc_tracker: str | None = None, rpc_key: str | None = None,
+         rpc_wait_s: float = RPC_WAIT_S) -> ms.Database:
+    """Tune every operator of `mod` for `target` with MetaSchedule; the records go to work_dir.
+
+    Records are written as they are measured, and a run on a work_dir that already holds records
+    measures only the trials still missing (a resumed run). With `rpc_tracker` ("HOST:PORT") and
+    `rpc_key`, candidates run on the tracker's servers for that key, as many at once as it has.
+    """
+    _check_options(trials, cost_model, trials_per_task, rpc_tracker, rpc_key)
+    if rpc_tracker is None:
+        check_host(target)
     tgt = get_target(target)
     prepared = prepare(mod, tgt)
-    if not ms.relax_integration.extract_tasks(prepared, tgt):
+    extracted = ms.relax_integration.extract_tasks(prepared, tgt)
+    if not extracted:
         raise TuningError("the module has no operator to tune")
-    with tqdm(total=trials, desc="tuning", unit="trial", disable=not progress) as bar:
-        counter = _Progress(bar)
-        database = _run_tuner(prepared, tgt, Path(work_dir), trials, trials_per_task, trials_per_iter,
-                              cost_model, seed, counter, builder_timeout_s)
-    if counter.succeeded == 0 or not _successful_records(database):
-        raise TuningError(f"all {trials} tuning trials failed to build or run; see {Path(work_dir) / 'logs'}")
-    _write_manifest(Path(work_dir), tgt, trials, cost_model, description or {})
+    work_dir = Path(work_dir)
+    database = _open_database(work_dir)
+    measured = [len(_records_of(database, task.dispatched[0])) for task in extracted]
+    remaining = trials - sum(measured)
+    pending = [task for task, done in zip(extracted, measured)
+               if trials_per_task is None or done < trials_per_task]
+    if remaining > 0 and pending:
+        runner = (_rpc_runner(rpc_tracker, rpc_key, rpc_wait_s) if rpc_tracker
+                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
+        with tqdm(total=remaining, desc="tuning", unit="trial", disable=not progress) as bar:
+            counter = _Progress(bar)
+            _run_tuner(pending, database, work_dir, tgt, remaining, trials_per_task, trials_per_iter, cost_model,
+                       seed, counter, builder_timeout_s, runner)
+    if not _successful_records(database):
+        raise TuningError(f"all {trials} tuning trials failed to build or run; see {work_dir / 'logs'}")
+    _write_manifest(work_dir, tgt, trials, cost_model, description or {})
     return database
 
 
-def _run_tuner(prepared, target, work_dir: Path, trials, trials_per_task, trials_per_iter, cost_model, seed, counter,
-               builder_timeout_s):
+def _check_options(trials, cost_model, trials_per_task, rpc_tracker, rpc_key) -> None:
+    if not isinstance(trials, int) or trials < 1:
+        raise OptionError(f"trials must be a positive integer, got {trials!r}")
+    if trials_per_task is not None and (not isinstance(trials_per_task, int) or trials_per_task < 1):
+        raise OptionError(f"trials_per_task must be a positive integer, got {trials_per_task!r}")
+    if cost_model not in COST_MODELS:
+        raise OptionError(f"cost_model must be one of {list(COST_MODELS)}, got {cost_model!r}")
+    if (rpc_tracker is None) != (rpc_key is None):
+        raise OptionError("rpc_tracker and rpc_key go together: give both or neither")
+    if rpc_tracker is not None:
+        parse_tracker(rpc_tracker)
+
+
+def _open_database(work_dir: Path) -> ms.Database:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for name in LOG_FILES:
+        if (work_dir / name).is_file():
+            _check_json_lines(work_dir / name)
+    return ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=True)
+
+
+def _records_of(database: ms.Database, workload: tvm.IRModule) -> list:
+    """The records of one operator (failed ones included: they were measured)."""
+    if database is None or not database.has_workload(workload):
+        return []
+    return [record for record in database.get_all_tuning_records()
+            if tvm_ffi.structural_equal(record.workload.mod, workload)]
+
+
+def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_task, trials_per_iter, cost_model,
+               seed, counter, builder_timeout_s, runner):
     quiet = logging.getLogger("tvm.s_tir.meta_schedule")
     level, foreign = quiet.level, [h for h in quiet.handlers if not h.get_name()]
     quiet.setLevel(logging.WARNING)  # the console handler takes this level; the log files keep DEBUG
     for handler in foreign:  # MetaSchedule's logger setup crashes on unnamed handlers (pytest's, a user's)
         quiet.removeHandler(handler)
     try:
-        return ms.relax_integration.tune_relax(
-            prepared, {}, target, str(work_dir), trials, trials_per_task,
-            num_trials_per_iter=trials_per_iter, cost_model=cost_model, seed=seed,
-            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s),
-            runner=ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S),
+        tasks, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+            extracted, str(work_dir), strategy=_SkipMeasured(), seed=seed)
+        return ms.tune_tasks(
+            tasks=tasks, task_weights=weights, work_dir=str(work_dir), max_trials_global=trials,
+            max_trials_per_task=trials_per_task, num_trials_per_iter=trials_per_iter, cost_model=cost_model,
+            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s), runner=runner, database=database,
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [counter],
         )
     finally:
         quiet.setLevel(level)
         for handler in foreign:
             quiet.addHandler(handler)
+
+
+def parse_tracker(address: str) -> tuple[str, int]:
+    """The host and port of an RPC tracker address "HOST:PORT"."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise OptionError(f"rpc_tracker must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def rpc_servers(rpc_tracker: str, rpc_key: str, timeout_s: float = TRACKER_TIMEOUT_S) -> int:
+    """How many RPC servers the tracker at "HOST:PORT" has registered for `rpc_key` (TuningError if it does not answer)."""
+    host, port = parse_tracker(rpc_tracker)
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
+                                 session_timeout_sec=max(1, int(timeout_s)))
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()  # TVM's own connect retries for 60 s
+        return config.count_num_servers(allow_missing=True)
+    except Exception as err:  # TVM raises ValueError on a timeout and socket errors on a refused connection
+        raise TuningError(f"the RPC tracker {rpc_tracker} does not answer (key {rpc_key!r}): {err}") from err
+
+
+def _rpc_runner(rpc_tracker: str, rpc_key: str, wait_s: float) -> ms.runner.Runner:
+    """MetaSchedule's RPC runner with one worker per server of the key, each run bounded in time."""
+    deadline = time.monotonic() + wait_s
+    while (servers := rpc_servers(rpc_tracker, rpc_key)) == 0:
+        if time.monotonic() > deadline:
+            raise TuningError(f"the RPC tracker {rpc_tracker} has no server for key {rpc_key!r} "
+                              f"(waited {wait_s:g} s)")
+        time.sleep(RPC_POLL_S)
+    host, port = parse_tracker(rpc_tracker)
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
+                                 session_timeout_sec=RUNNER_TIMEOUT_S)
+    runner = ms.runner.RPCRunner(config, max_workers=servers)
+    # RPCRunner's pool waits forever for a server that went away; this one kills a run after a bounded time
+    runner.pool = PopenPoolExecutor(max_workers=servers, timeout=RUNNER_TIMEOUT_S + wait_s)
+    return runner
 
 
 def _successful_records(database: ms.Database) -> list:

@@ -8,7 +8,7 @@ import tvm
 from tabulate import tabulate
 
 from .. import frontend
-from ..compile.tuning import log_dir, tune
+from ..compile.tuning import RPC_WAIT_S, log_dir, tune
 from ..errors import MissingDependencyError, RelayAmpError
 from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
@@ -86,7 +86,8 @@ def _cmd_tune(args: argparse.Namespace) -> None:
     work_dir = args.work_dir or log_dir("tune_logs", args.model, args.dtype, args.target)
     description = {"model": args.model, "batch": args.batch, "dtype": args.dtype}
     tune(mod, args.target, work_dir, args.trials, trials_per_task=args.trials_per_task,
-         trials_per_iter=args.trials_per_iter, description=description)
+         trials_per_iter=args.trials_per_iter, description=description, rpc_tracker=args.rpc_tracker,
+         rpc_key=args.rpc_key, rpc_wait_s=args.rpc_wait)
     print(f"wrote tuning records to {work_dir}")
 
 
@@ -206,7 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--trials", type=int, required=True, help="measurement trials over all operators")
     tn.add_argument("--trials-per-task", type=int, help="cap on the trials of one operator")
     tn.add_argument("--trials-per-iter", type=int, default=16, help="candidates measured per round and task")
-    tn.add_argument("--work-dir", help="where the records go (default tune_logs/MODEL-DTYPE-TARGET)")
+    tn.add_argument("--work-dir", help="where the records go (default tune_logs/MODEL-DTYPE-TARGET); "
+                    "a work dir that holds records resumes: only the missing trials are measured")
+    tn.add_argument("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker: measure on its servers")
+    tn.add_argument("--rpc-key", help="the servers' key at the tracker (with --rpc-tracker)")
+    tn.add_argument("--rpc-wait", type=float, default=RPC_WAIT_S, help="seconds to wait for a server of the key")
 
     bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
                   target=True)

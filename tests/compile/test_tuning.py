@@ -2,12 +2,17 @@
 
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
-from test_build import matmul_module
 from tvm import relax
 
 import relay_amp
@@ -18,6 +23,7 @@ from relay_amp.compile.tuning import MANIFEST, load_database, tune
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor
+from test_build import matmul_module
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +115,49 @@ def test_tuned_bf16_kernel_is_tensorized_and_matches(tmp_path):
     got = run_executable(build(mod, "cpu-avx512-bf16", tmp_path), inputs)[0].astype("float64")
     expected = relay_amp.run(mod, inputs)[0].astype("float64")
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # same bf16 products, summed in another order
+
+
+def _schedules(work_dir) -> list[tuple]:
+    """(workload, trace) of every record in a work dir's log, as written."""
+    lines = (work_dir / "database_tuning_record.json").read_text().splitlines()
+    return [(record[0], json.dumps(record[1][0])) for record in map(json.loads, filter(None, lines))]
+
+
+def test_a_complete_work_dir_is_not_measured_again(tuned, tmp_path):
+    mod, work_dir, _ = tuned
+    resumed = tmp_path / "resumed"
+    shutil.copytree(work_dir, resumed)
+    before = _schedules(resumed)
+    started = time.monotonic()
+    tune(mod, "cpu", resumed, trials=len(before), trials_per_iter=4, progress=False)
+    assert _schedules(resumed) == before and time.monotonic() - started < 20  # no builder, no runner
+
+
+KILLED_TUNE = """
+import sys
+sys.path[:0] = {paths!r}
+from test_build import matmul_module
+from relay_amp.compile.tuning import tune
+tune(matmul_module(16), "cpu", {work_dir!r}, trials=8, trials_per_iter=1, cost_model="random", progress=False)
+"""
+
+
+def test_a_killed_tune_resumes_keeping_its_records_and_measuring_nothing_twice(tmp_path):
+    work_dir = tmp_path / "killed"
+    paths = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+    script = KILLED_TUNE.format(paths=paths, work_dir=str(work_dir))
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (work_dir / "database_tuning_record.json").is_file() or not _schedules(work_dir):
+            assert process.poll() is None and time.monotonic() < deadline, "the tune ended before a record"
+            time.sleep(0.5)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # mid-run: records are on disk as soon as they are measured
+        process.wait()
+    kept = _schedules(work_dir)
+    tune(matmul_module(16), "cpu", work_dir, trials=8, trials_per_iter=1, cost_model="random", progress=False)
+    after = _schedules(work_dir)
+    assert after[:len(kept)] == kept and len(after) > len(kept)
+    assert len(set(after)) == len(after)  # nothing measured twice
