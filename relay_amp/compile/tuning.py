@@ -115,6 +115,8 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
     extracted = ms.relax_integration.extract_tasks(prepared, tgt)
     if not extracted:
         raise TuningError("the module has no operator to tune")
+    runner = (_rpc_runner(rpc_tracker, rpc_key, rpc_wait_s) if rpc_tracker  # checked before the work dir is made
+              else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
     work_dir = Path(work_dir)
     database = _open_database(work_dir)
     measured = [len(_records_of(database, task.dispatched[0])) for task in extracted]
@@ -122,8 +124,6 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
     pending = [task for task, done in zip(extracted, measured)
                if trials_per_task is None or done < trials_per_task]
     if remaining > 0 and pending:
-        runner = (_rpc_runner(rpc_tracker, rpc_key, rpc_wait_s) if rpc_tracker
-                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
         with tqdm(total=remaining, desc="tuning", unit="trial", disable=not progress) as bar:
             counter = _Progress(bar)
             _run_tuner(pending, database, work_dir, tgt, remaining, trials_per_task, trials_per_iter, cost_model,

@@ -116,9 +116,9 @@ def test_a_tracker_that_does_not_answer_is_a_tuning_error_naming_it():
         rpc_servers(address, KEY, timeout_s=2)
 
 
-def test_the_cli_says_so_in_one_line(capsys):
+def test_the_cli_says_so_in_one_line(capsys, tmp_path):
     address = f"127.0.0.1:{_free_port()}"
-    assert main(["tune", "matmul", "--trials", "2", "--work-dir", "unused", "--rpc-tracker", address,
+    assert main(["tune", "matmul", "--trials", "2", "--work-dir", str(tmp_path), "--rpc-tracker", address,
                  "--rpc-key", KEY]) == 1
     err = capsys.readouterr().err.strip()
     assert "does not answer" in err and "\n" not in err
