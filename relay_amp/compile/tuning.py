@@ -115,15 +115,17 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
     extracted = ms.relax_integration.extract_tasks(prepared, tgt)
     if not extracted:
         raise TuningError("the module has no operator to tune")
-    runner = (_rpc_runner(rpc_tracker, rpc_key, rpc_wait_s) if rpc_tracker  # checked before the work dir is made
-              else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
+    servers = _wait_for_servers(rpc_tracker, rpc_key, rpc_wait_s) if rpc_tracker else 0  # before the work dir
     work_dir = Path(work_dir)
-    database = _open_database(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    database = _open_log(work_dir, allow_missing=True)
     measured = [len(_records_of(database, task.dispatched[0])) for task in extracted]
     remaining = trials - sum(measured)
     pending = [task for task, done in zip(extracted, measured)
                if trials_per_task is None or done < trials_per_task]
     if remaining > 0 and pending:
+        runner = (_rpc_runner(rpc_tracker, rpc_key, servers, rpc_wait_s) if servers
+                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
         with tqdm(total=remaining, desc="tuning", unit="trial", disable=not progress) as bar:
             counter = _Progress(bar)
             _run_tuner(pending, database, work_dir, tgt, remaining, trials_per_task, trials_per_iter, cost_model,
@@ -145,14 +147,6 @@ def _check_options(trials, cost_model, trials_per_task, rpc_tracker, rpc_key) ->
         raise OptionError("rpc_tracker and rpc_key go together: give both or neither")
     if rpc_tracker is not None:
         parse_tracker(rpc_tracker)
-
-
-def _open_database(work_dir: Path) -> ms.Database:
-    work_dir.mkdir(parents=True, exist_ok=True)
-    for name in LOG_FILES:
-        if (work_dir / name).is_file():
-            _check_json_lines(work_dir / name)
-    return ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=True)
 
 
 def _records_of(database: ms.Database, workload: tvm.IRModule) -> list:
@@ -195,28 +189,34 @@ def parse_tracker(address: str) -> tuple[str, int]:
 
 def rpc_servers(rpc_tracker: str, rpc_key: str, timeout_s: float = TRACKER_TIMEOUT_S) -> int:
     """How many RPC servers the tracker at "HOST:PORT" has registered for `rpc_key` (TuningError if it does not answer)."""
-    host, port = parse_tracker(rpc_tracker)
-    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
-                                 session_timeout_sec=max(1, int(timeout_s)))
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()  # TVM's own connect retries for 60 s
+    config = _rpc_config(rpc_tracker, rpc_key, max(1, int(timeout_s)))
+    try:  # TVM's own connect retries for 60 s: a plain socket says at once whether the tracker listens
+        socket.create_connection((config.tracker_host, config.tracker_port), timeout=timeout_s).close()
         return config.count_num_servers(allow_missing=True)
     except Exception as err:  # TVM raises ValueError on a timeout and socket errors on a refused connection
         raise TuningError(f"the RPC tracker {rpc_tracker} does not answer (key {rpc_key!r}): {err}") from err
 
 
-def _rpc_runner(rpc_tracker: str, rpc_key: str, wait_s: float) -> ms.runner.Runner:
-    """MetaSchedule's RPC runner with one worker per server of the key, each run bounded in time."""
+def _rpc_config(rpc_tracker: str, rpc_key: str, session_timeout_s: int) -> ms.runner.RPCConfig:
+    host, port = parse_tracker(rpc_tracker)
+    return ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
+                               session_timeout_sec=session_timeout_s)
+
+
+def _wait_for_servers(rpc_tracker: str, rpc_key: str, wait_s: float) -> int:
+    """The number of servers for the key, once there is one; TuningError after `wait_s` without any."""
     deadline = time.monotonic() + wait_s
     while (servers := rpc_servers(rpc_tracker, rpc_key)) == 0:
         if time.monotonic() > deadline:
             raise TuningError(f"the RPC tracker {rpc_tracker} has no server for key {rpc_key!r} "
                               f"(waited {wait_s:g} s)")
         time.sleep(RPC_POLL_S)
-    host, port = parse_tracker(rpc_tracker)
-    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
-                                 session_timeout_sec=RUNNER_TIMEOUT_S)
-    runner = ms.runner.RPCRunner(config, max_workers=servers)
+    return servers
+
+
+def _rpc_runner(rpc_tracker: str, rpc_key: str, servers: int, wait_s: float) -> ms.runner.Runner:
+    """MetaSchedule's RPC runner with one worker per server of the key, each run bounded in time."""
+    runner = ms.runner.RPCRunner(_rpc_config(rpc_tracker, rpc_key, RUNNER_TIMEOUT_S), max_workers=servers)
     # RPCRunner's pool waits forever for a server that went away; this one kills a run after a bounded time
     runner.pool = PopenPoolExecutor(max_workers=servers, timeout=RUNNER_TIMEOUT_S + wait_s)
     return runner
@@ -234,14 +234,19 @@ def _write_manifest(work_dir: Path, target, trials: int, cost_model: str, descri
 
 def load_database(work_dir: str | os.PathLike) -> ms.Database:
     """Open the tuning log in work_dir, checking that it is complete and well-formed JSON first."""
-    work_dir = Path(work_dir)
+    return _open_log(Path(work_dir), allow_missing=False)
+
+
+def _open_log(work_dir: Path, allow_missing: bool) -> ms.Database:
+    """The JSON database in work_dir after checking its files; `allow_missing` lets a new log start empty."""
     for name in LOG_FILES:
         path = work_dir / name
-        if not path.is_file():
+        if path.is_file():
+            _check_json_lines(path)
+        elif not allow_missing:
             raise TuningError(f"tuning log {work_dir} is incomplete: {name} is missing")
-        _check_json_lines(path)
     try:
-        return ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=False)
+        return ms.database.JSONDatabase(work_dir=str(work_dir), allow_missing=allow_missing)
     except Exception as err:  # TVM raises its own error types for records it cannot decode
         raise TuningError(f"tuning log {work_dir} cannot be read: {err}") from err
 
