@@ -21,6 +21,7 @@ from .passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_prec
 from .passes.casts import eliminate_redundant_casts
 from .passes.layers import Layer, count_layers, list_layers
 from .passes.layout import LayoutConfig
+from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize
 from .passes.ranges import RangeStats, calibrate
 from .passes.recast import recast
 from .runtime import run
@@ -32,6 +33,7 @@ from .tools.bench import benchmark
 __all__ = [
     "DTypeError",
     "PrecisionPlan",
+    "QuantPlan",
     "RangeStats",
     "Report",
     "Layer",
@@ -48,6 +50,7 @@ __all__ = [
     "UnknownOpError",
     "amp",
     "apply_plan",
+    "apply_quant_plan",
     "benchmark",
     "build",
     "calibrate",
@@ -62,6 +65,8 @@ __all__ = [
     "metrics",
     "models",
     "precision_plan",
+    "quant_plan",
+    "quantize",
     "recast",
     "run",
     "save",

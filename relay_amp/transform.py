@@ -7,7 +7,8 @@ from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.layout import ConvertLayout
 from .passes.pooling import GlobalPoolWindows
+from .passes.quantize import Quantize
 from .passes.recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "GlobalPoolWindows", "Recast",
-           "ToMixedPrecision", "UseDotKernels"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "GlobalPoolWindows", "Quantize",
+           "Recast", "ToMixedPrecision", "UseDotKernels"]

@@ -2,7 +2,7 @@
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -79,10 +79,10 @@ def check_inputs(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "m
                               f"got {value.shape} {value.dtype}")
 
 
-def _probe(mod: tvm.IRModule, ops: Iterable[str], func: str) -> tvm.IRModule:
-    """`mod` with `func` returning the outputs of its layers instead of its result."""
+def _probe(mod: tvm.IRModule, ops: Iterable[str], func: str, take: Callable) -> tvm.IRModule:
+    """`mod` with `func` returning take(binding) for each of its layer bindings instead of its result."""
     flat = relax.transform.ToNonDataflow()(mod)
-    outputs = [b.var for b in layer_bindings(flat, ops, func)]
+    outputs = [take(b) for b in layer_bindings(flat, ops, func)]
     original = flat[func]
     body = relax.BlockBuilder().normalize(relax.SeqExpr(original.body.blocks, relax.Tuple(outputs)))
     probe = relax.Function(original.params, body, None, original.is_pure, original.attrs)
@@ -90,24 +90,40 @@ def _probe(mod: tvm.IRModule, ops: Iterable[str], func: str) -> tvm.IRModule:
         gv: f for gv, f in flat.functions_items() if gv.name_hint != func}})
 
 
-def calibrate(mod: tvm.IRModule, dataset: Iterable, ops: Iterable[str] = DEFAULT_LAYER_OPS,
-              func: str = "main") -> RangeStats:
-    """Run `mod` on every input batch of `dataset` and record each layer's largest |output|."""
-    layers = list_layers(mod, ops, func)
-    if not layers:
+def layer_output(binding: relax.VarBinding) -> relax.Expr:
+    """What a layer produces (observe's default)."""
+    return binding.var
+
+
+def layer_input(binding: relax.VarBinding) -> relax.Expr:
+    """A layer's first operand: its activations."""
+    return binding.value.args[0]
+
+
+def observe(mod: tvm.IRModule, dataset: Iterable, ops: Iterable[str] = DEFAULT_LAYER_OPS, func: str = "main",
+            take: Callable = layer_output) -> Iterator[list[np.ndarray]]:
+    """Run `mod` on every input batch of `dataset`; per batch, the value take(binding) of each layer of `ops`."""
+    if not list_layers(mod, ops, func):
         raise OptionError(f"the module has no layers of {list(ops)} to calibrate")
-    executable = compile_module(_probe(mod, ops, func))
-    peaks = np.zeros(len(layers))
+    executable = compile_module(_probe(mod, ops, func, take))
     seen = 0
     for batch in dataset:
         inputs = as_input_list(batch)
         check_inputs(mod, inputs, func)
-        outputs = run_executable(executable, inputs, func)
-        peaks = np.fmax(peaks, [np.nanmax(np.abs(o.astype("float64")), initial=0.0) for o in outputs])
-        peaks = np.where([np.isnan(o.astype("float64")).any() for o in outputs], np.nan, peaks)
+        yield run_executable(executable, inputs, func)
         seen += 1
     if not seen:
         raise OptionError("the calibration dataset is empty")
+
+
+def calibrate(mod: tvm.IRModule, dataset: Iterable, ops: Iterable[str] = DEFAULT_LAYER_OPS,
+              func: str = "main") -> RangeStats:
+    """Run `mod` on every input batch of `dataset` and record each layer's largest |output|."""
+    layers = list_layers(mod, ops, func)
+    peaks = np.zeros(len(layers))
+    for outputs in observe(mod, dataset, ops, func):
+        peaks = np.fmax(peaks, [np.nanmax(np.abs(o.astype("float64")), initial=0.0) for o in outputs])
+        peaks = np.where([np.isnan(o.astype("float64")).any() for o in outputs], np.nan, peaks)
     return RangeStats(tuple(ops), [LayerRange(l.index, l.op, l.name, tuple(l.output_shape or ()), float(p))
                                    for l, p in zip(layers, peaks)])
 

@@ -1,0 +1,70 @@
+"""The quantization plan: per layer, its dtype, activation threshold and why; stored on the module, saved, edited
+and re-applied."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import tvm
+from tabulate import tabulate
+
+from ..stored_plan import StoredPlan
+
+QUANT_PLAN_ATTR = "relay_amp.quant_plan"
+# what a layer's activations become: int8 codes with a calibrated threshold (uint8 where they are never
+# negative), or int8 with a scale computed per row at run time
+STATIC_DTYPES = ("int8", "uint8")
+DYNAMIC = "dynamic int8"
+QUANTIZED_DTYPES = (*STATIC_DTYPES, DYNAMIC)
+CODE_LEVELS = {"int8": 127, "uint8": 255}  # steps above zero: symmetric int8 uses [-127, 127]
+
+
+@dataclass(frozen=True)
+class QuantEntry:
+    """One layer (the shared layer index over the plan's ops): its activation dtype, threshold and reason.
+
+    dtype is one of QUANTIZED_DTYPES, or "fallback" for a layer left to the plan's fallback dtype; threshold is
+    the |x| that the largest code stands for (0 where the layer is dynamic or not quantized)."""
+
+    index: int
+    op: str
+    name: str
+    dtype: str
+    threshold: float
+    reason: str
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the layer runs in int8."""
+        return self.dtype in QUANTIZED_DTYPES
+
+
+@dataclass
+class QuantPlan(StoredPlan):
+    """The int8 decisions of one quantization of one function, and the options that made them."""
+
+    FORMAT: ClassVar[int] = 1
+    ATTR: ClassVar[str] = QUANT_PLAN_ATTR
+    KIND: ClassVar[str] = "quantization plan"
+    ENTRY: ClassVar[type] = QuantEntry
+
+    ops: list[str]
+    observer: str
+    weight_granularity: str
+    fallback_dtype: str
+    func: str = "main"
+    entries: list[QuantEntry] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """A readable table: layers per dtype and reason, then the count of int8 layers."""
+        counts = Counter((entry.dtype, entry.reason.split(":")[0]) for entry in self.entries)
+        rows = sorted((dtype, reason, n) for (dtype, reason), n in counts.items())
+        table = tabulate(rows, headers=("dtype", "reason", "layers"))
+        quantized = sum(entry.quantized for entry in self.entries)
+        return (f"{table}\n\n{quantized} of {len(self.entries)} layers in int8 ({self.observer} observer, "
+                f"{self.weight_granularity} weights); the rest in {self.fallback_dtype}")
+
+
+def quant_plan(mod: tvm.IRModule) -> QuantPlan:
+    """The quantization plan stored on a module made by quantize or apply_quant_plan."""
+    return QuantPlan.of_module(mod, "quantize it with relay_amp.quantize first")

@@ -1,0 +1,209 @@
+"""Quantize: calibrated post-training int8 for convolutions and matmuls, the rest in a fallback dtype.
+
+Each quantized layer becomes `conv2d/matmul(codes(x), W8, out_dtype=int32)` and one multiply by its scales:
+weights are symmetric int8 per output channel (or per tensor), computed on the host; activations become int8
+codes by `clip(round(x / s))` with s from calibration (uint8 where calibration saw no negative input, which is
+the operand VNNI's `vpdpbusd` takes directly), or per row at run time for `dynamic` matmuls. Zero points are 0,
+so padding stays exact. Every op left in floating point then goes through AMP in the fallback dtype.
+"""
+
+from collections.abc import Iterable
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..._ir import get_function, rewrite_function, tensor_dtype, tensor_shape, with_attr
+from ...dtypes import check_choice
+from ...errors import LayerIndexError, OptionError
+from ...ops import canonical_ops
+from ..amp import to_mixed_precision
+from ..batch_norm import FoldBatchNorm
+from ..layers import layer_bindings, list_layers, resolve_layers
+from ..ranges import layer_input, observe
+from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, threshold
+from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan
+
+QUANTIZABLE_OPS = ("relax.nn.conv2d", "relax.matmul")
+WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
+ACTIVATION_DTYPES = ("auto", "int8")  # auto: uint8 where calibration saw no negative input
+FALLBACK_DTYPES = ("float32", "bfloat16", "float16")
+FALLBACK = "fallback"
+INT8_MAX = 127
+
+
+def unquantizable(call: relax.Call) -> str | None:
+    """Why a conv2d/matmul call cannot run in int8 here, or None when it can."""
+    data, weight = call.args[:2]
+    if tensor_dtype(data) != "float32":
+        return f"its input is {tensor_dtype(data)}, not float32"
+    if not isinstance(weight, tvm.ir.expr.Constant) or tensor_dtype(weight) != "float32":
+        return "its second operand is not a float32 constant"
+    if call.op.name == "relax.nn.conv2d" and int(call.attrs.groups) != 1:
+        return "grouped convolution"
+    if call.op.name == "relax.matmul" and weight.value.numpy().ndim != 2:
+        return "a batched weight"
+    return None
+
+
+def quantize_weight(weight: np.ndarray, channel_axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 codes of `weight` and their scales, one per index of `channel_axis` (one in all if None)."""
+    axes = tuple(a for a in range(weight.ndim) if a != channel_axis)
+    peak = np.abs(weight).max(axis=axes, keepdims=True).astype("float64")
+    scales = np.where(peak > 0, peak / INT8_MAX, 1.0)
+    codes = np.clip(np.rint(weight / scales), -INT8_MAX, INT8_MAX).astype("int8")
+    return codes, scales.reshape(-1)
+
+
+def _channel_axes(call: relax.Call) -> tuple[int, int]:
+    """The output-channel axis of the call's weight and of its result."""
+    if call.op.name == "relax.matmul":
+        return 1, len(tensor_shape(call)) - 1
+    out_layout = str(call.attrs.out_layout or call.attrs.data_layout)
+    return str(call.attrs.kernel_layout).index("O"), out_layout.index("C")
+
+
+@relax.expr_functor.mutator
+class _Realizer(relax.PyExprMutator):
+    """Rewrites the chosen calls into int8 calls between activation codes and one dequantizing multiply."""
+
+    def __init__(self, mod: tvm.IRModule, entries: dict[relax.Call, QuantEntry], per_channel: bool):
+        super().__init__(mod)
+        self.entries = entries
+        self.per_channel = per_channel
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        entry = self.entries.get(call)
+        if entry is None or not entry.quantized:
+            return new_call
+        data, weight = new_call.args
+        weight_axis, out_axis = _channel_axes(call)
+        codes, weight_scales = quantize_weight(weight.value.numpy(), weight_axis if self.per_channel else None)
+        if entry.dtype == DYNAMIC:
+            row_scale = self.builder_.emit(relax.op.divide(
+                relax.op.max(relax.op.abs(data), axis=-1, keepdims=True), relax.const(float(INT8_MAX))))
+            row_scale = self.builder_.emit(relax.op.maximum(row_scale, relax.const(np.finfo("float32").tiny)))
+            activations, scale = self._codes(relax.op.divide(data, row_scale), "int8"), row_scale
+        else:
+            step = entry.threshold / CODE_LEVELS[entry.dtype] if entry.threshold > 0 else 1.0
+            activations = self._codes(relax.op.multiply(data, relax.const(1.0 / step)), entry.dtype)
+            weight_scales, scale = weight_scales * step, None
+        attrs = with_attr(new_call.attrs, out_dtype="int32")
+        accumulated = self.builder_.emit(relax.Call(new_call.op, [activations, relax.const(codes)], attrs))
+        shape = [1] * len(tensor_shape(call))
+        shape[out_axis] = -1 if self.per_channel else 1
+        real = relax.op.multiply(relax.op.astype(accumulated, "float32"),
+                                 relax.const(weight_scales.reshape(shape).astype("float32")))
+        return real if scale is None else relax.op.multiply(self.builder_.emit(real), scale)
+
+    def _codes(self, scaled: relax.Expr, dtype: str) -> relax.Expr:
+        """Activations already divided by their step, rounded and clipped to `dtype`'s codes."""
+        low = -INT8_MAX if dtype == "int8" else 0
+        rounded = relax.op.round(self.builder_.emit(scaled))
+        clipped = self.builder_.emit(relax.op.clip(self.builder_.emit(rounded), low, CODE_LEVELS[dtype]))
+        return self.builder_.emit(relax.op.astype(clipped, dtype))
+
+
+def prepared(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` as quantize numbers its layers: batch norms folded into convs, weight transposes folded."""
+    return relax.transform.FoldConstant()(FoldBatchNorm()(mod))
+
+
+def apply_quant_plan(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
+    """Quantize `mod` as `plan` says (a saved, possibly hand-edited plan) without calibrating again."""
+    mod = prepared(mod)
+    layers, bindings = list_layers(mod, plan.ops, plan.func), layer_bindings(mod, plan.ops, plan.func)
+    chosen = {}
+    for entry in plan.entries:
+        if not 0 <= entry.index < len(layers) or (layers[entry.index].op, layers[entry.index].name) != (
+                entry.op, entry.name):
+            raise LayerIndexError(f"quantization plan entry {entry.index} ({entry.op} {entry.name!r}) does not "
+                                  "match this module's layers: quantize this module")
+        call = bindings[entry.index].value
+        if entry.quantized and unquantizable(call):
+            raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: "
+                              f"{unquantizable(call)}")
+        chosen[call] = entry
+    _one_of(plan.weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
+    realized = rewrite_function(_Realizer(mod, chosen, plan.weight_granularity == "per_channel"), mod, plan.func)
+    if plan.fallback_dtype != "float32":
+        realized = to_mixed_precision(realized, check_choice(plan.fallback_dtype, FALLBACK_DTYPES, "fallback_dtype"),
+                                      func=plan.func)
+    return plan.attach(realized)
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.Quantize")
+class Quantize:
+    """Pass form of `quantize`; the QuantPlan is stored on the output module."""
+
+    def __init__(self, dataset: Iterable, *, ops: Iterable[str] = QUANTIZABLE_OPS, observer: str = "minmax",
+                 percentile: float = DEFAULT_PERCENTILE, weight_granularity: str = "per_channel",
+                 activation_dtype: str = "auto", excluded_layers: Iterable[int | str] | None = None,
+                 fallback_dtype: str = "bfloat16", dynamic_matmuls: bool = False, func: str = "main"):
+        self.ops = canonical_ops(ops)
+        for op in self.ops:
+            if op not in QUANTIZABLE_OPS:
+                raise OptionError(f"quantize cannot quantize {op}: it quantizes {list(QUANTIZABLE_OPS)}")
+        self.observer = _one_of(observer, OBSERVERS, "observer")
+        self.percentile = float(percentile)
+        if not 0 < self.percentile <= 100:
+            raise OptionError(f"percentile must be in (0, 100], got {percentile!r}")
+        self.weight_granularity = _one_of(weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
+        self.activation_dtype = _one_of(activation_dtype, ACTIVATION_DTYPES, "activation_dtype")
+        self.excluded_layers = list(excluded_layers or ())
+        self.fallback_dtype = check_choice(fallback_dtype, FALLBACK_DTYPES, "fallback_dtype")
+        self.dynamic_matmuls = bool(dynamic_matmuls)
+        self.func = func
+        self.dataset = list(dataset)
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Calibrate, decide every layer, realize; the input module is left as it was."""
+        return apply_quant_plan(mod, self.plan(prepared(mod)))
+
+    def plan(self, mod: tvm.IRModule) -> QuantPlan:
+        """The decisions for a prepared module: calibration's thresholds, exclusions and fallbacks."""
+        get_function(mod, self.func)
+        layers, bindings = list_layers(mod, self.ops, self.func), layer_bindings(mod, self.ops, self.func)
+        excluded = resolve_layers(layers, self.excluded_layers)
+        histograms = self._calibrate(mod, layers)
+        entries = [self._decide(layer, binding.value, histogram, layer.index in excluded)
+                   for layer, binding, histogram in zip(layers, bindings, histograms)]
+        return QuantPlan(list(self.ops), self.observer, self.weight_granularity, self.fallback_dtype, self.func,
+                         entries)
+
+    def _calibrate(self, mod: tvm.IRModule, layers: list) -> list[Histogram]:
+        histograms = [Histogram() for _ in layers]
+        for number, inputs in enumerate(observe(mod, self.dataset, self.ops, self.func, take=layer_input)):
+            for layer, histogram, values in zip(layers, histograms, inputs):
+                if not np.isfinite(values).all():
+                    raise OptionError(f"calibration batch {number}: the input of layer {layer.index} ({layer.op} "
+                                      f"{layer.name!r}) holds NaN or inf")
+                histogram.add(values)
+        return histograms
+
+    def _decide(self, layer, call: relax.Call, histogram: Histogram, excluded: bool) -> QuantEntry:
+        def entry(dtype: str, limit: float, reason: str) -> QuantEntry:
+            return QuantEntry(layer.index, layer.op, layer.name, dtype, float(limit), reason)
+
+        reason = unquantizable(call)
+        if reason:
+            return entry(FALLBACK, 0.0, f"not quantizable: {reason}")
+        if excluded:
+            return entry(FALLBACK, 0.0, "excluded")
+        if self.dynamic_matmuls and layer.op == "relax.matmul":
+            return entry(DYNAMIC, 0.0, "dynamic: per-row scales at run time")
+        dtype = "uint8" if self.activation_dtype == "auto" and not histogram.signed else "int8"
+        limit = threshold(histogram, self.observer, CODE_LEVELS[dtype], self.percentile)
+        return entry(dtype, limit, f"calibrated: {self.observer}")
+
+
+def _one_of(value: str, allowed: tuple[str, ...], option: str) -> str:
+    if value not in allowed:
+        raise OptionError(f"{option} must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def quantize(mod: tvm.IRModule, dataset: Iterable, **options) -> tvm.IRModule:
+    """Calibrated int8 for `mod`'s convs and matmuls on `dataset` (input batches); options as Quantize's."""
+    return Quantize(dataset, **options)(mod)

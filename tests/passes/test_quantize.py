@@ -1,0 +1,205 @@
+"""Quantize: structural Before/Expected tests, observers, plans, errors, and int8 accuracy on the Relax VM."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp import ModelLoadError, OptionError, digits, metrics, models
+from relay_amp.passes.quantize import QuantEntry, QuantPlan
+from relay_amp.passes.quantize.observers import BINS, Histogram, threshold
+from relay_amp.passes.quantize.realize import quantize_weight
+from relay_amp.tools.models import example_inputs
+
+from builders import tensor
+from pass_checks import assert_transforms
+
+WEIGHT = np.array([[0.5, -1.0, 0.25], [-0.25, 0.5, 0.125]], "float32")  # [K=2, N=3]: per-column scales
+
+
+def linear_module() -> tvm.IRModule:
+    """main(x[4, 2]) = x @ WEIGHT."""
+    bb = relax.BlockBuilder()
+    x = tensor("x", (4, 2))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.const(WEIGHT)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def expected_linear(dtype: str, step: float) -> tvm.IRModule:
+    """What quantization makes of linear_module with activations in `dtype` codes of `step`."""
+    codes = np.array([[127, -127, 127], [-64, 64, 64]], "int8")  # WEIGHT / its column max |w| * 127
+    scales = np.abs(WEIGHT).max(axis=0) / 127 * step
+    bb = relax.BlockBuilder()
+    x = tensor("x", (4, 2))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            scaled = bb.emit(relax.op.multiply(x, relax.const(1 / step)))
+            rounded = bb.emit(relax.op.round(scaled))
+            clipped = bb.emit(relax.op.clip(rounded, 0 if dtype == "uint8" else -127, 255 if dtype == "uint8" else 127))
+            activations = bb.emit(relax.op.astype(clipped, dtype))
+            accumulated = bb.emit(relax.op.matmul(activations, relax.const(codes), out_dtype="int32"))
+            out = bb.emit_output(relax.op.multiply(relax.op.astype(accumulated, "float32"),
+                                                   relax.const(scales.reshape(1, -1).astype("float32"))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def linear_plan(dtype: str, limit: float, fallback: str = "float32") -> QuantPlan:
+    layer = relay_amp.list_layers(linear_module(), ["matmul"])[0]
+    return QuantPlan(["relax.matmul"], "minmax", "per_channel", fallback,
+                     entries=[QuantEntry(0, layer.op, layer.name, dtype, limit, "test")])
+
+
+@pytest.mark.parametrize("dtype, levels", [("uint8", 255), ("int8", 127)])
+def test_a_planned_matmul_becomes_codes_times_int8_weights_and_one_dequantizing_multiply(dtype, levels):
+    plan = linear_plan(dtype, 2.0)
+    assert_transforms(lambda mod: relay_amp.apply_quant_plan(mod, plan).without_attr(QuantPlan.ATTR),
+                      linear_module(), expected_linear(dtype, 2.0 / levels))
+    assert relay_amp.quant_plan(relay_amp.apply_quant_plan(linear_module(), plan)) == plan
+
+
+def test_quantize_picks_uint8_for_non_negative_inputs_and_the_observed_maximum():
+    data = [np.array([[0.0, 1.0], [2.0, 0.5], [0.25, 1.5], [1.0, 1.0]], "float32")]
+    quantized = relay_amp.quantize(linear_module(), data, fallback_dtype="float32")
+    [entry] = relay_amp.quant_plan(quantized).entries
+    assert (entry.dtype, entry.threshold) == ("uint8", pytest.approx(2.0))
+    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", 2.0 / 255))
+
+
+def test_signed_inputs_get_symmetric_int8_and_int8_can_be_forced():
+    signed = [np.array([[-3.0, 1.0], [2.0, 0.5], [0.25, 1.5], [1.0, 1.0]], "float32")]
+    assert relay_amp.quant_plan(relay_amp.quantize(linear_module(), signed)).entries[0].dtype == "int8"
+    positive = [np.abs(signed[0])]
+    forced = relay_amp.quantize(linear_module(), positive, activation_dtype="int8")
+    assert relay_amp.quant_plan(forced).entries[0].dtype == "int8"
+
+
+def test_quantize_weight_per_channel_and_per_tensor():
+    codes, scales = quantize_weight(WEIGHT, 1)
+    np.testing.assert_allclose(scales, [0.5 / 127, 1 / 127, 0.25 / 127])
+    np.testing.assert_array_equal(codes, [[127, -127, 127], [-64, 64, 64]])
+    codes, scales = quantize_weight(WEIGHT, None)
+    np.testing.assert_allclose(scales, [1 / 127])
+    np.testing.assert_array_equal(codes, np.rint(WEIGHT * 127))
+
+
+def test_dynamic_matmuls_scale_each_row_at_run_time_and_keep_the_encoder_close_to_fp32():
+    mod = models.bert_encoder(batch=1, seq_len=16, hidden=64, heads=2, layers=2)
+    calib = [example_inputs(mod, seed) for seed in (1, 2)]
+    quantized = relay_amp.quantize(mod, calib, dynamic_matmuls=True, fallback_dtype="float32")
+    plan = relay_amp.quant_plan(quantized)
+    dynamic = [e for e in plan.entries if e.dtype == "dynamic int8"]
+    assert dynamic and all(e.op == "relax.matmul" for e in dynamic)
+    assert any(e.dtype == "fallback" and "second operand" in e.reason for e in plan.entries)  # attention
+    inputs = example_inputs(mod, 7)
+    expected, actual = relay_amp.run(mod, inputs)[0], relay_amp.run(quantized, inputs)[0]
+    assert metrics.cosine_similarity(actual, expected) >= 0.99
+
+
+def test_the_digits_cnn_keeps_its_accuracy_in_int8():
+    """The shipped CNN, calibrated on 100 held-out images, within 0.5 points of fp32 on the other 350."""
+    images, labels = digits.load_test_split()
+    batches = digits.batches(images, labels, 50)
+    mod = digits.load_model(50)
+    quantized = relay_amp.quantize(mod, [x for x, _ in batches[:2]], observer="percentile")
+    assert sum(e.quantized for e in relay_amp.quant_plan(quantized).entries) == 4
+    fp32, int8 = relay_amp.runtime.compile_module(mod), relay_amp.runtime.compile_module(quantized)
+    held_out = batches[2:]
+    reference = np.concatenate([relay_amp.runtime.run_executable(fp32, [x])[0] for x, _ in held_out])
+    outputs = np.concatenate([relay_amp.runtime.run_executable(int8, [x])[0] for x, _ in held_out])
+    truth = np.concatenate([y for _, y in held_out])
+    assert metrics.top1_accuracy(outputs, truth) >= metrics.top1_accuracy(reference, truth) - 0.005
+    relax.analysis.well_formed(quantized)
+
+
+def test_fallback_dtype_runs_the_rest_through_amp():
+    mod = models.small_cnn(batch=2)
+    calib = [example_inputs(mod, 1)]
+    plan = relay_amp.quant_plan(relay_amp.quantize(mod, calib, excluded_layers=[-1]))
+    assert plan.entries[-1].dtype == "fallback" and plan.entries[-1].reason == "excluded"
+    converted = relay_amp.quantize(mod, calib, excluded_layers=[-1])
+    amp_plan = relay_amp.precision_plan(converted)
+    assert any(e.op == "relax.matmul" and e.dtype == "bfloat16" for e in amp_plan.entries)
+    inputs = example_inputs(mod, 3)
+    np.testing.assert_allclose(relay_amp.run(converted, inputs)[0], relay_amp.run(mod, inputs)[0],
+                               rtol=0.1, atol=0.1 * float(np.abs(relay_amp.run(mod, inputs)[0]).max()))
+
+
+def test_a_saved_plan_edited_by_hand_reapplies_without_calibration(tmp_path):
+    mod = models.small_cnn(batch=2)
+    quantized = relay_amp.quantize(mod, [example_inputs(mod, 1)])
+    path = tmp_path / "quant.json"
+    relay_amp.quant_plan(quantized).save(path)
+    plan = QuantPlan.load(path)
+    tvm.ir.assert_structural_equal(relay_amp.apply_quant_plan(mod, plan), quantized)
+    first = plan.entries[0]
+    plan.entries[0] = QuantEntry(first.index, first.op, first.name, "fallback", 0.0, "by hand")
+    edited = relay_amp.apply_quant_plan(mod, plan)
+    assert relay_amp.quant_plan(edited).entries[0].dtype == "fallback"
+    assert edited["main"].script().count('out_dtype="int32"') == len(plan.entries) - 1
+
+
+def test_plan_errors_name_the_file_or_layer(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ModelLoadError, match="broken.json"):
+        QuantPlan.load(path)
+    other = linear_plan("uint8", 1.0)
+    with pytest.raises(relay_amp.LayerIndexError, match="does not match"):
+        relay_amp.apply_quant_plan(models.small_cnn(), other)
+    runtime_weight = relay_amp.list_layers(models.bert_encoder(seq_len=16, hidden=64, heads=2, layers=1))
+    attention = next(layer for layer in runtime_weight if layer.op == "relax.matmul" and layer.index > 3)
+    bad = QuantPlan(["relax.nn.conv2d", "relax.matmul"], "minmax", "per_channel", "float32", entries=[
+        QuantEntry(attention.index, attention.op, attention.name, "int8", 1.0, "by hand")])
+    with pytest.raises(OptionError, match=f"layer {attention.index}.*cannot be int8"):
+        relay_amp.apply_quant_plan(models.bert_encoder(seq_len=16, hidden=64, heads=2, layers=1), bad)
+    with pytest.raises(relay_amp.ModuleError, match="no quantization plan"):
+        relay_amp.quant_plan(linear_module())
+
+
+@pytest.mark.parametrize("dataset, options, match", [
+    ([], {}, "dataset is empty"),
+    ([np.full((4, 2), np.nan, "float32")], {}, "batch 0: the input of layer 0 .* NaN"),
+    ([np.zeros((3, 2), "float32")], {}, r"must be \(4, 2\) float32"),
+    ([np.zeros((4, 2), "float32")], {"ops": ["nn.softmax"]}, "cannot quantize relax.nn.softmax"),
+    ([np.zeros((4, 2), "float32")], {"observer": "kl"}, "observer must be one of"),
+    ([np.zeros((4, 2), "float32")], {"percentile": 0}, "percentile"),
+    ([np.zeros((4, 2), "float32")], {"weight_granularity": "per_row"}, "weight_granularity"),
+    ([np.zeros((4, 2), "float32")], {"excluded_layers": [3]}, "out of range"),
+])
+def test_bad_input_is_a_relay_amp_error_that_names_it(dataset, options, match):
+    with pytest.raises(relay_amp.RelayAmpError, match=match):
+        relay_amp.quantize(linear_module(), dataset, **options)
+
+
+def test_histogram_widening_keeps_every_count_and_the_top():
+    histogram = Histogram()
+    histogram.add(np.linspace(0, 1, 1000))
+    histogram.add(np.linspace(-4, 0, 1000))
+    assert histogram.counts.sum() == 2000 and histogram.top == 4.0 and histogram.signed
+    assert threshold(histogram, "minmax", 127) == 4.0
+
+
+def test_observers_clip_outliers_that_minmax_keeps():
+    rng = np.random.default_rng(0)
+    histogram = Histogram()
+    histogram.add(np.concatenate([rng.normal(size=100_000), [40.0]]))
+    percentile = threshold(histogram, "percentile", 127, 99.9)
+    assert 3.0 < percentile < 3.6  # the 99.9th percentile of |N(0, 1)| is 3.29
+    for observer in ("entropy", "mse"):
+        clipped = threshold(histogram, observer, 127)
+        assert 2.0 < clipped < 0.9 * threshold(histogram, "minmax", 127), observer  # below the outlier
+    assert threshold(Histogram(), "entropy", 127) == 0.0
+    assert BINS % 16 == 0
+
+
+def test_quantize_never_mutates_its_input_and_its_output_is_well_formed():
+    mod = models.small_cnn(batch=2)
+    text = mod.script()
+    quantized = relay_amp.transform.Quantize([example_inputs(mod, 1)])(mod)
+    assert mod.script() == text
+    relax.analysis.well_formed(quantized)
