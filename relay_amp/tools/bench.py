@@ -16,13 +16,16 @@ from ..compile.build import build
 from ..compile.tuning import LOG_FILES, log_dir
 from ..errors import OptionError, TuningError
 from ..passes.amp import to_mixed_precision
+from ..passes.quantize import quantize
 from ..passes.recast import recast
 from ..runtime import run_executable, virtual_machine
 from ..targets import host_cores
 from . import pytorch
+from .calibration import random_batches
 from .models import example_inputs
 
 BASELINE = "float32"
+QUANTIZED = "int8q"  # calibrated int8 (quantize), beside recast's int8
 INT8_OPS = ("relax.nn.conv2d", "relax.matmul")
 # --layout: the backend's choice (auto), a data layout to force, or the model's own (keep)
 LAYOUTS = {AUTO: AUTO, "NHWC": "NHWC", "NCHW": "NCHW", "keep": None}
@@ -40,16 +43,19 @@ class BenchRow:
     torch_ms: float | None = None
 
 
-def variant(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
-    """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast.
+def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) -> tvm.IRModule:
+    """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast,
+    int8q by quantize on `calibration` (input batches; random ones by default).
 
     int8 is TVM's recast experiment (convs and matmuls in int8 accumulating in int32, values cast, not
-    calibrated), so its error column measures the casts, not a quantized model's accuracy.
+    calibrated), so its error column measures the casts, not a quantized model's accuracy; int8q is calibrated.
     """
     if dtype == BASELINE:
         return mod
     if dtype == "int8":
         return recast(mod, "int8", "int32", ops=INT8_OPS)
+    if dtype == QUANTIZED:
+        return quantize(mod, random_batches(mod) if calibration is None else calibration)
     return to_mixed_precision(mod, dtype)
 
 

@@ -12,14 +12,17 @@ from ..compile.tuning import RPC_WAIT_S, log_dir, tune
 from ..errors import MissingDependencyError, RelayAmpError
 from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
+from ..passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize
+from ..passes.quantize.observers import DEFAULT_PERCENTILE, OBSERVERS
 from ..passes.recast import DEFAULT_RECAST_OPS, recast
 from ..serialization import atomic_write_text, save
 from ..targets import host_cores, host_preset
 from . import models
 from .bench import LAYOUTS, benchmark, format_rows, rows_to_json, variant
+from .calibration import load_batches, random_batches
 from .profile import format_profile, profile, profile_to_json
 
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "int8q": "int8q"}
 
 
 def load_model(spec: str, batch: int = 1) -> tvm.IRModule:
@@ -92,6 +95,25 @@ def _cmd_tune(args: argparse.Namespace) -> None:
 
 
 ZOO_PREFIX = "zoo"
+
+
+def _cmd_quantize(args: argparse.Namespace) -> None:
+    mod = load_model(args.model, args.batch)
+    if args.apply_plan:
+        quantized = apply_quant_plan(mod, QuantPlan.load(args.apply_plan))
+    else:
+        batches = load_batches(mod, args.calib) if args.calib else random_batches(mod)
+        quantized = quantize(mod, batches, observer=args.observer, percentile=args.percentile,
+                             excluded_layers=args.exclude, fallback_dtype=args.fallback,
+                             dynamic_matmuls=args.dynamic_matmuls)
+    plan = quant_plan(quantized)
+    print(plan.summary())
+    if args.plan:
+        plan.save(args.plan)
+        print(f"wrote {args.plan}")
+    if args.output:
+        save(quantized, args.output)
+        print(f"wrote {args.output}")
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -201,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--plan", help="write the precision plan as JSON")
     cv.add_argument("-o", "--output", help="write the converted module (TVM JSON, relay_amp.load reads it)")
 
+    qz = _command(commands, "quantize", "calibrated int8 with a quantization plan (the rest in a fallback dtype)",
+                  _cmd_quantize)
+    qz.add_argument("--calib", help=".npz of calibration inputs: per model input (by name), samples along axis 0; "
+                    "default: 8 random batches")
+    qz.add_argument("--observer", choices=OBSERVERS, default="minmax", help="how activation ranges are chosen")
+    qz.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --observer percentile")
+    qz.add_argument("--exclude", type=_int_list, default=[], help="layer indices left to the fallback dtype")
+    qz.add_argument("--fallback", type=_dtype, default="bfloat16", help="dtype of everything not in int8")
+    qz.add_argument("--dynamic-matmuls", action="store_true", help="matmuls scale activations per row at run time")
+    qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
+    qz.add_argument("--plan", help="write the quantization plan as JSON")
+    qz.add_argument("-o", "--output", help="write the quantized module (TVM JSON, relay_amp.load reads it)")
+
     tn = _command(commands, "tune", "autotune a model with MetaSchedule (XGBoost cost model)", _cmd_tune,
                   target=True)
     tn.add_argument("--dtype", type=_dtype, default="float32", help="fp32, bf16 or fp16 (AMP defaults), or int8 (recast)")
@@ -215,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
                   target=True)
-    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8")
+    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8,int8q")
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
     bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -63,3 +63,10 @@ def test_int8_variant_in_nhwc_with_torch_columns():
 def test_unknown_layout_is_an_option_error():
     with pytest.raises(relay_amp.OptionError, match="NCHW4c"):
         benchmark(models.small_cnn(), ["float32"], "cpu", layout="NCHW4c")
+
+
+def test_int8q_is_calibrated_and_close_to_fp32_where_int8_recast_is_not():
+    mod = models.resnet18_conv(channels=16, image_size=8)
+    rows = benchmark(mod, ["int8", "int8q"], "cpu", repeat=2)
+    errors = {r.dtype: r.max_rel_error for r in rows}
+    assert errors["int8q"] < 0.05 < errors["int8"]

@@ -65,3 +65,26 @@ def test_convert_rejects_unsupported_dtype(capsys):
 def test_tune_rejects_a_bad_trial_count(capsys):
     assert main(["tune", "small_cnn", "--trials", "0", "--work-dir", "unused"]) == 1
     assert "trials must be a positive integer" in capsys.readouterr().err
+
+
+def test_quantize_calibrates_on_a_npz_prints_the_plan_and_writes_plan_and_module(tmp_path, capsys):
+    import numpy as np
+
+    from relay_amp import QuantPlan, load, quant_plan
+
+    calib, plan_path, module_path = tmp_path / "calib.npz", tmp_path / "quant.json", tmp_path / "q.json"
+    np.savez(calib, x=np.random.default_rng(0).standard_normal((4, 3, 16, 16)))
+    assert main(["quantize", "small_cnn", "--calib", str(calib), "--observer", "percentile", "--exclude", "-1",
+                 "--fallback", "fp32", "--plan", str(plan_path), "-o", str(module_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 3 layers in int8 (percentile observer" in out and "excluded" in out
+    plan = QuantPlan.load(plan_path)
+    assert quant_plan(load(module_path)) == plan and plan.fallback_dtype == "float32"
+    assert main(["quantize", "small_cnn", "--apply-plan", str(plan_path)]) == 0
+    assert "2 of 3 layers in int8" in capsys.readouterr().out
+
+
+def test_quantize_errors_are_one_line(tmp_path, capsys):
+    assert main(["quantize", "small_cnn", "--calib", str(tmp_path / "none.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "none.npz" in err and err.count("\n") == 1
