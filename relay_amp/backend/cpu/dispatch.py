@@ -3,10 +3,10 @@
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
-time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW data, groups or dilation, output
-channels off the 16-lane blocks for convs, broadcast or odd-depth runtime matmuls) are left to the generic
-schedules. Conv inputs whose channels do not fill the instruction's group (an RGB stem conv) get zero channels
-added to data and weight.
+time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW data, groups or dilation,
+broadcast or odd-depth runtime matmuls) are left to the generic schedules. Conv inputs whose channels do not fill
+the instruction's group (an RGB stem conv) get zero channels added to data and weight; a constant weight whose
+output channels are off the 16-lane blocks (a 1000-class head) gets zero output channels, sliced off the result.
 """
 
 import dataclasses
@@ -86,10 +86,20 @@ class _Dispatcher(relax.PyExprMutator):
             return None
         if weight is not None:
             dot = kernels.intrinsic_for(dtype)
+            width = weight.shape[-1]
+            weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)]) if weight.ndim == 2 else weight
             if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], dot):
                 return None
-            return self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
+            result = self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
+            return self._first_channels(result, len(shape) - 1, width, weight.shape[1])
         return self._runtime_matmul(call, shape)
+
+    def _first_channels(self, result: relax.Expr, axis: int, channels: int, padded: int) -> relax.Expr:
+        """`result` ([..., padded] on `axis`) without the zero output channels a weight off the 16-lane blocks was
+        given."""
+        if padded == channels:
+            return result
+        return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[channels])
 
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
@@ -145,7 +155,8 @@ class _Dispatcher(relax.PyExprMutator):
             return None
         layout, dot = str(attrs.kernel_layout), kernels.intrinsic_for(dtype)
         extra = -weight.shape[layout.index("I")] % dot.group  # zero channels that round inputs up to the group
-        weight = np.pad(weight, [(0, extra if axis == "I" else 0) for axis in layout])
+        channels = weight.shape[layout.index("O")]  # and outputs up to the 16 lanes, sliced off after
+        weight = np.pad(weight, [(0, {"I": extra, "O": -channels % kernels.LANES}.get(axis, 0)) for axis in layout])
         out_ch, in_ch = weight.shape[layout.index("O")], weight.shape[layout.index("I")]
         if not kernels.supports(out_ch, in_ch, dot):
             return None
@@ -157,7 +168,8 @@ class _Dispatcher(relax.PyExprMutator):
         pad_width = [0, 0, top, bottom, left, right, 0, extra]
         if any(pad_width):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
-        return self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
+        return self._first_channels(self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot)), 3,
+                                    channels, out_ch)
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | tuple") -> relax.Expr:
         """The kernel call on a weight packed here (a constant) or by Relax ops at run time ((packed, sums))."""

@@ -8,7 +8,7 @@ from tvm import relax
 
 import relay_amp
 from relay_amp import targets
-from relay_amp._ir import tensor_dtype
+from relay_amp._ir import tensor_dtype, tensor_shape
 from relay_amp.backend.cpu import amx, dispatch, kernels
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
@@ -51,7 +51,6 @@ def test_bf16_matmul_becomes_a_kernel_call_on_packed_weights():
 
 @pytest.mark.parametrize("reason,module", [
     ("fp32 is not enabled here", lambda: _matmul_module("float32", np.ones((32, 16), "float32"))),
-    ("16 lanes do not divide 24 outputs", lambda: _matmul_module(BF16, _bf16_weight((32, 24)))),
     ("dtype not enabled for the target", lambda: _conv_module(np.ones((3, 3, 8, 16), "int8"), "int8")),
 ])
 def test_calls_the_kernels_cannot_take_are_left_alone(reason, module):
@@ -101,6 +100,17 @@ def test_built_model_with_amx_kernels_matches_the_generic_build(dtype, strides):
     assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
 
 
+def test_outputs_off_the_lanes_get_zero_weight_columns_and_a_slice():
+    matmul = dispatch.UseDotKernels({BF16})(_matmul_module(BF16, _bf16_weight((32, 24))))
+    calls = [b.value for b in matmul["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [c.op.name for c in calls] == ["relax.reshape", "relax.call_tir", "relax.reshape", "relax.strided_slice"]
+    assert tensor_shape(calls[2]) == (2, 8, 32) and [int(e.value) for e in calls[-1].args[3]] == [24]
+    conv = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 8, 10), "int8")))
+    calls = [b.value for b in conv["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert calls[-1].op.name == "relax.strided_slice" and tensor_shape(calls[-1]) == (1, 4, 4, 10)
+    relax.analysis.well_formed(conv)
+
+
 def test_int8_conv_is_padded_then_dispatched():
     after = dispatch.UseDotKernels({"int8"})(_conv_module(np.ones((3, 3, 8, 16), "int8")))
     ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
@@ -142,7 +152,8 @@ def test_conv_with_three_input_channels_gets_a_zero_channel():
 
 
 @pytest.mark.parametrize("dtype,feature,channels", [(BF16, "avx512_bf16", 8), ("int8", "avx512_vnni", 8),
-                                                     ("int8", "avx512_vnni", 3), ("float32", "avx512f", 8)])
+                                                     ("int8", "avx512_vnni", 3), ("float32", "avx512f", 8),
+                                                     ("int8", "avx512_vnni", 10)])
 def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, channels):
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")
@@ -156,7 +167,7 @@ def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, chan
         inputs = [rng.standard_normal((2, 8, 64)).astype("float32")]
         tolerance = 1e-5  # the same products summed in another order
     else:
-        mod = _conv_module(rng.integers(-128, 128, (3, 3, channels, 16)).astype("int8"))
+        mod = _conv_module(rng.integers(-128, 128, (3, 3, channels, 10 if channels == 10 else 16)).astype("int8"))
         inputs = [rng.integers(-128, 128, (1, 7, 7, channels)).astype("int8")]
         tolerance = 0  # integer arithmetic is exact
     got = run_executable(build(mod, "cpu-avx512-bf16"), inputs)[0].astype("float64")
