@@ -38,8 +38,9 @@ def expected_linear(dtype: str, step: float) -> tvm.IRModule:
     with bb.function("main", [x]):
         with bb.dataflow():
             scaled = bb.emit(relax.op.multiply(x, relax.const(1 / step)))
-            rounded = bb.emit(relax.op.round(scaled))
-            clipped = bb.emit(relax.op.clip(rounded, 0 if dtype == "uint8" else -127, 255 if dtype == "uint8" else 127))
+            rounded = bb.emit(relax.op.floor(bb.emit(relax.op.add(scaled, relax.const(0.5)))))
+            floored = bb.emit(relax.op.maximum(rounded, relax.const(0.0 if dtype == "uint8" else -127.0)))
+            clipped = bb.emit(relax.op.minimum(floored, relax.const(255.0 if dtype == "uint8" else 127.0)))
             activations = bb.emit(relax.op.astype(clipped, dtype))
             accumulated = bb.emit(relax.op.matmul(activations, relax.const(codes), out_dtype="int32"))
             out = bb.emit_output(relax.op.multiply(relax.op.astype(accumulated, "float32"),

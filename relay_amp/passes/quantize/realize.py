@@ -98,10 +98,14 @@ class _Realizer(relax.PyExprMutator):
         return real if scale is None else relax.op.multiply(self.builder_.emit(real), scale)
 
     def _codes(self, scaled: relax.Expr, dtype: str) -> relax.Expr:
-        """Activations already divided by their step, rounded and clipped to `dtype`'s codes."""
+        """Activations already divided by their step, rounded and clipped to `dtype`'s codes.
+
+        floor(x + 0.5) rounds as a vector instruction (round's half-away-from-zero is a libm call per element);
+        maximum and minimum clip with layout inference (clip has none: an NHWC build would transpose around it)."""
         low = -INT8_MAX if dtype == "int8" else 0
-        rounded = relax.op.round(self.builder_.emit(scaled))
-        clipped = self.builder_.emit(relax.op.clip(self.builder_.emit(rounded), low, CODE_LEVELS[dtype]))
+        rounded = relax.op.floor(self.builder_.emit(relax.op.add(self.builder_.emit(scaled), relax.const(0.5))))
+        floored = self.builder_.emit(relax.op.maximum(self.builder_.emit(rounded), relax.const(float(low))))
+        clipped = self.builder_.emit(relax.op.minimum(floored, relax.const(float(CODE_LEVELS[dtype]))))
         return self.builder_.emit(relax.op.astype(clipped, dtype))
 
 
