@@ -16,6 +16,7 @@ from ..compile.build import build
 from ..compile.tuning import LOG_FILES, log_dir
 from ..errors import OptionError, TuningError
 from ..passes.amp import to_mixed_precision
+from ..passes.layers import list_layers
 from ..passes.quantize import quantize
 from ..passes.recast import recast
 from ..runtime import run_executable, virtual_machine
@@ -45,7 +46,8 @@ class BenchRow:
 
 def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) -> tvm.IRModule:
     """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast,
-    int8q by quantize on `calibration` (input batches; random ones by default).
+    int8q by quantize on `calibration` (input batches; random ones by default), with per-row activation scales
+    computed at run time for the matmuls of models without convolutions (transformers).
 
     int8 is TVM's recast experiment (convs and matmuls in int8 accumulating in int32, values cast, not
     calibrated), so its error column measures the casts, not a quantized model's accuracy; int8q is calibrated.
@@ -55,7 +57,9 @@ def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) 
     if dtype == "int8":
         return recast(mod, "int8", "int32", ops=INT8_OPS)
     if dtype == QUANTIZED:
-        return quantize(mod, random_batches(mod) if calibration is None else calibration)
+        convolutional = bool(list_layers(mod, ["relax.nn.conv2d"]))  # else a transformer: per-row scales pay
+        return quantize(mod, random_batches(mod) if calibration is None else calibration,
+                        dynamic_matmuls=not convolutional)
     return to_mixed_precision(mod, dtype)
 
 

@@ -30,7 +30,8 @@ from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
 from ..targets import host_cores
 from . import zoo
-from .bench import BASELINE, variant
+from .bench import BASELINE, QUANTIZED, variant
+from .metrics import cosine_similarity, top1_agreement
 from .profile import ProfileRow, call_times, profile_rows
 from .pytorch import channels_last
 
@@ -38,16 +39,21 @@ SLOW_RATIO = 1.1  # a call group this much slower in bf16 than in fp32 is a slow
 SLOW_SHARE = 0.02  # ... when the difference is at least this share of the bf16 inference
 TORCH_BF16 = "torch bf16"  # autocast, channels_last for CNNs
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
+ORT_INT8 = "onnxruntime int8"  # static QDQ for CNNs, dynamic for transformers: ONNX Runtime's own advice
+CALIBRATION_INPUTS = 16
+AGREEMENT_INPUTS = 32
 
 
 @dataclass
 class ZooResult:
-    """One model: median ms per runner, relative error per runner against PyTorch fp32, bf16 slow paths."""
+    """One model: median ms per runner, relative error per runner against PyTorch fp32, bf16 slow paths, and the
+    int8 runners' agreement with fp32."""
 
     model: str
     ms: dict[str, float] = field(default_factory=dict)
     error: dict[str, float] = field(default_factory=dict)
     slow_paths: list[str] = field(default_factory=list)
+    agreement: dict[str, float] = field(default_factory=dict)  # int8 runners: top-1 share (CNNs) or min cosine
 
 
 def rotating_medians(runners: dict[str, Callable[[], object]], rounds: int, repeat: int) -> dict[str, float]:
@@ -95,14 +101,69 @@ def _torch_runners(name: str, inputs: list[np.ndarray], compiled: bool,
     return runners
 
 
-def _ort_runner(path: Path, inputs: list[np.ndarray]) -> Callable[[], list]:
+def _relay_runner_on(executable: relax.VMExecutable) -> Callable[[list[np.ndarray]], np.ndarray]:
+    vm = virtual_machine(executable)
+    return lambda inputs: _output(vm["main"](*(tvm.runtime.tensor(x) for x in inputs)))
+
+
+def _ort_session(path: Path) -> onnxruntime.InferenceSession:
+    """An ONNX Runtime CPU session on the host's cores, its thread pool not spinning."""
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = host_cores()
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _ort_runner(session: "onnxruntime.InferenceSession | Path", inputs: list[np.ndarray]) -> Callable[[], list]:
+    session = session if isinstance(session, onnxruntime.InferenceSession) else _ort_session(session)
     feed = dict(zip([i.name for i in session.get_inputs()], inputs))
     return lambda: session.run(None, feed)
+
+
+def _ort_runner_on(session: onnxruntime.InferenceSession) -> Callable[[list[np.ndarray]], np.ndarray]:
+    names = [i.name for i in session.get_inputs()]
+    return lambda inputs: _output(session.run(None, dict(zip(names, inputs))))
+
+
+def _ort_quantized(name: str, path: Path, calibration: list[list[np.ndarray]]) -> Path:
+    """ONNX Runtime's int8 model of the same file, as its docs recommend: static QDQ (per-channel int8 weights,
+    uint8 activations) calibrated on the same inputs for CNNs, dynamic int8 for transformers."""
+    from onnxruntime import quantization
+
+    prepared, quantized = path.with_suffix(".pre.onnx"), path.with_suffix(".int8.onnx")
+    quantization.quant_pre_process(str(path), str(prepared))
+    if zoo.entry(name).kind == "transformer":
+        quantization.quantize_dynamic(str(prepared), str(quantized), weight_type=quantization.QuantType.QInt8)
+        return quantized
+    names = [i.name for i in _ort_session(prepared).get_inputs()]
+    feeds = iter([dict(zip(names, batch)) for batch in calibration])
+
+    class Feeds(quantization.CalibrationDataReader):
+        def get_next(self):
+            return next(feeds, None)
+
+    quantization.quantize_static(str(prepared), str(quantized), Feeds(), quant_format=quantization.QuantFormat.QDQ,
+                                 per_channel=True, activation_type=quantization.QuantType.QUInt8,
+                                 weight_type=quantization.QuantType.QInt8)
+    return quantized
+
+
+def _int8_agreement(name: str, tiny: bool, fp32: relax.VMExecutable,
+                    int8_runners: dict[str, Callable[[list[np.ndarray]], np.ndarray]]) -> dict[str, float]:
+    """Per int8 runner, against relay_amp fp32 on AGREEMENT_INPUTS inputs the calibration never saw: the share of
+    equal top-1 classes for CNNs, the smallest output cosine for transformers."""
+    reference = _relay_runner_on(fp32)
+    inputs = [zoo.example_inputs(name, tiny, seed) for seed in range(100, 100 + AGREEMENT_INPUTS)]
+    expected = [reference(x) for x in inputs]
+    agreement = {}
+    for runner, run in int8_runners.items():
+        outputs = [run(x) for x in inputs]
+        if zoo.entry(name).kind == "transformer":
+            agreement[runner] = min(cosine_similarity(o, e) for o, e in zip(outputs, expected))
+        else:
+            agreement[runner] = float(np.mean([top1_agreement(o, e) for o, e in zip(outputs, expected)]))
+    return agreement
 
 
 def _output(result) -> np.ndarray:
@@ -123,14 +184,21 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
     with tempfile.TemporaryDirectory() as tmp:
         path = zoo.export_onnx(name, Path(tmp) / f"{name}.onnx", tiny)
         mod = frontend.from_onnx(path)
-        executables = {dtype: build(variant(mod, dtype), target) for dtype in [BASELINE, *dtypes]}
+        calibration = [zoo.example_inputs(name, tiny, seed) for seed in range(1, CALIBRATION_INPUTS + 1)]
+        executables = {dtype: build(variant(mod, dtype, calibration), target) for dtype in [BASELINE, *dtypes]}
         runners = {f"relay_amp {SHORT.get(d, d)}": _relay_runner(ex, inputs) for d, ex in executables.items()}
         runners.update(_torch_runners(name, inputs, torch_compile, tiny))
         runners["onnxruntime fp32"] = _ort_runner(path, inputs)
+        if QUANTIZED in dtypes:
+            ort_int8 = _ort_session(_ort_quantized(name, path, calibration))
+            runners[ORT_INT8] = _ort_runner(ort_int8, inputs)
         result.ms = rotating_medians(runners, rounds, repeat)
-    reference = _output(runners["torch fp32"]())
-    result.error = {runner: float(np.abs(_output(run()) - reference).max() / np.abs(reference).max())
-                    for runner, run in runners.items()}
+        reference = _output(runners["torch fp32"]())
+        result.error = {runner: float(np.abs(_output(run()) - reference).max() / np.abs(reference).max())
+                        for runner, run in runners.items()}
+        if QUANTIZED in dtypes:
+            result.agreement = _int8_agreement(name, tiny, executables[BASELINE], {
+                f"relay_amp {QUANTIZED}": _relay_runner_on(executables[QUANTIZED]), ORT_INT8: _ort_runner_on(ort_int8)})
     if "bfloat16" in executables:
         rows = profile_rows({d: call_times(executables[d], inputs) for d in (BASELINE, "bfloat16")})
         result.slow_paths = slow_paths(rows)
@@ -152,6 +220,9 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
     """One row per model: each runner's ms (and error), then relay_amp bf16's ratio to its peers."""
     runners = list(dict.fromkeys(runner for r in results for runner in r.ms))
     headers = ["model", *runners, "bf16 vs fp32", "bf16 vs torch bf16", "fp32 vs ORT", "bf16 slow paths"]
+    quantized = any(r.agreement for r in results)
+    if quantized:
+        headers += ["int8q vs fp32", "int8q vs ORT int8", "int8 agreement with fp32 (ours / ORT)"]
     rows = []
     for r in results:
         torch_bf16, bf16 = r.ms.get(TORCH_BF16), r.ms.get("relay_amp bf16")
@@ -159,6 +230,10 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
                      _ratio(r.ms.get("relay_amp fp32"), bf16), _ratio(torch_bf16, bf16),
                      _ratio(r.ms.get("onnxruntime fp32"), r.ms.get("relay_amp fp32")),
                      "; ".join(r.slow_paths) or "none"])
+        if quantized:
+            ours = r.ms.get(f"relay_amp {QUANTIZED}")
+            rows[-1] += [_ratio(r.ms.get("relay_amp fp32"), ours), _ratio(r.ms.get(ORT_INT8), ours),
+                         " / ".join(f"{value:.4g}" for value in r.agreement.values())]
     return tabulate(rows, headers=headers, tablefmt="github")
 
 

@@ -43,3 +43,14 @@ def test_bench_zoo_writes_json_markdown_and_chart(tmp_path):
 def test_cli_bench_zoo_rejects_an_unknown_model_in_one_line(capsys):
     assert main(["bench", "zoo:resnet9"]) == 1
     assert "unknown zoo model 'resnet9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, kind_metric", [("resnet50", "top-1 share"), ("distilbert", "min cosine")])
+def test_int8q_runs_beside_onnxruntime_int8_and_both_are_checked_against_fp32(name, kind_metric):
+    result = zoo_bench.bench_model(name, ["int8q"], "cpu", rounds=1, repeat=1, tiny=True)
+    assert {"relay_amp int8q", zoo_bench.ORT_INT8} <= set(result.ms)
+    assert set(result.agreement) == {"relay_amp int8q", zoo_bench.ORT_INT8}
+    floor = 0.9 if kind_metric == "top-1 share" else 0.98  # tiny random models; the full ones are in the README
+    assert result.agreement["relay_amp int8q"] >= floor, kind_metric
+    table = zoo_bench.markdown_table([result])
+    assert "int8q vs ORT int8" in table and f"| {name} |" in table
