@@ -171,6 +171,9 @@ def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_t
             tasks=tasks, task_weights=weights, work_dir=str(work_dir), max_trials_global=trials,
             max_trials_per_task=trials_per_task, num_trials_per_iter=trials_per_iter, cost_model=cost_model,
             builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s), runner=runner, database=database,
+            # round-robin commits each task's measurements as soon as they are done; the gradient scheduler holds
+            # every result of its first round until all tasks were sent once (a kill then lost them all)
+            task_scheduler="round-robin",
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [counter],
         )
     finally:
