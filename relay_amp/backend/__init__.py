@@ -3,7 +3,8 @@
 Each backend has a `pipeline.py` with two functions that build and tuning both call:
 `prepare_passes(target, fast_math, conv_layout)` (layout, kernel dispatch, legalization, fusion: the tasks
 MetaSchedule sees) and
-`lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM).
+`lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM), and
+`untuned_schedule(func, target)` (the default schedule of one task, which tuning measures first).
 """
 
 import tvm

@@ -57,17 +57,21 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
 
 @derived_object
 class _SkipMeasured(ms.search_strategy.PySearchStrategy):
-    """Evolutionary search that leaves out the candidates the database already holds, so a resumed run does
-    not measure again what an earlier run on the same work_dir measured (MetaSchedule's own search would)."""
+    """Evolutionary search that first measures the operator's untuned schedule (the records then never choose a
+    slower one) and leaves out the candidates the database already holds, so a resumed run does not measure
+    again what an earlier run on the same work_dir measured (MetaSchedule's own search would)."""
 
     def __init__(self, search: ms.search_strategy.SearchStrategy | None = None):
         super().__init__()
         self.search = search or ms.search_strategy.EvolutionarySearch()
         self.workload = None
+        self.context = None
         self.measured = set()
+        self.untuned_pending = True  # the untuned schedule still to be proposed (once per run)
+        self.untuned_in_flight = False
 
     def _initialize_with_tune_context(self, context) -> None:
-        self.workload = context.mod
+        self.workload, self.context = context.mod, context
         self.search._initialize_with_tune_context(context)
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
@@ -79,6 +83,13 @@ class _SkipMeasured(ms.search_strategy.PySearchStrategy):
         self.search.post_tuning()
 
     def generate_measure_candidates(self):
+        untuned = self._untuned_candidate() if self.untuned_pending else None
+        self.untuned_pending = False
+        self.untuned_in_flight = untuned is not None  # measured in the first batch: records never pick slower
+        return [untuned, *(self._fresh_candidates() or [])] if untuned else self._fresh_candidates()
+
+    def _fresh_candidates(self) -> list | None:
+        """The search's next candidates that the log does not hold; None when it has no more."""
         for _ in range(NEW_CANDIDATE_ATTEMPTS):
             candidates = self.search.generate_measure_candidates()
             if candidates is None:
@@ -88,9 +99,27 @@ class _SkipMeasured(ms.search_strategy.PySearchStrategy):
                 return fresh
         return None  # the search keeps proposing measured candidates: this operator's space is explored
 
+    def _untuned_candidate(self) -> ms.MeasureCandidate | None:
+        """The schedule an untuned build gives this operator, postprocessed as MetaSchedule's own candidates are,
+        unless the log holds it; None once measured or where the backend has none."""
+        target = self.context.target
+        sch = pipeline_for(target).untuned_schedule(self.workload["main"], target)
+        if sch is None:
+            return None
+        sch.enter_postproc()
+        if not all(postproc.apply(sch) for postproc in self.context.space_generator.postprocs):
+            return None
+        if tvm_ffi.structural_hash(sch.mod) in self.measured:
+            return None
+        return ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))
+
     def notify_runner_results(self, measure_candidates, results) -> None:
         self.measured.update(tvm_ffi.structural_hash(c.sch.mod) for c in measure_candidates)
-        self.search.notify_runner_results(measure_candidates, results)
+        if self.untuned_in_flight:  # the first candidate is not the search's own: it is not told of it
+            self.untuned_in_flight = False
+            measure_candidates, results = measure_candidates[1:], results[1:]
+        if measure_candidates:
+            self.search.notify_runner_results(measure_candidates, results)
 
     def clone(self) -> "_SkipMeasured":
         return _SkipMeasured(self.search.clone())

@@ -76,11 +76,16 @@ def _cmd_convert(args: argparse.Namespace) -> None:
     print(layer_table(converted, DEFAULT_LAYER_OPS))
     print()
     print(plan.summary())
+    _write_plan_and_module(args, plan, converted)
+
+
+def _write_plan_and_module(args: argparse.Namespace, plan, mod: tvm.IRModule) -> None:
+    """Save the plan to --plan and the module to -o/--output, where given."""
     if args.plan:
         plan.save(args.plan)
         print(f"wrote {args.plan}")
     if args.output:
-        save(converted, args.output)
+        save(mod, args.output)
         print(f"wrote {args.output}")
 
 
@@ -108,12 +113,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
                              dynamic_matmuls=args.dynamic_matmuls)
     plan = quant_plan(quantized)
     print(plan.summary())
-    if args.plan:
-        plan.save(args.plan)
-        print(f"wrote {args.plan}")
-    if args.output:
-        save(quantized, args.output)
-        print(f"wrote {args.output}")
+    _write_plan_and_module(args, plan, quantized)
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ from . import amx
 from .dispatch import UseDotKernels, target_dtypes
 from .fastmath import FastMath
 from .kernels import DotKernelRule
-from .schedules import default_schedules
+from .schedules import default_schedule, default_schedules
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 
@@ -47,3 +47,8 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ], name="relay_amp_cpu_lower")
+
+
+def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "tvm.s_tir.Schedule | None":
+    """The schedule an untuned build gives `func` (a tuning task), with its trace, or None."""
+    return default_schedule(func, target, DotKernelRule())

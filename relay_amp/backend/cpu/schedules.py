@@ -235,7 +235,21 @@ class ElementwiseRule(_CpuRule):
         return sch
 
 
+def _rules(first_rules) -> list[dl.ScheduleRule]:
+    return [*first_rules, ContractionRule(), ElementwiseRule(), dl.cpu.Reduction()]
+
+
 def default_schedules(*first_rules: dl.ScheduleRule) -> tvm.transform.Pass:
     """The pass that gives every unscheduled CPU PrimFunc relay_amp's rule-based schedule (or TVM's CPU rules);
     `first_rules` get the first chance."""
-    return dl.ApplyDefaultSchedule(*first_rules, ContractionRule(), ElementwiseRule(), dl.cpu.Reduction())
+    return dl.ApplyDefaultSchedule(*_rules(first_rules))
+
+
+def default_schedule(func: tirx.PrimFunc, target: tvm.target.Target,
+                     *first_rules: dl.ScheduleRule) -> s_tir.Schedule | None:
+    """The schedule (with its trace) that default_schedules gives `func`, or None where no rule applies."""
+    for rule in _rules(first_rules):
+        sch = rule.apply(func, target, False)
+        if sch is not None:
+            return sch
+    return None

@@ -31,3 +31,8 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
         *cuda_lowering.dataflow_lower_passes(target),
         *cuda_lowering.finalize_passes(target),
     ], name="relay_amp_cuda_lower")
+
+
+def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> None:
+    """None: tuning on CUDA starts from MetaSchedule's own space (dlight's schedules carry no replayable trace)."""
+    return None
