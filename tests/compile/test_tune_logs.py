@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2] / "tune_logs"
 LOGS = sorted(path for path in ROOT.iterdir() if (path / MANIFEST).is_file())
 
 
-COMMITTED = [("bert", "float32"), ("bert", "bfloat16"), ("resnet18", "float32"), ("resnet18", "bfloat16"),
+COMMITTED = [("bert", "float32"), ("bert", "bfloat16"), ("resnet18", "bfloat16"),
              ("matmul", "float32"), ("matmul", "bfloat16"), ("matmul", "int8")]
 
 
