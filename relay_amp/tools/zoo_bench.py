@@ -115,8 +115,7 @@ def _ort_session(path: Path) -> onnxruntime.InferenceSession:
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _ort_runner(session: "onnxruntime.InferenceSession | Path", inputs: list[np.ndarray]) -> Callable[[], list]:
-    session = session if isinstance(session, onnxruntime.InferenceSession) else _ort_session(session)
+def _ort_runner(session: onnxruntime.InferenceSession, inputs: list[np.ndarray]) -> Callable[[], list]:
     feed = dict(zip([i.name for i in session.get_inputs()], inputs))
     return lambda: session.run(None, feed)
 
@@ -188,7 +187,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         executables = {dtype: build(variant(mod, dtype, calibration), target) for dtype in [BASELINE, *dtypes]}
         runners = {f"relay_amp {SHORT.get(d, d)}": _relay_runner(ex, inputs) for d, ex in executables.items()}
         runners.update(_torch_runners(name, inputs, torch_compile, tiny))
-        runners["onnxruntime fp32"] = _ort_runner(path, inputs)
+        runners["onnxruntime fp32"] = _ort_runner(_ort_session(path), inputs)
         if QUANTIZED in dtypes:
             ort_int8 = _ort_session(_ort_quantized(name, path, calibration))
             runners[ORT_INT8] = _ort_runner(ort_int8, inputs)

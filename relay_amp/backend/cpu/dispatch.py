@@ -86,17 +86,19 @@ class _Dispatcher(relax.PyExprMutator):
             return None
         if weight is not None:
             dot = kernels.intrinsic_for(dtype)
-            width = weight.shape[-1]
-            weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)]) if weight.ndim == 2 else weight
-            if weight.ndim != 2 or not kernels.supports(weight.shape[1], weight.shape[0], dot):
+            if weight.ndim != 2:
+                return None
+            width = weight.shape[1]
+            weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)])
+            if not kernels.supports(weight.shape[1], weight.shape[0], dot):
                 return None
             result = self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
             return self._first_channels(result, len(shape) - 1, width, weight.shape[1])
         return self._runtime_matmul(call, shape)
 
     def _first_channels(self, result: relax.Expr, axis: int, channels: int, padded: int) -> relax.Expr:
-        """`result` ([..., padded] on `axis`) without the zero output channels a weight off the 16-lane blocks was
-        given."""
+        """`result` ([..., padded] on `axis`) without the zero output channels a weight or runtime operand off the
+        16-lane blocks was given."""
         if padded == channels:
             return result
         return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[channels])
@@ -123,10 +125,7 @@ class _Dispatcher(relax.PyExprMutator):
             sums = self.builder_.emit(relax.op.multiply(relax.op.sum(columns, axis=[1]),
                                                         relax.const(kernels.INT8_SHIFT, "int32")))
         result = self._emit_matmul(call, shape, operand_shape[-1], (packed, sums), batch)
-        if not extra_width:
-            return result
-        axis = len(shape) - 1
-        return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[width])
+        return self._first_channels(result, len(shape) - 1, width, operand_shape[-1])
 
     def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | tuple",
                      weight_batch: int = 0) -> relax.Expr:

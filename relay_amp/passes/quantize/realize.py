@@ -2,7 +2,7 @@
 
 Each quantized layer becomes `conv2d/matmul(codes(x), W8, out_dtype=int32)` and one multiply by its scales:
 weights are symmetric int8 per output channel (or per tensor), computed on the host; activations become int8
-codes by `clip(round(x / s))` with s from calibration (uint8 where calibration saw no negative input, which is
+codes by `floor(x / s + 0.5)`, clipped, with s from calibration (uint8 where calibration saw no negative input, which is
 the operand VNNI's `vpdpbusd` takes directly), or per row at run time for `dynamic` matmuls. Zero points are 0,
 so padding stays exact. Every op left in floating point then goes through AMP in the fallback dtype.
 """
@@ -125,9 +125,9 @@ def apply_quant_plan(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
             raise LayerIndexError(f"quantization plan entry {entry.index} ({entry.op} {entry.name!r}) does not "
                                   "match this module's layers: quantize this module")
         call = bindings[entry.index].value
-        if entry.quantized and unquantizable(call):
-            raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: "
-                              f"{unquantizable(call)}")
+        reason = unquantizable(call) if entry.quantized else None
+        if reason:
+            raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: {reason}")
         chosen[call] = entry
     _one_of(plan.weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
     realized = rewrite_function(_Realizer(mod, chosen, plan.weight_granularity == "per_channel"), mod, plan.func)
