@@ -44,6 +44,27 @@ def load_overflowing_model(batch: int = 50, scale: float = 1e5) -> tvm.IRModule:
     return from_onnx(model, shape_dict={"image": [batch, 1, 8, 8]})
 
 
+def load_outlier_model(batch: int = 50, channel: int = 0, scale: float = 1e3) -> tvm.IRModule:
+    """The digits CNN with conv1's output `channel` scaled by `scale` and conv2's weights on it by 1/scale.
+
+    Exact in fp32 (ReLU commutes with a positive scale), but conv2 reads one channel `scale` times larger than
+    the rest, the outlier that makes per-tensor int8 activations round every other channel to zero: the layer
+    an int8 accuracy search must keep out of int8 (layer 1 of list_layers).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(MODEL_FILE)
+    factors = {"conv1.w": (scale, 0), "conv1.b": (scale, 0), "conv2.w": (1.0 / scale, 1)}
+    for init in model.graph.initializer:
+        if init.name in factors:
+            factor, axis = factors[init.name]
+            values = numpy_helper.to_array(init).copy()
+            values[(slice(None),) * axis + (channel,)] *= np.float32(factor)
+            init.CopyFrom(numpy_helper.from_array(values, init.name))
+    return from_onnx(model, shape_dict={"image": [batch, 1, 8, 8]})
+
+
 def load_test_split() -> tuple[np.ndarray, np.ndarray]:
     """The held-out test images, (N, 1, 8, 8) float32 in [0, 1], and their int64 labels."""
     with np.load(TEST_FILE) as data:
