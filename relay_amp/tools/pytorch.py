@@ -3,12 +3,43 @@
 Only the timing is compared, so the twins have their own random weights. Needs the `torch` extra.
 """
 
+import functools
+import os
 import statistics
+import subprocess
+import sys
 import time
+import warnings
 
 from ..errors import MissingDependencyError, OptionError
+from ..targets import host_supports
 
 TORCH_DTYPES = ("float32", "bfloat16")  # bf16 runs under torch.autocast (channels_last for CNNs), as users run it
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"  # read by oneDNN at its first primitive, not at import
+AMX_FREE_ISA = "AVX512_CORE_FP16"  # Sapphire Rapids' instructions less AMX: avx512_bf16 and avx512_fp16 stay
+_AMX_PROBE = ("import torch\nx = torch.ones(64, 64)\n"
+              "with torch.autocast('cpu', torch.bfloat16):\n    (x @ x).sum()")
+
+
+@functools.cache
+def avoid_broken_onednn_amx() -> bool:
+    """Cap oneDNN (PyTorch's CPU kernels) below AMX in this process where its AMX path dies; True if capped.
+
+    Some VMs show AMX in the CPU flags but report no tile palette (CPUID leaf 0x1D is zeros): oneDNN configures
+    tiles of zero rows from it and PyTorch's first bf16 matmul dies of SIGILL, taking the process with it.
+    relay_amp's kernels use the architectural palette and run there. A child process tries one bf16 matmul;
+    call this before the first torch op (oneDNN fixes its ISA then). An ISA set by the user is left alone.
+    """
+    if not host_supports("amx_tile") or ONEDNN_ISA_ENV in os.environ:
+        return False
+    probe = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, timeout=600, check=False)
+    if probe.returncode == 0:
+        return False
+    os.environ[ONEDNN_ISA_ENV] = AMX_FREE_ISA
+    warnings.warn(f"PyTorch's AMX kernels die on this CPU (exit status {probe.returncode}; a VM reporting no AMX "
+                  f"tile palette?): {ONEDNN_ISA_ENV}={AMX_FREE_ISA} for this process, so PyTorch runs AVX-512",
+                  stacklevel=2)
+    return True
 
 
 def _torch():
@@ -16,6 +47,7 @@ def _torch():
         import torch  # pylint: disable=import-outside-toplevel
     except ImportError as err:
         raise MissingDependencyError("PyTorch columns need torch: pip install -e '.[torch]'") from err
+    avoid_broken_onednn_amx()
     return torch
 
 

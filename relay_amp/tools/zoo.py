@@ -21,8 +21,10 @@ import tvm
 
 from .. import frontend
 from ..errors import OptionError
+from .pytorch import avoid_broken_onednn_amx
 
 EXPORTERS = ("torchscript", "dynamo", "torch.export")
+avoid_broken_onednn_amx()  # before any torch op of this process: PyTorch's AMX dies on some VMs
 OPSET = 17
 
 

@@ -37,3 +37,36 @@ def test_unknown_twin_and_dtype_are_option_errors():
         pytorch.twin("small_cnn")
     with pytest.raises(relay_amp.OptionError, match="int8"):
         pytorch.time_twin("matmul", "int8", threads=1)
+
+
+class _Probe:
+    def __init__(self, returncode):
+        self.returncode, self.commands = returncode, []
+
+    def __call__(self, command, **kwargs):
+        self.commands.append(command)
+        return type("Result", (), {"returncode": self.returncode})()
+
+
+@pytest.mark.parametrize(("amx_flag", "probe_status", "capped"), [(False, -4, False), (True, 0, False), (True, -4, True)])
+def test_onednn_is_capped_below_amx_only_where_its_amx_dies(monkeypatch, amx_flag, probe_status, capped):
+    probe = _Probe(probe_status)
+    monkeypatch.setattr(pytorch, "host_supports", lambda feature: amx_flag)
+    monkeypatch.setattr(pytorch.subprocess, "run", probe)
+    monkeypatch.delenv(pytorch.ONEDNN_ISA_ENV, raising=False)
+    if capped:
+        with pytest.warns(UserWarning, match="AMX kernels die"):
+            assert pytorch.avoid_broken_onednn_amx.__wrapped__()
+    else:
+        assert not pytorch.avoid_broken_onednn_amx.__wrapped__()
+    assert (pytorch.os.environ.get(pytorch.ONEDNN_ISA_ENV) == pytorch.AMX_FREE_ISA) == capped
+    assert len(probe.commands) == int(amx_flag) and all("autocast" in command[-1] for command in probe.commands)
+
+
+def test_an_isa_the_user_set_is_left_alone(monkeypatch):
+    probe = _Probe(-4)
+    monkeypatch.setattr(pytorch, "host_supports", lambda feature: True)
+    monkeypatch.setattr(pytorch.subprocess, "run", probe)
+    monkeypatch.setenv(pytorch.ONEDNN_ISA_ENV, "AVX512_CORE_AMX")
+    assert not pytorch.avoid_broken_onednn_amx.__wrapped__() and not probe.commands
+    assert pytorch.os.environ[pytorch.ONEDNN_ISA_ENV] == "AVX512_CORE_AMX"
