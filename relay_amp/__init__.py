@@ -21,7 +21,7 @@ from .passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_prec
 from .passes.casts import eliminate_redundant_casts
 from .passes.layers import Layer, count_layers, list_layers
 from .passes.layout import LayoutConfig
-from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize
+from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
 from .passes.ranges import RangeStats, calibrate
 from .passes.recast import recast
 from .runtime import run
@@ -67,6 +67,7 @@ __all__ = [
     "precision_plan",
     "quant_plan",
     "quantize",
+    "realize_qdq",
     "recast",
     "run",
     "save",

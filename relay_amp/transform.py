@@ -7,8 +7,8 @@ from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.layout import ConvertLayout
 from .passes.pooling import GlobalPoolWindows
-from .passes.quantize import Quantize
+from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "GlobalPoolWindows", "Quantize",
-           "Recast", "ToMixedPrecision", "UseDotKernels"]
+           "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels"]
