@@ -9,10 +9,10 @@ from tabulate import tabulate
 
 from .. import frontend
 from ..compile.tuning import RPC_WAIT_S, log_dir, tune
-from ..errors import MissingDependencyError, RelayAmpError
+from ..errors import MissingDependencyError, OptionError, RelayAmpError
 from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
-from ..passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize
+from ..passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
 from ..passes.quantize.observers import DEFAULT_PERCENTILE, OBSERVERS
 from ..passes.recast import DEFAULT_RECAST_OPS, recast
 from ..serialization import atomic_write_text, save
@@ -104,7 +104,10 @@ ZOO_PREFIX = "zoo"
 
 def _cmd_quantize(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch)
-    if args.apply_plan:
+    if args.from_qdq:
+        _require_unset(args, "--from-qdq", calib=None, apply_plan=None, exclude=[], dynamic_matmuls=False)
+        quantized = realize_qdq(mod, fallback_dtype=args.fallback)
+    elif args.apply_plan:
         quantized = apply_quant_plan(mod, QuantPlan.load(args.apply_plan))
     else:
         batches = load_batches(mod, args.calib) if args.calib else random_batches(mod)
@@ -114,6 +117,13 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     plan = quant_plan(quantized)
     print(plan.summary())
     _write_plan_and_module(args, plan, quantized)
+
+
+def _require_unset(args: argparse.Namespace, flag: str, **defaults) -> None:
+    """OptionError naming the first of `defaults`' options given beside `flag`, which ignores them."""
+    for name, default in defaults.items():
+        if getattr(args, name) != default:
+            raise OptionError(f"--{name.replace('_', '-')} does not apply with {flag}")
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -233,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--fallback", type=_dtype, default="bfloat16", help="dtype of everything not in int8")
     qz.add_argument("--dynamic-matmuls", action="store_true", help="matmuls scale activations per row at run time")
     qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
+    qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (QuantizeLinear/"
+                    "DequantizeLinear pairs, e.g. ONNX Runtime's static quantizer): run it on relay_amp's int8 "
+                    "layers with its own ranges, no calibration")
     qz.add_argument("--plan", help="write the quantization plan as JSON")
     qz.add_argument("-o", "--output", help="write the quantized module (TVM JSON, relay_amp.load reads it)")
 

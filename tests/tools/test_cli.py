@@ -88,3 +88,25 @@ def test_quantize_errors_are_one_line(tmp_path, capsys):
     assert main(["quantize", "small_cnn", "--calib", str(tmp_path / "none.npz")]) == 1
     err = capsys.readouterr().err
     assert "none.npz" in err and err.count("\n") == 1
+
+
+def test_quantize_from_qdq_runs_a_quantized_onnx_file_with_its_ranges(tmp_path, capsys):
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    from relay_amp import digits, load, quant_plan
+
+    class OneBatch(quantization.CalibrationDataReader):
+        def __init__(self):
+            self.batches = [{"image": digits.load_test_split()[0][:50]}]
+
+        def get_next(self):
+            return self.batches.pop() if self.batches else None
+
+    qdq_file, module_path = tmp_path / "digits_qdq.onnx", tmp_path / "int8.json"
+    quantization.quantize_static(str(digits.MODEL_FILE), str(qdq_file), OneBatch(), per_channel=True)
+    assert main(["quantize", str(qdq_file), "--from-qdq", "-o", str(module_path)]) == 0
+    assert "4 of 4 layers in int8 (qdq observer" in capsys.readouterr().out
+    assert quant_plan(load(module_path)).entries[0].reason == "from the model's QuantizeLinear"
+    assert main(["quantize", str(qdq_file), "--from-qdq", "--calib", "x.npz"]) == 1
+    assert "--calib does not apply with --from-qdq" in capsys.readouterr().err
+    assert main(["quantize", "small_cnn", "--from-qdq"]) == 1
+    assert "not a QDQ model" in capsys.readouterr().err
