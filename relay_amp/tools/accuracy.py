@@ -125,11 +125,11 @@ class _QuantConverter:
     target_dtype = INT8
 
     def __init__(self, mod: tvm.IRModule, calibration: list, layer_ops: tuple[str, ...], options: dict):
-        ready = prepared(mod)
-        self.mod, self.base = mod, Quantize(calibration, ops=layer_ops, **options).plan(ready)
+        self.mod = prepared(mod)  # once, not per candidate
+        self.base = Quantize(calibration, ops=layer_ops, **options).plan(self.mod)
         self.kept_dtype = self.base.fallback_dtype
         searched = {entry.index for entry in self.base.entries if entry.quantized}
-        self.layers = [layer for layer in list_layers(ready, layer_ops) if layer.index in searched]
+        self.layers = [layer for layer in list_layers(self.mod, layer_ops) if layer.index in searched]
 
     def _plan(self, kept: Iterable[int], fallback_dtype: str) -> QuantPlan:
         kept = set(kept)

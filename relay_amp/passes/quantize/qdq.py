@@ -18,11 +18,11 @@ from tvm import relax
 
 from ..._ir import get_function, rewrite_function, tensor_dtype
 from ...dtypes import check_choice
-from ...errors import ModuleError, OptionError
-from ...ops import canonical_ops
+from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
 from .plan import QuantEntry, QuantPlan
-from .realize import FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, apply_quant_plan, prepared, unquantizable
+from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, apply_quant_plan, prepared, quantizable_ops,
+                      unquantizable)
 
 QDQ_OBSERVER = "qdq"  # the plan's thresholds are the model's own ranges
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -44,9 +44,11 @@ def _pair_quantize(dequantize: relax.Expr, bound) -> relax.Call | None:
     quantize = bound(dequantize.args[0])
     if not _is_op(quantize, "relax.quantize") or tensor_dtype(quantize.args[0]) not in FLOAT_DTYPES:
         return None
-    same = [_constant(a) is not None and _constant(b) is not None and np.array_equal(_constant(a), _constant(b))
-            for a, b in zip(quantize.args[1:], dequantize.args[1:])]
-    return quantize if all(same) else None
+    for quantized_arg, dequantized_arg in zip(quantize.args[1:], dequantize.args[1:]):
+        values = _constant(quantized_arg), _constant(dequantized_arg)
+        if values[0] is None or values[1] is None or not np.array_equal(*values):
+            return None
+    return quantize
 
 
 def code_range(quantize: relax.Call) -> tuple[float, float]:
@@ -103,10 +105,7 @@ def realize_qdq(mod: tvm.IRModule, ops: Iterable[str] = QUANTIZABLE_OPS, fallbac
     """Compile a QDQ-quantized model's convs and matmuls to int8 with the model's ranges; the rest in
     `fallback_dtype`. The QuantPlan (observer "qdq") is stored on the result as quantize stores it."""
     get_function(mod, func)
-    ops = canonical_ops(ops)
-    for op in ops:
-        if op not in QUANTIZABLE_OPS:
-            raise OptionError(f"realize_qdq cannot quantize {op}: it quantizes {list(QUANTIZABLE_OPS)}")
+    ops = quantizable_ops(ops, "realize_qdq")
     ranges = input_ranges(mod, ops, func)
     if not any(ranges):
         raise ModuleError(f"{func} has no QuantizeLinear/DequantizeLinear pair in front of a {'/'.join(ops)} "

@@ -46,6 +46,15 @@ def unquantizable(call: relax.Call) -> str | None:
     return None
 
 
+def quantizable_ops(ops: Iterable[str], caller: str) -> tuple[str, ...]:
+    """`ops` canonicalized, or an OptionError naming the first one `caller` cannot make int8."""
+    ops = canonical_ops(ops)
+    for op in ops:
+        if op not in QUANTIZABLE_OPS:
+            raise OptionError(f"{caller} cannot quantize {op}: it quantizes {list(QUANTIZABLE_OPS)}")
+    return ops
+
+
 def quantize_weight(weight: np.ndarray, channel_axis: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 codes of `weight` and their scales, one per index of `channel_axis` (one in all if None)."""
     axes = tuple(a for a in range(weight.ndim) if a != channel_axis)
@@ -145,10 +154,7 @@ class Quantize:
                  percentile: float = DEFAULT_PERCENTILE, weight_granularity: str = "per_channel",
                  activation_dtype: str = "auto", excluded_layers: Iterable[int | str] | None = None,
                  fallback_dtype: str = "bfloat16", dynamic_matmuls: bool = False, func: str = "main"):
-        self.ops = canonical_ops(ops)
-        for op in self.ops:
-            if op not in QUANTIZABLE_OPS:
-                raise OptionError(f"quantize cannot quantize {op}: it quantizes {list(QUANTIZABLE_OPS)}")
+        self.ops = quantizable_ops(ops, "quantize")
         self.observer = _one_of(observer, OBSERVERS, "observer")
         self.percentile = float(percentile)
         if not 0 < self.percentile <= 100:
