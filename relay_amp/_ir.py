@@ -1,6 +1,11 @@
 """Small Relax helpers shared by the passes: function lookup, dtypes of expressions, casts."""
 
+import importlib
+import inspect
+import linecache
 import math
+import sys
+import types
 
 import tvm
 from tvm import relax
@@ -138,3 +143,27 @@ def _bias_into_statistics(func: relax.Function, mod: tvm.IRModule, ctx) -> relax
                           call.attrs, call.ty_args)
 
     return dpl.rewrite_call(norm, rewrite, func)
+
+
+def _frames_without_source_scan(context: int = 1) -> list:
+    """`inspect.stack` without its per-frame module scan: a frame from a file that does not exist (Python's frozen
+    import machinery) makes `inspect` walk every loaded module, for every frame of every TVMScript function."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        line = linecache.getline(filename, lineno) if context else ""
+        frames.append(inspect.FrameInfo(frame, filename, lineno, frame.f_code.co_name, [line] if line else None,
+                                        0 if line else None))
+        frame = frame.f_back
+    return frames
+
+
+def import_tensor_intrinsics(module: str = "tvm.s_tir.tensor_intrin") -> types.ModuleType:
+    """Import TVM's tensor intrinsics `module`, parsing their TVMScript in seconds rather than about a minute."""
+    if module in sys.modules:
+        return sys.modules[module]
+    original, inspect.stack = inspect.stack, _frames_without_source_scan
+    try:
+        return importlib.import_module(module)
+    finally:
+        inspect.stack = original

@@ -14,7 +14,9 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.support.popen_pool import PopenPoolExecutor
 
+from .._ir import import_tensor_intrinsics
 from ..backend import pipeline_for
+from ..backend.cpu import amx
 from ..errors import OptionError, TuningError
 from ..serialization import atomic_write_text
 from ..targets import check_host, get_target
@@ -23,7 +25,6 @@ LOG_FILES = ("database_workload.json", "database_tuning_record.json")
 MANIFEST = "relay_amp.json"
 FAILED_RUN_SECS = 1e9  # MetaSchedule stores a failed build or run as 1e10 seconds
 COST_MODELS = ("xgb", "random")
-# MetaSchedule's builder workers re-import TVM's tensor intrinsics (~26 s): its default 30 s timeout fails every build
 BUILDER_TIMEOUT_S = 300
 RUNNER_TIMEOUT_S = 60
 RPC_WAIT_S = 60.0  # how long a tune waits for a server of its key to register with the tracker
@@ -41,6 +42,15 @@ def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """`mod` as its backend prepares it for tuning and building (dispatch, legalization, fusion)."""
     with target:
         return pipeline_for(target).prepare_passes(target)(mod)
+
+
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: dict | None) -> tvm.runtime.Module:
+    """Compile one measure candidate in a builder worker, as MetaSchedule's default builder does but without first
+    importing all of TVM's tensor intrinsics (~35 s per worker: candidates arrive tensorized already)."""
+    from tvm.driver import build as tvm_build  # noqa: PLC0415
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # noqa: PLC0415
+
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
 @derived_object
@@ -154,7 +164,7 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
                if trials_per_task is None or done < trials_per_task]
     if remaining > 0 and pending:
         runner = (_rpc_runner(rpc_tracker, rpc_key, servers, rpc_wait_s) if servers
-                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
+                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S, initializer=amx.request_permission))
         with tqdm(total=remaining, desc="tuning", unit="trial", disable=not progress) as bar:
             counter = _Progress(bar)
             _run_tuner(pending, database, work_dir, tgt, remaining, trials_per_task, trials_per_iter, cost_model,
@@ -194,12 +204,13 @@ def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_t
     for handler in foreign:  # MetaSchedule's logger setup crashes on unnamed handlers (pytest's, a user's)
         quiet.removeHandler(handler)
     try:
+        import_tensor_intrinsics()  # MetaSchedule's tune contexts import them, about a minute slower
         tasks, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             extracted, str(work_dir), strategy=_SkipMeasured(), seed=seed)
         return ms.tune_tasks(
             tasks=tasks, task_weights=weights, work_dir=str(work_dir), max_trials_global=trials,
             max_trials_per_task=trials_per_task, num_trials_per_iter=trials_per_iter, cost_model=cost_model,
-            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s), runner=runner, database=database,
+            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s, f_build=build_candidate), runner=runner, database=database,
             # round-robin commits each task's measurements as soon as they are done; the gradient scheduler holds
             # every result of its first round until all tasks were sent once (a kill then lost them all)
             task_scheduler="round-robin",

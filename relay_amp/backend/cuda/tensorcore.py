@@ -18,7 +18,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_index_map, get_reduction_blocks
 
-from ..._ir import index_vars, try_primitive, vars_in
+from ..._ir import import_tensor_intrinsics, index_vars, try_primitive, vars_in
 
 FRAGMENT = 16  # wmma m16n16k16: the side of every fragment
 WARP_SIZE = 32
@@ -243,10 +243,7 @@ def _tensorize(sch: s_tir.Schedule, main, tiles: tuple[_Tile, _Tile], staging: l
     sch.reverse_compute_at(store, warp)
     sch.reverse_compute_at(write_back, warp)
     init = sch.decompose_reduction(outer, k_stage)
-    # imported here: importing it registers all of TVM's CUDA intrinsics, about a minute of TVMScript parsing
-    from tvm.s_tir.tensor_intrin.cuda import get_wmma_intrin_group  # noqa: PLC0415
-
-    intrinsics = get_wmma_intrin_group(load_scope=SHARED, store_scope=SHARED, in_dtype=dtypes[0],
+    intrinsics = import_tensor_intrinsics("tvm.s_tir.tensor_intrin.cuda").get_wmma_intrin_group(load_scope=SHARED, store_scope=SHARED, in_dtype=dtypes[0],
                                        out_dtype=dtypes[1], trans_b=True)
     for fragment, name in zip(fragments, ("load_a", "load_b")):
         sch.tensorize(_fragment_loop(sch, fragment), intrinsics[name])
