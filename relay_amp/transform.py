@@ -2,6 +2,7 @@
 
 from .backend.cpu.dispatch import UseDotKernels
 from .backend.cpu.fastmath import FastMath
+from .backend.cpu.widen import WidenArithmetic
 from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
@@ -11,4 +12,4 @@ from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "GlobalPoolWindows", "Quantize",
-           "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels"]
+           "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels", "WidenArithmetic"]

@@ -12,6 +12,7 @@ from .dispatch import UseDotKernels, target_dtypes
 from .fastmath import FastMath
 from .kernels import DotKernelRule
 from .schedules import default_schedule, default_schedules
+from .widen import WidenArithmetic
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 
@@ -33,6 +34,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     dtypes = target_dtypes(target)
     return tvm.transform.Sequential([
         *layout_passes(conv_layout),
+        WidenArithmetic(),
         *([FastMath()] if fast_math else []),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *fusion_passes(target),

@@ -1,0 +1,116 @@
+"""widen: bfloat16 elementwise chains computed in fp32 and rounded once, where they are stored.
+
+x86 has no bf16 arithmetic: TVM computes each bf16 op in fp32 and rounds its result back to bf16 (a dozen integer
+instructions), so a fused chain of bf16 ops (an exporter's GELU: add, divide, erf, add, multiply, multiply; a
+softmax; a layer norm) ran slower than the same chain in fp32 although it reads half the bytes. `WidenArithmetic`
+rewrites such chains to compute in fp32 from their bf16 inputs, with one cast back to bf16 where a value leaves
+the chain (an operand of a kernel, a graph output): after fusion the function loads bf16, computes in fp32
+registers and stores bf16, as PyTorch's fused CPU kernels do. Values are at least as accurate as before (one
+rounding instead of one per op). Layout ops join a chain only when their input is already widened, so a
+reshape of a bf16 tensor stays a free view. A value read twice may end a fused function and be stored: it reaches its
+readers rounded to bf16, so no tensor is stored in fp32 that was bf16 before.
+"""
+
+import tvm
+from tvm import relax
+
+from ..._ir import cast_constant, rewrite_function, tensor_dtype
+
+NARROW = "bfloat16"
+WIDE = "float32"
+ARITHMETIC = frozenset(f"relax.{name}" for name in (
+    "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs", "sqrt", "rsqrt",
+    "exp", "log", "erf", "tanh", "sigmoid", "clip", "where", "square", "nn.relu", "nn.gelu", "nn.gelu_tanh",
+    "nn.silu", "nn.softmax", "nn.log_softmax", "nn.layer_norm", "nn.rms_norm", "mean", "sum", "variance", "max",
+    "min"))
+LAYOUT = frozenset(f"relax.{name}" for name in (
+    "reshape", "permute_dims", "expand_dims", "squeeze", "strided_slice", "concat", "broadcast_to", "flatten"))
+
+
+@relax.expr_functor.mutator
+class _Widener(relax.PyExprMutator):
+    """Rebinds each bf16 arithmetic result as a cast of its fp32 computation, and feeds fp32 values to the next
+    op of the chain directly."""
+
+    def __init__(self, mod: tvm.IRModule, uses: dict[relax.Var, int]):
+        super().__init__(mod)
+        self.uses = uses  # how often the input function reads each var
+        self.wide_of: dict[relax.Var, relax.Expr] = {}  # a bf16 var -> its fp32 value
+        self.flows: set[relax.Var] = set()  # bf16 vars whose readers take the fp32 value: it needs no storage
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        call = binding.value
+        wide = self._widened(call) if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) else None
+        if wide is None:
+            super().visit_var_binding_(binding)
+            return
+        wide_var = wide if isinstance(wide, relax.Var) else self.builder_.emit(wide)
+        narrow = relax.op.astype(wide_var, NARROW)
+        leaves_block = self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar)
+        new_var = self.builder_.emit_output(narrow) if leaves_block else self.builder_.emit(narrow)
+        self.set_var_remap(binding.var, new_var)
+        self.wide_of[new_var] = wide_var
+        if wide is wide_var or self.uses.get(binding.var, 0) == 1:  # an fp32 tensor already, or one reader
+            self.flows.add(new_var)
+
+    def _widened(self, call: relax.Call) -> relax.Expr | None:
+        """The fp32 computation of `call` where it is a bf16 op that joins a chain, else None."""
+        name, args = call.op.name, [self.visit_expr(arg) for arg in call.args]
+        if tensor_dtype(call) != NARROW:
+            return None
+        if name == "relax.astype":  # a chain starts unrounded from an fp32 value, and goes on through a bf16 cast
+            source = args[0]
+            if tensor_dtype(source) == WIDE and isinstance(source, relax.Var):
+                return source
+            return self.wide_of[source] if source in self.flows else None
+        joins = name in ARITHMETIC or (name in LAYOUT and any(self._is_wide(arg) for arg in args))
+        if not joins:
+            return None
+        return relax.Call(call.op, [self._wide(arg) for arg in args], call.attrs)
+
+    def _is_wide(self, expr: relax.Expr) -> bool:
+        if isinstance(expr, relax.Tuple):
+            return any(self._is_wide(field) for field in expr.fields)
+        return expr in self.flows
+
+    def _wide(self, expr: relax.Expr) -> relax.Expr:
+        """`expr` as fp32: its widened value where that needs no storage (see `flows`), an fp32 constant, or a
+        cast of a bf16 value."""
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self._wide(field) for field in expr.fields])
+        if tensor_dtype(expr) != NARROW:
+            return expr
+        if expr in self.flows:
+            return self.wide_of[expr]
+        if isinstance(expr, tvm.ir.expr.Constant):
+            return cast_constant(expr, WIDE)
+        return self.builder_.emit(relax.op.astype(expr, WIDE))
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.WidenArithmetic")
+class WidenArithmetic:
+    """Compute bf16 elementwise, normalization and reduction chains in fp32, rounding once where a value leaves
+    the chain."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
+        uses = _reads(mod[self.func])
+        return relax.transform.DeadCodeElimination([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
+
+
+def _reads(func: relax.Function) -> dict[relax.Var, int]:
+    """How many times each var is read in `func` (in binding values and the returned expression)."""
+    counts: dict[relax.Var, int] = {}
+
+    def count(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            relax.analysis.post_order_visit(binding.value, count)
+    relax.analysis.post_order_visit(func.body.body, count)
+    return counts
