@@ -10,8 +10,10 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 from tqdm import tqdm
+from tvm.driver import build as tvm_build
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support.popen_pool import PopenPoolExecutor
 
 from .._ir import import_tensor_intrinsics
@@ -47,9 +49,6 @@ def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: dict | None) -> tvm.runtime.Module:
     """Compile one measure candidate in a builder worker, as MetaSchedule's default builder does but without first
     importing all of TVM's tensor intrinsics (~35 s per worker: candidates arrive tensorized already)."""
-    from tvm.driver import build as tvm_build  # noqa: PLC0415
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock  # noqa: PLC0415
-
     return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
@@ -210,7 +209,8 @@ def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_t
         return ms.tune_tasks(
             tasks=tasks, task_weights=weights, work_dir=str(work_dir), max_trials_global=trials,
             max_trials_per_task=trials_per_task, num_trials_per_iter=trials_per_iter, cost_model=cost_model,
-            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s, f_build=build_candidate), runner=runner, database=database,
+            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s, f_build=build_candidate), runner=runner,
+            database=database,
             # round-robin commits each task's measurements as soon as they are done; the gradient scheduler holds
             # every result of its first round until all tasks were sent once (a kill then lost them all)
             task_scheduler="round-robin",

@@ -1,14 +1,14 @@
 """widen: bfloat16 elementwise chains computed in fp32 and rounded once, where they are stored.
 
-x86 has no bf16 arithmetic: TVM computes each bf16 op in fp32 and rounds its result back to bf16 (a dozen integer
-instructions), so a fused chain of bf16 ops (an exporter's GELU: add, divide, erf, add, multiply, multiply; a
-softmax; a layer norm) ran slower than the same chain in fp32 although it reads half the bytes. `WidenArithmetic`
-rewrites such chains to compute in fp32 from their bf16 inputs, with one cast back to bf16 where a value leaves
-the chain (an operand of a kernel, a graph output): after fusion the function loads bf16, computes in fp32
-registers and stores bf16, as PyTorch's fused CPU kernels do. Values are at least as accurate as before (one
-rounding instead of one per op). Layout ops join a chain only when their input is already widened, so a
-reshape of a bf16 tensor stays a free view. A value read twice may end a fused function and be stored: it reaches its
-readers rounded to bf16, so no tensor is stored in fp32 that was bf16 before.
+x86 has no bf16 arithmetic: TVM computes each bf16 op in fp32 and rounds its result back to bf16, op by op,
+so a fused chain of bf16 ops (an exporter's GELU: add, divide, erf, add, multiply, multiply; a softmax; a
+residual add after a kernel's fp32 accumulator) rounded after every step. `WidenArithmetic` rewrites such
+chains to compute in fp32 from their bf16 inputs, with one cast back to bf16 where a value leaves the chain (an
+operand of a kernel, a graph output): after fusion the function loads bf16, computes in fp32 registers and
+stores bf16, as PyTorch's fused CPU kernels do, and values are at least as accurate as before. Layout ops join
+a chain only when their input is already widened, so a reshape of a bf16 tensor stays a free view. A value read
+twice may end a fused function and be stored: it reaches its readers rounded to bf16, so no tensor is stored
+in fp32 that was bf16 before.
 """
 
 import tvm

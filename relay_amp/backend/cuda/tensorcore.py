@@ -243,8 +243,9 @@ def _tensorize(sch: s_tir.Schedule, main, tiles: tuple[_Tile, _Tile], staging: l
     sch.reverse_compute_at(store, warp)
     sch.reverse_compute_at(write_back, warp)
     init = sch.decompose_reduction(outer, k_stage)
-    intrinsics = import_tensor_intrinsics("tvm.s_tir.tensor_intrin.cuda").get_wmma_intrin_group(load_scope=SHARED, store_scope=SHARED, in_dtype=dtypes[0],
-                                       out_dtype=dtypes[1], trans_b=True)
+    wmma = import_tensor_intrinsics("tvm.s_tir.tensor_intrin.cuda")
+    intrinsics = wmma.get_wmma_intrin_group(load_scope=SHARED, store_scope=SHARED, in_dtype=dtypes[0],
+                                            out_dtype=dtypes[1], trans_b=True)
     for fragment, name in zip(fragments, ("load_a", "load_b")):
         sch.tensorize(_fragment_loop(sch, fragment), intrinsics[name])
     sch.tensorize(_fragment_loop(sch, store), intrinsics["store"])
