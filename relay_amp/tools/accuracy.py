@@ -1,7 +1,7 @@
 """Accuracy-aware conversion: keep the fewest layers out of the low dtype that hold a metric within tolerance.
 
 For float16/bfloat16 the kept layers run in fp32 (AMP's excluded layers); for int8 they run in quantize's
-fallback dtype, from one calibration whose plan is re-applied per candidate (apply_quant_plan).
+fallback dtype, from one calibration whose plan is re-applied per candidate (realize_prepared).
 """
 
 import dataclasses
@@ -19,8 +19,8 @@ from ..compile.build import build
 from ..errors import MissingDependencyError, OptionError
 from ..passes.amp import PrecisionPlan, precision_plan, to_mixed_precision
 from ..passes.layers import DEFAULT_LAYER_OPS, Layer, list_layers
-from ..passes.quantize import Quantize, QuantPlan, apply_quant_plan, quant_plan
-from ..passes.quantize.realize import FALLBACK, QUANTIZABLE_OPS, prepared
+from ..passes.quantize import Quantize, QuantPlan, quant_plan
+from ..passes.quantize.realize import FALLBACK, QUANTIZABLE_OPS, prepared, realize_prepared
 from ..passes.ranges import as_input_list, check_inputs
 from ..runtime import run_executable
 from .metrics import agreement_metric
@@ -138,10 +138,10 @@ class _QuantConverter:
         return dataclasses.replace(self.base, fallback_dtype=fallback_dtype, entries=entries)
 
     def convert(self, kept: Iterable[int]) -> tvm.IRModule:
-        return apply_quant_plan(self.mod, self._plan(kept, self.kept_dtype))
+        return realize_prepared(self.mod, self._plan(kept, self.kept_dtype))
 
     def unconverted(self) -> tvm.IRModule:
-        return apply_quant_plan(self.mod, self._plan([entry.index for entry in self.base.entries], "float32"))
+        return realize_prepared(self.mod, self._plan([entry.index for entry in self.base.entries], "float32"))
 
     def dtype_of(self, layer: Layer, kept: set[int]) -> str:
         return self.kept_dtype if layer.index in kept else self.base.entries[layer.index].dtype

@@ -21,7 +21,7 @@ from ...dtypes import check_choice
 from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
 from .plan import QuantEntry, QuantPlan
-from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, apply_quant_plan, prepared, quantizable_ops,
+from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, prepared, quantizable_ops, realize_prepared,
                       unquantizable)
 
 QDQ_OBSERVER = "qdq"  # the plan's thresholds are the model's own ranges
@@ -116,7 +116,7 @@ def realize_qdq(mod: tvm.IRModule, ops: Iterable[str] = QUANTIZABLE_OPS, fallbac
                zip(list_layers(ready, ops, func), layer_bindings(ready, ops, func), ranges)]
     plan = QuantPlan(list(ops), QDQ_OBSERVER, "per_channel",
                      check_choice(fallback_dtype, FALLBACK_DTYPES, "fallback_dtype"), func, entries)
-    return apply_quant_plan(stripped, plan)
+    return realize_prepared(ready, plan)
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.RealizeQDQ")

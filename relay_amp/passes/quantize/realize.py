@@ -125,7 +125,11 @@ def prepared(mod: tvm.IRModule) -> tvm.IRModule:
 
 def apply_quant_plan(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
     """Quantize `mod` as `plan` says (a saved, possibly hand-edited plan) without calibrating again."""
-    mod = prepared(mod)
+    return realize_prepared(prepared(mod), plan)
+
+
+def realize_prepared(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
+    """`apply_quant_plan` for a module `prepared` already (callers that numbered its layers, or apply many plans)."""
     layers, bindings = list_layers(mod, plan.ops, plan.func), layer_bindings(mod, plan.ops, plan.func)
     chosen = {}
     for entry in plan.entries:
@@ -169,7 +173,8 @@ class Quantize:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Calibrate, decide every layer, realize; the input module is left as it was."""
-        return apply_quant_plan(mod, self.plan(prepared(mod)))
+        ready = prepared(mod)
+        return realize_prepared(ready, self.plan(ready))
 
     def plan(self, mod: tvm.IRModule) -> QuantPlan:
         """The decisions for a prepared module: calibration's thresholds, exclusions and fallbacks."""
