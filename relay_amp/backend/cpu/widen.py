@@ -14,7 +14,7 @@ in fp32 that was bf16 before.
 import tvm
 from tvm import relax
 
-from ..._ir import cast_constant, rewrite_function, tensor_dtype
+from ..._ir import cast_constant, get_function, rewrite_function, tensor_dtype
 
 NARROW = "bfloat16"
 WIDE = "float32"
@@ -97,7 +97,7 @@ class WidenArithmetic:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
-        uses = _reads(mod[self.func])
+        uses = _reads(get_function(mod, self.func))
         return relax.transform.DeadCodeElimination([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
 
 

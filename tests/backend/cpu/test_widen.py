@@ -2,6 +2,7 @@
 
 import ml_dtypes
 import numpy as np
+import pytest
 from tvm.script import ir as I
 from tvm.script import relax as R
 
@@ -133,3 +134,14 @@ def test_bf16_bert_with_widened_chains_stays_within_bf16_error_of_fp32():
     expected = run_executable(build(mod, "cpu"), inputs)[0]
     got = run_executable(build(relay_amp.to_mixed_precision(mod, "bfloat16"), "cpu"), inputs)[0]
     assert np.abs(got.astype("float32") - expected).max() <= 3e-2 * np.abs(expected).max()
+
+
+def test_a_missing_function_is_a_module_error():
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((4,), "bfloat16")) -> R.Tensor((4,), "bfloat16"):
+            return x
+
+    with pytest.raises(relay_amp.ModuleError, match="encoder"):
+        WidenArithmetic(func="encoder")(Module)
