@@ -9,11 +9,13 @@ input's width instead (see `Tiling`). The weight is the one `kernels.pack_weight
 16, g], which is AMX's B-tile layout (g = 2 for bf16, 4 for int8), so signed int8 needs no shift to uint8.
 """
 
+import math
 from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir
-from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
 
 from ...errors import DTypeError
 from . import kernels
@@ -25,6 +27,9 @@ MAX_TILE_ROWS = 16
 MIN_TILE_ROWS = 4  # below this a tile wastes most of each tdp instruction: the AVX-512 kernel does better
 FLAT_GAIN = 1.25  # flat tiling (an extra pad and slice) where it fills tiles this many times better than rows
 PANELS = 2  # output-channel panels of 16 per call
+PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
+WIDE = "float32"  # the dtype epilogues compute in
+BIAS, SCALE, RESIDUAL, CLIP = "bias", "scale", "residual", "clip"  # epilogue step kinds
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 
@@ -50,6 +55,46 @@ PRODUCTS = {product.data_dtype: product for product in (
 TARGET_FEATURES = {"bfloat16": "amx-bf16", "int8": "amx-int8", "uint8": "amx-int8"}
 
 
+@dataclass(frozen=True)
+class Step:
+    """One op of a kernel's epilogue: BIAS adds a per-channel fp32 operand, SCALE multiplies by one, RESIDUAL adds
+    an operand of the output's shape, CLIP clamps to [low, high]."""
+    kind: str
+    low: float = -math.inf
+    high: float = math.inf
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What a kernel does to each accumulator before it stores it: `steps` in order, in fp32, then a cast to
+    `out_dtype` ("": the accumulator's dtype). Every step but CLIP takes an operand, in order."""
+    steps: tuple[Step, ...] = ()
+    residual_dtype: str = ""
+    out_dtype: str = ""
+
+    def apply(self, value: tvm.ir.Expr, operands: list, index: tuple, out_dtype: str) -> tvm.ir.Expr:
+        """The value stored at output `index` for accumulator `value`; `operands` are the steps' buffers."""
+        if not self.steps:
+            return value if str(value.ty) == out_dtype else T.Cast(out_dtype, value)
+        value, buffers = T.Cast(WIDE, value), iter(operands)
+        for step in self.steps:
+            if step.kind == CLIP:
+                value = _clamped(value, step.low, step.high)
+                continue
+            operand = next(buffers)
+            operand = T.Cast(WIDE, operand[index] if step.kind == RESIDUAL else operand[index[-1]])
+            value = value * operand if step.kind == SCALE else value + operand
+        return T.Cast(out_dtype, value)
+
+
+def _clamped(value: tvm.ir.Expr, low: float, high: float) -> tvm.ir.Expr:
+    if low > -math.inf:
+        value = T.max(value, tvm.tirx.FloatImm(WIDE, low))
+    if high < math.inf:
+        value = T.min(value, tvm.tirx.FloatImm(WIDE, high))
+    return value
+
+
 def _tile_config() -> str:
     """LLVM IR filling the 64-byte tile configuration: tiles 0-3 accumulate (M x 64 bytes), 4-5 hold A rows
     (M x K bytes), 6-7 B panels (K/4 x 64 bytes)."""
@@ -62,14 +107,17 @@ def _tile_config() -> str:
 
 
 def llvm_ir(product: AmxProduct) -> str:
-    """LLVM IR of one block: C tiles (ldc bytes per pixel) += A (pixels lda bytes apart, kernel rows a_kh bytes
-    apart, K bytes per kernel row in steps of kt) x B (two packed panels of 16 output channels)."""
+    """LLVM IR of three functions: `<symbol>_config` (tile shapes for M pixels and K steps of kt bytes),
+    `<symbol>` (one block: C tiles, ldc bytes per pixel, = A (pixels lda bytes apart, kernel rows a_kh bytes
+    apart, K bytes per kernel row in steps of kt) x B (two packed panels of 16 output channels)) and
+    `<symbol>_release`. A kernel configures the tiles once for many blocks: ldtilecfg costs as much as a block."""
     loads = "\n".join(f"  call void @llvm.x86.tileloadd64(i8 {tile}, ptr %{ptr}, i64 %{stride})" for tile, ptr, stride in
                       ((4, "pa0", "lda"), (5, "pa1", "lda"), (6, "pb0", "ldb"), (7, "pb1", "ldb")))
     products = "\n".join(f"  call void @llvm.x86.{product.instruction}(i8 {c}, i8 {a}, i8 {b})"
                          for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
     stores = "\n".join(f"  call void @llvm.x86.tilestored64(i8 {tile}, ptr %{ptr}, i64 %ldc)"
                        for tile, ptr in ((0, "c0"), (1, "c0b"), (2, "c1"), (3, "c1b")))
+    zeros = "\n".join(f"  call void @llvm.x86.tilezero(i8 {tile})" for tile in range(4))
     return f"""
 declare void @llvm.x86.ldtilecfg(ptr)
 declare void @llvm.x86.tilerelease()
@@ -78,8 +126,7 @@ declare void @llvm.x86.tileloadd64(i8 immarg, ptr, i64)
 declare void @llvm.x86.{product.instruction}(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tilestored64(i8 immarg, ptr, i64)
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1 immarg)
-define void @{product.symbol}(ptr %c0, ptr %c1, ptr %a0, ptr %a1, ptr %b, i64 %m, i64 %kt, i64 %lda, i64 %a_kh,
-                               i64 %kh, i64 %kwc, i64 %ldc) {{
+define void @{product.symbol}_config(i64 %m, i64 %kt) {{
 entry:
   %cfg = alloca [64 x i8], align 64
   call void @llvm.memset.p0.i64(ptr align 64 %cfg, i8 0, i64 64, i1 false)
@@ -90,10 +137,17 @@ entry:
   %kr8 = trunc i64 %kr to i8
 {_tile_config()}
   call void @llvm.x86.ldtilecfg(ptr %cfg)
-  call void @llvm.x86.tilezero(i8 0)
-  call void @llvm.x86.tilezero(i8 1)
-  call void @llvm.x86.tilezero(i8 2)
-  call void @llvm.x86.tilezero(i8 3)
+  ret void
+}}
+define void @{product.symbol}_release() {{
+entry:
+  call void @llvm.x86.tilerelease()
+  ret void
+}}
+define void @{product.symbol}(ptr %c0, ptr %c1, ptr %a0, ptr %a1, ptr %b, i64 %kt, i64 %lda, i64 %a_kh, i64 %kh,
+                               i64 %kwc, i64 %ldc) {{
+entry:
+{zeros}
   %ldb = add i64 0, {TILE_BYTES}
   %weights = mul i64 %kh, %kwc
   %panel = shl i64 %weights, 4
@@ -126,7 +180,6 @@ exit:
   %c0b = getelementptr i8, ptr %c0, i64 {TILE_BYTES}
   %c1b = getelementptr i8, ptr %c1, i64 {TILE_BYTES}
 {stores}
-  call void @llvm.x86.tilerelease()
   ret void
 }}
 """
@@ -198,66 +251,92 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     return frozenset(dtype for dtype, feature in TARGET_FEATURES.items() if has(feature, target))
 
 
-def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
-    """The AMX kernel for `spec` (see `supports`), taking the weight `kernels.pack_weight` packs (no weight sums)
-    and the input and output buffers `tiling(spec)` describes."""
+def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.PrimFunc:
+    """The AMX kernel for `spec` (see `supports`) with `epilogue` fused into its write-back: it takes the input
+    buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums), the epilogue's
+    operands, and writes `spec.out_shape` in the epilogue's dtype."""
     if not supports(spec):
         raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with output channels divisible by "
                          f"{PANELS * LANES}, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
                          f"of at least {MIN_TILE_ROWS} pixels; got {spec}")
     request_permission()
-    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec)))
+    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
     return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
 
 
-def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling) -> tvm.tirx.PrimFunc:
-    """The PrimFunc: a parallel loop over (32 output channels, pair of pixel tiles), one LLVM call each.
+def _chunks(pairs: int, panels: int) -> int:
+    """How many runs of consecutive tile pairs each 32-channel panel is cut into: enough parallel items for the
+    threads, and runs long enough to configure the tiles once for many blocks."""
+    return max(1, min(pairs, -(-PARALLEL_ITEMS // panels)))
 
-    Tile t of an image starts at output pixel t x tile_rows of the output buffer flattened (row tiling: rows
-    tile the buffer's width exactly; flat tiling: the buffer is as wide as the input), at (y, x) there, which
-    reads the input from (y x stride, x x stride)."""
+
+def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
+    """The PrimFunc: a parallel loop over (32 output channels, run of pixel-tile pairs); per pair one LLVM call
+    into a scratch accumulator, then the epilogue stores its pixels.
+
+    Tile t of an image starts at pixel t x tile_rows of the tile buffer flattened (row tiling: rows tile the
+    output's width exactly; flat tiling: the tile buffer is as wide as the input, and pixels past the output's
+    width or height are not stored), at (y, x) there, which reads the input from (y x stride, x x stride)."""
     batch, data_rows, width, channels = tiles.data_shape
-    _, out_rows, out_width, out_c = tiles.out_shape
+    out_shape, (_, tile_width) = spec.out_shape, tiles.out_shape[1:3]
     (kernel_h, kernel_w), (stride_h, stride_w) = spec.kernel_size, spec.strides
-    group, size = 4 // product.element_bytes, product.element_bytes
-    rows, per_image = tiles.tile_rows, tiles.tiles_per_image
-    positions = batch * per_image
+    group, size, rows = 4 // product.element_bytes, product.element_bytes, tiles.tile_rows
+    positions, panels, block = batch * tiles.tiles_per_image, out_shape[3] // (PANELS * LANES), PANELS * LANES
     pairs = (positions + 1) // 2
+    chunks = _chunks(pairs, panels)
+    per_chunk = -(-pairs // chunks)
+    chunks = -(-pairs // per_chunk)
+    with IRBuilder() as builder:
+        with T.prim_func(s_tir=True):
+            T.func_name("main")
+            T.func_attr({"tirx.noalias": True})
+            data = T.arg("data", T.Buffer(tiles.data_shape, spec.data_dtype))
+            packed = T.arg("packed", T.Buffer((out_shape[3] // LANES, kernel_h, kernel_w, channels // group, LANES,
+                                               group), spec.data_dtype if size == 2 else "int8"))
+            operands = [T.arg(f"operand{i}", T.Buffer(out_shape if step.kind == RESIDUAL else (out_shape[3],),
+                                                      epilogue.residual_dtype if step.kind == RESIDUAL else WIDE))
+                        for i, step in enumerate(epilogue.steps) if step.kind != CLIP]
+            out = T.arg("out", T.Buffer(out_shape, epilogue.out_dtype or product.acc_dtype))
+            with T.parallel(0, panels * chunks) as item:
+                with T.sblock("amx_block"):
+                    T.reads([buffer[tuple(slice(0, d) for d in buffer.shape)] for buffer in (data, packed, *operands)])
+                    T.writes(out[tuple(slice(0, d) for d in out_shape)])
+                    acc = T.alloc_buffer((2, rows, block), product.acc_dtype)
+                    panel, start = item // chunks, item % chunks * per_chunk
+                    T.evaluate(T.call_extern("int32", f"{product.symbol}_config", T.int64(rows),
+                                             T.int64(tiles.step_bytes)))
+                    with T.serial(0, T.min(per_chunk, pairs - start)) as step:
+                        first = (start + step) * 2
+                        tile_pair = (first, T.min(first + 1, positions - 1))
+                        pixels = [(p // tiles.tiles_per_image, p % tiles.tiles_per_image * rows) for p in tile_pair]
+                        T.evaluate(T.call_extern(
+                            "int32", product.symbol, T.address_of(acc[0, 0, 0]), T.address_of(acc[1, 0, 0]),
+                            *(T.address_of(data[image, pixel // tile_width * stride_h, pixel % tile_width * stride_w,
+                                                0]) for image, pixel in pixels),
+                            T.address_of(packed[panel * PANELS, 0, 0, 0, 0, 0]), T.int64(tiles.step_bytes),
+                            T.int64(stride_w * channels * size), T.int64(width * channels * size),
+                            T.int64(kernel_h), T.int64(tiles.row_bytes), T.int64(block * 4)))
+                        for tile, (image, pixel) in enumerate(pixels):
+                            _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, panel * block),
+                                        rows)
+                    T.evaluate(T.call_extern("int32", f"{product.symbol}_release"))
+    return builder.get()
 
-    @T.prim_func(s_tir=True)
-    def kernel(data: T.Buffer(tiles.data_shape, spec.data_dtype),
-               packed: T.Buffer((out_c // LANES, kernel_h, kernel_w, channels // group, LANES, group),
-                                spec.data_dtype if size == 2 else "int8"),
-               out: T.Buffer(tiles.out_shape, product.acc_dtype)):
-        T.func_attr({"tirx.noalias": True})
-        for item in T.parallel(out_c // (PANELS * LANES) * pairs):
-            with T.sblock("amx_block"):
-                T.reads(data[0:batch, 0:data_rows, 0:width, 0:channels],
-                        packed[0:out_c // LANES, 0:kernel_h, 0:kernel_w, 0:channels // group, 0:LANES, 0:group])
-                T.writes(out[0:batch, 0:out_rows, 0:out_width, 0:out_c])
-                panel = item // pairs * PANELS
-                first = item % pairs * 2
-                second = T.min(first + 1, positions - 1)
-                first_pixel = first % per_image * rows
-                second_pixel = second % per_image * rows
-                T.evaluate(T.call_extern(
-                    "int32", product.symbol,
-                    T.address_of(out[first // per_image, first_pixel // out_width, first_pixel % out_width,
-                                     panel * LANES]),
-                    T.address_of(out[second // per_image, second_pixel // out_width, second_pixel % out_width,
-                                     panel * LANES]),
-                    T.address_of(data[first // per_image, first_pixel // out_width * stride_h,
-                                      first_pixel % out_width * stride_w, 0]),
-                    T.address_of(data[second // per_image, second_pixel // out_width * stride_h,
-                                      second_pixel % out_width * stride_w, 0]),
-                    T.address_of(packed[panel, 0, 0, 0, 0, 0]),
-                    T.int64(rows), T.int64(tiles.step_bytes), T.int64(stride_w * channels * size),
-                    T.int64(width * channels * size), T.int64(kernel_h), T.int64(tiles.row_bytes),
-                    T.int64(out_c * 4)))
 
-    return kernel
+def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tuple, rows: int) -> None:
+    """The epilogue of one tile: acc[tile] (rows pixels x 32 channels) through the steps into `out` from pixel
+    `pixel` of the tile buffer (`tile_width` wide) of `image`, channel `channel`; pixels off the output skipped."""
+    image, pixel, tile_width, channel = at
+    _, out_h, out_w, _ = out.shape
+    with T.serial(0, rows) as row:
+        y, x = (pixel + row) // tile_width, (pixel + row) % tile_width
+        with T.If(tvm.tirx.all(y < out_h, x < out_w) if tile_width != out_w else y < out_h):
+            with T.Then():
+                with T.vectorized(0, PANELS * LANES) as lane:
+                    index = (image, y, x, channel + lane)
+                    T.buffer_store(out, epilogue.apply(acc[tile, row, lane], operands, index, str(out.dtype)), index)
 
 
 def request_permission() -> bool:

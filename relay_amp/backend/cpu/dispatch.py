@@ -188,18 +188,13 @@ class _Dispatcher(relax.PyExprMutator):
         return spec.data_dtype in self.amx_dtypes and not spec.weight_batch and amx.supports(spec)
 
     def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray, name: str) -> relax.Expr:
-        """The AMX kernel call, with the zero rows its input buffer adds and the output columns it slices off."""
-        tiles = amx.tiling(spec)
-        extra_rows = tiles.data_shape[1] - spec.data_shape[1]
+        """The AMX kernel call, with the zero rows its input buffer adds."""
+        extra_rows = amx.tiling(spec).data_shape[1] - spec.data_shape[1]
         if extra_rows:
             data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, 0, extra_rows, 0, 0, 0, 0]))
         gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
-        out = self.builder_.emit(relax.call_tir(gvar, [data, relax.const(packed)],
-                                                relax.TensorType(tiles.out_shape, spec.out_dtype)))
-        if tiles.out_shape == spec.out_shape:
-            return out
-        _, out_h, out_w, _ = spec.out_shape
-        return self.builder_.emit(relax.op.strided_slice(out, axes=[1, 2], begin=[0, 0], end=[out_h, out_w]))
+        return self.builder_.emit(relax.call_tir(gvar, [data, relax.const(packed)],
+                                                 relax.TensorType(spec.out_shape, spec.out_dtype)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")
