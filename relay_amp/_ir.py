@@ -32,6 +32,21 @@ def rewrite_function(mutator: relax.PyExprMutator, mod: tvm.IRModule, func: str)
     return mutator.builder_.get()
 
 
+def read_counts(func: relax.Function) -> dict[relax.Var, int]:
+    """How many times each var is read in `func` (in binding values and the returned expression)."""
+    counts: dict[relax.Var, int] = {}
+
+    def count(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            relax.analysis.post_order_visit(binding.value, count)
+    relax.analysis.post_order_visit(func.body.body, count)
+    return counts
+
+
 def tensor_dtype(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, None for anything else."""
     ty = expr.ty

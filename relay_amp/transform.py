@@ -1,6 +1,7 @@
 """The relay_amp passes as tvm.transform.Pass objects, for use inside tvm.transform.Sequential."""
 
 from .backend.cpu.dispatch import UseDotKernels
+from .backend.cpu.epilogue import FuseKernelEpilogues
 from .backend.cpu.fastmath import FastMath
 from .backend.cpu.widen import WidenArithmetic
 from .passes.amp import ToMixedPrecision
@@ -11,5 +12,5 @@ from .passes.pooling import GlobalPoolWindows
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "GlobalPoolWindows", "Quantize",
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "Quantize",
            "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels", "WidenArithmetic"]

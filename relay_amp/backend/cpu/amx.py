@@ -9,8 +9,9 @@ input's width instead (see `Tiling`). The weight is the one `kernels.pack_weight
 16, g], which is AMX's B-tile layout (g = 2 for bf16, 4 for int8), so signed int8 needs no shift to uint8.
 """
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import tvm
 from tvm import s_tir
@@ -27,6 +28,7 @@ MAX_TILE_ROWS = 16
 MIN_TILE_ROWS = 4  # below this a tile wastes most of each tdp instruction: the AVX-512 kernel does better
 FLAT_GAIN = 1.25  # flat tiling (an extra pad and slice) where it fills tiles this many times better than rows
 PANELS = 2  # output-channel panels of 16 per call
+SPEC_ATTR = "relay_amp.amx_spec"  # a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
 PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
 WIDE = "float32"  # the dtype epilogues compute in
 BIAS, SCALE, RESIDUAL, CLIP = "bias", "scale", "residual", "clip"  # epilogue step kinds
@@ -263,7 +265,14 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.Pri
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
-    return sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+    func = sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
+    return func if epilogue != Epilogue() else func.with_attr(SPEC_ATTR, json.dumps(asdict(spec)))
+
+
+def kernel_spec(func: tvm.tirx.PrimFunc) -> "ConvSpec | None":
+    """The spec of an AMX kernel without an epilogue, None for any other function."""
+    text = func.attrs.get(SPEC_ATTR) if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None else None
+    return None if text is None else kernels.spec_from_json(str(text))
 
 
 def _chunks(pairs: int, panels: int) -> int:

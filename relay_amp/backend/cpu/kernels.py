@@ -241,9 +241,12 @@ def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:
 def kernel_spec(sch: s_tir.Schedule, block) -> ConvSpec | None:
     """The ConvSpec a kernel's accumulating block was built from, or None for any other block."""
     annotation = sch.get(block).annotations.get(SPEC_ANNOTATION)
-    if annotation is None:
-        return None
-    fields = json.loads(str(annotation))
+    return None if annotation is None else spec_from_json(str(annotation))
+
+
+def spec_from_json(text: str) -> ConvSpec:
+    """The ConvSpec `json.dumps(asdict(spec))` wrote."""
+    fields = json.loads(text)
     return ConvSpec(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 

@@ -9,6 +9,7 @@ from ...passes.layout import conv_layout_passes
 from ..fusion import AUTO, fusion_passes
 from . import amx
 from .dispatch import UseDotKernels, target_dtypes
+from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
 from .kernels import DotKernelRule
 from .schedules import default_schedule, default_schedules
@@ -24,8 +25,8 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Convolutions to NHWC (`conv_layout` overrides; None keeps the model's), fast math (unless turned off) and
-    dot-product kernel dispatch, then legalization and fusion.
+    """Convolutions to NHWC (`conv_layout` overrides; None keeps the model's), fast math (unless turned off),
+    dot-product kernel dispatch and AMX epilogue fusion, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -37,6 +38,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         WidenArithmetic(),
         *([FastMath()] if fast_math else []),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
+        *([FuseKernelEpilogues()] if amx.target_dtypes(target) else []),
         *fusion_passes(target),
     ], name="relay_amp_cpu_prepare")
 

@@ -14,7 +14,7 @@ in fp32 that was bf16 before.
 import tvm
 from tvm import relax
 
-from ..._ir import cast_constant, get_function, rewrite_function, tensor_dtype
+from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype
 
 NARROW = "bfloat16"
 WIDE = "float32"
@@ -97,20 +97,6 @@ class WidenArithmetic:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
-        uses = _reads(get_function(mod, self.func))
+        uses = read_counts(get_function(mod, self.func))
         return relax.transform.DeadCodeElimination([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
 
-
-def _reads(func: relax.Function) -> dict[relax.Var, int]:
-    """How many times each var is read in `func` (in binding values and the returned expression)."""
-    counts: dict[relax.Var, int] = {}
-
-    def count(expr: relax.Expr) -> None:
-        if isinstance(expr, relax.Var):
-            counts[expr] = counts.get(expr, 0) + 1
-
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            relax.analysis.post_order_visit(binding.value, count)
-    relax.analysis.post_order_visit(func.body.body, count)
-    return counts

@@ -1,0 +1,222 @@
+"""epilogue: the elementwise ops after an AMX kernel, fused into the kernel's write-back.
+
+An AMX kernel accumulates a tile in fp32 (int32 for int8) and used to store it, so a convolution's bias, residual
+add, ReLU and cast back to bf16 ran as a separate function that read the whole fp32 output again: in ResNet-50
+the 56x56x256 fp32 outputs took more time to write and read back than their products took to compute.
+`FuseKernelEpilogues` follows each AMX kernel's result through the ops that read it alone, as long as they are
+per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
+dtypes and reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
+(`amx.Epilogue`): each tile is finished in registers and stored once, in its final dtype.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from . import amx, kernels
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_ALIAS = object()  # a step that only renames or reshapes the value
+_END = object()  # a cast to a narrower float: the chain's last step
+
+
+@dataclass
+class _Chain:
+    """An AMX kernel call and the ops after it that its epilogue takes over."""
+    kernel: relax.Call
+    spec: kernels.ConvSpec
+    steps: list = field(default_factory=list)  # amx.Step per op
+    operands: list = field(default_factory=list)  # the steps' operand expressions
+    residual_dtype: str = ""
+    out_dtype: str = ""
+    end: "relax.Var | None" = None  # the var whose value the fused call computes
+    absorbed: list = field(default_factory=list)  # vars whose bindings the fused call replaces
+
+
+def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
+    """A constant that broadcasts along the channel axis only, as a flat fp32 vector of `channels` values."""
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) not in FLOAT_DTYPES:
+        return None
+    values = expr.value.numpy()
+    if values.size not in (1, channels) or (values.size == channels and values.shape[-1] != channels):
+        return None
+    return np.broadcast_to(values.astype("float32").reshape(-1), (channels,)).copy()
+
+
+class _ChainFinder:
+    """Walks each AMX kernel's result through the bindings that read it alone, in binding order."""
+
+    def __init__(self, mod: tvm.IRModule, func: relax.Function):
+        self.mod = mod
+        self.uses = read_counts(func)
+        self.reader: dict[relax.Var, relax.VarBinding] = {}
+        self.claimed: set[relax.Var] = set()  # vars a chain found so far absorbs or binds
+        self.absorbed: set[relax.Var] = set()  # vars whose bindings a chain found so far removes
+        self.chains: list[_Chain] = []
+        bindings = [binding for block in func.body.blocks for binding in block.bindings]
+        for binding in bindings:
+            relax.analysis.post_order_visit(binding.value, lambda expr, b=binding: self._note_reader(expr, b))
+        for binding in bindings:
+            spec = self._amx_spec(binding.value)
+            if spec is not None:
+                self._follow(binding.var, _Chain(binding.value, spec))
+
+    def _note_reader(self, expr: relax.Expr, binding: relax.VarBinding) -> None:
+        if isinstance(expr, relax.Var):
+            self.reader[expr] = binding
+
+    def _amx_spec(self, value: relax.Expr) -> "kernels.ConvSpec | None":
+        """The spec of an AMX kernel call that has no epilogue yet (data and weight only), else None."""
+        if not (isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir"))):
+            return None
+        callee, args = value.args[0], value.args[1]
+        if not isinstance(callee, relax.GlobalVar) or len(args.fields) != 2:
+            return None
+        return amx.kernel_spec(self.mod[callee])
+
+    def _follow(self, var: relax.Var, chain: _Chain) -> None:
+        current = var
+        chain.absorbed.append(var)
+        while isinstance(current, relax.DataflowVar) and self.uses.get(current, 0) == 1 and current in self.reader:
+            binding = self.reader[current]
+            if binding.var in self.claimed:
+                break
+            step = self._step(binding.value, current, chain)
+            if step is None:
+                break
+            chain.absorbed.append(binding.var)
+            current = binding.var
+            if step is _END:
+                break
+        chain.absorbed.pop()  # the last var is the chain's result: the fused call binds it
+        if current is var or not (chain.steps or chain.out_dtype):
+            return
+        chain.end = current
+        self.absorbed.update(chain.absorbed)
+        self.claimed.update(chain.absorbed, [current])
+        self.chains.append(chain)
+
+    def _step(self, value: relax.Expr, current: relax.Var, chain: _Chain):
+        """Record the op `value` (which reads `current`) in `chain`; None where the epilogue cannot take it."""
+        if isinstance(value, relax.Var):
+            return _ALIAS
+        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+            return None
+        if tensor_dtype(value) not in FLOAT_DTYPES:
+            return None
+        handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
+                   "relax.clip": self._clip, "relax.astype": self._astype, "relax.reshape": self._reshape}.get(
+            value.op.name)
+        return None if handler is None else handler(value, current, chain)
+
+    def _other_operand(self, value: relax.Call, current: relax.Var) -> "relax.Expr | None":
+        first, second = value.args
+        if first.same_as(current) != second.same_as(current):
+            return second if first.same_as(current) else first
+        return None
+
+    def _add(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        other = self._other_operand(value, current)
+        if other is None or tensor_dtype(current) != amx.WIDE:
+            return None
+        constant = _channel_constant(other, chain.spec.out_channels)
+        if constant is not None:
+            return self._record(chain, amx.Step(amx.BIAS), relax.const(constant))
+        if (chain.residual_dtype or not isinstance(other, relax.Var) or other in self.absorbed
+                or tensor_shape(other) != tensor_shape(current) or tensor_dtype(other) not in FLOAT_DTYPES):
+            return None
+        chain.residual_dtype = tensor_dtype(other)
+        return self._record(chain, amx.Step(amx.RESIDUAL), other)
+
+    def _multiply(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        other = self._other_operand(value, current)
+        constant = None if other is None else _channel_constant(other, chain.spec.out_channels)
+        if constant is None or tensor_dtype(current) != amx.WIDE:
+            return None
+        return self._record(chain, amx.Step(amx.SCALE), relax.const(constant))
+
+    def _relu(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        return self._record(chain, amx.Step(amx.CLIP, low=0.0), None) if tensor_dtype(current) == amx.WIDE else None
+
+    def _clip(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        _, low, high = value.args
+        if tensor_dtype(current) != amx.WIDE:
+            return None
+        return self._record(chain, amx.Step(amx.CLIP, float(low.value), float(high.value)), None)
+
+    def _astype(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        dtype = tensor_dtype(value)
+        if dtype == amx.WIDE:  # int32 or fp32 accumulators into fp32: the epilogue computes in fp32 anyway
+            chain.out_dtype = dtype
+            return _ALIAS
+        if tensor_dtype(current) != amx.WIDE:
+            return None
+        chain.out_dtype = dtype
+        return _END
+
+    def _reshape(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        shape = tensor_shape(value)
+        return _ALIAS if shape is not None and shape[-1:] == (chain.spec.out_channels,) else None
+
+    @staticmethod
+    def _record(chain: _Chain, step: "amx.Step", operand: "relax.Expr | None"):
+        chain.steps.append(step)
+        if operand is not None:
+            chain.operands.append(operand)
+        return step
+
+
+@relax.expr_functor.mutator
+class _Fuser(relax.PyExprMutator):
+    """Drops the bindings a chain absorbs and binds each chain's result to its kernel with the epilogue."""
+
+    def __init__(self, mod: tvm.IRModule, chains: list[_Chain]):
+        super().__init__(mod)
+        self.absorbed = {var for chain in chains for var in chain.absorbed}
+        self.chain_of = {chain.end: chain for chain in chains}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.absorbed:
+            return
+        chain = self.chain_of.get(binding.var)
+        if chain is None:
+            super().visit_var_binding_(binding)
+            return
+        fused = self._fused_call(chain)
+        if tensor_shape(binding.var) != chain.spec.out_shape:
+            fused = relax.op.reshape(self.builder_.emit(fused), tensor_shape(binding.var))
+        leaves_block = not isinstance(binding.var, relax.DataflowVar)
+        self.set_var_remap(binding.var, self.builder_.emit_output(fused) if leaves_block else self.builder_.emit(fused))
+
+    def _fused_call(self, chain: _Chain) -> relax.Expr:
+        spec, out_dtype = chain.spec, chain.out_dtype or amx.PRODUCTS[chain.spec.data_dtype].acc_dtype
+        epilogue = amx.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
+        operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in chain.operands]
+        gvar = self.builder_.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_amx_epilogue")
+        data, packed = (self.visit_expr(arg) for arg in chain.kernel.args[1].fields)
+        return relax.call_tir(gvar, [data, packed, *operands], relax.TensorType(spec.out_shape, out_dtype))
+
+    def _as_output_shape(self, operand: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
+        shape = tensor_shape(operand)
+        if isinstance(operand, tvm.ir.expr.Constant) or shape == spec.out_shape:
+            return operand
+        return self.builder_.emit(relax.op.reshape(operand, spec.out_shape))
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.FuseKernelEpilogues")
+class FuseKernelEpilogues:
+    """Fuse the per-channel, residual, clamping, casting and reshaping ops after each AMX kernel into it."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod` (kernels left without a reader removed); the input module is left as it was."""
+        chains = _ChainFinder(mod, get_function(mod, self.func)).chains
+        if not chains:
+            return mod
+        fused = rewrite_function(_Fuser(mod, chains), mod, self.func)
+        return relax.transform.DeadCodeElimination([self.func])(fused)

@@ -1,0 +1,170 @@
+"""epilogue: the bias, scale, residual, clamp, cast and reshape ops after an AMX kernel become its epilogue."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp import targets
+from relay_amp.backend.cpu import amx, dispatch, kernels
+from relay_amp.backend.cpu.epilogue import FuseKernelEpilogues
+from relay_amp.compile.build import build
+from relay_amp.runtime import run_executable
+
+from builders import tensor
+from conv_cases import reference_conv
+from pass_checks import assert_transforms
+
+BF16, F32 = "bfloat16", "float32"
+SHAPE = (1, 16, 16, 64)  # NHWC; a 3x3 conv with padding 1 keeps it, and its rows fill whole tiles
+RNG = np.random.default_rng(0)
+WEIGHT = RNG.standard_normal((3, 3, 64, 64)).astype(ml_dtypes.bfloat16) / 8  # HWIO
+BIAS = RNG.standard_normal(64).astype("float32")
+SCALE = RNG.uniform(0.5, 2.0, 64).astype("float32")
+
+
+def _conv(x: relax.Expr) -> relax.Expr:
+    return relax.op.nn.conv2d(x, relax.const(WEIGHT), padding=1, data_layout="NHWC", kernel_layout="HWIO",
+                              out_dtype=F32)
+
+
+def _chain_module(*ops, residual_dtype: str = F32) -> tvm.IRModule:
+    """main(x, r): a bf16 conv's fp32 result through `ops` (each a function of the value and r), one binding each."""
+    x, r = tensor("x", SHAPE, BF16), tensor("r", SHAPE, residual_dtype)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            value = bb.emit(_conv(x))
+            for op in ops[:-1]:
+                value = bb.emit(op(value, r))
+            out = bb.emit_output(ops[-1](value, r))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _dispatched(mod: tvm.IRModule) -> tvm.IRModule:
+    return dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(mod)
+
+
+def _spec() -> kernels.ConvSpec:
+    return kernels.ConvSpec((1, 18, 18, 64), (3, 3), 64)
+
+
+def _expected(epilogue: amx.Epilogue, operands, residual_dtype: str = F32, reshape=None) -> tvm.IRModule:
+    """main(x, r) as the pass should leave it: the padded input into one AMX kernel with `epilogue`."""
+    x, r = tensor("x", SHAPE, BF16), tensor("r", SHAPE, residual_dtype)
+    spec = _spec()
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            padded = bb.emit(relax.op.nn.pad(x, [0, 0, 1, 1, 1, 1, 0, 0]))
+            gvar = bb.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_amx_epilogue")
+            packed = relax.const(kernels.pack_weight(WEIGHT, "HWIO", kernels.BF16_DOT))
+            call = relax.call_tir(gvar, [padded, packed, *(operand(r) for operand in operands)],
+                                  relax.TensorType(spec.out_shape, epilogue.out_dtype))
+            out = bb.emit_output(call if reshape is None else relax.op.reshape(bb.emit(call), reshape))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_bias_residual_relu_and_cast_become_the_kernels_epilogue():
+    before = _dispatched(_chain_module(
+        lambda v, r: relax.op.add(v, relax.const(BIAS.reshape(1, 1, 1, 64))),
+        lambda v, r: relax.op.add(r, v),
+        lambda v, r: relax.op.nn.relu(v),
+        lambda v, r: relax.op.astype(v, BF16)))
+    steps = (amx.Step(amx.BIAS), amx.Step(amx.RESIDUAL), amx.Step(amx.CLIP, low=0.0))
+    expected = _expected(amx.Epilogue(steps, F32, BF16), [lambda r: relax.const(BIAS), lambda r: r])
+    assert_transforms(FuseKernelEpilogues(), before, expected)
+    assert_transforms(relay_amp.transform.FuseKernelEpilogues(), before, expected)
+
+
+def test_scale_and_clip_then_a_reshape_keeping_the_channels():
+    before = _dispatched(_chain_module(
+        lambda v, r: relax.op.multiply(relax.const(SCALE), v),
+        lambda v, r: relax.op.clip(v, 0.0, 6.0),
+        lambda v, r: relax.op.reshape(v, (256, 64))))
+    steps = (amx.Step(amx.SCALE), amx.Step(amx.CLIP, 0.0, 6.0))
+    expected = _expected(amx.Epilogue(steps, "", F32), [lambda r: relax.const(SCALE)], reshape=(256, 64))
+    assert_transforms(FuseKernelEpilogues(), before, expected)
+
+
+@pytest.mark.parametrize("reason,ops", [
+    ("exp is not an epilogue op", [lambda v, r: relax.op.exp(v)]),
+    ("a constant that varies by pixel", [lambda v, r: relax.op.add(v, relax.const(np.ones(SHAPE, F32)))]),
+    ("a reshape that moves the channels", [lambda v, r: relax.op.reshape(v, (1, 16, 128, 8))]),
+])
+def test_ops_the_epilogue_cannot_take_are_left_alone(reason, ops):
+    before = _dispatched(_chain_module(*ops))
+    assert_transforms(FuseKernelEpilogues(), before, before)
+
+
+def test_a_value_read_twice_ends_the_chain_and_is_stored():
+    x = tensor("x", SHAPE, BF16)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            biased = bb.emit(relax.op.add(bb.emit(_conv(x)), relax.const(BIAS)))
+            relu = bb.emit(relax.op.nn.relu(biased))
+            out = bb.emit_output(relax.op.add(relu, relax.op.astype(relax.op.astype(relu, BF16), F32)))
+        bb.emit_func_output(out)
+    after = FuseKernelEpilogues()(_dispatched(bb.get()))
+    relax.analysis.well_formed(after)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    kernel = next(c for c in calls if c.op.name == "relax.call_tir")
+    assert len(kernel.args[1].fields) == 3 and kernel.ty.dtype == F32  # data, weight, bias; relu stored in fp32
+    assert [c.op.name for c in calls[-3:]] == ["relax.astype", "relax.astype", "relax.add"]
+
+
+def test_a_module_without_amx_kernels_is_returned_as_it_is():
+    mod = _chain_module(lambda v, r: relax.op.nn.relu(v))
+    assert FuseKernelEpilogues()(mod).same_as(mod)
+
+
+def _amx_host() -> bool:
+    return targets.host_supports("amx_tile") and amx.request_permission()
+
+
+@pytest.mark.parametrize("residual_dtype", [F32, BF16])
+def test_fused_build_matches_fp32_numpy(residual_dtype):
+    if not _amx_host():
+        pytest.skip("host CPU (or kernel) has no AMX")
+    mod = _chain_module(lambda v, r: relax.op.add(v, relax.const(BIAS)),
+                        lambda v, r: relax.op.add(v, relax.op.astype(r, F32)) if residual_dtype == BF16
+                        else relax.op.add(v, r),
+                        lambda v, r: relax.op.clip(v, 0.0, 6.0),
+                        lambda v, r: relax.op.astype(v, BF16), residual_dtype=residual_dtype)
+    executable = build(mod, "cpu-amx")
+    x = RNG.standard_normal(SHAPE).astype(ml_dtypes.bfloat16)
+    r = RNG.standard_normal(SHAPE).astype(F32 if residual_dtype == F32 else ml_dtypes.bfloat16)
+    got = run_executable(executable, [x, r])[0].astype("float64")
+    conv = reference_conv(np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)]), WEIGHT.transpose(3, 2, 0, 1), _spec())
+    expected = np.clip(conv + BIAS + r.astype("float64"), 0.0, 6.0)
+    # fp32 sums of the bf16 products (1e-5 of numpy's), rounded once to bf16 (2^-8 relative)
+    assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected) + 1e-4)
+
+
+def test_int8_accumulators_are_dequantized_in_the_epilogue():
+    x = tensor("x", SHAPE, "int8")
+    weight = RNG.integers(-128, 128, (1, 1, 64, 64)).astype("int8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            acc = bb.emit(relax.op.nn.conv2d(x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO",
+                                             out_dtype="int32"))
+            wide = bb.emit(relax.op.astype(acc, F32))
+            scaled = bb.emit(relax.op.multiply(wide, relax.const(SCALE)))
+            out = bb.emit_output(relax.op.astype(relax.op.add(scaled, relax.const(BIAS)), BF16))
+        bb.emit_func_output(out)
+    before = bb.get()
+    after = FuseKernelEpilogues()(dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(before))
+    relax.analysis.well_formed(after)
+    (call,) = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert len(call.args[1].fields) == 4 and call.ty.dtype == BF16  # data, weight, scale, bias
+    if _amx_host():
+        data = RNG.integers(-128, 128, SHAPE).astype("int8")
+        got = run_executable(build(after, "cpu-amx"), [data])[0].astype(F32)
+        expected = relay_amp.run(before, [data])[0].astype(F32)  # the generic build, unfused
+        assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected))  # exact sums; one bf16 rounding apart
