@@ -9,9 +9,7 @@ input's width instead (see `Tiling`). The weight is the one `kernels.pack_weight
 16, g], which is AMX's B-tile layout (g = 2 for bf16, 4 for int8), so signed int8 needs no shift to uint8.
 """
 
-import json
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir
@@ -20,7 +18,7 @@ from tvm.script.ir_builder import tirx as T
 
 from ...errors import DTypeError
 from . import kernels
-from .kernels import LANES, ConvSpec
+from .kernels import LANES, RESIDUAL, WIDE, ConvSpec, Epilogue
 from .schedules import largest_divisor
 
 TILE_BYTES = 64  # bytes in one row of a tile
@@ -28,10 +26,8 @@ MAX_TILE_ROWS = 16
 MIN_TILE_ROWS = 4  # below this a tile wastes most of each tdp instruction: the AVX-512 kernel does better
 FLAT_GAIN = 1.25  # flat tiling (an extra pad and slice) where it fills tiles this many times better than rows
 PANELS = 2  # output-channel panels of 16 per call
-SPEC_ATTR = "relay_amp.amx_spec"  # a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
+FUSABLE_ATTR = "relay_amp.amx_spec"  # on an AMX kernel without an epilogue: its ConvSpec as JSON
 PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
-WIDE = "float32"  # the dtype epilogues compute in
-BIAS, SCALE, RESIDUAL, CLIP = "bias", "scale", "residual", "clip"  # epilogue step kinds
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 
@@ -56,45 +52,6 @@ PRODUCTS = {product.data_dtype: product for product in (
 )}
 TARGET_FEATURES = {"bfloat16": "amx-bf16", "int8": "amx-int8", "uint8": "amx-int8"}
 
-
-@dataclass(frozen=True)
-class Step:
-    """One op of a kernel's epilogue: BIAS adds a per-channel fp32 operand, SCALE multiplies by one, RESIDUAL adds
-    an operand of the output's shape, CLIP clamps to [low, high]."""
-    kind: str
-    low: float = -math.inf
-    high: float = math.inf
-
-
-@dataclass(frozen=True)
-class Epilogue:
-    """What a kernel does to each accumulator before it stores it: `steps` in order, in fp32, then a cast to
-    `out_dtype` ("": the accumulator's dtype). Every step but CLIP takes an operand, in order."""
-    steps: tuple[Step, ...] = ()
-    residual_dtype: str = ""
-    out_dtype: str = ""
-
-    def apply(self, value: tvm.ir.Expr, operands: list, index: tuple, out_dtype: str) -> tvm.ir.Expr:
-        """The value stored at output `index` for accumulator `value`; `operands` are the steps' buffers."""
-        if not self.steps:
-            return value if str(value.ty) == out_dtype else T.Cast(out_dtype, value)
-        value, buffers = T.Cast(WIDE, value), iter(operands)
-        for step in self.steps:
-            if step.kind == CLIP:
-                value = _clamped(value, step.low, step.high)
-                continue
-            operand = next(buffers)
-            operand = T.Cast(WIDE, operand[index] if step.kind == RESIDUAL else operand[index[-1]])
-            value = value * operand if step.kind == SCALE else value + operand
-        return T.Cast(out_dtype, value)
-
-
-def _clamped(value: tvm.ir.Expr, low: float, high: float) -> tvm.ir.Expr:
-    if low > -math.inf:
-        value = T.max(value, tvm.tirx.FloatImm(WIDE, low))
-    if high < math.inf:
-        value = T.min(value, tvm.tirx.FloatImm(WIDE, high))
-    return value
 
 
 def _tile_config() -> str:
@@ -265,14 +222,8 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.Pri
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
-    func = sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True)
-    return func if epilogue != Epilogue() else func.with_attr(SPEC_ATTR, json.dumps(asdict(spec)))
-
-
-def kernel_spec(func: tvm.tirx.PrimFunc) -> "ConvSpec | None":
-    """The spec of an AMX kernel without an epilogue, None for any other function."""
-    text = func.attrs.get(SPEC_ATTR) if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None else None
-    return None if text is None else kernels.spec_from_json(str(text))
+    return kernels.mark_fusable(sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True),
+                                spec, epilogue, FUSABLE_ATTR)
 
 
 def _chunks(pairs: int, panels: int) -> int:
@@ -306,7 +257,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                                                group), spec.data_dtype if size == 2 else "int8"))
             operands = [T.arg(f"operand{i}", T.Buffer(out_shape if step.kind == RESIDUAL else (out_shape[3],),
                                                       epilogue.residual_dtype if step.kind == RESIDUAL else WIDE))
-                        for i, step in enumerate(epilogue.steps) if step.kind != CLIP]
+                        for i, step in enumerate(epilogue.operand_steps)]
             out = T.arg("out", T.Buffer(out_shape, epilogue.out_dtype or product.acc_dtype))
             with T.parallel(0, panels * chunks) as item:
                 with T.sblock("amx_block"):
@@ -345,7 +296,9 @@ def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tup
             with T.Then():
                 with T.vectorized(0, PANELS * LANES) as lane:
                     index = (image, y, x, channel + lane)
-                    T.buffer_store(out, epilogue.apply(acc[tile, row, lane], operands, index, str(out.dtype)), index)
+                    value = epilogue.apply(acc[tile, row, lane], str(out.dtype),
+                                           lambda i, step: operands[i][index if step.kind == RESIDUAL else index[-1]])
+                    T.buffer_store(out, value, index)
 
 
 def request_permission() -> bool:

@@ -6,7 +6,7 @@ the 56x56x256 fp32 outputs took more time to write and read back than their prod
 `FuseKernelEpilogues` follows each AMX kernel's result through the ops that read it alone, as long as they are
 per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
 dtypes and reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
-(`amx.Epilogue`): each tile is finished in registers and stored once, in its final dtype.
+(`kernels.Epilogue`): each tile is finished in registers and stored once, in its final dtype.
 """
 
 from dataclasses import dataclass, field
@@ -23,12 +23,17 @@ _ALIAS = object()  # a step that only renames or reshapes the value
 _END = object()  # a cast to a narrower float: the chain's last step
 
 
+# the attribute that marks a kernel without an epilogue -> the function that builds it with one
+KERNEL_MAKERS = {amx.FUSABLE_ATTR: amx.conv2d_nhwc, kernels.FUSABLE_ATTR: kernels.conv2d_nhwc_compute}
+
+
 @dataclass
 class _Chain:
-    """An AMX kernel call and the ops after it that its epilogue takes over."""
+    """A kernel call and the ops after it that its epilogue takes over."""
     kernel: relax.Call
     spec: kernels.ConvSpec
-    steps: list = field(default_factory=list)  # amx.Step per op
+    make: object  # the kernel's builder: (spec, epilogue) -> PrimFunc
+    steps: list = field(default_factory=list)  # kernels.Step per op
     operands: list = field(default_factory=list)  # the steps' operand expressions
     residual_dtype: str = ""
     out_dtype: str = ""
@@ -60,22 +65,25 @@ class _ChainFinder:
         for binding in bindings:
             relax.analysis.post_order_visit(binding.value, lambda expr, b=binding: self._note_reader(expr, b))
         for binding in bindings:
-            spec = self._amx_spec(binding.value)
-            if spec is not None:
-                self._follow(binding.var, _Chain(binding.value, spec))
+            kernel = self._kernel(binding.value)
+            if kernel is not None:
+                self._follow(binding.var, _Chain(binding.value, *kernel))
 
     def _note_reader(self, expr: relax.Expr, binding: relax.VarBinding) -> None:
         if isinstance(expr, relax.Var):
             self.reader[expr] = binding
 
-    def _amx_spec(self, value: relax.Expr) -> "kernels.ConvSpec | None":
-        """The spec of an AMX kernel call that has no epilogue yet (data and weight only), else None."""
-        if not (isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir"))):
+    def _kernel(self, value: relax.Expr) -> "tuple | None":
+        """(spec, builder) of a call of a kernel that has no epilogue yet, else None."""
+        if not (isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir"))
+                and isinstance(value.args[0], relax.GlobalVar)):
             return None
-        callee, args = value.args[0], value.args[1]
-        if not isinstance(callee, relax.GlobalVar) or len(args.fields) != 2:
-            return None
-        return amx.kernel_spec(self.mod[callee])
+        func = self.mod[value.args[0]]
+        for attr, make in KERNEL_MAKERS.items():
+            spec = kernels.fusable_spec(func, attr)
+            if spec is not None:
+                return spec, make
+        return None
 
     def _follow(self, var: relax.Var, chain: _Chain) -> None:
         current = var
@@ -120,39 +128,39 @@ class _ChainFinder:
 
     def _add(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)
-        if other is None or tensor_dtype(current) != amx.WIDE:
+        if other is None or tensor_dtype(current) != kernels.WIDE:
             return None
         constant = _channel_constant(other, chain.spec.out_channels)
         if constant is not None:
-            return self._record(chain, amx.Step(amx.BIAS), relax.const(constant))
+            return self._record(chain, kernels.Step(kernels.BIAS), relax.const(constant))
         if (chain.residual_dtype or not isinstance(other, relax.Var) or other in self.absorbed
                 or tensor_shape(other) != tensor_shape(current) or tensor_dtype(other) not in FLOAT_DTYPES):
             return None
         chain.residual_dtype = tensor_dtype(other)
-        return self._record(chain, amx.Step(amx.RESIDUAL), other)
+        return self._record(chain, kernels.Step(kernels.RESIDUAL), other)
 
     def _multiply(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)
         constant = None if other is None else _channel_constant(other, chain.spec.out_channels)
-        if constant is None or tensor_dtype(current) != amx.WIDE:
+        if constant is None or tensor_dtype(current) != kernels.WIDE:
             return None
-        return self._record(chain, amx.Step(amx.SCALE), relax.const(constant))
+        return self._record(chain, kernels.Step(kernels.SCALE), relax.const(constant))
 
     def _relu(self, value: relax.Call, current: relax.Var, chain: _Chain):
-        return self._record(chain, amx.Step(amx.CLIP, low=0.0), None) if tensor_dtype(current) == amx.WIDE else None
+        return self._record(chain, kernels.Step(kernels.CLIP, low=0.0), None) if tensor_dtype(current) == kernels.WIDE else None
 
     def _clip(self, value: relax.Call, current: relax.Var, chain: _Chain):
         _, low, high = value.args
-        if tensor_dtype(current) != amx.WIDE:
+        if tensor_dtype(current) != kernels.WIDE:
             return None
-        return self._record(chain, amx.Step(amx.CLIP, float(low.value), float(high.value)), None)
+        return self._record(chain, kernels.Step(kernels.CLIP, float(low.value), float(high.value)), None)
 
     def _astype(self, value: relax.Call, current: relax.Var, chain: _Chain):
         dtype = tensor_dtype(value)
-        if dtype == amx.WIDE:  # int32 or fp32 accumulators into fp32: the epilogue computes in fp32 anyway
+        if dtype == kernels.WIDE:  # int32 or fp32 accumulators into fp32: the epilogue computes in fp32 anyway
             chain.out_dtype = dtype
             return _ALIAS
-        if tensor_dtype(current) != amx.WIDE:
+        if tensor_dtype(current) != kernels.WIDE:
             return None
         chain.out_dtype = dtype
         return _END
@@ -162,7 +170,7 @@ class _ChainFinder:
         return _ALIAS if shape is not None and shape[-1:] == (chain.spec.out_channels,) else None
 
     @staticmethod
-    def _record(chain: _Chain, step: "amx.Step", operand: "relax.Expr | None"):
+    def _record(chain: _Chain, step: "kernels.Step", operand: "relax.Expr | None"):
         chain.steps.append(step)
         if operand is not None:
             chain.operands.append(operand)
@@ -192,12 +200,12 @@ class _Fuser(relax.PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit_output(fused) if leaves_block else self.builder_.emit(fused))
 
     def _fused_call(self, chain: _Chain) -> relax.Expr:
-        spec, out_dtype = chain.spec, chain.out_dtype or amx.PRODUCTS[chain.spec.data_dtype].acc_dtype
-        epilogue = amx.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
+        spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
+        epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
         operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in chain.operands]
-        gvar = self.builder_.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_amx_epilogue")
-        data, packed = (self.visit_expr(arg) for arg in chain.kernel.args[1].fields)
-        return relax.call_tir(gvar, [data, packed, *operands], relax.TensorType(spec.out_shape, out_dtype))
+        gvar = self.builder_.add_func(chain.make(spec, epilogue), "relay_amp_kernel_epilogue")
+        inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]
+        return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(spec.out_shape, out_dtype))
 
     def _as_output_shape(self, operand: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
         shape = tensor_shape(operand)
@@ -208,7 +216,7 @@ class _Fuser(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FuseKernelEpilogues")
 class FuseKernelEpilogues:
-    """Fuse the per-channel, residual, clamping, casting and reshaping ops after each AMX kernel into it."""
+    """Fuse the per-channel, residual, clamping, casting and reshaping ops after each kernel into it."""
 
     def __init__(self, func: str = "main"):
         self.func = func

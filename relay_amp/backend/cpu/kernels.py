@@ -18,6 +18,7 @@ packed weight.
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -38,6 +39,9 @@ RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule c
 SPEC_ANNOTATION = "relay_amp.conv_spec"
 _RULE_ATTRS = {"schedule_rule": RULE}
 OPAQUE_PATTERN = 8  # relax's kOpaque: FuseOps leaves the call alone
+FUSABLE_ATTR = "relay_amp.dot_spec"  # on a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
+WIDE = "float32"  # the dtype epilogues compute in
+BIAS, SCALE, RESIDUAL, CLIP = "bias", "scale", "residual", "clip"  # epilogue step kinds
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,52 @@ INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "av
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "avx512f")
 INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op of a kernel's epilogue: BIAS adds a per-channel fp32 operand, SCALE multiplies by one, RESIDUAL adds
+    an operand of the output's shape, CLIP clamps to [low, high]."""
+    kind: str
+    low: float = -math.inf
+    high: float = math.inf
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What a kernel does to each accumulator before it stores it: `steps` in order, in fp32, then a cast to
+    `out_dtype` ("": the accumulator's dtype). Every step but CLIP takes an operand, in order."""
+    steps: tuple[Step, ...] = ()
+    residual_dtype: str = ""
+    out_dtype: str = ""
+
+    @property
+    def operand_steps(self) -> list["Step"]:
+        """The steps that take an operand, in the order of the kernel's operand parameters."""
+        return [step for step in self.steps if step.kind != CLIP]
+
+    def apply(self, value: tvm.ir.Expr, out_dtype: str, operand_at) -> tvm.ir.Expr:
+        """The value stored for accumulator `value`; `operand_at(i, step)` loads operand i for this output element
+        (its channel's value for a per-channel step)."""
+        if not self.steps:
+            return value if str(value.ty) == out_dtype else tvm.tirx.Cast(out_dtype, value)
+        value, taken = tvm.tirx.Cast(WIDE, value), 0
+        for step in self.steps:
+            if step.kind == CLIP:
+                value = _clamped(value, step.low, step.high)
+                continue
+            operand = tvm.tirx.Cast(WIDE, operand_at(taken, step))
+            taken += 1
+            value = value * operand if step.kind == SCALE else value + operand
+        return tvm.tirx.Cast(out_dtype, value)
+
+
+def _clamped(value: tvm.ir.Expr, low: float, high: float) -> tvm.ir.Expr:
+    if low > -math.inf:
+        value = tvm.tirx.max(value, tvm.tirx.FloatImm(WIDE, low))
+    if high < math.inf:
+        value = tvm.tirx.min(value, tvm.tirx.FloatImm(WIDE, high))
+    return value
 
 
 def _description(dot: DotIntrin):
@@ -185,8 +235,9 @@ class ConvSpec:
         return self.data_dtype == "int8"
 
 
-def _compute(spec: ConvSpec) -> list:
-    """TE stages: [shift int8 to uint8,] the blocked dot product, the cast to the output dtype.
+def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
+    """TE stages: [shift int8 to uint8,] the blocked dot product, the output stage ([weight sums subtracted,]
+    `epilogue`, cast to the output dtype).
 
     A bf16 operand must be a parameter: TVM's bf16 legalization would store an intermediate bf16 buffer as fp32.
     """
@@ -210,25 +261,43 @@ def _compute(spec: ConvSpec) -> list:
         operand[b, y * stride_h + row, x * stride_w + col, chan].astype(dot.acc_dtype)
         * weight(b, o, row, col, chan).astype(dot.acc_dtype),
         axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: json.dumps(asdict(spec))})
-    if not spec.shifted:
-        return [data, packed, te.compute(spec.out_shape, lambda *i: acc[i].astype(spec.out_dtype), name="out",
-                                         attrs=_RULE_ATTRS)]
-    sums = te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
-                          "int32", "sums")
-    out = te.compute(spec.out_shape, lambda *i: (acc[i] - sums[(i[0], i[-1]) if spec.weight_batch else i[-1]])
-                     .astype(spec.out_dtype), name="out", attrs=_RULE_ATTRS)
-    return [data, packed, sums, out]
+    sums = [te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
+                           "int32", "sums")] if spec.shifted else []
+    operands = [te.placeholder(spec.out_shape if step.kind == RESIDUAL else (spec.out_channels,),
+                               epilogue.residual_dtype if step.kind == RESIDUAL else WIDE, f"operand{i}")
+                for i, step in enumerate(epilogue.operand_steps)]
+
+    def output(*i):
+        value = acc(*i) - sums[0](*((i[0], i[-1]) if spec.weight_batch else i[-1:])) if sums else acc(*i)
+        return epilogue.apply(value, epilogue.out_dtype or spec.out_dtype,
+                              lambda k, step: operands[k](*i) if step.kind == RESIDUAL else operands[k](i[-1]))
+
+    return [data, packed, *sums, *operands, te.compute(spec.out_shape, output, name="out", attrs=_RULE_ATTRS)]
 
 
-def conv2d_nhwc_compute(spec: ConvSpec) -> tvm.tirx.PrimFunc:
-    """The unscheduled kernel for `spec`: its blocks carry relay_amp's schedule rule, which MetaSchedule tunes
-    (`ApplyCustomRule`) and `DotKernelRule` applies untuned. It stays out of operator fusion."""
+def mark_fusable(func: tvm.tirx.PrimFunc, spec: ConvSpec, epilogue: Epilogue, attr: str) -> tvm.tirx.PrimFunc:
+    """`func` with `spec` under `attr` when it has no epilogue yet (FuseKernelEpilogues may give it one)."""
+    return func if epilogue != Epilogue() else func.with_attr(attr, json.dumps(asdict(spec)))
+
+
+def fusable_spec(func, attr: str) -> ConvSpec | None:
+    """The spec `mark_fusable` put on `func` under `attr`, None for any other function."""
+    if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None or attr not in func.attrs:
+        return None
+    return spec_from_json(str(func.attrs[attr]))
+
+
+def conv2d_nhwc_compute(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.PrimFunc:
+    """The unscheduled kernel for `spec` with `epilogue` in its output stage: its blocks carry relay_amp's schedule
+    rule, which MetaSchedule tunes (`ApplyCustomRule`) and `DotKernelRule` applies untuned. It stays out of
+    operator fusion. Parameters: data, packed weight, [weight sums,] the epilogue's operands, output."""
     if not supports(spec.out_channels, spec.data_shape[-1], spec.dot):
         raise DTypeError(f"kernel needs output channels divisible by {LANES} and input channels by "
                          f"{spec.dot.group}; got {spec.out_channels} and {spec.data_shape[-1]}")
-    sch = s_tir.Schedule(te.create_prim_func(_compute(spec)))
+    sch = s_tir.Schedule(te.create_prim_func(_compute(spec, epilogue)))
     sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's generic rules skip the function
-    return sch.mod["main"].without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
+    func = sch.mod["main"].without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
+    return mark_fusable(func, spec, epilogue, FUSABLE_ATTR)
 
 
 def conv2d_nhwc(spec: ConvSpec) -> tvm.tirx.PrimFunc:

@@ -26,7 +26,7 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Convolutions to NHWC (`conv_layout` overrides; None keeps the model's), fast math (unless turned off),
-    dot-product kernel dispatch and AMX epilogue fusion, then legalization and fusion.
+    dot-product kernel dispatch and kernel epilogue fusion, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -38,7 +38,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         WidenArithmetic(),
         *([FastMath()] if fast_math else []),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
-        *([FuseKernelEpilogues()] if amx.target_dtypes(target) else []),
+        *([FuseKernelEpilogues()] if dtypes else []),
         *fusion_passes(target),
     ], name="relay_amp_cpu_prepare")
 

@@ -52,7 +52,7 @@ def _spec() -> kernels.ConvSpec:
     return kernels.ConvSpec((1, 18, 18, 64), (3, 3), 64)
 
 
-def _expected(epilogue: amx.Epilogue, operands, residual_dtype: str = F32, reshape=None) -> tvm.IRModule:
+def _expected(epilogue: kernels.Epilogue, operands, residual_dtype: str = F32, reshape=None) -> tvm.IRModule:
     """main(x, r) as the pass should leave it: the padded input into one AMX kernel with `epilogue`."""
     x, r = tensor("x", SHAPE, BF16), tensor("r", SHAPE, residual_dtype)
     spec = _spec()
@@ -60,7 +60,7 @@ def _expected(epilogue: amx.Epilogue, operands, residual_dtype: str = F32, resha
     with bb.function("main", [x, r]):
         with bb.dataflow():
             padded = bb.emit(relax.op.nn.pad(x, [0, 0, 1, 1, 1, 1, 0, 0]))
-            gvar = bb.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_amx_epilogue")
+            gvar = bb.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_kernel_epilogue")
             packed = relax.const(kernels.pack_weight(WEIGHT, "HWIO", kernels.BF16_DOT))
             call = relax.call_tir(gvar, [padded, packed, *(operand(r) for operand in operands)],
                                   relax.TensorType(spec.out_shape, epilogue.out_dtype))
@@ -75,8 +75,8 @@ def test_bias_residual_relu_and_cast_become_the_kernels_epilogue():
         lambda v, r: relax.op.add(r, v),
         lambda v, r: relax.op.nn.relu(v),
         lambda v, r: relax.op.astype(v, BF16)))
-    steps = (amx.Step(amx.BIAS), amx.Step(amx.RESIDUAL), amx.Step(amx.CLIP, low=0.0))
-    expected = _expected(amx.Epilogue(steps, F32, BF16), [lambda r: relax.const(BIAS), lambda r: r])
+    steps = (kernels.Step(kernels.BIAS), kernels.Step(kernels.RESIDUAL), kernels.Step(kernels.CLIP, low=0.0))
+    expected = _expected(kernels.Epilogue(steps, F32, BF16), [lambda r: relax.const(BIAS), lambda r: r])
     assert_transforms(FuseKernelEpilogues(), before, expected)
     assert_transforms(relay_amp.transform.FuseKernelEpilogues(), before, expected)
 
@@ -86,8 +86,8 @@ def test_scale_and_clip_then_a_reshape_keeping_the_channels():
         lambda v, r: relax.op.multiply(relax.const(SCALE), v),
         lambda v, r: relax.op.clip(v, 0.0, 6.0),
         lambda v, r: relax.op.reshape(v, (256, 64))))
-    steps = (amx.Step(amx.SCALE), amx.Step(amx.CLIP, 0.0, 6.0))
-    expected = _expected(amx.Epilogue(steps, "", F32), [lambda r: relax.const(SCALE)], reshape=(256, 64))
+    steps = (kernels.Step(kernels.SCALE), kernels.Step(kernels.CLIP, 0.0, 6.0))
+    expected = _expected(kernels.Epilogue(steps, "", F32), [lambda r: relax.const(SCALE)], reshape=(256, 64))
     assert_transforms(FuseKernelEpilogues(), before, expected)
 
 
@@ -168,3 +168,26 @@ def test_int8_accumulators_are_dequantized_in_the_epilogue():
         got = run_executable(build(after, "cpu-amx"), [data])[0].astype(F32)
         expected = relay_amp.run(before, [data])[0].astype(F32)  # the generic build, unfused
         assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected))  # exact sums; one bf16 rounding apart
+
+
+def test_avx512_kernels_take_the_same_epilogue():
+    before = dispatch.UseDotKernels({BF16})(_chain_module(
+        lambda v, r: relax.op.add(v, relax.const(BIAS)),
+        lambda v, r: relax.op.add(v, r),
+        lambda v, r: relax.op.nn.relu(v),
+        lambda v, r: relax.op.astype(v, BF16)))
+    after = FuseKernelEpilogues()(before)
+    relax.analysis.well_formed(after)
+    (call,) = [b.value for b in after["main"].body.blocks[0].bindings
+               if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    epilogue = kernels.Epilogue((kernels.Step(kernels.BIAS), kernels.Step(kernels.RESIDUAL),
+                                 kernels.Step(kernels.CLIP, low=0.0)), F32, BF16)
+    spec = kernels.ConvSpec((1, 18, 18, 64), (3, 3), 64)
+    tvm.ir.assert_structural_equal(after[call.args[0]], kernels.conv2d_nhwc_compute(spec, epilogue))
+    if targets.host_supports("avx512_bf16"):
+        x = RNG.standard_normal(SHAPE).astype(ml_dtypes.bfloat16)
+        r = RNG.standard_normal(SHAPE).astype(F32)
+        got = run_executable(build(after, "cpu-avx512-bf16"), [x, r])[0].astype("float64")
+        conv = reference_conv(np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)]), WEIGHT.transpose(3, 2, 0, 1), spec)
+        expected = np.maximum(conv + BIAS + r, 0.0)
+        assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected) + 1e-4)
