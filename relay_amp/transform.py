@@ -12,5 +12,6 @@ from .passes.pooling import GlobalPoolWindows
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "Quantize",
-           "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels", "WidenArithmetic"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues",
+           "GlobalPoolWindows", "Quantize", "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels",
+           "WidenArithmetic"]

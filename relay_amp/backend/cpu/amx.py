@@ -239,22 +239,20 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     Tile t of an image starts at pixel t x tile_rows of the tile buffer flattened (row tiling: rows tile the
     output's width exactly; flat tiling: the tile buffer is as wide as the input, and pixels past the output's
     width or height are not stored), at (y, x) there, which reads the input from (y x stride, x x stride)."""
-    batch, data_rows, width, channels = tiles.data_shape
-    out_shape, (_, tile_width) = spec.out_shape, tiles.out_shape[1:3]
-    (kernel_h, kernel_w), (stride_h, stride_w) = spec.kernel_size, spec.strides
-    group, size, rows = 4 // product.element_bytes, product.element_bytes, tiles.tile_rows
-    positions, panels, block = batch * tiles.tiles_per_image, out_shape[3] // (PANELS * LANES), PANELS * LANES
+    batch, _, _, channels = tiles.data_shape
+    out_shape, tile_width = spec.out_shape, tiles.out_shape[2]
+    group, rows, block = 4 // product.element_bytes, tiles.tile_rows, PANELS * LANES
+    positions, panels = batch * tiles.tiles_per_image, out_shape[3] // block
     pairs = (positions + 1) // 2
-    chunks = _chunks(pairs, panels)
-    per_chunk = -(-pairs // chunks)
+    per_chunk = -(-pairs // _chunks(pairs, panels))
     chunks = -(-pairs // per_chunk)
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
             T.func_name("main")
             T.func_attr({"tirx.noalias": True})
             data = T.arg("data", T.Buffer(tiles.data_shape, spec.data_dtype))
-            packed = T.arg("packed", T.Buffer((out_shape[3] // LANES, kernel_h, kernel_w, channels // group, LANES,
-                                               group), spec.data_dtype if size == 2 else "int8"))
+            packed = T.arg("packed", T.Buffer((out_shape[3] // LANES, *spec.kernel_size, channels // group, LANES,
+                                               group), spec.data_dtype if group == 2 else "int8"))
             operands = [T.arg(f"operand{i}", T.Buffer(out_shape if step.kind == RESIDUAL else (out_shape[3],),
                                                       epilogue.residual_dtype if step.kind == RESIDUAL else WIDE))
                         for i, step in enumerate(epilogue.operand_steps)]
@@ -269,20 +267,28 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                                              T.int64(tiles.step_bytes)))
                     with T.serial(0, T.min(per_chunk, pairs - start)) as step:
                         first = (start + step) * 2
-                        tile_pair = (first, T.min(first + 1, positions - 1))
-                        pixels = [(p // tiles.tiles_per_image, p % tiles.tiles_per_image * rows) for p in tile_pair]
-                        T.evaluate(T.call_extern(
-                            "int32", product.symbol, T.address_of(acc[0, 0, 0]), T.address_of(acc[1, 0, 0]),
-                            *(T.address_of(data[image, pixel // tile_width * stride_h, pixel % tile_width * stride_w,
-                                                0]) for image, pixel in pixels),
-                            T.address_of(packed[panel * PANELS, 0, 0, 0, 0, 0]), T.int64(tiles.step_bytes),
-                            T.int64(stride_w * channels * size), T.int64(width * channels * size),
-                            T.int64(kernel_h), T.int64(tiles.row_bytes), T.int64(block * 4)))
+                        pixels = [(p // tiles.tiles_per_image, p % tiles.tiles_per_image * rows)
+                                  for p in (first, T.min(first + 1, positions - 1))]
+                        T.evaluate(_block_call(spec, product, tiles, acc, [
+                            data[image, pixel // tile_width * spec.strides[0], pixel % tile_width * spec.strides[1], 0]
+                            for image, pixel in pixels], packed[panel * PANELS, 0, 0, 0, 0, 0]))
                         for tile, (image, pixel) in enumerate(pixels):
                             _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, panel * block),
                                         rows)
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_release"))
     return builder.get()
+
+
+def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_inputs: list, weight_panel):
+    """The LLVM call of one block: two pixel tiles (their first input elements) x one weight panel pair into the
+    scratch accumulator `acc`."""
+    width, channels = tiles.data_shape[2:]
+    return T.call_extern(
+        "int32", product.symbol, T.address_of(acc[0, 0, 0]), T.address_of(acc[1, 0, 0]),
+        *(T.address_of(element) for element in first_inputs), T.address_of(weight_panel),
+        T.int64(tiles.step_bytes), T.int64(spec.strides[1] * channels * product.element_bytes),
+        T.int64(width * channels * product.element_bytes), T.int64(spec.kernel_size[0]), T.int64(tiles.row_bytes),
+        T.int64(PANELS * LANES * 4))
 
 
 def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tuple, rows: int) -> None:

@@ -9,6 +9,7 @@ dtypes and reshapes that keep the channel axis, and rebuilds the kernel with the
 (`kernels.Epilogue`): each tile is finished in registers and stored once, in its final dtype.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,7 @@ class _Chain:
     """A kernel call and the ops after it that its epilogue takes over."""
     kernel: relax.Call
     spec: kernels.ConvSpec
-    make: object  # the kernel's builder: (spec, epilogue) -> PrimFunc
+    make: Callable[[kernels.ConvSpec, kernels.Epilogue], tvm.tirx.PrimFunc]  # builds the kernel with an epilogue
     steps: list = field(default_factory=list)  # kernels.Step per op
     operands: list = field(default_factory=list)  # the steps' operand expressions
     residual_dtype: str = ""
@@ -52,7 +53,7 @@ def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
 
 
 class _ChainFinder:
-    """Walks each AMX kernel's result through the bindings that read it alone, in binding order."""
+    """Walks each kernel's result through the bindings that read it alone, in binding order."""
 
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         self.mod = mod
@@ -147,7 +148,9 @@ class _ChainFinder:
         return self._record(chain, kernels.Step(kernels.SCALE), relax.const(constant))
 
     def _relu(self, value: relax.Call, current: relax.Var, chain: _Chain):
-        return self._record(chain, kernels.Step(kernels.CLIP, low=0.0), None) if tensor_dtype(current) == kernels.WIDE else None
+        if tensor_dtype(current) != kernels.WIDE:
+            return None
+        return self._record(chain, kernels.Step(kernels.CLIP, low=0.0), None)
 
     def _clip(self, value: relax.Call, current: relax.Var, chain: _Chain):
         _, low, high = value.args
