@@ -206,7 +206,7 @@ class _Fuser(relax.PyExprMutator):
         spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
         epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
         operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in chain.operands]
-        gvar = self.builder_.add_func(chain.make(spec, epilogue), "relay_amp_kernel_epilogue")
+        gvar = self.builder_.add_func(chain.make(spec, epilogue), "relay_amp_dot_kernel")
         inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]
         return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(spec.out_shape, out_dtype))
 

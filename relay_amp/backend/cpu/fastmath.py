@@ -21,6 +21,11 @@ FAST_DTYPES = ("float32", *LOW_FLOAT_DTYPES)
 WIDE = "float32"  # the only dtype TVM's fast_* functions are fast in
 # FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
 WIDENED_OPS = ("relax.erf", "relax.exp", "relax.tanh")
+SMALL_POWERS = {  # constant exponents computed without pow
+    2.0: lambda x: relax.op.multiply(x, x),
+    3.0: lambda x: relax.op.multiply(relax.op.multiply(x, x), x),
+    0.5: relax.op.sqrt,
+}
 
 
 def _const(value: float) -> "tvm.tirx.PrimExpr":
@@ -65,11 +70,16 @@ def _in_fp32(formula):
 
 @relax.expr_functor.mutator
 class _FastMathRewriter(relax.PyExprMutator):
-    """Replaces GELU, SiLU and sigmoid by fast fp32 TE functions and widens low-precision erf/exp/tanh."""
+    """Replaces GELU, SiLU and sigmoid by fast fp32 TE functions, widens low-precision erf/exp/tanh and turns small
+    constant powers into multiplies."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        if not isinstance(new_call.op, tvm.ir.Op) or len(new_call.args) != 1:
+        if not isinstance(new_call.op, tvm.ir.Op):
+            return new_call
+        if new_call.op.name == "relax.power":
+            return self._small_power(new_call)
+        if len(new_call.args) != 1:
             return new_call
         name, dtype = new_call.op.name, tensor_dtype(new_call.args[0])
         if dtype not in FAST_DTYPES:
@@ -82,10 +92,22 @@ class _FastMathRewriter(relax.PyExprMutator):
             return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
         return new_call
 
+    def _small_power(self, call: relax.Call) -> relax.Expr:
+        """x ** 2 and x ** 3 (a tanh-GELU's cube, a variance's square) as multiplies, x ** 0.5 as sqrt: LLVM
+        calls libm's scalar pow for every element (1.5 ms for a 64x3072 cube against 0.07 ms multiplied)."""
+        base, exponent = call.args
+        if tensor_dtype(base) not in FAST_DTYPES or not isinstance(exponent, tvm.ir.expr.Constant):
+            return call
+        values = exponent.value.numpy()
+        if values.size != 1 or float(values.reshape(-1)[0]) not in SMALL_POWERS:
+            return call
+        return SMALL_POWERS[float(values.reshape(-1)[0])](base)
+
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FastMath")
 class FastMath:
-    """Rewrite GELU, SiLU, sigmoid, erf, exp, tanh and softmax into TVM's vectorizable fp32 approximations."""
+    """Rewrite GELU, SiLU, sigmoid, erf, exp, tanh and softmax into TVM's vectorizable fp32 approximations, and
+    powers by 2, 3 and 0.5 into multiplies and sqrt."""
 
     def __init__(self, func: str = "main"):
         self.func = func

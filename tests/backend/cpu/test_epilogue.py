@@ -60,7 +60,7 @@ def _expected(epilogue: kernels.Epilogue, operands, residual_dtype: str = F32, r
     with bb.function("main", [x, r]):
         with bb.dataflow():
             padded = bb.emit(relax.op.nn.pad(x, [0, 0, 1, 1, 1, 1, 0, 0]))
-            gvar = bb.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_kernel_epilogue")
+            gvar = bb.add_func(amx.conv2d_nhwc(spec, epilogue), "relay_amp_dot_kernel")
             packed = relax.const(kernels.pack_weight(WEIGHT, "HWIO", kernels.BF16_DOT))
             call = relax.call_tir(gvar, [padded, packed, *(operand(r) for operand in operands)],
                                   relax.TensorType(spec.out_shape, epilogue.out_dtype))

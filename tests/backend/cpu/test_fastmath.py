@@ -121,3 +121,23 @@ def test_fast_functions_match_the_exact_ones_in_every_float_dtype(name, dtype):
     # each value within its dtype's rounding, plus the fp32 polynomial's error (TOLERANCE of the largest value)
     bound = RELATIVE[dtype] * np.abs(expected) + TOLERANCE * np.abs(expected).max()
     assert np.all(np.abs(got.astype("float64") - expected) <= bound)
+
+
+@pytest.mark.parametrize("exponent,expected_ops", [
+    (2.0, ["relax.multiply"]), (3.0, ["relax.multiply", "relax.multiply"]), (0.5, ["relax.sqrt"]),
+    (1.7, ["relax.power"]),  # other exponents keep pow
+])
+def test_small_constant_powers_become_multiplies(exponent, expected_ops):
+    def power(x):
+        return relax.op.power(x, relax.const(exponent, "float32"))
+
+    before = single_output_module(power, tensor("x", (4, 64)))
+    text = before.script()
+    after = fastmath.FastMath()(before)
+    relax.analysis.well_formed(after)
+    assert before.script() == text, "the pass mutated its input module"
+    ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert ops == expected_ops
+    x = np.linspace(0.1, 4, 256, dtype="float32").reshape(4, 64)
+    got = run_executable(build(before, "cpu"), [x])[0]
+    np.testing.assert_allclose(got, x.astype("float64") ** exponent, rtol=1e-6)  # one or two fp32 roundings
