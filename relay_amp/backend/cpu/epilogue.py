@@ -20,8 +20,7 @@ from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, te
 from . import amx, kernels
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-_ALIAS = object()  # a step that only renames or reshapes the value
-_END = object()  # a cast to a narrower float: the chain's last step
+_ALIAS = object()  # a step that only renames, reshapes or casts the value
 
 
 # the attribute that marks a kernel without an epilogue -> the function that builds it with one
@@ -98,8 +97,6 @@ class _ChainFinder:
                 break
             chain.absorbed.append(binding.var)
             current = binding.var
-            if step is _END:
-                break
         chain.absorbed.pop()  # the last var is the chain's result: the fused call binds it
         if current is var or not (chain.steps or chain.out_dtype):
             return
@@ -159,14 +156,13 @@ class _ChainFinder:
         return self._record(chain, kernels.Step(kernels.CLIP, float(low.value), float(high.value)), None)
 
     def _astype(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        """A cast to fp32 goes on in fp32 (from int32 accumulators, or back from a narrow cast only it reads: TVM
+        dropped such a round trip inside one function too); a narrow cast is stored unless a cast back follows."""
         dtype = tensor_dtype(value)
-        if dtype == kernels.WIDE:  # int32 or fp32 accumulators into fp32: the epilogue computes in fp32 anyway
-            chain.out_dtype = dtype
-            return _ALIAS
-        if tensor_dtype(current) != kernels.WIDE:
+        if dtype != kernels.WIDE and tensor_dtype(current) != kernels.WIDE:
             return None
         chain.out_dtype = dtype
-        return _END
+        return _ALIAS
 
     def _reshape(self, value: relax.Call, current: relax.Var, chain: _Chain):
         shape = tensor_shape(value)

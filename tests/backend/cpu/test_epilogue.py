@@ -191,3 +191,14 @@ def test_avx512_kernels_take_the_same_epilogue():
         conv = reference_conv(np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)]), WEIGHT.transpose(3, 2, 0, 1), spec)
         expected = np.maximum(conv + BIAS + r, 0.0)
         assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected) + 1e-4)
+
+
+def test_a_bf16_round_trip_read_only_by_its_cast_back_stays_in_fp32():
+    before = _dispatched(_chain_module(
+        lambda v, r: relax.op.add(v, relax.const(BIAS)),
+        lambda v, r: relax.op.astype(v, BF16),
+        lambda v, r: relax.op.astype(v, F32),  # TVM dropped this rounding inside one fused function too
+        lambda v, r: relax.op.add(v, r)))
+    steps = (kernels.Step(kernels.BIAS), kernels.Step(kernels.RESIDUAL))
+    expected = _expected(kernels.Epilogue(steps, F32, F32), [lambda r: relax.const(BIAS), lambda r: r])
+    assert_transforms(FuseKernelEpilogues(), before, expected)
