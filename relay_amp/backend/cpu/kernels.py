@@ -11,6 +11,10 @@ compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` 
 Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
 fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic.
 
+`Epilogue` lists the elementwise ops a kernel applies to its accumulators as it stores them (bias, scale,
+residual add, clamp, cast): `conv2d_nhwc_compute` puts them in its output stage, `amx` in its tile write-back,
+and `relay_amp.backend.cpu.epilogue` fuses them from the graph.
+
 `conv2d_nhwc_compute` is the kernel before scheduling, its blocks annotated for relay_amp's schedule rule:
 MetaSchedule (`ApplyCustomRule`) samples the register tile around the intrinsic, `DotKernelRule` gives the
 default tile to an untuned build. `relay_amp.backend.cpu.amx` computes the same convolutions on AMX tiles, over the same
@@ -103,7 +107,7 @@ class Epilogue:
     """What a kernel does to each accumulator before it stores it: `steps` in order, in fp32, then a cast to
     `out_dtype` ("": the accumulator's dtype). Every step but CLIP takes an operand, in order."""
     steps: tuple[Step, ...] = ()
-    residual_dtype: str = ""
+    residual_dtype: str = ""  # the RESIDUAL operand's dtype, read and widened to fp32
     out_dtype: str = ""
 
     @property
