@@ -146,17 +146,17 @@ exit:
 
 @dataclass(frozen=True)
 class Tiling:
-    """How a convolution maps onto pixel tiles, and the buffer shapes the kernel takes for it.
+    """How a convolution maps onto pixel tiles, and the input buffer shape the kernel takes for it.
 
     Row tiling: a tile is `tile_rows` pixels of one output row. Flat tiling (stride 1 only): a tile is 16
     consecutive pixels of the output flattened over the input's width, whose pixels are C apart in the input
-    too; the columns past the output's width are computed into a wider output buffer (sliced off after), and
-    the input gets zero rows at the bottom for the last tile to read.
+    too; the columns past the output's width are computed but not stored (the epilogue skips them), and the
+    input gets zero rows at the bottom for the last tile to read.
     """
     tile_rows: int
     tiles_per_image: int
     data_shape: tuple[int, int, int, int]  # the input buffer: the spec's, plus any zero rows
-    out_shape: tuple[int, int, int, int]  # the output buffer: the spec's, or wider and taller for flat tiling
+    out_shape: tuple[int, int, int, int]  # the output as the tiles number it: the spec's, or input-wide (flat)
     step_bytes: int  # K bytes per tdp step
     row_bytes: int  # K bytes per kernel row: KW x C elements
 
