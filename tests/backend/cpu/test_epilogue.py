@@ -202,3 +202,8 @@ def test_a_bf16_round_trip_read_only_by_its_cast_back_stays_in_fp32():
     steps = (kernels.Step(kernels.BIAS), kernels.Step(kernels.RESIDUAL))
     expected = _expected(kernels.Epilogue(steps, F32, F32), [lambda r: relax.const(BIAS), lambda r: r])
     assert_transforms(FuseKernelEpilogues(), before, expected)
+
+
+def test_a_function_the_module_lacks_is_a_module_error():
+    with pytest.raises(relay_amp.ModuleError, match="no Relax function 'forward'"):
+        FuseKernelEpilogues(func="forward")(_chain_module(lambda v, r: relax.op.nn.relu(v)))
