@@ -24,6 +24,7 @@ from .passes.layout import LayoutConfig
 from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
 from .passes.ranges import RangeStats, calibrate
 from .passes.recast import recast
+from .passes.weight_only import quantize_weights
 from .runtime import run
 from .serialization import load, save
 from .tools import digits, metrics, models
@@ -67,6 +68,7 @@ __all__ = [
     "precision_plan",
     "quant_plan",
     "quantize",
+    "quantize_weights",
     "realize_qdq",
     "recast",
     "run",

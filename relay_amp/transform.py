@@ -3,6 +3,7 @@
 from .backend.cpu.dispatch import UseDotKernels
 from .backend.cpu.epilogue import FuseKernelEpilogues
 from .backend.cpu.fastmath import FastMath
+from .backend.cpu.int4 import UsePackedInt4Kernels
 from .backend.cpu.widen import WidenArithmetic
 from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
@@ -11,7 +12,8 @@ from .passes.layout import ConvertLayout
 from .passes.pooling import GlobalPoolWindows
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
+from .passes.weight_only import QuantizeWeights
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues",
-           "GlobalPoolWindows", "Quantize", "RealizeQDQ", "Recast", "ToMixedPrecision", "UseDotKernels",
-           "WidenArithmetic"]
+           "GlobalPoolWindows", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "ToMixedPrecision",
+           "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]

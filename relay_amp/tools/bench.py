@@ -19,6 +19,7 @@ from ..passes.amp import to_mixed_precision
 from ..passes.layers import list_layers
 from ..passes.quantize import quantize
 from ..passes.recast import recast
+from ..passes.weight_only import quantize_weights
 from ..runtime import run_executable, virtual_machine
 from ..targets import host_cores
 from . import pytorch
@@ -27,6 +28,7 @@ from .models import example_inputs
 
 BASELINE = "float32"
 QUANTIZED = "int8q"  # calibrated int8 (quantize), beside recast's int8
+WEIGHT_ONLY = "int4w"  # bf16 activations (AMP) and int4 weights, packed (quantize_weights)
 INT8_OPS = ("relax.nn.conv2d", "relax.matmul")
 # --layout: the backend's choice (auto), a data layout to force, or the model's own (keep)
 LAYOUTS = {AUTO: AUTO, "NHWC": "NHWC", "NCHW": "NCHW", "keep": None}
@@ -47,7 +49,8 @@ class BenchRow:
 def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) -> tvm.IRModule:
     """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast,
     int8q by quantize on `calibration` (input batches; random ones by default), with per-row activation scales
-    computed at run time for the matmuls of models without convolutions (transformers).
+    computed at run time for the matmuls of models without convolutions (transformers), int4w as bf16 AMP with
+    the constant-weight matmuls' weights int4 (quantize_weights).
 
     int8 is TVM's recast experiment (convs and matmuls in int8 accumulating in int32, values cast, not
     calibrated), so its error column measures the casts, not a quantized model's accuracy; int8q is calibrated.
@@ -56,6 +59,8 @@ def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) 
         return mod
     if dtype == "int8":
         return recast(mod, "int8", "int32", ops=INT8_OPS)
+    if dtype == WEIGHT_ONLY:
+        return quantize_weights(to_mixed_precision(mod, "bfloat16"))
     if dtype == QUANTIZED:
         convolutional = bool(list_layers(mod, ["relax.nn.conv2d"]))  # else a transformer: per-row scales pay
         return quantize(mod, random_batches(mod) if calibration is None else calibration,

@@ -22,7 +22,7 @@ from .bench import LAYOUTS, benchmark, format_rows, rows_to_json, variant
 from .calibration import load_batches, random_batches
 from .profile import format_profile, profile, profile_to_json
 
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "int8q": "int8q"}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "int8q": "int8q", "int4w": "int4w"}
 
 
 def load_model(spec: str, batch: int = 1) -> tvm.IRModule:
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
                   target=True)
-    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8,int8q")
+    bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8,int8q,int4w")
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
     bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")

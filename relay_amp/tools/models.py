@@ -144,6 +144,19 @@ def matmul(batch: int = 1, size: int = 1024, seed: int = 0) -> tvm.IRModule:
     return bb.get()
 
 
+def linear(batch: int = 1, size: int = 4096, seed: int = 0) -> tvm.IRModule:
+    """One batch x size by size x size projection against a constant weight: a transformer layer at decode time
+    (batch-1 rows), where reading the weight sets the speed."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((batch, size), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            net = _Weights(bb, seed)
+            out = bb.emit_output(R.matmul(x, net.const((size, size), np.sqrt(1.0 / size))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def resnet18_conv(batch: int = 1, channels: int = 128, image_size: int = 28, seed: int = 0) -> tvm.IRModule:
     """One 3x3 conv layer of ResNet-18's second stage (128 channels at 28x28) with its ReLU."""
     bb = relax.BlockBuilder()
@@ -162,6 +175,7 @@ MODELS: dict[str, Callable[..., tvm.IRModule]] = {
     "resnet18_conv": resnet18_conv,
     "bert": bert_encoder,
     "matmul": matmul,
+    "linear": linear,
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import relay_amp
 from relay_amp import models
-from relay_amp.tools.bench import benchmark, format_rows, rows_to_json
+from relay_amp.tools.bench import benchmark, format_rows, rows_to_json, variant
 from relay_amp.tools.cli import main
 
 
@@ -70,3 +70,10 @@ def test_int8q_is_calibrated_and_close_to_fp32_where_int8_recast_is_not():
     rows = benchmark(mod, ["int8", "int8q"], "cpu", repeat=2)
     errors = {r.dtype: r.max_rel_error for r in rows}
     assert errors["int8q"] < 0.05 < errors["int8"]
+
+
+def test_int4w_packs_the_weights_of_bf16_matmuls_and_keeps_int4_error():
+    mod = models.linear(size=256)
+    assert "relay_amp_int4_matmul" in variant(mod, "int4w").script()
+    (_, row) = benchmark(mod, ["int4w"], "cpu", repeat=2)
+    assert row.dtype == "int4w" and 0.01 < row.max_rel_error < 0.3  # int4 rounding of Gaussian weights

@@ -15,6 +15,7 @@ from relay_amp import models
         ("small_cnn", {"batch": 2}, (2, 10)),
         ("resnet18", {"image_size": 32, "classes": 7}, (1, 7)),
         ("bert", {"seq_len": 16, "layers": 2}, (1, 16, 256)),
+        ("linear", {"batch": 2, "size": 64}, (2, 64)),
     ],
 )
 def test_model_is_deterministic_well_formed_and_runs(name, options, out_shape):

@@ -11,6 +11,7 @@ from . import amx
 from .dispatch import UseDotKernels, target_dtypes
 from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
+from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
 from .schedules import default_schedule, default_schedules
 from .widen import WidenArithmetic
@@ -26,7 +27,7 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Convolutions to NHWC (`conv_layout` overrides; None keeps the model's), fast math (unless turned off),
-    dot-product kernel dispatch and kernel epilogue fusion, then legalization and fusion.
+    dot-product kernel dispatch, kernel epilogue fusion and packed int4 kernels, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -39,6 +40,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         *([FastMath()] if fast_math else []),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *([FuseKernelEpilogues()] if dtypes else []),
+        UsePackedInt4Kernels(target),
         *fusion_passes(target),
     ], name="relay_amp_cpu_prepare")
 

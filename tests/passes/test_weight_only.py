@@ -1,0 +1,117 @@
+"""quantize_weights: constant-weight matmuls read int4 weights, eight codes per uint32, with per-group scales."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp.passes import weight_only
+from relay_amp.passes.weight_only import PackedSpec, QuantizeWeights, pack_int4, quantize_int4, quantize_weights, unpack_int4
+
+from builders import single_output_module, tensor
+from pass_checks import assert_transforms
+
+RNG = np.random.default_rng(0)
+DEPTH, COLUMNS, GROUP = 64, 32, 32
+WEIGHT = RNG.standard_normal((DEPTH, COLUMNS)).astype("float32")
+
+
+def _matmul_module(data_shape=(2, 3, DEPTH), weight=WEIGHT, dtype="float32") -> tvm.IRModule:
+    return single_output_module(lambda x: relax.op.matmul(x, relax.const(weight)), tensor("x", data_shape, dtype))
+
+
+def _dequantized(weight: np.ndarray, group: int = GROUP) -> np.ndarray:
+    codes, scales = quantize_int4(weight, group)
+    depth, columns = weight.shape
+    return (codes.reshape(depth // group, group, columns) * scales[:, None]).reshape(depth, columns)
+
+
+def test_packing_round_trips_every_code():
+    codes = RNG.integers(-8, 8, (256, 48)).astype("int8")
+    codes[0, 0], codes[1, 0] = -8, 7
+    packed = pack_int4(codes)
+    assert packed.dtype == np.uint32 and packed.shape == (3, 32, 16)
+    np.testing.assert_array_equal(unpack_int4(packed), codes)
+
+
+def test_packing_puts_even_rows_low_and_odd_rows_high():
+    codes = np.full((8, 16), -8, "int8")  # nibble 0 everywhere
+    codes[2, 0], codes[3, 0] = -7, -6  # rows 2 and 3: pair 1, low and high half
+    assert pack_int4(codes)[0, 0, 0] == (1 << 4) | (2 << 20)
+
+
+def test_codes_are_symmetric_per_group_and_column():
+    weight = RNG.standard_normal((64, 16)).astype("float32")
+    weight[:32, 3] = 0.0  # an all-zero group keeps scale 1 and codes 0
+    codes, scales = quantize_int4(weight, 32)
+    assert codes.min() >= -8 and codes.max() <= 7 and scales.shape == (2, 16)
+    assert scales[0, 3] == 1.0 and not codes[:32, 3].any()
+    np.testing.assert_allclose(np.abs(codes.reshape(2, 32, 16)).max(axis=1)[scales != 1.0], 7)
+    assert np.abs(_dequantized(weight, 32) - weight).max() <= scales.max() / 2 + 1e-6
+
+
+def _expected(weight: np.ndarray, spec: PackedSpec, batch: tuple) -> tvm.IRModule:
+    codes, scales = quantize_int4(weight, spec.group_size)
+    x = tensor("x", (*batch, spec.depth), spec.data_dtype)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.reshape(x, (spec.rows, spec.depth)))
+            gvar = bb.add_func(weight_only.reference_kernel(spec), "relay_amp_int4_matmul")
+            product = bb.emit(relax.call_tir(gvar, [rows, relax.const(pack_int4(codes)), relax.const(scales)],
+                                             relax.TensorType((spec.rows, spec.columns), spec.out_dtype)))
+            out = bb.emit_output(relax.op.reshape(product, (*batch, spec.columns)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_constant_weight_matmul_becomes_a_packed_kernel_call():
+    before = _matmul_module()
+    spec = PackedSpec(6, DEPTH, COLUMNS, GROUP, "float32", "float32")
+    assert_transforms(QuantizeWeights(group_size=GROUP), before, _expected(WEIGHT, spec, (2, 3)))
+
+
+def test_after_amp_the_bf16_weight_is_packed_and_the_fp32_output_kept():
+    before = relay_amp.to_mixed_precision(_matmul_module(data_shape=(1, DEPTH)), "bfloat16")
+    after = quantize_weights(before, group_size=GROUP)
+    (func,) = [f for _, f in after.functions_items() if weight_only.spec_of(f) is not None]
+    assert weight_only.spec_of(func) == PackedSpec(1, DEPTH, COLUMNS, GROUP, "bfloat16", "float32")
+
+
+@pytest.mark.parametrize("before", [
+    single_output_module(relax.op.matmul, tensor("x", (4, DEPTH)), tensor("w", (DEPTH, COLUMNS))),  # runtime weight
+    _matmul_module(),  # depth 64: not in groups of the default 128 rows
+    _matmul_module(weight=WEIGHT[:, :24]),  # columns off the 16-column blocks
+], ids=["runtime-weight", "depth", "columns"])
+def test_matmuls_it_cannot_pack_are_left_alone(before):
+    assert_transforms(QuantizeWeights(), before, before)
+
+
+def test_excluded_layers_are_left_alone():
+    before = _matmul_module()
+    assert_transforms(QuantizeWeights(group_size=GROUP, excluded_layers=[0]), before, before)
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"dtype": "int8"}, relay_amp.DTypeError),
+    ({"group_size": 12}, relay_amp.OptionError),
+    ({"group_size": True}, relay_amp.OptionError),
+    ({"ops": ["relax.nn.conv2d"]}, relay_amp.OptionError),
+    ({"excluded_layers": [3]}, relay_amp.LayerIndexError),
+])
+def test_bad_options_are_relay_amp_errors_naming_them(options, error):
+    with pytest.raises(error):
+        quantize_weights(_matmul_module(), **options)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_outputs_equal_the_dequantized_weights_product_on_the_vm(dtype):
+    mod = relay_amp.to_mixed_precision(_matmul_module(), dtype) if dtype != "float32" else _matmul_module()
+    x = RNG.standard_normal((2, 3, DEPTH)).astype("float32")
+    got = relay_amp.run(quantize_weights(mod, group_size=GROUP), [x])[0]
+    weight = WEIGHT.astype(ml_dtypes.bfloat16).astype("float32") if dtype == "bfloat16" else WEIGHT
+    data = x.astype(ml_dtypes.bfloat16).astype("float32") if dtype == "bfloat16" else x
+    expected = data @ _dequantized(weight)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
