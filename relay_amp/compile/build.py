@@ -6,10 +6,9 @@ import os
 import tvm
 from tvm import relax
 
-from .._ir import is_sub_byte, tensor_dtype
 from ..backend import pipeline_for
 from ..backend.fusion import AUTO
-from ..errors import DTypeError, TargetError, TuningError
+from ..errors import TargetError, TuningError
 from ..targets import check_host, get_target
 from .tuning import load_database, prepared_records
 
@@ -28,7 +27,6 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     edges; CUDA: as the model has it); a data layout such as "NCHW" forces one, None keeps the model's.
     """
     check_host(target)
-    _reject_sub_byte_tensors(mod)
     tgt = get_target(target)
     database = None if tune_logs is None else load_database(tune_logs)
     with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
@@ -37,19 +35,6 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
         if database is not None:
             _require_records(prepared_records(database, prepared, tgt), tune_logs)
         return relax.build(prepared, target=tgt, relax_pipeline=backend.lowering_passes(tgt, database is not None))
-
-
-def _reject_sub_byte_tensors(mod: tvm.IRModule) -> None:
-    """TVM 0.27 cannot compile int4/uint4 tensors: folding a constant into one corrupts the heap and the CUDA
-    codegen has no type for its vectors. Refuse them here instead of crashing the process later."""
-    for gvar, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            found = []
-            relax.analysis.post_order_visit(func, lambda expr: found.append(tensor_dtype(expr)))
-            sub_byte = sorted({dtype for dtype in found if dtype and is_sub_byte(dtype)})
-            if sub_byte:
-                raise DTypeError(f"{gvar.name_hint} holds {'/'.join(sub_byte)} tensors, which TVM 0.27 cannot "
-                                 "compile (see README, 'int4'): recast to int8 for a build")
 
 
 def _require_records(count: int, tune_logs) -> None:

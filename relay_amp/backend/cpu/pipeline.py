@@ -6,6 +6,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 from ...passes.layout import conv_layout_passes
+from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, fusion_passes
 from . import amx
 from .dispatch import UseDotKernels, target_dtypes
@@ -26,8 +27,9 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Convolutions to NHWC (`conv_layout` overrides; None keeps the model's), fast math (unless turned off),
-    dot-product kernel dispatch, kernel epilogue fusion and packed int4 kernels, then legalization and fusion.
+    """int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC (`conv_layout` overrides; None
+    keeps the model's), fast math (unless turned off), dot-product kernel dispatch, kernel epilogue fusion and
+    packed int4 kernels, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -35,6 +37,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     """
     dtypes = target_dtypes(target)
     return tvm.transform.Sequential([
+        HoldSubByteInBytes(),
         *layout_passes(conv_layout),
         WidenArithmetic(),
         *([FastMath()] if fast_math else []),

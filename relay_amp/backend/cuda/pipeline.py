@@ -6,6 +6,7 @@ from tvm import relax
 from tvm.relax.backend.cuda import pipeline as cuda_lowering
 
 from ...passes.layout import conv_layout_passes
+from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, fusion_passes
 from .tensorcore import gpu_schedules
 
@@ -17,9 +18,10 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Legalization and fusion; convolutions keep their layout unless `conv_layout` names one (the tensor-core
-    rule takes NCHW, NHWC and HWNC). `fast_math` is a CPU option: CUDA's exact functions are already fast."""
-    return tvm.transform.Sequential([*layout_passes(conv_layout), *fusion_passes(target)],
+    """int4 values held in int8, legalization and fusion; convolutions keep their layout unless `conv_layout` names
+    one (the tensor-core rule takes NCHW, NHWC and HWNC). `fast_math` is a CPU option: CUDA's exact functions are
+    already fast."""
+    return tvm.transform.Sequential([HoldSubByteInBytes(), *layout_passes(conv_layout), *fusion_passes(target)],
                                     name="relay_amp_cuda_prepare")
 
 
