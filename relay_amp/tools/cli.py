@@ -20,6 +20,10 @@ from ..targets import host_cores, host_preset
 from . import models
 from .bench import LAYOUTS, benchmark, format_rows, rows_to_json, variant
 from .calibration import load_batches, random_batches
+from .gpu_check import MODELS as GPU_MODELS
+from .gpu_check import VARIANTS as GPU_VARIANTS
+from .gpu_check import format_rows as format_gpu_rows
+from .gpu_check import gpu_check
 from .profile import format_profile, profile, profile_to_json
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "int8q": "int8q", "int4w": "int4w"}
@@ -209,6 +213,13 @@ def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None
     return parser
 
 
+def _cmd_gpu_check(args: argparse.Namespace) -> None:
+    rows = gpu_check(args.models, args.variants, args.repeat, args.results)
+    print(format_gpu_rows(rows))
+    if args.results:
+        print(f"wrote {args.results}/gpu_check.json and gpu_check.md")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the relay-amp command."""
     parser = argparse.ArgumentParser(prog="relay-amp", description=__doc__)
@@ -282,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--top", type=int, default=20, help="rows to print")
     pf.add_argument("--layout", choices=list(LAYOUTS), default="auto", help="conv layout, as for bench")
     pf.add_argument("--json", action="store_true", help="print JSON (every row) instead of a table")
+
+    gc = commands.add_parser("gpu-check", help="build, run and time the CUDA path on this machine's NVIDIA GPU")
+    gc.add_argument("--models", type=_op_list, default=list(GPU_MODELS), help="built-in models, e.g. resnet18,bert")
+    gc.add_argument("--variants", type=_op_list, default=list(GPU_VARIANTS), help="e.g. float16,int8,int4")
+    gc.add_argument("--repeat", type=int, default=20, help="timed runs per variant")
+    gc.add_argument("--results", help="write gpu_check.json and gpu_check.md into this directory")
+    gc.set_defaults(run=_cmd_gpu_check)
     return parser
 
 

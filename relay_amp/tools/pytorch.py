@@ -42,7 +42,8 @@ def avoid_broken_onednn_amx() -> bool:
     return True
 
 
-def _torch():
+def load_torch():
+    """The torch module, imported with oneDNN kept off broken AMX; MissingDependencyError without torch."""
     try:
         import torch  # pylint: disable=import-outside-toplevel
     except ImportError as err:
@@ -82,7 +83,7 @@ def _bert(torch, hidden: int = 256, heads: int = 4, layers: int = 4, vocab: int 
 
 def twin(name: str, batch: int = 1):
     """The PyTorch twin of built-in model `name` in eval mode, and an input for it."""
-    torch = _torch()
+    torch = load_torch()
     nn = torch.nn
     builders = {
         "matmul": lambda: (nn.Linear(1024, 1024, bias=False), torch.randn(batch * 1024, 1024)),
@@ -99,7 +100,7 @@ def twin(name: str, batch: int = 1):
 
 def channels_last(module, inputs: list) -> tuple:
     """`module` (converted in place) and its image `inputs` in channels_last: PyTorch's fastest bf16 CNN layout."""
-    torch = _torch()
+    torch = load_torch()
     return (module.to(memory_format=torch.channels_last),
             [x.contiguous(memory_format=torch.channels_last) for x in inputs])
 
@@ -116,7 +117,7 @@ def time_twin(name: str, dtype: str, threads: int, batch: int = 1, repeat: int =
     """Median milliseconds of the PyTorch twin of `name` in `dtype` on `threads` CPU threads."""
     if dtype not in TORCH_DTYPES:
         raise OptionError(f"PyTorch timing supports {TORCH_DTYPES}, not {dtype!r}")
-    torch = _torch()
+    torch = load_torch()
     torch.set_num_threads(threads)
     module, example = best_twin(name, dtype, batch)
     with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):

@@ -1,0 +1,54 @@
+"""gpu-check: the CUDA path's variants build without a GPU; without one the command is one line and exit 1."""
+
+import pytest
+import tvm
+
+import relay_amp
+from relay_amp import models
+from relay_amp.backend.cuda.tensorcore import tensor_core_kernels
+from relay_amp.compile.build import build, cuda_source
+from relay_amp.tools import gpu_check
+from relay_amp.tools.cli import main
+
+NO_GPU = not tvm.cuda(0).exist
+
+
+FLOAT16_SMALL_IMAGE_BUG = pytest.mark.xfail(
+    strict=True, raises=tvm.error.InternalError,
+    reason="found by this test, not fixed yet: a float16 ResNet-18 on 64x64 images (2x2 maps in the last stage) fails "
+           "in CUDA lowering (tvm_access_ptr element type float16 vs float32); at 224x224, gpu-check's size, it builds")
+
+
+@pytest.mark.parametrize("name", [pytest.param("float16", marks=FLOAT16_SMALL_IMAGE_BUG), "int8", "int4"])
+def test_every_variant_builds_for_tensor_cores(name):
+    mod = gpu_check.variant(models.resnet18(image_size=64, classes=7), name)
+    kernels = tensor_core_kernels(cuda_source(build(mod, gpu_check.TARGET)))
+    assert sum(kernels.values()) >= 7  # the convs with 16+ output pixels on wmma; the fp32 stem on dlight
+
+
+def test_int_variants_lay_convolutions_out_in_hwnc_except_the_stem():
+    mod = gpu_check.variant(models.small_cnn(), "int4")
+    convs = [binding.value for binding in relay_amp.passes.layers.layer_bindings(mod, ["relax.nn.conv2d"])]
+    assert [str(conv.attrs.data_layout) for conv in convs] == ["NCHW", "HWNC"]
+    assert [str(conv.args[0].ty.dtype) for conv in convs] == ["float32", "int4"]
+
+
+def test_unknown_variant_is_an_option_error():
+    with pytest.raises(relay_amp.OptionError, match="int2"):
+        gpu_check.variant(models.small_cnn(), "int2")
+
+
+def test_rows_format_as_a_markdown_table():
+    rows = [gpu_check.GpuRow("resnet18", "int8", 1.5, 0.2, None, 3.0),
+            gpu_check.GpuRow("bert", "float16", 2.0, 0.001, True, None)]
+    table = gpu_check.format_rows(rows)
+    assert table.startswith("| model") and "2.00x" in table and "| yes" in table
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
+def test_without_a_gpu_the_command_prints_one_line_and_exits_1(capsys, tmp_path):
+    assert main(["gpu-check", "--results", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no NVIDIA GPU" in err and not list(tmp_path.iterdir())
+    with pytest.raises(relay_amp.TargetError):
+        gpu_check.check_model("resnet18")
