@@ -132,29 +132,27 @@ def bert_encoder(batch: int = 1, seq_len: int = 128, hidden: int = 256, heads: i
     return bb.get()
 
 
-def matmul(batch: int = 1, size: int = 1024, seed: int = 0) -> tvm.IRModule:
-    """One (batch*size) x size x size matmul against a constant weight: the kernel-level benchmark."""
+def _projection(rows: int, size: int, seed: int) -> tvm.IRModule:
+    """main(x: rows x size) = x @ W, W a constant size x size weight."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((batch * size, size), "float32"))
+    x = relax.Var("x", relax.TensorType((rows, size), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
             net = _Weights(bb, seed)
             out = bb.emit_output(R.matmul(x, net.const((size, size), np.sqrt(1.0 / size))))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def matmul(batch: int = 1, size: int = 1024, seed: int = 0) -> tvm.IRModule:
+    """One (batch*size) x size x size matmul against a constant weight: the kernel-level benchmark."""
+    return _projection(batch * size, size, seed)
 
 
 def linear(batch: int = 1, size: int = 4096, seed: int = 0) -> tvm.IRModule:
     """One batch x size by size x size projection against a constant weight: a transformer layer at decode time
     (batch-1 rows), where reading the weight sets the speed."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((batch, size), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            net = _Weights(bb, seed)
-            out = bb.emit_output(R.matmul(x, net.const((size, size), np.sqrt(1.0 / size))))
-        bb.emit_func_output(out)
-    return bb.get()
+    return _projection(batch, size, seed)
 
 
 def resnet18_conv(batch: int = 1, channels: int = 128, image_size: int = 28, seed: int = 0) -> tvm.IRModule:
