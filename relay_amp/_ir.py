@@ -14,6 +14,8 @@ from tvm.relax import dpl
 from .dtypes import cast_array
 from .errors import ModuleError
 
+OPAQUE_PATTERN = 8  # relax's kOpaque op pattern: operator fusion leaves a call of the function alone
+
 
 def get_function(mod: tvm.IRModule, func: str) -> relax.Function:
     """The Relax function `func` of `mod`, or ModuleError naming what the module has."""

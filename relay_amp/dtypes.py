@@ -10,6 +10,7 @@ from .errors import DTypeError
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOW_FLOAT_DTYPES = ("float16", "bfloat16")
+MODEL_FLOAT_DTYPES = ("float32", *LOW_FLOAT_DTYPES)  # the float dtypes models compute in (not float64)
 _ML_DTYPES = {
     "bfloat16": ml_dtypes.bfloat16,
     "int4": ml_dtypes.int4,

@@ -17,10 +17,10 @@ def compile_module(mod: tvm.IRModule, target: tvm.target.Target | None = None) -
 NO_CUDA_RUNTIME = "CUDA runtime is not linked"  # what TVM says when an executable's CUDA kernels cannot load
 
 
-def virtual_machine(executable: relax.VMExecutable) -> relax.VirtualMachine:
-    """A Relax VM for `executable` on the CPU; an executable holding CUDA kernels is a TargetError here."""
+def virtual_machine(executable: relax.VMExecutable, device: tvm.runtime.Device | None = None) -> relax.VirtualMachine:
+    """A Relax VM for `executable` on `device` (the CPU when None); CUDA kernels without a GPU are a TargetError."""
     try:
-        return relax.VirtualMachine(executable, tvm.cpu())
+        return relax.VirtualMachine(executable, device or tvm.cpu())
     except RuntimeError as err:
         if NO_CUDA_RUNTIME in str(err):
             raise TargetError("the executable holds CUDA kernels and this machine cannot run them (no NVIDIA GPU "
@@ -33,7 +33,7 @@ def run_executable(executable: relax.VMExecutable, inputs: Sequence[np.ndarray],
     """Run `func` of a compiled module on the CPU; every output as a numpy array."""
     vm = virtual_machine(executable)
     result = vm[func](*(tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs))
-    return _flatten(result)
+    return flatten_outputs(result)
 
 
 def run(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "main") -> list[np.ndarray]:
@@ -41,10 +41,11 @@ def run(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "main") -> 
     return run_executable(compile_module(mod), inputs, func)
 
 
-def _flatten(result) -> list[np.ndarray]:
+def flatten_outputs(result) -> list[np.ndarray]:
+    """A VM function's result (a tensor or nested tuples of them) as a flat list of numpy arrays."""
     if isinstance(result, tvm.runtime.Tensor):
         return [result.numpy()]
     outputs = []
     for item in result:
-        outputs.extend(_flatten(item))
+        outputs.extend(flatten_outputs(item))
     return outputs

@@ -10,7 +10,7 @@ by the int8 kernels. A cast's operand outside the range saturates (TVM's cast wo
 import tvm
 from tvm import relax
 
-from .._ir import get_function, rewrite_function, tensor_dtype
+from .._ir import rewrite_function, tensor_dtype
 from ..errors import DTypeError
 
 HOLDERS = {"int4": ("int8", -8, 7), "uint4": ("uint8", 0, 15)}  # sub-byte dtype: (byte dtype, range)

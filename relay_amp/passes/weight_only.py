@@ -21,7 +21,8 @@ import numpy as np
 import tvm
 from tvm import relax, te
 
-from .._ir import rewrite_function, tensor_dtype, tensor_shape
+from .._ir import OPAQUE_PATTERN, rewrite_function, tensor_dtype, tensor_shape
+from ..dtypes import MODEL_FLOAT_DTYPES
 from ..errors import DTypeError, OptionError
 from ..ops import canonical_ops
 from .layers import layer_bindings, list_layers, resolve_layers
@@ -34,8 +35,6 @@ COLUMNS = 16  # columns per packed block
 ROWS_PER_WORD = 8  # rows of one column in a uint32
 ZERO_POINT = 8  # codes are stored as q + 8
 CODE_MAX = 7
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-OPAQUE_PATTERN = 8  # relax's kOpaque: operator fusion leaves the call alone
 
 
 @dataclass(frozen=True)
@@ -126,9 +125,9 @@ def unpackable(call: relax.Call, group_size: int) -> str | None:
     """Why a matmul cannot take packed int4 weights, or None when it can."""
     data, weight = call.args[:2]
     shape = tensor_shape(weight)
-    if not isinstance(weight, tvm.ir.expr.Constant) or tensor_dtype(weight) not in FLOAT_DTYPES or len(shape) != 2:
+    if not isinstance(weight, tvm.ir.expr.Constant) or tensor_dtype(weight) not in MODEL_FLOAT_DTYPES or len(shape) != 2:
         return "its second operand is not a 2-D floating-point constant"
-    if tensor_dtype(data) not in FLOAT_DTYPES or tensor_shape(data) is None:
+    if tensor_dtype(data) not in MODEL_FLOAT_DTYPES or tensor_shape(data) is None:
         return "its input is not a floating-point tensor of known rank"
     if not all(isinstance(d, int) for d in tensor_shape(data)):
         return "its input has a dynamic shape"

@@ -21,7 +21,7 @@ from ..errors import OptionError, TargetError
 from ..passes.amp import to_mixed_precision
 from ..passes.layout import LayoutConfig, convert_layout
 from ..passes.recast import recast
-from ..runtime import run_executable
+from ..runtime import flatten_outputs, run_executable, virtual_machine
 from ..serialization import atomic_write_text
 from . import pytorch
 from .models import example_inputs, get_model
@@ -66,12 +66,11 @@ def variant(mod: tvm.IRModule, name: str) -> tvm.IRModule:
 
 
 def _run_on_gpu(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], device, repeat: int):
-    vm = relax.VirtualMachine(executable, device)
+    vm = virtual_machine(executable, device)
     args = [tvm.runtime.tensor(x, device=device) for x in inputs]
-    output = vm["main"](*args)
-    output = output[0] if isinstance(output, (list, tuple, tvm.ffi.Array)) else output
+    output = flatten_outputs(vm["main"](*args))[0]
     median = vm.time_evaluator("main", device, number=1, repeat=repeat)(*args).median * 1e3
-    return output.numpy().astype("float64"), median
+    return output.astype("float64"), median
 
 
 def _torch_fp16_ms(name: str, repeat: int) -> float | None:

@@ -24,7 +24,7 @@ from .schedules import largest_divisor
 TILE_BYTES = 64  # bytes in one row of a tile
 MAX_TILE_ROWS = 16
 MIN_TILE_ROWS = 4  # below this a tile wastes most of each tdp instruction: the AVX-512 kernel does better
-FLAT_GAIN = 1.25  # flat tiling (an extra pad and slice) where it fills tiles this many times better than rows
+FLAT_GAIN = 1.25  # flat tiling (an extra pad) where it fills tiles this many times better than rows
 PANELS = 2  # output-channel panels of 16 per call
 FUSABLE_ATTR = "relay_amp.amx_spec"  # on an AMX kernel without an epilogue: its ConvSpec as JSON
 PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
@@ -51,7 +51,6 @@ PRODUCTS = {product.data_dtype: product for product in (
     AmxProduct("tdpbusd", "uint8", "int32", 1),
 )}
 TARGET_FEATURES = {"bfloat16": "amx-bf16", "int8": "amx-int8", "uint8": "amx-int8"}
-
 
 
 def _tile_config() -> str:

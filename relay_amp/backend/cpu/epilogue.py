@@ -1,12 +1,12 @@
-"""epilogue: the elementwise ops after an AMX kernel, fused into the kernel's write-back.
+"""epilogue: the elementwise ops after a dot-product kernel (AMX or AVX-512), fused into the kernel's write-back.
 
-An AMX kernel accumulates a tile in fp32 (int32 for int8) and used to store it, so a convolution's bias, residual
+A kernel accumulates in fp32 (int32 for int8) and used to store that, so a convolution's bias, residual
 add, ReLU and cast back to bf16 ran as a separate function that read the whole fp32 output again: in ResNet-50
 the 56x56x256 fp32 outputs took more time to write and read back than their products took to compute.
-`FuseKernelEpilogues` follows each AMX kernel's result through the ops that read it alone, as long as they are
+`FuseKernelEpilogues` follows each kernel's result through the ops that read it alone, as long as they are
 per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
 dtypes and reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
-(`kernels.Epilogue`): each tile is finished in registers and stored once, in its final dtype.
+(`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype.
 """
 
 from collections.abc import Callable
@@ -17,9 +17,9 @@ import tvm
 from tvm import relax
 
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ...dtypes import MODEL_FLOAT_DTYPES
 from . import amx, kernels
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _ALIAS = object()  # a step that only renames, reshapes or casts the value
 
 
@@ -43,7 +43,7 @@ class _Chain:
 
 def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
     """A constant that broadcasts along the channel axis only, as a flat fp32 vector of `channels` values."""
-    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) not in FLOAT_DTYPES:
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) not in MODEL_FLOAT_DTYPES:
         return None
     values = expr.value.numpy()
     if values.size not in (1, channels) or (values.size == channels and values.shape[-1] != channels):
@@ -111,7 +111,7 @@ class _ChainFinder:
             return _ALIAS
         if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
             return None
-        if tensor_dtype(value) not in FLOAT_DTYPES:
+        if tensor_dtype(value) not in MODEL_FLOAT_DTYPES:
             return None
         handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
                    "relax.clip": self._clip, "relax.astype": self._astype, "relax.reshape": self._reshape}.get(
@@ -132,7 +132,7 @@ class _ChainFinder:
         if constant is not None:
             return self._record(chain, kernels.Step(kernels.BIAS), relax.const(constant))
         if (chain.residual_dtype or not isinstance(other, relax.Var) or other in self.absorbed
-                or tensor_shape(other) != tensor_shape(current) or tensor_dtype(other) not in FLOAT_DTYPES):
+                or tensor_shape(other) != tensor_shape(current) or tensor_dtype(other) not in MODEL_FLOAT_DTYPES):
             return None
         chain.residual_dtype = tensor_dtype(other)
         return self._record(chain, kernels.Step(kernels.RESIDUAL), other)

@@ -15,9 +15,8 @@ import tvm
 from tvm import relax, te, topi
 
 from ..._ir import rewrite_function, tensor_dtype
+from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 
-LOW_FLOAT_DTYPES = ("float16", "bfloat16")
-FAST_DTYPES = ("float32", *LOW_FLOAT_DTYPES)
 WIDE = "float32"  # the only dtype TVM's fast_* functions are fast in
 # FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
 WIDENED_OPS = ("relax.erf", "relax.exp", "relax.tanh")
@@ -82,7 +81,7 @@ class _FastMathRewriter(relax.PyExprMutator):
         if len(new_call.args) != 1:
             return new_call
         name, dtype = new_call.op.name, tensor_dtype(new_call.args[0])
-        if dtype not in FAST_DTYPES:
+        if dtype not in MODEL_FLOAT_DTYPES:
             return new_call
         if name in FORMULAS:
             hint = "fast_" + name.rpartition(".")[2]
@@ -96,12 +95,11 @@ class _FastMathRewriter(relax.PyExprMutator):
         """x ** 2 and x ** 3 (a tanh-GELU's cube, a variance's square) as multiplies, x ** 0.5 as sqrt: LLVM
         calls libm's scalar pow for every element (1.5 ms for a 64x3072 cube against 0.07 ms multiplied)."""
         base, exponent = call.args
-        if tensor_dtype(base) not in FAST_DTYPES or not isinstance(exponent, tvm.ir.expr.Constant):
+        if tensor_dtype(base) not in MODEL_FLOAT_DTYPES or not isinstance(exponent, tvm.ir.expr.Constant):
             return call
         values = exponent.value.numpy()
-        if values.size != 1 or float(values.reshape(-1)[0]) not in SMALL_POWERS:
-            return call
-        return SMALL_POWERS[float(values.reshape(-1)[0])](base)
+        power = SMALL_POWERS.get(float(values.reshape(-1)[0])) if values.size == 1 else None
+        return call if power is None else power(base)
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FastMath")

@@ -17,9 +17,9 @@ from tvm import s_tir
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from ..._ir import OPAQUE_PATTERN
 from ...passes.weight_only import (
     COLUMNS,
-    OPAQUE_PATTERN,
     ROWS_PER_WORD,
     SPEC_ATTR,
     ZERO_POINT,

@@ -32,6 +32,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
+from ..._ir import OPAQUE_PATTERN
 from ...errors import DTypeError
 from .schedules import STACK_BYTES, largest_divisor, schedule_injective
 
@@ -42,7 +43,6 @@ MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: 
 RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
 SPEC_ANNOTATION = "relay_amp.conv_spec"
 _RULE_ATTRS = {"schedule_rule": RULE}
-OPAQUE_PATTERN = 8  # relax's kOpaque: FuseOps leaves the call alone
 FUSABLE_ATTR = "relay_amp.dot_spec"  # on a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
 WIDE = "float32"  # the dtype epilogues compute in
 BIAS, SCALE, RESIDUAL, CLIP = "bias", "scale", "residual", "clip"  # epilogue step kinds

@@ -17,7 +17,7 @@ import tvm
 from tvm import relax
 
 from ..._ir import get_function, rewrite_function, tensor_dtype
-from ...dtypes import check_choice
+from ...dtypes import MODEL_FLOAT_DTYPES, check_choice
 from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
 from .plan import QuantEntry, QuantPlan
@@ -25,7 +25,6 @@ from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, prepared, quan
                       unquantizable)
 
 QDQ_OBSERVER = "qdq"  # the plan's thresholds are the model's own ranges
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _is_op(expr: relax.Expr, name: str) -> bool:
@@ -42,7 +41,7 @@ def _pair_quantize(dequantize: relax.Expr, bound) -> relax.Call | None:
     if not _is_op(dequantize, "relax.dequantize"):
         return None
     quantize = bound(dequantize.args[0])
-    if not _is_op(quantize, "relax.quantize") or tensor_dtype(quantize.args[0]) not in FLOAT_DTYPES:
+    if not _is_op(quantize, "relax.quantize") or tensor_dtype(quantize.args[0]) not in MODEL_FLOAT_DTYPES:
         return None
     for quantized_arg, dequantized_arg in zip(quantize.args[1:], dequantize.args[1:]):
         values = _constant(quantized_arg), _constant(dequantized_arg)
