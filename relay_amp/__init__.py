@@ -25,11 +25,13 @@ from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, 
 from .passes.ranges import RangeStats, calibrate
 from .passes.recast import recast
 from .passes.weight_only import quantize_weights
-from .runtime import run
+from .runtime import configure_threads, run
 from .serialization import load, save
 from .tools import digits, metrics, models
 from .tools.accuracy import Report, tune_precision
 from .tools.bench import benchmark
+
+configure_threads()  # one thread per physical core, unless TVM_NUM_THREADS or OMP_NUM_THREADS says otherwise
 
 __all__ = [
     "DTypeError",
@@ -56,6 +58,7 @@ __all__ = [
     "build",
     "calibrate",
     "compile_ptx",
+    "configure_threads",
     "count_layers",
     "cuda_source",
     "digits",

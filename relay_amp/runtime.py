@@ -1,12 +1,38 @@
-"""Compile a module on the host CPU and run it on the Relax VM: the numeric ground truth of the tests."""
+"""Compile a module on the host CPU and run it on the Relax VM: the numeric ground truth of the tests; the size of
+TVM's CPU thread pool."""
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from .errors import TargetError
+from .errors import OptionError, TargetError
+from .targets import host_cores, host_cpus
+
+THREAD_ENV = ("TVM_NUM_THREADS", "OMP_NUM_THREADS")  # what TVM's pool reads for its size, in this order
+CUSTOM_CORES = -2  # TVM's kSpecifyCustomCorePolicy: the pool's threads on the CPUs listed
+
+
+def configure_threads(count: int | None = None) -> int:
+    """Size TVM's CPU thread pool to `count` threads, or to one per physical core when `count` is None and neither
+    TVM_NUM_THREADS nor OMP_NUM_THREADS is set; returns the threads the pool runs. TVM alone takes half the logical
+    CPUs (it assumes two hyperthreads per core), which is one thread on a 2-vCPU VM."""
+    if count is not None and count < 1:
+        raise OptionError(f"threads must be at least 1, got {count}")
+    if count is None and any(name in os.environ for name in THREAD_ENV):
+        return pool_threads()
+    wanted = count or host_cores()
+    os.environ[THREAD_ENV[0]] = str(wanted)  # read when the pool starts: enough if nothing has run in parallel yet
+    if pool_threads() != wanted:  # the pool had started: reconfigure it on this process's CPUs
+        tvm.get_global_func("runtime.config_threadpool")(CUSTOM_CORES, wanted, [str(c) for c in host_cpus()])
+    return pool_threads()
+
+
+def pool_threads() -> int:
+    """The threads TVM's CPU thread pool runs parallel loops on."""
+    return int(tvm.get_global_func("runtime.NumThreads")())
 
 
 def compile_module(mod: tvm.IRModule, target: tvm.target.Target | None = None) -> relax.VMExecutable:

@@ -3,6 +3,7 @@
 import functools
 import os
 import warnings
+from pathlib import Path
 
 import tvm
 
@@ -13,9 +14,24 @@ BF16_CPU = "cooperlake"  # the first x86 CPU with avx512_bf16 and avx512_vnni; Z
 AMX_CPU = "sapphirerapids"  # the first with AMX tiles (bf16 and int8) and avx512_fp16
 
 
+def host_cpus() -> list[int]:
+    """The logical CPUs this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def host_cores() -> int:
-    """CPU cores this process may run on (TVM's thread pool uses them all)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Physical cores among the CPUs this process may run on (hyperthreads of one core counted once): the threads
+    relay_amp's runs and its benchmarks' peers use."""
+    return len({_core_of(cpu) for cpu in host_cpus()})
+
+
+def _core_of(cpu: int) -> tuple[str, str]:
+    """(package, core) of a logical CPU from Linux's topology files; the CPU itself where they cannot be read."""
+    topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return (topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()
+    except OSError:
+        return "cpu", str(cpu)
 
 
 def _cpu() -> tvm.target.Target:
