@@ -4,8 +4,7 @@
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
 time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW data, groups or dilation,
-broadcast runtime matmuls) are left to the generic schedules. A reduction depth off the instruction's group (197
-tokens in bf16) gets zero columns in the data and zero rows in the weight or runtime operand. Conv inputs whose channels do not fill
+broadcast or odd-depth runtime matmuls) are left to the generic schedules. Conv inputs whose channels do not fill
 the instruction's group (an RGB stem conv) get zero channels added to data and weight; a constant weight whose
 output channels are off the 16-lane blocks (a 1000-class head) gets zero output channels, sliced off the result.
 """
@@ -85,31 +84,17 @@ class _Dispatcher(relax.PyExprMutator):
         weight = _constant_weight(operand, dtype)
         if shape is None:
             return None
-        dot = kernels.intrinsic_for(dtype)
-        extra_depth = -shape[-1] % dot.group
         if weight is not None:
+            dot = kernels.intrinsic_for(dtype)
             if weight.ndim != 2:
                 return None
-            call, shape = self._padded_depth(call, shape, extra_depth)
             width = weight.shape[1]
-            weight = np.pad(weight, [(0, extra_depth), (0, -width % kernels.LANES)])
+            weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)])
             if not kernels.supports(weight.shape[1], weight.shape[0], dot):
                 return None
             result = self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
             return self._first_channels(result, len(shape) - 1, width, weight.shape[1])
         return self._runtime_matmul(call, shape)
-
-    def _padded_depth(self, call: relax.Call, shape: tuple[int, ...], extra: int) -> tuple[relax.Call, tuple[int, ...]]:
-        """`call` with `extra` zeros after the reduction axis of its data (a depth off the instruction's group: P.V
-        over 197 tokens in bf16) and, for a runtime second operand, as many zero rows; the padded data's shape."""
-        if not extra:
-            return call, shape
-        data, operand = call.args
-        data = self.builder_.emit(_pad_last(data, len(shape), extra))
-        if not isinstance(operand, tvm.ir.expr.Constant):
-            ndim = len(_static_shape(operand))
-            operand = self.builder_.emit(relax.op.nn.pad(operand, [0] * (2 * ndim - 3) + [extra, 0, 0]))
-        return relax.Call(call.op, [data, operand], call.attrs, call.ty_args), (*shape[:-1], shape[-1] + extra)
 
     def _first_channels(self, result: relax.Expr, axis: int, channels: int, padded: int) -> relax.Expr:
         """`result` ([..., padded] on `axis`) without the zero output channels a weight or runtime operand off the
@@ -121,15 +106,13 @@ class _Dispatcher(relax.PyExprMutator):
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
         at run time, one packed weight per batch element (a 2-D one is a batch of one). A width off the kernel's
-        16-lane blocks (197 tokens) gets zero columns, sliced off the output; an odd depth, a zero row."""
+        16-lane blocks (197 tokens) gets zero columns, sliced off the output."""
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
         if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
-                or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])):
-            return None  # broadcast batches
-        call, shape = self._padded_depth(call, shape, -shape[-1] % dot.group)
-        data, operand = call.args
-        operand_shape = (*operand_shape[:-2], shape[-1], operand_shape[-1])
+                or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])
+                or shape[-1] % dot.group):
+            return None  # broadcast batches; an odd depth would copy the whole first operand (P.V over 197 tokens)
         width, batch = operand_shape[-1], math.prod(operand_shape[:-2])
         extra_width = -width % kernels.LANES
         if extra_width:  # zero columns, padded as the operand is packed
