@@ -43,9 +43,12 @@ def test_configure_threads_resizes_a_running_pool():
 
 
 def test_configure_threads_leaves_a_size_the_user_chose(monkeypatch):
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(runtime, "host_cores", lambda: 3)  # what it would pick if it ignored the user
     before = runtime.pool_threads()
     assert relay_amp.configure_threads() == before
+    assert "TVM_NUM_THREADS" not in os.environ
 
 
 def test_configure_threads_refuses_zero_threads():
