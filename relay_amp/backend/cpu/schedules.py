@@ -3,7 +3,8 @@
 TVM 0.27 ships no default CPU schedule for matmul or convolution, so an untuned build runs them as
 scalar, single-threaded loop nests. `ContractionRule` schedules every contraction (a reduction
 block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
-vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions.
+vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions; `RowReductionRule` runs row
+reductions (softmax, layer norm, RMS norm) one parallel row at a time with vector partial sums.
 """
 
 import math
@@ -235,8 +236,94 @@ class ElementwiseRule(_CpuRule):
         return sch
 
 
+def _leading_spatial(info) -> int:
+    kinds = info.dom_kind()
+    return len(kinds) - len(kinds.lstrip("S"))
+
+
+class RowReductionRule(_CpuRule):
+    """Row reductions (softmax, layer norm, RMS norm): blocks sharing leading spatial axes (the rows), reducing
+    over the rest in whole vectors. Each row runs all the blocks in one parallel iteration; each reduction keeps
+    ACCUMULATOR_LANES partial results in one vector (rfactor) and adds them up at the end of the row.
+
+    TVM's dl.cpu.Reduction reduces one scalar at a time (a chain of dependent adds, 4 cycles each) and takes the
+    rows this rule leaves: reductions whose length is not a whole number of vectors (197 tokens), since
+    compute_at drops the tail predicate of a factored reduction.
+    """
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule a function of row reductions ending in an elementwise block, else None."""
+        rows = min(_leading_spatial(info) for info in infos)
+        reductions = [info for info in infos if not info.is_injective()]
+        if (not rows or not reductions or not infos[-1].is_injective()
+                or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions)):
+            return None
+        try:
+            factored = [_factor_reduction(sch, info.block_rv, rows) for info in reductions]
+            row = _parallel_rows(sch, infos[-1].block_rv, rows)
+            for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
+                sch.compute_at(block, row, preserve_unit_loops=False)
+            for info in infos[:-1]:
+                if info.is_injective():
+                    _vectorize_row(sch, info.block_rv)
+            for block in factored:
+                _vectorize_partial_sums(sch, block)
+        except s_tir.ScheduleError:
+            return None
+        return sch
+
+
+def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:
+    """Whether `info` reduces one tensor (not a contraction) over all its loops after the `rows` leading ones,
+    in whole vectors."""
+    kinds = info.dom_kind()
+    extents = [_extent(sch, loop) for loop in sch.get_loops(info.block_rv)[rows:]]
+    reduced = [it.var for it in info.iters if it.kind == "R"]
+    reads = [read for read in sch.get(info.block_rv).reads
+             if any(v.same_as(r) for v in index_vars(read) for r in reduced)]
+    return (kinds[rows:] and set(kinds[rows:]) == {"R"} and all(extents) and len(reads) == 1
+            and math.prod(extents) % ACCUMULATOR_LANES == 0)
+
+
+def _factor_reduction(sch: s_tir.Schedule, block, rows: int):
+    """Split `block`'s reduction into ACCUMULATOR_LANES partial results (the rfactor block, returned) and
+    their sum into the original output."""
+    loops = sch.get_loops(block)[rows:]
+    reduction = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    _, lanes = sch.split(reduction, [None, ACCUMULATOR_LANES])
+    return sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].source.shape))
+
+
+def _parallel_rows(sch: s_tir.Schedule, block, rows: int):
+    """The `rows` leading loops of `block` fused into one parallel loop (returned); the rest vectorized."""
+    loops = sch.get_loops(block)
+    row = sch.fuse(*loops[:rows]) if rows > 1 else loops[0]
+    sch.parallel(row)
+    _vectorize_row(sch, block)
+    return row
+
+
+def _vectorize_row(sch: s_tir.Schedule, block) -> None:
+    """Fuse the loops of `block` inside its row loop and vectorize them by whole registers where they divide."""
+    inner = sch.get_loops(block)[1:]
+    if not inner:
+        return
+    fused = sch.fuse(*inner) if len(inner) > 1 else inner[0]
+    extent = _extent(sch, fused)
+    if extent and extent % ACCUMULATOR_LANES == 0:
+        sch.vectorize(sch.split(fused, [None, ACCUMULATOR_LANES])[1])
+
+
+def _vectorize_partial_sums(sch: s_tir.Schedule, block) -> None:
+    """Put the rfactor block's lanes innermost, vectorized, with its reduction loop around them."""
+    *_, lanes, reduction = sch.get_loops(block)
+    sch.reorder(reduction, lanes)
+    sch.vectorize(lanes)
+    sch.decompose_reduction(block, reduction)
+
+
 def _rules(first_rules) -> list[dl.ScheduleRule]:
-    return [*first_rules, ContractionRule(), ElementwiseRule(), dl.cpu.Reduction()]
+    return [*first_rules, ContractionRule(), ElementwiseRule(), RowReductionRule(), dl.cpu.Reduction()]
 
 
 def default_schedules(*first_rules: dl.ScheduleRule) -> tvm.transform.Pass:

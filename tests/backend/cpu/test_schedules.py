@@ -40,6 +40,12 @@ CASES = {
     "max_pool": (lambda x: relax.op.nn.max_pool2d(x, pool_size=3, strides=2, padding=1), ("x", (1, 4, 15, 15))),
     "softmax_layer_norm": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
                            ("x", (4, 33)), ("g", (33,)), ("b", (33,))),
+    # rows of whole vectors: RowReductionRule's vector partial sums (33 above stays with TVM's rule)
+    "softmax_layer_norm_rows": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
+                                ("x", (3, 5, 64)), ("g", (64,)), ("b", (64,))),
+    "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
+                                                                                keepdims=True))),
+                      ("x", (6, 48))),
 }
 
 
@@ -160,3 +166,73 @@ def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
     tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu"))["main"](
         *map(tvm.runtime.tensor, (q, k)), out)
     np.testing.assert_allclose(out.numpy(), q @ k, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 products
+
+
+@T.prim_func(private=True, s_tir=True)
+def _row_share(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), out: T.Buffer((T.int64(4), T.int64(32)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    total = T.sblock_alloc_buffer((T.int64(4),))
+    for i, k in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("total"):
+            vi, vk = T.axis.remap("SR", [i, k])
+            with T.init():
+                total[vi] = T.float32(0)
+            total[vi] = total[vi] + x[vi, vk]
+    for i, j in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("share"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = x[vi, vj] / total[vi]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _row_share_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
+                         out: T.Buffer((T.int64(4), T.int64(32)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    total = T.sblock_alloc_buffer((T.int64(4),))
+    total_rf = T.sblock_alloc_buffer((T.int64(4), T.int64(16)))
+    for row in T.parallel(T.int64(4)):
+        for lane_init in T.vectorized(T.int64(16)):
+            with T.sblock("total_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(total_rf[v_row, v_lane])
+                total_rf[v_row, v_lane] = T.float32(0.0)
+        for step in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(16)):
+                with T.sblock("total_rf_update"):
+                    v_lane, v_row, v_step = T.axis.remap("SSR", [lane, row, step])
+                    T.reads(total_rf[v_row, v_lane], x[v_row, v_step * T.int64(16) + v_lane])
+                    T.writes(total_rf[v_row, v_lane])
+                    total_rf[v_row, v_lane] = total_rf[v_row, v_lane] + x[v_row, v_step * T.int64(16) + v_lane]
+        for lane in range(T.int64(16)):
+            with T.sblock("total"):
+                v_lane, v_row = T.axis.remap("RS", [lane, row])
+                T.reads(total_rf[v_row, v_lane])
+                T.writes(total[v_row])
+                with T.init():
+                    total[v_row] = T.float32(0.0)
+                total[v_row] = total[v_row] + total_rf[v_row, v_lane]
+        for column_block in range(T.int64(2)):
+            for column in T.vectorized(T.int64(16)):
+                with T.sblock("share"):
+                    v_row = T.axis.spatial(T.int64(4), row)
+                    v_column = T.axis.spatial(T.int64(32), column_block * T.int64(16) + column)
+                    T.reads(x[v_row, v_column], total[v_row])
+                    T.writes(out[v_row, v_column])
+                    out[v_row, v_column] = x[v_row, v_column] / total[v_row]
+
+
+def test_row_reduction_rule_runs_each_row_in_parallel_with_vector_partial_sums():
+    """One parallel iteration per row; the sum keeps 16 partial sums in one vector over the row's two vectors
+    (rfactor), adds them up, and the division runs on whole vectors."""
+    scheduled = schedules.RowReductionRule().apply(_row_share, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _row_share_scheduled)
+
+
+def test_row_reduction_rule_leaves_rows_off_whole_vectors_and_other_targets():
+    """33 columns (like ViT's 197 tokens) would need the tail predicate that compute_at drops: TVM's rule takes it."""
+    rows_off_vectors = tuning.prepare(_module(*CASES["softmax_layer_norm"]), targets.get_target("cpu"))
+    softmax = next(f for gv, f in rows_off_vectors.functions_items() if "softmax" in gv.name_hint)
+    assert schedules.RowReductionRule().apply(softmax, targets.get_target("cpu"), False) is None
+    assert schedules.RowReductionRule().apply(_row_share, targets.get_target("cuda-tensorcore"), False) is None
+    assert schedules.RowReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
