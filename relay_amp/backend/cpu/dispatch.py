@@ -135,6 +135,8 @@ class _Dispatcher(relax.PyExprMutator):
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
                                 weight_batch)
+        if self._on_amx(spec):
+            spec = _fewest_padded_rows(spec, dataclasses.replace(spec, data_shape=(images, rows, 1, in_ch)))
         flat = self.builder_.emit(relax.op.reshape(data, spec.data_shape))
         extra = 0 if self._on_amx(spec) else kernels.padded_width(rows, out_ch) - rows
         if extra:  # zero rows complete the last register tile; the slice drops their outputs
@@ -195,6 +197,14 @@ class _Dispatcher(relax.PyExprMutator):
         gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
         return self.builder_.emit(relax.call_tir(gvar, [data, relax.const(packed)],
                                                  relax.TensorType(spec.out_shape, spec.out_dtype)))
+
+
+def _fewest_padded_rows(across: kernels.ConvSpec, down: kernels.ConvSpec) -> kernels.ConvSpec:
+    """A matmul's rows across one image row or down a one-pixel-wide image: whichever AMX tiles with fewer zero
+    rows (197 rows across pad a second row of 197; down, they pad to 208)."""
+    if not amx.supports(down):
+        return across
+    return down if math.prod(amx.tiling(down).data_shape) < math.prod(amx.tiling(across).data_shape) else across
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")

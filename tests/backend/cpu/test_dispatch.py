@@ -80,6 +80,23 @@ def test_flat_amx_tiles_get_zero_rows_in_and_store_only_the_output():
     relax.analysis.well_formed(after)
 
 
+def test_matmul_rows_off_the_tiles_run_down_a_one_pixel_wide_image_on_amx():
+    """2 x 197 rows (ViT's tokens): across one image row, AMX's flat tiles would pad a second row of 394 (788 rows
+    in); down a one-pixel-wide image they pad to 25 tiles of 16 (400 rows in). 2 x 16 rows tile either way."""
+    def kernel_input(rows):
+        after = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(_matmul_module(BF16, _bf16_weight((64, 32)), rows))
+        return tuple(int(d) for d in after["relay_amp_dot_kernel1"].params[0].ty.shape)
+    assert kernel_input(197) == (1, 400, 1, 64)
+    assert kernel_input(16) == (1, 1, 32, 64)
+    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+        pytest.skip("host CPU (or kernel) has no AMX")
+    mod = _matmul_module(BF16, _bf16_weight((64, 32)), rows=197)
+    inputs = [np.random.default_rng(3).standard_normal((2, 197, 64)).astype(ml_dtypes.bfloat16)]
+    got = run_executable(build(mod, "cpu-amx"), inputs)[0]
+    expected = relay_amp.run(mod, inputs)[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # fp32 sums of bf16 products, reordered
+
+
 @pytest.mark.parametrize("dtype,strides", [(BF16, 1), ("int8", 2), ("int8", 1)])
 def test_built_model_with_amx_kernels_matches_the_generic_build(dtype, strides):
     if not (targets.host_supports("amx_tile") and amx.request_permission()):
