@@ -3,8 +3,9 @@
 TVM 0.27 ships no default CPU schedule for matmul or convolution, so an untuned build runs them as
 scalar, single-threaded loop nests. `ContractionRule` schedules every contraction (a reduction
 block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
-vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions; `RowReductionRule` runs row
-reductions (softmax, layer norm, RMS norm) one parallel row at a time with vector partial sums.
+vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions;
+`RowReductionRule` runs row reductions (softmax, layer norm, RMS norm) one parallel row at a time with vector
+partial sums.
 """
 
 import math
@@ -237,6 +238,7 @@ class ElementwiseRule(_CpuRule):
 
 
 def _leading_spatial(info) -> int:
+    """How many spatial loops lead the block's loop nest."""
     kinds = info.dom_kind()
     return len(kinds) - len(kinds.lstrip("S"))
 
