@@ -12,6 +12,8 @@ from .errors import TargetError
 FORCE_BF16_ENV = "RELAY_AMP_FORCE_BF16"
 BF16_CPU = "cooperlake"  # the first x86 CPU with avx512_bf16 and avx512_vnni; Zen 4 and Sapphire Rapids extend it
 AMX_CPU = "sapphirerapids"  # the first with AMX tiles (bf16 and int8) and avx512_fp16
+# Linux's arch_prctl request for AMX tile state, which a process needs before its first tile instruction
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 def host_cpus() -> list[int]:
@@ -66,11 +68,26 @@ PRESET_FEATURES = {
 
 
 def host_preset() -> str:
-    """The fastest CPU preset this host can run: cpu-amx, cpu-avx512-bf16 or cpu, by the CPU's features."""
+    """The fastest CPU preset this host can run: cpu-amx (where Linux grants the tiles too), cpu-avx512-bf16 or
+    cpu, by the CPU's features."""
     for preset in ("cpu-amx", "cpu-avx512-bf16"):
-        if all(map(host_supports, PRESET_FEATURES[preset])):
+        if all(map(host_supports, PRESET_FEATURES[preset])) and (preset != "cpu-amx" or host_runs_amx()):
             return preset
     return "cpu"
+
+
+@functools.cache
+def host_runs_amx() -> bool:
+    """Whether this process may run AMX tile instructions: the CPU has them and Linux grants the tile state (it
+    asks, as relay_amp's AMX kernels do on their first call)."""
+    if not host_supports("amx_tile"):
+        return False
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    try:
+        return ctypes.CDLL(None).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def get_target(target: "str | tvm.target.Target") -> tvm.target.Target:

@@ -44,8 +44,16 @@ def test_bf16_preset_on_a_cpu_without_bf16_is_refused_unless_forced(monkeypatch)
 
 def test_host_preset_follows_cpu_features(monkeypatch):
     monkeypatch.setattr(targets, "host_supports", lambda feature: True)
+    monkeypatch.setattr(targets, "host_runs_amx", lambda: True)
     assert targets.host_preset() == "cpu-amx"
+    monkeypatch.setattr(targets, "host_runs_amx", lambda: False)  # the CPU has tiles; Linux does not grant them
+    assert targets.host_preset() == "cpu-avx512-bf16"
     monkeypatch.setattr(targets, "host_supports", lambda feature: not feature.startswith("amx"))
     assert targets.host_preset() == "cpu-avx512-bf16"
     monkeypatch.setattr(targets, "host_supports", lambda feature: feature != "avx512_vnni")
     assert targets.host_preset() == "cpu"
+
+
+def test_a_host_without_amx_tiles_runs_no_amx(monkeypatch):
+    monkeypatch.setattr(targets, "host_supports", lambda feature: feature != "amx_tile")
+    assert targets.host_runs_amx.__wrapped__() is False

@@ -18,7 +18,6 @@ from tvm.support.popen_pool import PopenPoolExecutor
 
 from .._ir import import_tensor_intrinsics
 from ..backend import pipeline_for
-from ..backend.cpu import amx
 from ..errors import OptionError, TuningError
 from ..serialization import atomic_write_text
 from ..targets import check_host, get_target
@@ -163,7 +162,7 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
                if trials_per_task is None or done < trials_per_task]
     if remaining > 0 and pending:
         runner = (_rpc_runner(rpc_tracker, rpc_key, servers, rpc_wait_s) if servers
-                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S, initializer=amx.request_permission))
+                  else ms.runner.LocalRunner(timeout_sec=RUNNER_TIMEOUT_S))
         with tqdm(total=remaining, desc="tuning", unit="trial", disable=not progress) as bar:
             counter = _Progress(bar)
             _run_tuner(pending, database, work_dir, tgt, remaining, trials_per_task, trials_per_iter, cost_model,

@@ -17,6 +17,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ...errors import DTypeError
+from ...targets import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA
 from . import kernels
 from .kernels import LANES, RESIDUAL, WIDE, ConvSpec, Epilogue
 from .schedules import largest_divisor
@@ -28,7 +29,6 @@ FLAT_GAIN = 1.25  # flat tiling (an extra pad) where it fills tiles this many ti
 PANELS = 2  # output-channel panels of 16 per call
 FUSABLE_ATTR = "relay_amp.amx_spec"  # on an AMX kernel without an epilogue: its ConvSpec as JSON
 PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
-_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ def _tile_config() -> str:
 
 
 def llvm_ir(product: AmxProduct) -> str:
-    """LLVM IR of three functions: `<symbol>_config` (tile shapes for M pixels and K steps of kt bytes),
+    """LLVM IR of three functions: `<symbol>_config` (tile shapes for M pixels and K steps of kt bytes; the
+    first call in a process asks Linux for AMX tile state, so a library exported and loaded elsewhere runs),
     `<symbol>` (one block: C tiles, ldc bytes per pixel, = A (pixels lda bytes apart, kernel rows a_kh bytes
     apart, K bytes per kernel row in steps of kt) x B (two packed panels of 16 output channels)) and
     `<symbol>_release`. A kernel configures the tiles once for many blocks: ldtilecfg costs as much as a block."""
@@ -84,9 +85,19 @@ declare void @llvm.x86.tileloadd64(i8 immarg, ptr, i64)
 declare void @llvm.x86.{product.instruction}(i8 immarg, i8 immarg, i8 immarg)
 declare void @llvm.x86.tilestored64(i8 immarg, ptr, i64)
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1 immarg)
+declare i64 @syscall(i64, ...)
+@{product.symbol}_granted = internal global i8 0
 define void @{product.symbol}_config(i64 %m, i64 %kt) {{
 entry:
   %cfg = alloca [64 x i8], align 64
+  %granted = load atomic i8, ptr @{product.symbol}_granted monotonic, align 1
+  %ask = icmp eq i8 %granted, 0
+  br i1 %ask, label %request, label %configure
+request:
+  %answer = call i64 (i64, ...) @syscall(i64 {SYS_ARCH_PRCTL}, i64 {ARCH_REQ_XCOMP_PERM}, i64 {XFEATURE_XTILEDATA})
+  store atomic i8 1, ptr @{product.symbol}_granted monotonic, align 1
+  br label %configure
+configure:
   call void @llvm.memset.p0.i64(ptr align 64 %cfg, i8 0, i64 64, i1 false)
   store i8 1, ptr %cfg
   %m8 = trunc i64 %m to i8
@@ -211,13 +222,12 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
 
 def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.PrimFunc:
     """The AMX kernel for `spec` (see `supports`) with `epilogue` fused into its write-back: it takes the input
-    buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums), the epilogue's
-    operands, and writes `spec.out_shape` in the epilogue's dtype."""
+    buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums; one per image where
+    `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype."""
     if not supports(spec):
         raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with output channels divisible by "
                          f"{PANELS * LANES}, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
                          f"of at least {MIN_TILE_ROWS} pixels; got {spec}")
-    request_permission()
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
@@ -233,7 +243,8 @@ def _chunks(pairs: int, panels: int) -> int:
 
 def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
     """The PrimFunc: a parallel loop over (32 output channels, run of pixel-tile pairs); per pair one LLVM call
-    into a scratch accumulator, then the epilogue stores its pixels.
+    into a scratch accumulator, then the epilogue stores its pixels. With a weight per image (`weight_batch`) the
+    two tiles of a pair come from one image.
 
     Tile t of an image starts at pixel t x tile_rows of the tile buffer flattened (row tiling: rows tile the
     output's width exactly; flat tiling: the tile buffer is as wide as the input, and pixels past the output's
@@ -242,7 +253,9 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     out_shape, tile_width = spec.out_shape, tiles.out_shape[2]
     group, rows, block = 4 // product.element_bytes, tiles.tile_rows, PANELS * LANES
     positions, panels = batch * tiles.tiles_per_image, out_shape[3] // block
-    pairs = (positions + 1) // 2
+    sharing = tiles.tiles_per_image if spec.weight_batch else positions  # pixel tiles that read one weight
+    pairs_per_weight = (sharing + 1) // 2  # a pair shares its weight: an odd count repeats its last tile
+    pairs = positions // sharing * pairs_per_weight
     per_chunk = -(-pairs // _chunks(pairs, panels))
     chunks = -(-pairs // per_chunk)
     with IRBuilder() as builder:
@@ -250,8 +263,9 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             T.func_name("main")
             T.func_attr({"tirx.noalias": True})
             data = T.arg("data", T.Buffer(tiles.data_shape, spec.data_dtype))
-            packed = T.arg("packed", T.Buffer((out_shape[3] // LANES, *spec.kernel_size, channels // group, LANES,
-                                               group), spec.data_dtype if group == 2 else "int8"))
+            weights = (spec.weight_batch,) if spec.weight_batch else ()
+            packed = T.arg("packed", T.Buffer((*weights, out_shape[3] // LANES, *spec.kernel_size, channels // group,
+                                               LANES, group), spec.data_dtype if group == 2 else "int8"))
             operands = [T.arg(f"operand{i}", T.Buffer(out_shape if step.kind == RESIDUAL else (out_shape[3],),
                                                       epilogue.residual_dtype if step.kind == RESIDUAL else WIDE))
                         for i, step in enumerate(epilogue.operand_steps)]
@@ -265,12 +279,14 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_config", T.int64(rows),
                                              T.int64(tiles.step_bytes)))
                     with T.serial(0, T.min(per_chunk, pairs - start)) as step:
-                        first = (start + step) * 2
+                        weight = (start + step) // pairs_per_weight
+                        first = weight * sharing + (start + step) % pairs_per_weight * 2
                         pixels = [(p // tiles.tiles_per_image, p % tiles.tiles_per_image * rows)
-                                  for p in (first, T.min(first + 1, positions - 1))]
+                                  for p in (first, T.min(first + 1, weight * sharing + sharing - 1))]
+                        panel_start = (*([weight] if spec.weight_batch else []), panel * PANELS, 0, 0, 0, 0, 0)
                         T.evaluate(_block_call(spec, product, tiles, acc, [
                             data[image, pixel // tile_width * spec.strides[0], pixel % tile_width * spec.strides[1], 0]
-                            for image, pixel in pixels], packed[panel * PANELS, 0, 0, 0, 0, 0]))
+                            for image, pixel in pixels], packed[panel_start]))
                         for tile, (image, pixel) in enumerate(pixels):
                             _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, panel * block),
                                         rows)
@@ -305,12 +321,3 @@ def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tup
                                            lambda i, step: operands[i][index if step.kind == RESIDUAL else index[-1]])
                     T.buffer_store(out, value, index)
 
-
-def request_permission() -> bool:
-    """Ask Linux for AMX tile state for this process (needed before any AMX instruction runs); True if granted."""
-    import ctypes  # pylint: disable=import-outside-toplevel
-
-    try:
-        return ctypes.CDLL(None).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False

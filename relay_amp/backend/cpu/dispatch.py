@@ -4,9 +4,10 @@
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
 time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW data, groups or dilation,
-broadcast or odd-depth runtime matmuls) are left to the generic schedules. Conv inputs whose channels do not fill
-the instruction's group (an RGB stem conv) get zero channels added to data and weight; a constant weight whose
-output channels are off the 16-lane blocks (a 1000-class head) gets zero output channels, sliced off the result.
+broadcast runtime matmuls) are left to the generic schedules. Conv inputs whose channels do not fill the
+instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero
+channels added to both operands; a weight whose output channels are off the 16-lane blocks (a 1000-class head)
+gets zero output channels, sliced off the result.
 """
 
 import dataclasses
@@ -46,9 +47,11 @@ def _out_dtype(call: relax.Call, data_dtype: str) -> str:
     return data_dtype if out_dtype is None or str(out_dtype) in ("", "void") else str(out_dtype)
 
 
-def _pad_last(expr: relax.Expr, ndim: int, extra: int) -> relax.Expr:
-    """`expr` with `extra` zeros after its last axis."""
-    return relax.op.nn.pad(expr, [0] * (2 * ndim - 1) + [extra])
+def _pad_axis(expr: relax.Expr, ndim: int, axis: int, extra: int) -> relax.Expr:
+    """`expr` with `extra` zeros after its `axis` (negative: from the end)."""
+    pad_width = [0] * (2 * ndim)
+    pad_width[2 * (axis % ndim) + 1] = extra
+    return relax.op.nn.pad(expr, pad_width)
 
 
 def _packed_at_run_time(operand: relax.Expr, shape: tuple[int, ...], dot: kernels.DotIntrin, batch: int) -> relax.Expr:
@@ -92,7 +95,7 @@ class _Dispatcher(relax.PyExprMutator):
             weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)])
             if not kernels.supports(weight.shape[1], weight.shape[0], dot):
                 return None
-            result = self._emit_matmul(call, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
+            result = self._emit_matmul(call, data, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
             return self._first_channels(result, len(shape) - 1, width, weight.shape[1])
         return self._runtime_matmul(call, shape)
 
@@ -106,32 +109,38 @@ class _Dispatcher(relax.PyExprMutator):
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
         at run time, one packed weight per batch element (a 2-D one is a batch of one). A width off the kernel's
-        16-lane blocks (197 tokens) gets zero columns, sliced off the output."""
+        16-lane blocks (197 tokens) gets zero columns, sliced off the output; a depth off the instruction's group
+        (P.V over 197 tokens in bf16) gets zero products: a zero column of the first operand, a zero row of the
+        second."""
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
         if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
-                or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])
-                or shape[-1] % dot.group):
-            return None  # broadcast batches; an odd depth would copy the whole first operand (P.V over 197 tokens)
+                or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])):
+            return None  # broadcast batches
         width, batch = operand_shape[-1], math.prod(operand_shape[:-2])
-        extra_width = -width % kernels.LANES
+        extra_depth = -shape[-1] % dot.group
+        if extra_depth:
+            data = self.builder_.emit(_pad_axis(data, len(shape), -1, extra_depth))
+            operand = self.builder_.emit(_pad_axis(operand, len(operand_shape), -2, extra_depth))
+            shape, operand_shape = _deeper(shape, -1, extra_depth), _deeper(operand_shape, -2, extra_depth)
+        extra_width = -width % self._column_block(tensor_dtype(data))
         if extra_width:  # zero columns, padded as the operand is packed
-            operand = self.builder_.emit(_pad_last(operand, len(operand_shape), extra_width))
-            operand_shape = (*operand_shape[:-1], width + extra_width)
+            operand = self.builder_.emit(_pad_axis(operand, len(operand_shape), -1, extra_width))
+            operand_shape = _deeper(operand_shape, -1, extra_width)
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
-        sums = None
-        if tensor_dtype(data) == "int8":  # shifted to uint8: the correction is 128 x each column's sum
-            columns = relax.op.reshape(relax.op.astype(operand, "int32"), (batch, *operand_shape[-2:]))
-            sums = self.builder_.emit(relax.op.multiply(relax.op.sum(columns, axis=[1]),
-                                                        relax.const(kernels.INT8_SHIFT, "int32")))
-        result = self._emit_matmul(call, shape, operand_shape[-1], (packed, sums), batch)
+        result = self._emit_matmul(call, data, shape, operand_shape[-1], packed, batch)
         return self._first_channels(result, len(shape) - 1, width, operand_shape[-1])
 
-    def _emit_matmul(self, call: relax.Call, shape: tuple[int, ...], out_ch: int, packed: "np.ndarray | tuple",
-                     weight_batch: int = 0) -> relax.Expr:
-        """The kernel call for a matmul as a 1x1 conv: rows as pixels (per weight when `weight_batch`); `packed` is
-        a constant packed here or, for a runtime operand, its (packed, int8 weight sums or None) expressions."""
-        data, dtype, in_ch = call.args[0], tensor_dtype(call.args[0]), shape[-1]
+    def _column_block(self, data_dtype: str) -> int:
+        """The output channels a runtime operand's width is padded to a multiple of: AMX's panels where the
+        data dtype may run on AMX, else the AVX-512 kernel's lanes."""
+        return amx.PANELS * kernels.LANES if data_dtype in self.amx_dtypes else kernels.LANES
+
+    def _emit_matmul(self, call: relax.Call, data: relax.Expr, shape: tuple[int, ...], out_ch: int,
+                     packed: "np.ndarray | relax.Expr", weight_batch: int = 0) -> relax.Expr:
+        """The kernel call for `call`, a matmul of `data` (of `shape`), as a 1x1 conv: rows as pixels (per weight
+        when `weight_batch`); `packed` is a constant packed here or a runtime operand packed by Relax ops."""
+        dtype, in_ch = tensor_dtype(call.args[0]), shape[-1]
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
                                 weight_batch)
@@ -172,31 +181,45 @@ class _Dispatcher(relax.PyExprMutator):
         return self._first_channels(self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot)), 3,
                                     channels, out_ch)
 
-    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | tuple") -> relax.Expr:
-        """The kernel call on a weight packed here (a constant) or by Relax ops at run time ((packed, sums))."""
+    def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr") -> relax.Expr:
+        """The kernel call on a weight packed here (a constant) or by Relax ops at run time."""
         self.kernel_count += 1
         name = f"relay_amp_dot_kernel{self.kernel_count}"
+        weight = relax.const(packed) if isinstance(packed, np.ndarray) else packed
         if self._on_amx(spec):
-            return self._emit_amx_kernel(spec, data, packed, name)
-        if isinstance(packed, np.ndarray):
-            weight, sums = relax.const(packed), relax.const(kernels.weight_sums(packed)) if spec.shifted else None
-        else:
-            weight, sums = packed
-        args = [data, weight, *([sums] if spec.shifted else [])]
+            return self._emit_amx_kernel(spec, data, weight, name)
+        args = [data, weight]
+        if spec.shifted:  # shifted to uint8: the correction is 128 x each output channel's weight sum
+            args.append(relax.const(kernels.weight_sums(packed)) if isinstance(packed, np.ndarray)
+                        else self.builder_.emit(_run_time_weight_sums(packed, spec)))
         gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
         return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
 
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
-        return spec.data_dtype in self.amx_dtypes and not spec.weight_batch and amx.supports(spec)
+        return spec.data_dtype in self.amx_dtypes and amx.supports(spec)
 
-    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: np.ndarray, name: str) -> relax.Expr:
+    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, weight: relax.Expr, name: str) -> relax.Expr:
         """The AMX kernel call, with the zero rows its input buffer adds."""
         extra_rows = amx.tiling(spec).data_shape[1] - spec.data_shape[1]
         if extra_rows:
             data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, 0, extra_rows, 0, 0, 0, 0]))
         gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
-        return self.builder_.emit(relax.call_tir(gvar, [data, relax.const(packed)],
-                                                 relax.TensorType(spec.out_shape, spec.out_dtype)))
+        return self.builder_.emit(relax.call_tir(gvar, [data, weight], relax.TensorType(spec.out_shape, spec.out_dtype)))
+
+
+def _run_time_weight_sums(packed: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
+    """kernels.weight_sums of a runtime operand packed per batch element: [batch, N] int32 from
+    [batch, N/16, 1, 1, K/4, 16, 4] int8."""
+    sums = relax.op.sum(relax.op.astype(packed, "int32"), axis=[2, 3, 4, 6])
+    scaled = relax.op.multiply(sums, relax.const(kernels.INT8_SHIFT, "int32"))
+    return relax.op.reshape(scaled, (spec.weight_batch, spec.out_channels))
+
+
+def _deeper(shape: tuple[int, ...], axis: int, extra: int) -> tuple[int, ...]:
+    """`shape` with `extra` more along `axis`."""
+    grown = list(shape)
+    grown[axis] += extra
+    return tuple(grown)
 
 
 def _fewest_padded_rows(across: kernels.ConvSpec, down: kernels.ConvSpec) -> kernels.ConvSpec:

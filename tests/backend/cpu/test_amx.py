@@ -1,5 +1,8 @@
 """amx: AMX tile kernels are in the generated code, match numpy, and take only the shapes their tiles fit."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tvm
@@ -30,7 +33,7 @@ def test_kernel_uses_tiles_and_matches_numpy(case):
     lib = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-amx"))
     assembly = lib.mod.inspect_source("asm")
     assert amx.PRODUCTS[spec.data_dtype].instruction in assembly and "ldtilecfg" in assembly
-    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+    if not (targets.host_runs_amx()):
         pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
     data, weight = random_operands(spec, np.random.default_rng(0))
     tiles = amx.tiling(spec)
@@ -42,6 +45,30 @@ def test_kernel_uses_tiles_and_matches_numpy(case):
     got = tensors[-1].numpy()
     tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 tile sums in another order; integers are exact
     assert max_relative_error(got, reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_an_exported_amx_kernel_runs_in_a_fresh_process(tmp_path):
+    """The kernel asks Linux for the tile state itself: a process that never imported relay_amp runs it."""
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX")
+    spec = CASES["bf16_matmul"]
+    func = amx.conv2d_nhwc(spec).with_attr("global_symbol", "main")
+    tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-amx")).export_library(tmp_path / "k.so")
+    data, weight = random_operands(spec, np.random.default_rng(1))
+    np.save(tmp_path / "data.npy", data.view("uint16"))
+    np.save(tmp_path / "packed.npy", kernels.pack_weight(weight, "OIHW", spec.dot).view("uint16"))
+    script = f"""
+import ml_dtypes, numpy as np, tvm
+lib = tvm.runtime.load_module("{tmp_path / 'k.so'}")
+data, packed = (tvm.runtime.tensor(np.load("{tmp_path}/" + name + ".npy").view(ml_dtypes.bfloat16))
+                for name in ("data", "packed"))
+out = tvm.runtime.empty({spec.out_shape}, "float32", tvm.cpu())
+lib["main"](data, packed, out)
+np.save("{tmp_path / 'out.npy'}", out.numpy())
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    got = np.load(tmp_path / "out.npy")
+    assert max_relative_error(got, reference_conv(data, weight, spec)) <= 1e-5  # fp32 tile sums, reordered
 
 
 def _call_arguments(spec: kernels.ConvSpec) -> tuple[list[int], list[int]]:

@@ -88,7 +88,7 @@ def test_matmul_rows_off_the_tiles_run_down_a_one_pixel_wide_image_on_amx():
         return tuple(int(d) for d in after["relay_amp_dot_kernel1"].params[0].ty.shape)
     assert kernel_input(197) == (1, 400, 1, 64)
     assert kernel_input(16) == (1, 1, 32, 64)
-    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+    if not (targets.host_runs_amx()):
         pytest.skip("host CPU (or kernel) has no AMX")
     mod = _matmul_module(BF16, _bf16_weight((64, 32)), rows=197)
     inputs = [np.random.default_rng(3).standard_normal((2, 197, 64)).astype(ml_dtypes.bfloat16)]
@@ -99,7 +99,7 @@ def test_matmul_rows_off_the_tiles_run_down_a_one_pixel_wide_image_on_amx():
 
 @pytest.mark.parametrize("dtype,strides", [(BF16, 1), ("int8", 2), ("int8", 1)])
 def test_built_model_with_amx_kernels_matches_the_generic_build(dtype, strides):
-    if not (targets.host_supports("amx_tile") and amx.request_permission()):
+    if not (targets.host_runs_amx()):
         pytest.skip("host CPU (or kernel) has no AMX")
     rng = np.random.default_rng(2)
     if dtype == BF16:
@@ -192,9 +192,10 @@ def test_built_model_with_kernels_matches_the_generic_build(dtype, feature, chan
     assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
 
 
-def _attention_scores(dtype: str, heads: int = 2, tokens: int = 16, width: int = 32) -> tvm.IRModule:
+def _attention_scores(dtype: str, heads: int = 2, tokens: int = 16, width: int = 32,
+                      out_dtype: str | None = None) -> tvm.IRModule:
     """Q.K^T of two runtime tensors, as a transformer's attention computes it (int8 accumulates in int32)."""
-    out_dtype = "int32" if dtype == "int8" else None
+    out_dtype = "int32" if dtype == "int8" else out_dtype
     return single_output_module(
         lambda q, k: relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]), out_dtype=out_dtype),
         tensor("q", (1, heads, tokens, width), dtype), tensor("k", (1, heads, tokens, width), dtype))
@@ -212,14 +213,21 @@ def test_runtime_operands_are_packed_by_relax_ops_for_a_per_head_kernel():
     relax.analysis.well_formed(after)
 
 
-@pytest.mark.parametrize("reason, module", [
-    ("an odd depth would copy the whole first operand", _attention_scores(BF16, width=33)),
-    ("a batch broadcast against a 2-D operand", single_output_module(
-        relax.op.matmul, tensor("a", (2, 8, 32), BF16), tensor("b", (1, 32, 16), BF16))),
-])
-def test_runtime_matmuls_the_kernel_cannot_take_are_left_alone(reason, module):
+def test_a_runtime_matmul_broadcast_against_a_2d_operand_is_left_alone():
+    module = single_output_module(relax.op.matmul, tensor("a", (2, 8, 32), BF16), tensor("b", (1, 32, 16), BF16))
     after = dispatch.UseDotKernels({BF16, "int8"})(module)
-    assert not [gv for gv in after.get_global_vars() if "relay_amp_dot_kernel" in gv.name_hint], reason
+    assert not [gv for gv in after.get_global_vars() if "relay_amp_dot_kernel" in gv.name_hint]
+
+
+def test_a_runtime_depth_off_the_group_gets_a_zero_column_and_a_zero_row():
+    after = dispatch.UseDotKernels({BF16})(_attention_scores(BF16, width=33))  # Q.K^T over 33: P.V over 197 alike
+    pads = [b.value for b in after["main"].body.blocks[0].bindings
+            if isinstance(b.value, relax.Call) and b.value.op.name == "relax.nn.pad"]
+    assert [[int(w) for w in pad.attrs.pad_width] for pad in pads] == [[0, 0, 0, 0, 0, 0, 0, 1],  # Q: 33 -> 34
+                                                                       [0, 0, 0, 0, 0, 1, 0, 0]]  # K^T: 33 -> 34
+    kernel = after["relay_amp_dot_kernel1"]
+    assert [int(d) for d in kernel.params[1].shape] == [2, 1, 1, 1, 17, 16, 2]  # heads, N/16, 1, 1, 34/2, 16, 2
+    relax.analysis.well_formed(after)
 
 
 def test_a_runtime_width_off_the_lanes_gets_zero_columns_and_a_slice():
@@ -228,6 +236,41 @@ def test_a_runtime_width_off_the_lanes_gets_zero_columns_and_a_slice():
     assert calls[1].op.name == "relax.nn.pad" and [int(w) for w in calls[1].attrs.pad_width][-2:] == [0, 15]
     assert calls[-1].op.name == "relax.strided_slice" and [int(e.value) for e in calls[-1].args[3]] == [17]  # 32 -> 17
     relax.analysis.well_formed(after)
+
+
+def test_runtime_operands_on_amx_get_a_weight_per_head_in_32_channel_panels():
+    scores = _attention_scores(BF16, tokens=17, out_dtype="float32")  # AMX tiles accumulate fp32, as AMP asks
+    after = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(scores)
+    kernel = after["relay_amp_dot_kernel1"]
+    assert amx.FUSABLE_ATTR in kernel.attrs  # the AMX kernel, not the AVX-512 one
+    assert [int(d) for d in kernel.params[1].ty.shape] == [2, 2, 1, 1, 16, 16, 2]  # heads, 17 -> 32 columns
+    assert [int(d) for d in kernel.params[0].ty.shape] == [2, 32, 1, 32]  # per head, 17 rows down 2 tiles of 16
+    relax.analysis.well_formed(after)
+
+
+def _attention_values(dtype: str, heads: int, tokens: int, width: int) -> tvm.IRModule:
+    """P.V of two runtime tensors: attention weights over `tokens` times the values (accumulated in 32 bits)."""
+    out_dtype = "int32" if dtype == "int8" else "float32"
+    return single_output_module(lambda p, v: relax.op.matmul(p, v, out_dtype=out_dtype),
+                                tensor("p", (1, heads, tokens, tokens), dtype), tensor("v", (1, heads, tokens, width), dtype))
+
+
+@pytest.mark.parametrize("dtype, tokens, tolerance", [
+    (BF16, 197, 1e-5),  # ViT's P.V: an odd depth, rows off the tiles; fp32 sums of bf16 products, reordered
+    ("int8", 20, 0),  # integer arithmetic is exact
+])
+def test_built_runtime_matmul_on_amx_matches_exact_products(dtype, tokens, tolerance):
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX")
+    rng = np.random.default_rng(5)
+    shapes = (1, 3, tokens, tokens), (1, 3, tokens, 64)
+    if dtype == "int8":
+        p, v = (rng.integers(-128, 128, shape).astype("int8") for shape in shapes)
+    else:
+        p, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in shapes)
+    got = run_executable(build(_attention_values(dtype, 3, tokens, 64), "cpu-amx"), [p, v])[0].astype("float64")
+    exact = np.einsum("bhmk,bhkn->bhmn", p.astype("float64"), v.astype("float64"))
+    assert np.abs(got - exact).max() <= tolerance * np.abs(exact).max()
 
 
 def test_signed_int8_runtime_operands_get_run_time_weight_sums():
@@ -239,20 +282,23 @@ def test_signed_int8_runtime_operands_get_run_time_weight_sums():
     assert "relax.sum" in [c.op.name for c in calls]
 
 
-@pytest.mark.parametrize("dtype, feature, tolerance", [
-    (BF16, "avx512_bf16", 8e-3),  # one bf16 rounding of the fp32 sum (TVM's own bf16 matmul sums in bf16: 2e-2)
-    ("float32", "avx512f", 1e-6),  # fp32 sums in another order
-    ("int8", "avx512_vnni", 0),  # integer arithmetic is exact
+@pytest.mark.parametrize("dtype, feature, tolerance, width", [
+    (BF16, "avx512_bf16", 8e-3, 32),  # one bf16 rounding of the fp32 sum (TVM's own bf16 matmul sums in bf16: 2e-2)
+    (BF16, "avx512_bf16", 8e-3, 33),  # an odd depth: a zero column and a zero row
+    ("float32", "avx512f", 1e-6, 32),  # fp32 sums in another order
+    ("int8", "avx512_vnni", 0, 32),  # integer arithmetic is exact
+    ("int8", "avx512_vnni", 0, 30),  # a depth off the groups of 4: zero products, zero in the weight sums
 ])
-def test_built_runtime_matmul_matches_exact_products(dtype, feature, tolerance):
+def test_built_runtime_matmul_matches_exact_products(dtype, feature, tolerance, width):
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")
     rng = np.random.default_rng(4)
     if dtype == "int8":
-        q, k = (rng.integers(-128, 128, (1, 2, 16, 32)).astype("int8") for _ in range(2))
+        q, k = (rng.integers(-128, 128, (1, 2, 16, width)).astype("int8") for _ in range(2))
     else:
         numpy_dtype = ml_dtypes.bfloat16 if dtype == BF16 else "float32"
-        q, k = (rng.standard_normal((1, 2, 16, 32)).astype(numpy_dtype) for _ in range(2))
-    got = run_executable(build(_attention_scores(dtype), "cpu-avx512-bf16"), [q, k])[0].astype("float64")
+        q, k = (rng.standard_normal((1, 2, 16, width)).astype(numpy_dtype) for _ in range(2))
+    module = _attention_scores(dtype, width=width)
+    got = run_executable(build(module, "cpu-avx512-bf16"), [q, k])[0].astype("float64")
     exact = np.einsum("bhmk,bhnk->bhmn", q.astype("float64"), k.astype("float64"))
     assert np.abs(got - exact).max() <= tolerance * np.abs(exact).max()

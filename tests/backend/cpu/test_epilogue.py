@@ -124,7 +124,7 @@ def test_a_module_without_amx_kernels_is_returned_as_it_is():
 
 
 def _amx_host() -> bool:
-    return targets.host_supports("amx_tile") and amx.request_permission()
+    return targets.host_runs_amx()
 
 
 @pytest.mark.parametrize("residual_dtype", [F32, BF16])
