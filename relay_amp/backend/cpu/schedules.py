@@ -3,9 +3,9 @@
 TVM 0.27 ships no default CPU schedule for matmul or convolution, so an untuned build runs them as
 scalar, single-threaded loop nests. `ContractionRule` schedules every contraction (a reduction
 block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
-vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions;
-`RowReductionRule` runs row reductions (softmax, layer norm, RMS norm) one parallel row at a time with vector
-partial sums.
+vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions within
+their rows; `RowReductionRule` runs row reductions (softmax, layer norm, RMS norm) one parallel row at a time with
+vector partial sums.
 """
 
 import math
@@ -213,8 +213,16 @@ def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share
 
 
 def schedule_injective(sch: s_tir.Schedule, block) -> None:
-    """Fuse a spatial block's loops, vectorize the innermost lanes when they divide evenly, run the rest in parallel."""
-    fused = sch.fuse(*sch.get_loops(block))
+    """Vectorize a spatial block's innermost axis by whole registers, the last one partial where the axis is off
+    them (197 tokens), and run its other loops in parallel. Vectors of a flat index would straddle rows there, and
+    TVM computes each lane's address apart (a gather). A block with an innermost axis narrower than a register,
+    or no other loop, is fused whole and vectorized where the lanes divide it."""
+    loops = sch.get_loops(block)
+    if len(loops) > 1 and (_extent(sch, loops[-1]) or 0) >= ACCUMULATOR_LANES:
+        sch.parallel(sch.fuse(*loops[:-1]))
+        sch.vectorize(sch.split(loops[-1], [None, ACCUMULATOR_LANES])[1])
+        return
+    fused = sch.fuse(*loops)
     extent = _extent(sch, fused)
     if extent is None or extent % ACCUMULATOR_LANES:
         sch.parallel(fused)
@@ -249,8 +257,9 @@ class RowReductionRule(_CpuRule):
     ACCUMULATOR_LANES partial results in one vector (rfactor) and adds them up at the end of the row.
 
     TVM's dl.cpu.Reduction reduces one scalar at a time (a chain of dependent adds, 4 cycles each) and takes the
-    rows this rule leaves: reductions whose length is not a whole number of vectors (197 tokens), since
-    compute_at drops the tail predicate of a factored reduction.
+    rows this rule leaves: reductions whose length is not a whole number of vectors (a layer norm over 197), since
+    compute_at drops the tail predicate of a factored reduction. Softmax rows of that kind arrive padded
+    (relay_amp.backend.cpu.rows).
     """
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:

@@ -40,7 +40,7 @@ CASES = {
     "max_pool": (lambda x: relax.op.nn.max_pool2d(x, pool_size=3, strides=2, padding=1), ("x", (1, 4, 15, 15))),
     "softmax_layer_norm": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
                            ("x", (4, 33)), ("g", (33,)), ("b", (33,))),
-    # rows of whole vectors: RowReductionRule's vector partial sums (33 above stays with TVM's rule)
+    # rows of whole vectors: RowReductionRule's vector partial sums (the layer norm over 33 above stays with TVM's)
     "softmax_layer_norm_rows": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
                                 ("x", (3, 5, 64)), ("g", (64,)), ("b", (64,))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
@@ -169,6 +169,40 @@ def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
 
 
 @T.prim_func(private=True, s_tir=True)
+def _pad_rows(x: T.Buffer((T.int64(3), T.int64(4), T.int64(19)), "float32"),
+              out: T.Buffer((T.int64(3), T.int64(4), T.int64(20)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    for i, j, k in T.grid(T.int64(3), T.int64(4), T.int64(20)):
+        with T.sblock("pad"):
+            vi, vj, vk = T.axis.remap("SSS", [i, j, k])
+            out[vi, vj, vk] = T.if_then_else(vk < T.int64(19), x[vi, vj, vk], T.float32(0))
+
+
+@T.prim_func(private=True, s_tir=True)
+def _pad_rows_scheduled(x: T.Buffer((T.int64(3), T.int64(4), T.int64(19)), "float32"),
+                        out: T.Buffer((T.int64(3), T.int64(4), T.int64(20)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    for row in T.parallel(T.int64(12)):
+        for column_block in range(T.int64(2)):
+            for column in T.vectorized(T.int64(16)):
+                with T.sblock("pad"):
+                    v0 = T.axis.spatial(T.int64(3), row // T.int64(4))
+                    v1 = T.axis.spatial(T.int64(4), row % T.int64(4))
+                    v2 = T.axis.spatial(T.int64(20), column_block * T.int64(16) + column)
+                    T.where(column_block * T.int64(16) + column < T.int64(20))
+                    T.reads(x[v0, v1, v2])
+                    T.writes(out[v0, v1, v2])
+                    out[v0, v1, v2] = T.if_then_else(v2 < T.int64(19), x[v0, v1, v2], T.float32(0.0))
+
+
+def test_elementwise_rule_vectorizes_rows_off_whole_vectors_within_each_row():
+    """20 columns (like ViT's 197 tokens): vectors of the flat index would straddle rows and gather lane by lane;
+    the rows run in parallel and each row's columns in vectors, the last one partial."""
+    scheduled = schedules.ElementwiseRule().apply(_pad_rows, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _pad_rows_scheduled)
+
+
+@T.prim_func(private=True, s_tir=True)
 def _row_share(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), out: T.Buffer((T.int64(4), T.int64(32)), "float32")):
     T.func_attr({"tirx.noalias": True})
     total = T.sblock_alloc_buffer((T.int64(4),))
@@ -230,9 +264,10 @@ def test_row_reduction_rule_runs_each_row_in_parallel_with_vector_partial_sums()
 
 
 def test_row_reduction_rule_leaves_rows_off_whole_vectors_and_other_targets():
-    """33 columns (like ViT's 197 tokens) would need the tail predicate that compute_at drops: TVM's rule takes it."""
+    """A layer norm over 33 columns (softmax rows are padded instead: relay_amp.backend.cpu.rows) would need the tail
+    predicate that compute_at drops: TVM's rule takes it."""
     rows_off_vectors = tuning.prepare(_module(*CASES["softmax_layer_norm"]), targets.get_target("cpu"))
-    softmax = next(f for gv, f in rows_off_vectors.functions_items() if "softmax" in gv.name_hint)
-    assert schedules.RowReductionRule().apply(softmax, targets.get_target("cpu"), False) is None
+    layer_norm = next(f for gv, f in rows_off_vectors.functions_items() if "layer_norm" in gv.name_hint)
+    assert schedules.RowReductionRule().apply(layer_norm, targets.get_target("cpu"), False) is None
     assert schedules.RowReductionRule().apply(_row_share, targets.get_target("cuda-tensorcore"), False) is None
     assert schedules.RowReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
