@@ -101,7 +101,7 @@ class _Dispatcher(relax.PyExprMutator):
 
     def _first_channels(self, result: relax.Expr, axis: int, channels: int, padded: int) -> relax.Expr:
         """`result` ([..., padded] on `axis`) without the zero output channels a weight or runtime operand off the
-        16-lane blocks was given."""
+        kernel's channel blocks was given."""
         if padded == channels:
             return result
         return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[channels])
@@ -109,9 +109,9 @@ class _Dispatcher(relax.PyExprMutator):
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
         at run time, one packed weight per batch element (a 2-D one is a batch of one). A width off the kernel's
-        16-lane blocks (197 tokens) gets zero columns, sliced off the output; a depth off the instruction's group
-        (P.V over 197 tokens in bf16) gets zero products: a zero column of the first operand, a zero row of the
-        second."""
+        channel blocks (`_column_block`; 197 tokens) gets zero columns, sliced off the output; a depth off the
+        instruction's group (P.V over 197 tokens in bf16) gets zero products: a zero column of the first operand,
+        a zero row of the second."""
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
         if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
