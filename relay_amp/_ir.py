@@ -6,6 +6,7 @@ import linecache
 import math
 import sys
 import types
+from collections.abc import Callable
 
 import tvm
 from tvm import relax
@@ -184,3 +185,72 @@ def import_tensor_intrinsics(module: str = "tvm.s_tir.tensor_intrin") -> types.M
         return importlib.import_module(module)
     finally:
         inspect.stack = original
+
+
+CLAMP_OPS = {tvm.tirx.Max: relax.op.maximum, tvm.tirx.Min: relax.op.minimum}
+
+
+def clamps_as_max_min(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
+    """`mod` with every clip, and every call of a TE function clamping a tensor by a scalar (ONNX Clip as TVM's
+    importer writes it), as Relax maximum and minimum by constants: those carry a layout through ConvertLayout,
+    where clip and a TE call leave transposes around themselves (MobileNetV2's ReLU6: 34 pairs in NHWC)."""
+    lifted = rewrite_function(_ClampLifter(mod), mod, func)
+    return tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.DeadCodeElimination([func])])(
+        lifted)
+
+
+@relax.expr_functor.mutator
+class _ClampLifter(relax.PyExprMutator):
+    """Rewrites clip and scalar-clamp call_tirs into maximum/minimum."""
+
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.mod = mod
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if new_call.op.same_as(tvm.ir.Op.get("relax.clip")):
+            return self._clip(new_call)
+        if new_call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and isinstance(new_call.args[0], relax.GlobalVar):
+            op = _scalar_clamp(self.mod[new_call.args[0]])
+            if op is not None:
+                return op(*new_call.args[1].fields)
+        return new_call
+
+    def _clip(self, call: relax.Call) -> relax.Expr:
+        data, dtype = call.args[0], tensor_dtype(call.args[0])
+        bounds = [_constant_float(bound) for bound in call.args[1:]]
+        if None in bounds:
+            return call  # a symbolic bound
+        clamps = [(op, bound) for op, bound in zip((relax.op.maximum, relax.op.minimum), bounds) if math.isfinite(bound)]
+        if not clamps:
+            return data
+        for op, bound in clamps[:-1]:
+            data = self.builder_.emit(op(data, relax.const(bound, dtype)))
+        last_op, last_bound = clamps[-1]
+        return last_op(data, relax.const(last_bound, dtype))
+
+
+def _constant_float(bound: relax.Expr) -> float | None:
+    """The number a PrimValue holds, None when it is symbolic."""
+    value = getattr(bound, "value", None)
+    value = getattr(value, "value", value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _scalar_clamp(func) -> "Callable | None":
+    """relax.op.maximum or minimum for a PrimFunc whose one store is out[i] = max or min(x[i], bound[()]), else
+    None."""
+    if not isinstance(func, tvm.tirx.PrimFunc) or len(func.params) != 3:
+        return None
+    node = func.body
+    while hasattr(node, "block") or hasattr(node, "body"):
+        node = node.block if hasattr(node, "block") else node.body
+    if not isinstance(node, tvm.tirx.BufferStore) or type(node.value) not in CLAMP_OPS:
+        return None
+    data, bound = node.value.a, node.value.b
+    if not (isinstance(data, tvm.ir.expr.TensorLoad) and isinstance(bound, tvm.ir.expr.TensorLoad)):
+        return None
+    if not (data.source.same_as(func.params[0]) and bound.source.same_as(func.params[1]) and not bound.indices):
+        return None
+    return CLAMP_OPS[type(node.value)]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import tvm
 
-from ._ir import fold_batch_norm
+from ._ir import clamps_as_max_min, fold_batch_norm
 from .errors import MissingDependencyError, ModelLoadError
 
 
@@ -65,7 +65,8 @@ def _simplified(proto):
 
 
 def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.IRModule:
-    """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants."""
+    """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants,
+    clamps (ReLU6) as maximum and minimum."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -73,13 +74,15 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.
         import onnx
 
         onnx.checker.check_model(proto)
-        return relax_from_onnx(_simplified(proto), shape_dict=shape_dict, keep_params_in_input=False)
+        imported = relax_from_onnx(_simplified(proto), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
+    return clamps_as_max_min(imported)
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
-    """Import a torch.nn.Module through torch.export, weights bound as constants, batch norms folded into convs."""
+    """Import a torch.nn.Module through torch.export, weights bound as constants, batch norms folded into convs,
+    clamps (ReLU6, hardtanh) as maximum and minimum."""
     try:
         import torch
         from tvm.relax.frontend.torch import from_exported_program
@@ -90,4 +93,4 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     inputs = tuple(torch.as_tensor(x) for x in example_inputs)
     with torch.no_grad():
         exported = torch.export.export(module.eval(), inputs)
-    return fold_batch_norm(from_exported_program(exported, unwrap_unit_return_tuple=True))
+    return clamps_as_max_min(fold_batch_norm(from_exported_program(exported, unwrap_unit_return_tuple=True)))

@@ -106,3 +106,32 @@ def test_constant_subgraphs_are_folded_before_tvm_imports_them():
     x = np.arange(6, dtype="float32").reshape(2, 3)
     got = relay_amp.run(frontend.from_onnx(model), [x])[0]
     np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])  # exact: one fp32 add
+
+
+def relu6_conv_onnx() -> onnx.ModelProto:
+    """Conv -> Clip(0, 6) (ReLU6, as MobileNetV2 exports it) -> Conv."""
+    rng = np.random.default_rng(3)
+    weights = {"w1": rng.standard_normal((8, 3, 3, 3)).astype("float32"),
+               "w2": rng.standard_normal((4, 8, 1, 1)).astype("float32"),
+               "low": np.array(0.0, "float32"), "high": np.array(6.0, "float32")}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c", "low", "high"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "relu6", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_onnx_clip_imports_as_maximum_and_minimum_and_an_nhwc_build_keeps_no_transposes_around_it():
+    """TVM's importer writes Clip as two TE functions, which ConvertLayout cannot see through."""
+    model = relu6_conv_onnx()
+    mod = frontend.from_onnx(model)
+    ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings]
+    assert ops == ["relax.nn.conv2d", "relax.maximum", "relax.minimum", "relax.nn.conv2d"]
+    nhwc = relay_amp.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod)
+    transposes = [b for b in nhwc["main"].body.blocks[0].bindings if b.value.op.name == "relax.permute_dims"]
+    assert len(transposes) == 4  # the input, two weights and the output: the graph's edges only
+    x = np.random.default_rng(4).standard_normal((1, 3, 8, 8)).astype("float32")
+    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(relay_amp.run(mod, [x])[0], expected, rtol=1e-5, atol=1e-4)

@@ -6,6 +6,7 @@ from typing import ClassVar
 import tvm
 from tvm import relax
 
+from .._ir import clamps_as_max_min
 from ..errors import OptionError
 from ..ops import canonical_op
 from .layers import layer_bindings, list_layers, resolve_layers
@@ -80,9 +81,23 @@ def convert_layout(mod: tvm.IRModule, desired_layouts: dict[str, list[str]], fun
     return ConvertLayout(desired_layouts, func)(mod)
 
 
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.ClampsAsMaxMin")
+class ClampsAsMaxMin:
+    """Clips (and TE scalar clamps) as maximum and minimum by constants, which ConvertLayout carries a layout
+    through (see relay_amp._ir.clamps_as_max_min)."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod`; the input module is left as it was."""
+        return clamps_as_max_min(mod, self.func)
+
+
 def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
-    """The ConvertLayout pass that puts conv2d into `conv_layout` (a data layout, or [data, kernel]); none for None."""
+    """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]), clamps first made
+    maximum and minimum so that the layout carries through them; none for None."""
     if conv_layout is None:
         return []
     layouts = [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)
-    return [ConvertLayout({CONV_OPS[0]: layouts})]
+    return [ClampsAsMaxMin(), ConvertLayout({CONV_OPS[0]: layouts})]

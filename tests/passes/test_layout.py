@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import tvm
+from tvm import relax, topi
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relay_amp
 from relay_amp import models
-from relay_amp.passes.layout import ConvertLayout, LayoutConfig, convert_layout
+from relay_amp.passes.layout import ClampsAsMaxMin, ConvertLayout, LayoutConfig, convert_layout
 
 from pass_checks import assert_transforms
 
@@ -107,3 +108,44 @@ def test_functional_form_honours_the_scope():
         via_pass = ConvertLayout({"nn.conv2d": ["NHWC", "default"]})(ThreeConvs)
     tvm.ir.assert_structural_equal(via_function, via_pass)
     assert layouts_of(via_function) == ["NHWC/OHWI", "NCHW/OIHW", "NHWC/OHWI"]
+
+
+def test_clips_become_maximum_and_minimum_by_constants():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 8), "float32")) -> R.Tensor((2, 8), "float32"):
+            with R.dataflow():
+                r6 = R.clip(x, 0.0, 6.0)
+                gv = R.clip(r6, float("-inf"), 1.0)  # no lower bound: minimum only
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((2, 8), "float32")) -> R.Tensor((2, 8), "float32"):
+            with R.dataflow():
+                low = R.maximum(x, R.const(0.0, "float32"))
+                r6 = R.minimum(low, R.const(6.0, "float32"))
+                gv = R.minimum(r6, R.const(1.0, "float32"))
+                R.output(gv)
+            return gv
+
+    assert_transforms(ClampsAsMaxMin(), Before, Expected)
+
+
+def test_a_te_scalar_clamp_becomes_maximum_and_its_function_goes():
+    """A call of a TE function max(x, bound[()]), as TVM's ONNX importer writes Clip."""
+    x = relax.Var("x", relax.TensorType((2, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit_te(topi.maximum, x, relax.const(np.array(0.5, "float32"))))
+        bb.emit_func_output(out)
+    after = ClampsAsMaxMin()(bb.get())
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [call.op.name for call in calls] == ["relax.maximum"]
+    assert [gv.name_hint for gv in after.get_global_vars()] == ["main"]
+    data = np.linspace(-1, 1, 16, dtype="float32").reshape(2, 8)
+    np.testing.assert_array_equal(relay_amp.run(after, [data])[0], np.maximum(data, 0.5))

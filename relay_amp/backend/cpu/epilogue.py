@@ -9,6 +9,7 @@ dtypes and reshapes that keep the channel axis, and rebuilds the kernel with the
 (`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,8 +115,8 @@ class _ChainFinder:
         if tensor_dtype(value) not in MODEL_FLOAT_DTYPES:
             return None
         handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
-                   "relax.clip": self._clip, "relax.astype": self._astype, "relax.reshape": self._reshape}.get(
-            value.op.name)
+                   "relax.clip": self._clip, "relax.maximum": self._bound, "relax.minimum": self._bound,
+                   "relax.astype": self._astype, "relax.reshape": self._reshape}.get(value.op.name)
         return None if handler is None else handler(value, current, chain)
 
     def _other_operand(self, value: relax.Call, current: relax.Var) -> "relax.Expr | None":
@@ -154,6 +155,16 @@ class _ChainFinder:
         if tensor_dtype(current) != kernels.WIDE:
             return None
         return self._record(chain, kernels.Step(kernels.CLIP, float(low.value), float(high.value)), None)
+
+    def _bound(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        """maximum or minimum by a scalar constant (a clip as relay_amp's frontends write it): one side of a CLIP."""
+        other = self._other_operand(value, current)
+        if (tensor_dtype(current) != kernels.WIDE or not isinstance(other, tvm.ir.expr.Constant)
+                or other.value.numpy().size != 1):
+            return None
+        bound = float(other.value.numpy().reshape(-1)[0])
+        low, high = (bound, math.inf) if value.op.name == "relax.maximum" else (-math.inf, bound)
+        return self._record(chain, kernels.Step(kernels.CLIP, low, high), None)
 
     def _astype(self, value: relax.Call, current: relax.Var, chain: _Chain):
         """A cast to fp32 goes on in fp32 (from int32 accumulators, or back from a narrow cast only it reads: TVM

@@ -91,10 +91,20 @@ def test_scale_and_clip_then_a_reshape_keeping_the_channels():
     assert_transforms(FuseKernelEpilogues(), before, expected)
 
 
+def test_maximum_and_minimum_by_scalars_are_a_clip():
+    """ReLU6 as relay_amp's frontends write it (relay_amp._ir.clamps_as_max_min)."""
+    before = _dispatched(_chain_module(
+        lambda v, r: relax.op.maximum(v, relax.const(0.0, F32)),
+        lambda v, r: relax.op.minimum(relax.const(6.0, F32), v)))
+    steps = (kernels.Step(kernels.CLIP, low=0.0), kernels.Step(kernels.CLIP, high=6.0))
+    assert_transforms(FuseKernelEpilogues(), before, _expected(kernels.Epilogue(steps, "", F32), []))
+
+
 @pytest.mark.parametrize("reason,ops", [
     ("exp is not an epilogue op", [lambda v, r: relax.op.exp(v)]),
     ("a constant that varies by pixel", [lambda v, r: relax.op.add(v, relax.const(np.ones(SHAPE, F32)))]),
     ("a reshape that moves the channels", [lambda v, r: relax.op.reshape(v, (1, 16, 128, 8))]),
+    ("a maximum by a tensor", [lambda v, r: relax.op.maximum(v, r)]),
 ])
 def test_ops_the_epilogue_cannot_take_are_left_alone(reason, ops):
     before = _dispatched(_chain_module(*ops))
