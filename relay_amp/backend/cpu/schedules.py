@@ -95,8 +95,9 @@ def _find_contraction(sch: s_tir.Schedule, infos) -> _Contraction | None:
     if vector_index is None or not _const(spatial[vector_index].dom):
         return None  # no output axis to vectorize, or a symbolic one
     streamed = [index_vars(read) for read in block.reads if any(v.same_as(vector_var) for v in index_vars(read))]
+    # a register row must leave one streamed operand to share: a matmul's B, a depthwise conv's weight
     candidates = [i for i, it in enumerate(spatial) if i != vector_index and _const(it.dom) > 1
-                  and not any(any(v.same_as(it.var) for v in used) for used in streamed)]
+                  and not all(any(v.same_as(it.var) for v in used) for used in streamed)]
     register_index = max(candidates, key=lambda i: (_const(spatial[i].dom), i)) if candidates else None
     return _Contraction(info.block_rv, [it.loop_rv for it in spatial], [it.loop_rv for it in reduction],
                         vector_index, register_index, vector_var)

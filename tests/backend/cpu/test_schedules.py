@@ -37,6 +37,9 @@ CASES = {
     "conv_nhwc": (lambda x, w: relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1, data_layout="NHWC",
                                                                     kernel_layout="HWIO")),
                   ("x", (1, 14, 14, 16)), ("w", (3, 3, 16, 32))),
+    "depthwise_conv_nhwc": (lambda x, w: relax.op.nn.conv2d(x, w, padding=2, groups=32, data_layout="NHWC",
+                                                             kernel_layout="HWOI"),
+                            ("x", (1, 14, 14, 32)), ("w", (5, 5, 32, 1))),
     "max_pool": (lambda x: relax.op.nn.max_pool2d(x, pool_size=3, strides=2, padding=1), ("x", (1, 4, 15, 15))),
     "softmax_layer_norm": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
                            ("x", (4, 33)), ("g", (33,)), ("b", (33,))),
@@ -149,6 +152,16 @@ def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
     of row blocks over the whole (L2-sized) reduction; the bias add fused into the write-back."""
     scheduled = schedules.ContractionRule().apply(_matmul_bias, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _matmul_bias_scheduled)
+
+
+def test_a_depthwise_conv_keeps_rows_of_pixels_in_registers_sharing_each_weight_vector():
+    """Both operands are read along the channels (the vector axis): the weight vector, which does not move with
+    the output's x, is shared by 7 pixels' accumulators (before: one pixel, a chain of dependent FMAs)."""
+    mod = relax.transform.LegalizeOps()(_module(*CASES["depthwise_conv_nhwc"]))
+    sch = schedules.ContractionRule().apply(mod["conv2d"], targets.get_target("cpu"), False)
+    *_, rows, lanes = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("group_conv2d_nhwc_update")))
+    assert (int(rows.extent), rows.kind) == (7, tvm.tirx.ForKind.UNROLLED)
+    assert (int(lanes.extent), lanes.kind) == (32, tvm.tirx.ForKind.VECTORIZED)
 
 
 def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
