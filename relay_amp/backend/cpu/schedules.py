@@ -24,6 +24,7 @@ MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest
 STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
 MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded to whole vectors
+BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
 
 
 @dataclass(frozen=True)
@@ -240,10 +241,30 @@ class ElementwiseRule(_CpuRule):
         """Schedule a function whose blocks are all spatial, else None."""
         if any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
             return None
-        remaining = dl.base.common_schedules.try_inline(sch, infos)
-        for info in remaining:
+        broadcast = _broadcast_operands(sch, infos)
+        remaining = dl.base.common_schedules.try_inline(sch, [info for info in infos if info not in broadcast])
+        for info in [*broadcast, *remaining]:
             schedule_injective(sch, info.block_rv)
         return sch
+
+
+def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:
+    """The blocks that write BROADCAST_RATIO times fewer values than the function's output and feed a block that
+    does not: inlined, they would be computed again for every value they broadcast to (EfficientNet's
+    squeeze-and-excite gate, a sigmoid of 144 values, for each of 56 x 56 pixels)."""
+    sizes = {sch.get(info.block_rv).name_hint: _written_values(sch, info.block_rv) for info in infos}
+    output = max(sizes.values())
+
+    def small(block) -> bool:
+        return sizes.get(sch.get(block).name_hint, output) * BROADCAST_RATIO <= output
+
+    return [info for info in infos if small(info.block_rv)
+            and not all(small(consumer) for consumer in sch.get_consumers(info.block_rv))]
+
+
+def _written_values(sch: s_tir.Schedule, block) -> int:
+    """How many values `block` writes: the size of its output buffer (a huge number when symbolic)."""
+    return math.prod(_const(d) or 1 << 62 for d in sch.get(block).writes[0].source.shape)
 
 
 def _leading_spatial(info) -> int:

@@ -216,6 +216,35 @@ def test_elementwise_rule_vectorizes_rows_off_whole_vectors_within_each_row():
 
 
 @T.prim_func(private=True, s_tir=True)
+def _gated(x: T.Buffer((T.int64(64), T.int64(16)), "float32"), s: T.Buffer((T.int64(16),), "float32"),
+           out: T.Buffer((T.int64(64), T.int64(16)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    gate = T.sblock_alloc_buffer((T.int64(16),))
+    for j in range(T.int64(16)):
+        with T.sblock("gate"):
+            vj = T.axis.remap("S", [j])
+            gate[vj] = T.exp(s[vj])
+    for i, j in T.grid(T.int64(64), T.int64(16)):
+        with T.sblock("gated"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = x[vi, vj] * gate[vj]
+
+
+def test_elementwise_rule_computes_a_broadcast_operand_once():
+    """A squeeze-and-excite gate (16 values for 64 x 16 outputs) stays its own loop nest: inlined, its exp would
+    run again for each of the 64 rows. The build matches numpy."""
+    target = targets.get_target("cpu")
+    sch = schedules.ElementwiseRule().apply(_gated, target, False)
+    blocks = [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))]
+    assert blocks == ["gate", "gated"]
+    x, gate = np.random.default_rng(0).standard_normal((64, 16)).astype("float32"), np.linspace(-1, 1, 16, dtype="float32")
+    out = tvm.runtime.empty((64, 16), "float32")
+    tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=target)["main"](
+        tvm.runtime.tensor(x), tvm.runtime.tensor(gate), out)
+    np.testing.assert_allclose(out.numpy(), x * np.exp(gate), rtol=1e-6)
+
+
+@T.prim_func(private=True, s_tir=True)
 def _row_share(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), out: T.Buffer((T.int64(4), T.int64(32)), "float32")):
     T.func_attr({"tirx.noalias": True})
     total = T.sblock_alloc_buffer((T.int64(4),))
