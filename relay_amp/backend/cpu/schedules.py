@@ -258,8 +258,16 @@ def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:
     def small(block) -> bool:
         return sizes.get(sch.get(block).name_hint, output) * BROADCAST_RATIO <= output
 
-    return [info for info in infos if small(info.block_rv)
+    return [info for info in infos if small(info.block_rv) and _computes_floats(sch, info.block_rv)
             and not all(small(consumer) for consumer in sch.get_consumers(info.block_rv))]
+
+
+def _computes_floats(sch: s_tir.Schedule, block) -> bool:
+    """Whether `block` computes float values (not a copy, which costs nothing inlined, nor a bool mask: TVM's
+    LLVM codegen mixes i1 and i8 lanes when a vectorized consumer loads bools back from a buffer)."""
+    store = sch.get(block).body
+    return (isinstance(store, tvm.tirx.BufferStore) and "float" in str(store.buffer.dtype)
+            and not isinstance(store.value, tvm.ir.expr.TensorLoad))
 
 
 def _written_values(sch: s_tir.Schedule, block) -> int:

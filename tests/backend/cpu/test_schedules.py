@@ -244,6 +244,19 @@ def test_elementwise_rule_computes_a_broadcast_operand_once():
     np.testing.assert_allclose(out.numpy(), x * np.exp(gate), rtol=1e-6)
 
 
+def test_a_broadcast_bool_mask_builds_and_matches_numpy():
+    """An attention mask (DistilBERT's): a reshaped row of bools and-ed with a column, then a where. The small
+    bool block is inlined: kept apart, TVM's LLVM codegen mixed i1 and i8 lanes loading it back."""
+    mod = single_output_module(
+        lambda row, column: relax.op.where(relax.op.logical_and(column, relax.op.reshape(row, (1, 1, 1, 128))),
+                                           relax.const(1.0, "float32"), relax.const(-3.0, "float32")),
+        tensor("row", (1, 1, 1, 128, 1), "bool"), tensor("column", (1, 1, 128, 1), "bool"))
+    rng = np.random.default_rng(1)
+    row, column = rng.random((1, 1, 1, 128, 1)) > 0.5, rng.random((1, 1, 128, 1)) > 0.5
+    got = run_executable(build(mod, "cpu"), [row, column])[0]
+    np.testing.assert_array_equal(got, np.where(column & row.reshape(1, 1, 1, 128), 1.0, -3.0))
+
+
 @T.prim_func(private=True, s_tir=True)
 def _row_share(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), out: T.Buffer((T.int64(4), T.int64(32)), "float32")):
     T.func_attr({"tirx.noalias": True})
