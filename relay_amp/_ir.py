@@ -222,7 +222,8 @@ class _ClampLifter(relax.PyExprMutator):
         bounds = [_constant_float(bound) for bound in call.args[1:]]
         if None in bounds:
             return call  # a symbolic bound
-        clamps = [(op, bound) for op, bound in zip((relax.op.maximum, relax.op.minimum), bounds) if math.isfinite(bound)]
+        clamps = [(op, bound) for op, bound in zip((relax.op.maximum, relax.op.minimum), bounds)
+                  if math.isfinite(bound)]
         if not clamps:
             return data
         for op, bound in clamps[:-1]:

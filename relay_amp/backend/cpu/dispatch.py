@@ -204,7 +204,8 @@ class _Dispatcher(relax.PyExprMutator):
         if extra_rows:
             data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, 0, extra_rows, 0, 0, 0, 0]))
         gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
-        return self.builder_.emit(relax.call_tir(gvar, [data, weight], relax.TensorType(spec.out_shape, spec.out_dtype)))
+        out_type = relax.TensorType(spec.out_shape, spec.out_dtype)
+        return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))
 
 
 def _run_time_weight_sums(packed: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
