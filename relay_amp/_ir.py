@@ -187,6 +187,13 @@ def import_tensor_intrinsics(module: str = "tvm.s_tir.tensor_intrin") -> types.M
         inspect.stack = original
 
 
+def pad_after(expr: relax.Expr, ndim: int, axis: int, extra: int, value: float = 0.0) -> relax.Expr:
+    """`expr` (of `ndim` axes) with `extra` values `value` after its `axis` (negative: from the end)."""
+    pad_width = [0] * (2 * ndim)
+    pad_width[2 * (axis % ndim) + 1] = extra
+    return relax.op.nn.pad(expr, pad_width, pad_value=value)
+
+
 CLAMP_OPS = {tvm.tirx.Max: relax.op.maximum, tvm.tirx.Min: relax.op.minimum}
 
 
@@ -194,7 +201,11 @@ def clamps_as_max_min(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` with every clip, and every call of a TE function clamping a tensor by a scalar (ONNX Clip as TVM's
     importer writes it), as Relax maximum and minimum by constants: those carry a layout through ConvertLayout,
     where clip and a TE call leave transposes around themselves (MobileNetV2's ReLU6: 34 pairs in NHWC)."""
-    lifted = rewrite_function(_ClampLifter(mod), mod, func)
+    lifter = _ClampLifter(mod)
+    lifted = rewrite_function(lifter, mod, func)
+    if not lifter.te_calls:
+        return lifted
+    # a TE clamp's bound comes through the importer's NaN check; its PrimFunc is left without a caller
     return tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.DeadCodeElimination([func])])(
         lifted)
 
@@ -206,6 +217,7 @@ class _ClampLifter(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.mod = mod
+        self.te_calls = 0  # TE clamp calls rewritten
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
@@ -214,6 +226,7 @@ class _ClampLifter(relax.PyExprMutator):
         if new_call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and isinstance(new_call.args[0], relax.GlobalVar):
             op = _scalar_clamp(self.mod[new_call.args[0]])
             if op is not None:
+                self.te_calls += 1
                 return op(*new_call.args[1].fields)
         return new_call
 

@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..._ir import rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from . import amx, kernels
 
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -45,13 +45,6 @@ def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
 def _out_dtype(call: relax.Call, data_dtype: str) -> str:
     out_dtype = call.attrs.out_dtype
     return data_dtype if out_dtype is None or str(out_dtype) in ("", "void") else str(out_dtype)
-
-
-def _pad_axis(expr: relax.Expr, ndim: int, axis: int, extra: int) -> relax.Expr:
-    """`expr` with `extra` zeros after its `axis` (negative: from the end)."""
-    pad_width = [0] * (2 * ndim)
-    pad_width[2 * (axis % ndim) + 1] = extra
-    return relax.op.nn.pad(expr, pad_width)
 
 
 def _packed_at_run_time(operand: relax.Expr, shape: tuple[int, ...], dot: kernels.DotIntrin, batch: int) -> relax.Expr:
@@ -120,12 +113,12 @@ class _Dispatcher(relax.PyExprMutator):
         width, batch = operand_shape[-1], math.prod(operand_shape[:-2])
         extra_depth = -shape[-1] % dot.group
         if extra_depth:
-            data = self.builder_.emit(_pad_axis(data, len(shape), -1, extra_depth))
-            operand = self.builder_.emit(_pad_axis(operand, len(operand_shape), -2, extra_depth))
+            data = self.builder_.emit(pad_after(data, len(shape), -1, extra_depth))
+            operand = self.builder_.emit(pad_after(operand, len(operand_shape), -2, extra_depth))
             shape, operand_shape = _deeper(shape, -1, extra_depth), _deeper(operand_shape, -2, extra_depth)
         extra_width = -width % self._column_block(tensor_dtype(data))
         if extra_width:  # zero columns, padded as the operand is packed
-            operand = self.builder_.emit(_pad_axis(operand, len(operand_shape), -1, extra_width))
+            operand = self.builder_.emit(pad_after(operand, len(operand_shape), -1, extra_width))
             operand_shape = _deeper(operand_shape, -1, extra_width)
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
         result = self._emit_matmul(call, data, shape, operand_shape[-1], packed, batch)
@@ -144,12 +137,13 @@ class _Dispatcher(relax.PyExprMutator):
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
                                 weight_batch)
-        if self._on_amx(spec):
+        on_amx = self._on_amx(spec)
+        if on_amx:
             spec = _fewest_padded_rows(spec, dataclasses.replace(spec, data_shape=(images, rows, 1, in_ch)))
         flat = self.builder_.emit(relax.op.reshape(data, spec.data_shape))
-        extra = 0 if self._on_amx(spec) else kernels.padded_width(rows, out_ch) - rows
+        extra = 0 if on_amx else kernels.padded_width(rows, out_ch) - rows
         if extra:  # zero rows complete the last register tile; the slice drops their outputs
-            flat = self.builder_.emit(relax.op.nn.pad(flat, [0, 0, 0, 0, 0, extra, 0, 0]))
+            flat = self.builder_.emit(pad_after(flat, 4, 2, extra))
             spec = dataclasses.replace(spec, data_shape=(images, 1, rows + extra, in_ch))
         result = self._emit_kernel(spec, flat, packed)
         if extra:
@@ -202,7 +196,7 @@ class _Dispatcher(relax.PyExprMutator):
         """The AMX kernel call, with the zero rows its input buffer adds."""
         extra_rows = amx.tiling(spec).data_shape[1] - spec.data_shape[1]
         if extra_rows:
-            data = self.builder_.emit(relax.op.nn.pad(data, [0, 0, 0, extra_rows, 0, 0, 0, 0]))
+            data = self.builder_.emit(pad_after(data, 4, 1, extra_rows))
         gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
         out_type = relax.TensorType(spec.out_shape, spec.out_dtype)
         return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))

@@ -159,10 +159,12 @@ class _ChainFinder:
     def _bound(self, value: relax.Call, current: relax.Var, chain: _Chain):
         """maximum or minimum by a scalar constant (a clip as relay_amp's frontends write it): one side of a CLIP."""
         other = self._other_operand(value, current)
-        if (tensor_dtype(current) != kernels.WIDE or not isinstance(other, tvm.ir.expr.Constant)
-                or other.value.numpy().size != 1):
+        if tensor_dtype(current) != kernels.WIDE or not isinstance(other, tvm.ir.expr.Constant):
             return None
-        bound = float(other.value.numpy().reshape(-1)[0])
+        values = other.value.numpy()
+        if values.size != 1:
+            return None
+        bound = float(values.reshape(-1)[0])
         low, high = (bound, math.inf) if value.op.name == "relax.maximum" else (-math.inf, bound)
         return self._record(chain, kernels.Step(kernels.CLIP, low, high), None)
 

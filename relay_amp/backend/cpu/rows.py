@@ -11,7 +11,7 @@ import ml_dtypes
 import tvm
 from tvm import relax
 
-from ..._ir import rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from .schedules import ACCUMULATOR_LANES
 
@@ -43,8 +43,7 @@ class _RowPadder(relax.PyExprMutator):
         if not extra:
             return new_call
         data, shape = new_call.args[0], tensor_shape(new_call.args[0])
-        pad_width = [0] * (2 * len(shape) - 1) + [extra]
-        padded = self.builder_.emit(relax.op.nn.pad(data, pad_width, pad_value=lowest(tensor_dtype(data))))
+        padded = self.builder_.emit(pad_after(data, len(shape), -1, extra, lowest(tensor_dtype(data))))
         rows = self.builder_.emit(relax.Call(new_call.op, [padded], new_call.attrs))
         return relax.op.strided_slice(rows, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
 
