@@ -7,6 +7,11 @@ the 56x56x256 fp32 outputs took more time to write and read back than their prod
 per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
 dtypes and reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
 (`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype.
+
+An activation that reads its input more than once (SiLU's x * sigmoid(x), GELU as exporters spell it:
+x * (erf(x / 1.414) + 1) * 0.5, with AMP's casts in between) is taken whole: the elementwise ops after a value
+that only it feeds become one MAP step (`relay_amp.backend.cpu.formula`). So the 4x-wide output of a
+transformer's or ConvNeXt's first MLP matmul, or an EfficientNet expansion conv's, is stored once, activated.
 """
 
 import math
@@ -19,9 +24,10 @@ from tvm import relax
 
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
-from . import amx, kernels
+from . import amx, formula, kernels
 
 _ALIAS = object()  # a step that only renames, reshapes or casts the value
+ACTIVATION_WINDOW = 24  # bindings after a kernel's value searched for the ops of an activation
 
 
 # the attribute that marks a kernel without an epilogue -> the function that builds it with one
@@ -55,20 +61,25 @@ def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
 class _ChainFinder:
     """Walks each kernel's result through the bindings that read it alone, in binding order."""
 
-    def __init__(self, mod: tvm.IRModule, func: relax.Function):
+    def __init__(self, mod: tvm.IRModule, func: relax.Function, fast_math: bool = True):
         self.mod = mod
+        self.fast_math = fast_math
         self.uses = read_counts(func)
         self.reader: dict[relax.Var, relax.VarBinding] = {}
         self.claimed: set[relax.Var] = set()  # vars a chain found so far absorbs or binds
         self.absorbed: set[relax.Var] = set()  # vars whose bindings a chain found so far removes
         self.chains: list[_Chain] = []
-        bindings = [binding for block in func.body.blocks for binding in block.bindings]
-        for binding in bindings:
-            relax.analysis.post_order_visit(binding.value, lambda expr, b=binding: self._note_reader(expr, b))
-        for binding in bindings:
-            kernel = self._kernel(binding.value)
-            if kernel is not None:
-                self._follow(binding.var, _Chain(binding.value, *kernel))
+        self.blocks = [list(block.bindings) for block in func.body.blocks]
+        self.position = {binding.var: (index, at) for index, bindings in enumerate(self.blocks)
+                         for at, binding in enumerate(bindings)}  # var -> (block, binding) where it is bound
+        for bindings in self.blocks:
+            for binding in bindings:
+                relax.analysis.post_order_visit(binding.value, lambda expr, b=binding: self._note_reader(expr, b))
+        for bindings in self.blocks:
+            for binding in bindings:
+                kernel = self._kernel(binding.value)
+                if kernel is not None:
+                    self._follow(binding.var, _Chain(binding.value, *kernel))
 
     def _note_reader(self, expr: relax.Expr, binding: relax.VarBinding) -> None:
         if isinstance(expr, relax.Var):
@@ -89,15 +100,13 @@ class _ChainFinder:
     def _follow(self, var: relax.Var, chain: _Chain) -> None:
         current = var
         chain.absorbed.append(var)
-        while isinstance(current, relax.DataflowVar) and self.uses.get(current, 0) == 1 and current in self.reader:
-            binding = self.reader[current]
-            if binding.var in self.claimed:
+        while isinstance(current, relax.DataflowVar):
+            following = self._next_step(current, chain)
+            if following is None:
+                following = self._activation(current, chain)
+            if following is None:
                 break
-            step = self._step(binding.value, current, chain)
-            if step is None:
-                break
-            chain.absorbed.append(binding.var)
-            current = binding.var
+            current = following
         chain.absorbed.pop()  # the last var is the chain's result: the fused call binds it
         if current is var or not (chain.steps or chain.out_dtype):
             return
@@ -105,6 +114,46 @@ class _ChainFinder:
         self.absorbed.update(chain.absorbed)
         self.claimed.update(chain.absorbed, [current])
         self.chains.append(chain)
+
+    def _next_step(self, current: relax.Var, chain: _Chain) -> "relax.Var | None":
+        """The var of the one op reading `current`, recorded in `chain`; None where the epilogue cannot take it."""
+        binding = self.reader.get(current)
+        if self.uses.get(current, 0) != 1 or binding is None or binding.var in self.claimed:
+            return None
+        if self._step(binding.value, current, chain) is None:
+            return None
+        chain.absorbed.append(binding.var)
+        return binding.var
+
+    def _activation(self, root: relax.Var, chain: _Chain) -> "relax.Var | None":
+        """The elementwise ops after `root` that only it feeds (a GELU or SiLU as exporters spell it, which reads
+        its input twice) recorded in `chain` as one MAP step: the var of their result, or None."""
+        if tensor_dtype(root) not in MODEL_FLOAT_DTYPES or root not in self.position:
+            return None
+        block, at = self.position[root]
+        known, unread, taken, closed = {root: formula.X}, {root: self.uses.get(root, 0)}, [], 0
+        for binding in self.blocks[block][at + 1: at + 1 + ACTIVATION_WINDOW]:
+            reads = _reads(binding.value)
+            if not any(var in known for var in reads):
+                continue
+            made = formula.of_call(binding.value, known, self.fast_math)
+            if made is None or binding.var in self.claimed or tensor_shape(binding.var) != tensor_shape(root):
+                break
+            for var in reads:
+                unread[var] -= 1
+            known[binding.var], unread[binding.var] = made, self.uses.get(binding.var, 0)
+            taken.append(binding.var)
+            if all(count == 0 for var, count in unread.items() if not var.same_as(binding.var)):
+                closed = len(taken)
+            if not isinstance(binding.var, relax.DataflowVar):
+                break
+        if not closed or known[taken[closed - 1]] == formula.X:
+            return None
+        sink = taken[closed - 1]
+        self._record(chain, kernels.Step(kernels.MAP, formula=known[sink]), None)
+        chain.out_dtype = tensor_dtype(sink)
+        chain.absorbed.extend(taken[:closed])
+        return sink
 
     def _step(self, value: relax.Expr, current: relax.Var, chain: _Chain):
         """Record the op `value` (which reads `current`) in `chain`; None where the epilogue cannot take it."""
@@ -189,6 +238,13 @@ class _ChainFinder:
         return step
 
 
+def _reads(expr: relax.Expr) -> list[relax.Var]:
+    """Every var `expr` reads, once per read."""
+    found: list[relax.Var] = []
+    relax.analysis.post_order_visit(expr, lambda node: found.append(node) if isinstance(node, relax.Var) else None)
+    return found
+
+
 @relax.expr_functor.mutator
 class _Fuser(relax.PyExprMutator):
     """Drops the bindings a chain absorbs and binds each chain's result to its kernel with the epilogue."""
@@ -228,14 +284,15 @@ class _Fuser(relax.PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FuseKernelEpilogues")
 class FuseKernelEpilogues:
-    """Fuse the per-channel, residual, clamping, casting and reshaping ops after each kernel into it."""
+    """Fuse the per-channel, residual, clamping, activation, casting and reshaping ops after each kernel into it."""
 
-    def __init__(self, func: str = "main"):
+    def __init__(self, func: str = "main", fast_math: bool = True):
         self.func = func
+        self.fast_math = fast_math  # activations with TVM's fast_exp/fast_erf/fast_tanh (else libm's)
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (kernels left without a reader removed); the input module is left as it was."""
-        chains = _ChainFinder(mod, get_function(mod, self.func)).chains
+        chains = _ChainFinder(mod, get_function(mod, self.func), self.fast_math).chains
         if not chains:
             return mod
         fused = rewrite_function(_Fuser(mod, chains), mod, self.func)

@@ -12,8 +12,8 @@ Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted 
 fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic.
 
 `Epilogue` lists the elementwise ops a kernel applies to its accumulators as it stores them (bias, scale,
-residual add, clamp, cast): `conv2d_nhwc_compute` puts them in its output stage, `amx` in its tile write-back,
-and `relay_amp.backend.cpu.epilogue` fuses them from the graph.
+residual add, clamp, activation, cast): `conv2d_nhwc_compute` puts them in its output stage, `amx` in its tile
+write-back, and `relay_amp.backend.cpu.epilogue` fuses them from the graph.
 
 `conv2d_nhwc_compute` is the kernel before scheduling, its blocks annotated for relay_amp's schedule rule:
 MetaSchedule (`ApplyCustomRule`) samples the register tile around the intrinsic, `DotKernelRule` gives the
@@ -34,6 +34,7 @@ from tvm.script import tirx as T
 
 from ..._ir import OPAQUE_PATTERN
 from ...errors import DTypeError
+from . import formula
 from .schedules import STACK_BYTES, largest_divisor, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
@@ -45,7 +46,8 @@ SPEC_ANNOTATION = "relay_amp.conv_spec"
 _RULE_ATTRS = {"schedule_rule": RULE}
 FUSABLE_ATTR = "relay_amp.dot_spec"  # on a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
 WIDE = "float32"  # the dtype epilogues compute in
-BIAS, SCALE, RESIDUAL, CLIP = "bias", "scale", "residual", "clip"  # epilogue step kinds
+BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  # epilogue step kinds
+TAKES_OPERAND = (BIAS, SCALE, RESIDUAL)
 
 
 @dataclass(frozen=True)
@@ -96,16 +98,18 @@ INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA i
 @dataclass(frozen=True)
 class Step:
     """One op of a kernel's epilogue: BIAS adds a per-channel fp32 operand, SCALE multiplies by one, RESIDUAL adds
-    an operand of the output's shape, CLIP clamps to [low, high]."""
+    an operand of the output's shape, CLIP clamps to [low, high], MAP applies `formula` (relay_amp.backend.cpu
+    .formula: an activation such as GELU or SiLU)."""
     kind: str
     low: float = -math.inf
     high: float = math.inf
+    formula: tuple = ()
 
 
 @dataclass(frozen=True)
 class Epilogue:
     """What a kernel does to each accumulator before it stores it: `steps` in order, in fp32, then a cast to
-    `out_dtype` ("": the accumulator's dtype). Every step but CLIP takes an operand, in order."""
+    `out_dtype` ("": the accumulator's dtype). BIAS, SCALE and RESIDUAL steps take an operand each, in order."""
     steps: tuple[Step, ...] = ()
     residual_dtype: str = ""  # the RESIDUAL operand's dtype, read and widened to fp32
     out_dtype: str = ""
@@ -113,7 +117,7 @@ class Epilogue:
     @property
     def operand_steps(self) -> list["Step"]:
         """The steps that take an operand, in the order of the kernel's operand parameters."""
-        return [step for step in self.steps if step.kind != CLIP]
+        return [step for step in self.steps if step.kind in TAKES_OPERAND]
 
     def apply(self, value: tvm.ir.Expr, out_dtype: str, operand_at) -> tvm.ir.Expr:
         """The value stored for accumulator `value`; `operand_at(i, step)` loads operand i for this output element
@@ -124,6 +128,9 @@ class Epilogue:
         for step in self.steps:
             if step.kind == CLIP:
                 value = _clamped(value, step.low, step.high)
+                continue
+            if step.kind == MAP:
+                value = formula.expression(step.formula, value)
                 continue
             operand = tvm.tirx.Cast(WIDE, operand_at(taken, step))
             taken += 1

@@ -29,8 +29,9 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC (`conv_layout` overrides; None
-    keeps the model's), softmax rows padded to whole vectors, fast math (unless turned off), dot-product kernel
-    dispatch, kernel epilogue fusion and packed int4 kernels, then legalization and fusion.
+    keeps the model's), softmax rows padded to whole vectors, dot-product kernel dispatch, kernel epilogue fusion
+    (activations included, before fast math splits them), fast math (unless turned off) and packed int4 kernels,
+    then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -42,9 +43,9 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         *layout_passes(conv_layout),
         WidenArithmetic(),
         PadSoftmaxRows(),
-        *([FastMath()] if fast_math else []),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
-        *([FuseKernelEpilogues()] if dtypes else []),
+        *([FuseKernelEpilogues(fast_math=fast_math)] if dtypes else []),
+        *([FastMath()] if fast_math else []),
         UsePackedInt4Kernels(target),
         *fusion_passes(target),
     ], name="relay_amp_cpu_prepare")

@@ -1,5 +1,7 @@
 """epilogue: the bias, scale, residual, clamp, cast and reshape ops after an AMX kernel become its epilogue."""
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,7 +103,7 @@ def test_maximum_and_minimum_by_scalars_are_a_clip():
 
 
 @pytest.mark.parametrize("reason,ops", [
-    ("exp is not an epilogue op", [lambda v, r: relax.op.exp(v)]),
+    ("a reduction is not elementwise", [lambda v, r: relax.op.sum(v, axis=[3])]),
     ("a constant that varies by pixel", [lambda v, r: relax.op.add(v, relax.const(np.ones(SHAPE, F32)))]),
     ("a reshape that moves the channels", [lambda v, r: relax.op.reshape(v, (1, 16, 128, 8))]),
     ("a maximum by a tensor", [lambda v, r: relax.op.maximum(v, r)]),
@@ -111,21 +113,79 @@ def test_ops_the_epilogue_cannot_take_are_left_alone(reason, ops):
     assert_transforms(FuseKernelEpilogues(), before, before)
 
 
-def test_a_value_read_twice_ends_the_chain_and_is_stored():
+def test_a_value_also_read_outside_the_epilogue_ends_the_chain_and_is_stored():
     x = tensor("x", SHAPE, BF16)
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
             biased = bb.emit(relax.op.add(bb.emit(_conv(x)), relax.const(BIAS)))
             relu = bb.emit(relax.op.nn.relu(biased))
-            out = bb.emit_output(relax.op.add(relu, relax.op.astype(relax.op.astype(relu, BF16), F32)))
+            doubled = bb.emit(relax.op.add(relu, relax.op.astype(relax.op.astype(relu, BF16), F32)))
+            out = bb.emit_output(relax.Tuple([doubled, relax.op.sum(relu, axis=[3])]))
         bb.emit_func_output(out)
     after = FuseKernelEpilogues()(_dispatched(bb.get()))
     relax.analysis.well_formed(after)
     calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
     kernel = next(c for c in calls if c.op.name == "relax.call_tir")
     assert len(kernel.args[1].fields) == 3 and kernel.ty.dtype == F32  # data, weight, bias; relu stored in fp32
-    assert [c.op.name for c in calls[-3:]] == ["relax.astype", "relax.astype", "relax.add"]
+    assert [c.op.name for c in calls[-4:]] == ["relax.astype", "relax.astype", "relax.add", "relax.sum"]
+
+
+# x * sigmoid(x) as formula.of_call reads it under fast math
+SILU = ("multiply", ("x",), ("divide", ("const", 1.0), ("add", ("fast_exp", ("negative", ("x",))), ("const", 1.0))))
+
+
+def test_an_activation_reading_its_input_twice_becomes_one_map_step():
+    """SiLU as ONNX spells it (Sigmoid, then Mul by the input) after the bias, then the cast AMP adds."""
+    before = _dispatched(_chain_module(
+        lambda v, r: relax.op.add(v, relax.const(BIAS)),
+        lambda v, r: relax.op.multiply(v, relax.op.sigmoid(v)),
+        lambda v, r: relax.op.astype(v, BF16)))
+    steps = (kernels.Step(kernels.BIAS), kernels.Step(kernels.MAP, formula=SILU))
+    expected = _expected(kernels.Epilogue(steps, "", BF16), [lambda r: relax.const(BIAS)])
+    assert_transforms(FuseKernelEpilogues(), before, expected)
+
+
+def _exported_gelu(v: relax.Expr, r: relax.Expr) -> relax.Expr:
+    """GELU as torch.onnx.export spells it, on a bf16 value AMP casts up twice."""
+    erf = relax.op.erf(relax.op.divide(relax.op.astype(v, F32), relax.const(1.4142135, F32)))
+    product = relax.op.multiply(relax.op.astype(v, F32), relax.op.add(erf, relax.const(1.0, F32)))
+    return relax.op.multiply(product, relax.const(0.5, F32))
+
+
+def test_an_exported_gelu_after_amps_casts_becomes_one_map_step():
+    before = _dispatched(_chain_module(lambda v, r: relax.op.add(v, relax.const(BIAS)),
+                                       lambda v, r: relax.op.astype(v, BF16), _exported_gelu,
+                                       lambda v, r: relax.op.astype(v, BF16)))
+    erf = ("fast_erf", ("divide", ("x",), ("const", float(np.float32(1.4142135)))))
+    gelu = ("multiply", ("multiply", ("x",), ("add", erf, ("const", 1.0))), ("const", 0.5))
+    steps = (kernels.Step(kernels.BIAS), kernels.Step(kernels.MAP, formula=gelu))
+    assert_transforms(FuseKernelEpilogues(), before,
+                      _expected(kernels.Epilogue(steps, "", BF16), [lambda r: relax.const(BIAS)]))
+
+
+@pytest.mark.parametrize("preset,feature", [("cpu-amx", "amx_bf16"), ("cpu-avx512-bf16", "avx512_bf16")])
+def test_an_exported_gelu_in_the_epilogue_matches_numpy(preset, feature):
+    if not targets.host_supports(feature) or (preset == "cpu-amx" and not _amx_host()):
+        pytest.skip(f"host CPU (or kernel) cannot run {preset}")
+    mod = _chain_module(lambda v, r: relax.op.add(v, relax.const(BIAS)), lambda v, r: relax.op.astype(v, BF16),
+                        _exported_gelu, lambda v, r: relax.op.astype(v, BF16))
+    executable = build(mod, preset)
+    x = RNG.standard_normal(SHAPE).astype(ml_dtypes.bfloat16)
+    got = run_executable(executable, [x, np.zeros(SHAPE, F32)])[0].astype("float64")
+    conv = reference_conv(np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)]), WEIGHT.transpose(3, 2, 0, 1), _spec()) + BIAS
+    expected = conv * 0.5 * (1.0 + np.vectorize(math.erf)(conv / math.sqrt(2.0)))
+    # the GELU of the fp32 sum (the epilogue skips AMP's bf16 rounding before it), rounded once to bf16
+    assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected) + 1e-4)
+
+
+def test_exact_math_keeps_libm_in_the_activation():
+    before = _dispatched(_chain_module(lambda v, r: relax.op.nn.gelu(v)))
+    after = FuseKernelEpilogues(fast_math=False)(before)
+    (call,) = [b.value for b in after["main"].body.blocks[0].bindings
+               if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    script = after[call.args[0]].script()
+    assert "T.erf(" in script and "T.float32(-2.72614" not in script  # libm's erf, not fast_erf's polynomial
 
 
 def test_a_module_without_amx_kernels_is_returned_as_it_is():

@@ -1,0 +1,136 @@
+"""formula: an elementwise function of one value (an activation: GELU, SiLU, tanh, ...) held as a nested tuple,
+read off the Relax ops that compute it and evaluated into one TIR expression inside a kernel's epilogue.
+
+A formula is `X` (the value), `("const", c)` or `(kind, *operands)` with `kind` one of `PRIMITIVES`: TVM's own
+TE functions, including its polynomial `fast_exp`/`fast_erf`/`fast_tanh` (what `fastmath.FastMath` uses), so an
+activation computed in a kernel's epilogue is the one it would have been as a function of its own. Formulas are
+tuples so that `kernels.Step` stays hashable; `expression` turns one into TIR through TE.
+"""
+
+import functools
+import math
+
+import tvm
+from tvm import relax, s_tir, te, topi
+
+from ..._ir import tensor_dtype
+from ...dtypes import MODEL_FLOAT_DTYPES
+
+WIDE = "float32"
+X = ("x",)
+PRIMITIVES = {
+    "add": topi.add, "subtract": topi.subtract, "multiply": topi.multiply, "divide": topi.divide,
+    "maximum": topi.maximum, "minimum": topi.minimum, "negative": topi.negative, "sqrt": topi.sqrt,
+    "erf": topi.erf, "exp": topi.exp, "tanh": topi.tanh,
+    "fast_erf": topi.fast_erf, "fast_exp": topi.fast_exp, "fast_tanh": topi.fast_tanh,
+}
+UNARY_OPS = {"relax.negative": "negative", "relax.sqrt": "sqrt", "relax.erf": "erf", "relax.exp": "exp",
+             "relax.tanh": "tanh"}
+BINARY_OPS = {"relax.add": "add", "relax.subtract": "subtract", "relax.multiply": "multiply",
+              "relax.divide": "divide", "relax.maximum": "maximum", "relax.minimum": "minimum"}
+APPROXIMATED = ("erf", "exp", "tanh")  # the primitives with a fast_ version
+
+
+def const(value: float) -> tuple:
+    """The formula of a constant."""
+    return ("const", float(value))
+
+
+def _sigmoid(x: tuple, exp: str) -> tuple:
+    return ("divide", const(1.0), ("add", (exp, ("negative", x)), const(1.0)))
+
+
+def _gelu(x: tuple, erf: str) -> tuple:
+    return ("multiply", ("multiply", x, const(0.5)),
+            ("add", (erf, ("multiply", x, const(1.0 / math.sqrt(2.0)))), const(1.0)))
+
+
+def _gelu_tanh(x: tuple, tanh: str) -> tuple:
+    cube = ("multiply", ("multiply", x, x), x)
+    inner = ("multiply", ("add", x, ("multiply", cube, const(0.044715))), const(math.sqrt(2.0 / math.pi)))
+    return ("multiply", ("multiply", x, const(0.5)), ("add", (tanh, inner), const(1.0)))
+
+
+def _composite(op_name: str, x: tuple, fast: bool) -> "tuple | None":
+    """The formula of a Relax activation op of one operand, None for any other op."""
+    name = {kind: ("fast_" + kind if fast else kind) for kind in APPROXIMATED}
+    if op_name in UNARY_OPS:
+        kind = UNARY_OPS[op_name]
+        return (name.get(kind, kind), x)
+    builders = {"relax.sigmoid": lambda: _sigmoid(x, name["exp"]),
+                "relax.nn.silu": lambda: ("multiply", x, _sigmoid(x, name["exp"])),
+                "relax.nn.gelu": lambda: _gelu(x, name["erf"]),
+                "relax.nn.gelu_tanh": lambda: _gelu_tanh(x, name["tanh"]),
+                "relax.nn.relu": lambda: ("maximum", x, const(0.0))}
+    return builders[op_name]() if op_name in builders else None
+
+
+def _scalar(expr: relax.Expr) -> "float | None":
+    """The value of a float constant with one element, else None."""
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) not in MODEL_FLOAT_DTYPES:
+        return None
+    values = expr.value.numpy()
+    return float(values.reshape(-1)[0]) if values.size == 1 else None
+
+
+def _power(base: tuple, exponent: relax.Expr) -> "tuple | None":
+    value = _scalar(exponent)
+    powers = {2.0: ("multiply", base, base), 3.0: ("multiply", ("multiply", base, base), base),
+              0.5: ("sqrt", base)}
+    return powers.get(value)
+
+
+def of_call(call: relax.Expr, known: dict, fast: bool) -> "tuple | None":
+    """The formula of an elementwise Relax op whose tensor operands all have formulas in `known` (var -> formula)
+    and whose other operands are scalar constants; casts between float dtypes pass the value on. None otherwise."""
+    if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
+        return None
+    operands = [known.get(arg) if isinstance(arg, relax.Var) else _const_formula(arg) for arg in call.args]
+    name = call.op.name
+    if name == "relax.astype" and tensor_dtype(call) in MODEL_FLOAT_DTYPES:
+        return operands[0]
+    if name == "relax.power" and operands[0] is not None:
+        return _power(operands[0], call.args[1])
+    if None in operands or all(operand[0] == "const" for operand in operands):
+        return None
+    if len(operands) == 2 and name in BINARY_OPS:
+        return (BINARY_OPS[name], *operands)
+    return _composite(name, operands[0], fast) if len(operands) == 1 else None
+
+
+def _const_formula(expr: relax.Expr) -> "tuple | None":
+    value = _scalar(expr)
+    return None if value is None else const(value)
+
+
+def _te(formula: tuple, x: te.Tensor):
+    kind, *operands = formula
+    if kind == "x":
+        return x
+    if kind == "const":
+        return tvm.tirx.const(operands[0], WIDE)
+    return PRIMITIVES[kind](*(_te(operand, x) for operand in operands))
+
+
+def _stored_value(stmt) -> tvm.ir.Expr:
+    """The value of the one BufferStore in a single-block TIR body."""
+    while not isinstance(stmt, tvm.tirx.BufferStore):
+        stmt = stmt.block.body if hasattr(stmt, "block") else stmt.body
+    return stmt.value
+
+
+@functools.lru_cache(maxsize=None)
+def _function(formula: tuple) -> tvm.tirx.PrimFunc:
+    """main(x: float32, out: Buffer((1,))): out[0] = formula(x), in one block."""
+    var = tvm.tirx.Var("x", WIDE)
+    stages = te.compute((1,), lambda _: var, name="x")
+    sch = s_tir.Schedule(te.create_prim_func([var, _te(formula, stages)]))
+    for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
+        sch.compute_inline(block)
+    return sch.mod["main"]
+
+
+def expression(formula: tuple, value: tvm.ir.Expr) -> tvm.ir.Expr:
+    """`formula` of the fp32 expression `value`, as one TIR expression."""
+    func = _function(formula)
+    return _stored_value(func.specialize({func.params[0]: value}).body)

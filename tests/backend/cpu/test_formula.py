@@ -1,0 +1,90 @@
+"""formula: activations read off Relax ops as nested tuples, evaluated into TIR within 1e-6 of numpy."""
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, te
+
+from relay_amp.backend.cpu import formula
+
+from builders import tensor
+
+X = formula.X
+VALUES = np.linspace(-6.0, 6.0, 256).astype("float32")
+ERF = np.vectorize(math.erf)
+SIGMOID = 1.0 / (1.0 + np.exp(-VALUES.astype("float64")))
+REFERENCE = {  # op -> numpy of VALUES in float64
+    "relax.sigmoid": SIGMOID,
+    "relax.nn.silu": VALUES * SIGMOID,
+    "relax.nn.gelu": VALUES * 0.5 * (1.0 + ERF(VALUES / math.sqrt(2.0))),
+    "relax.nn.gelu_tanh": VALUES * 0.5 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (VALUES + 0.044715 * VALUES ** 3))),
+    "relax.erf": ERF(VALUES),
+    "relax.tanh": np.tanh(VALUES),
+    "relax.nn.relu": np.maximum(VALUES, 0.0),
+}
+
+
+def _evaluate(expr_formula: tuple) -> np.ndarray:
+    """`expr_formula` of VALUES, compiled for the host CPU through formula.expression."""
+    data = te.placeholder(VALUES.shape, "float32", "data")
+    out = te.compute(VALUES.shape, lambda i: formula.expression(expr_formula, data[i] * 1.0), name="out")
+    lib = tvm.compile(tvm.IRModule({"main": te.create_prim_func([data, out])}), "llvm")
+    result = tvm.runtime.tensor(np.zeros_like(VALUES))
+    lib["main"](tvm.runtime.tensor(VALUES), result)
+    return result.numpy()
+
+
+def _call(op_name: str) -> relax.Call:
+    x = tensor("x", VALUES.shape)
+    return relax.Call(tvm.ir.Op.get(op_name), [x]), x
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("op_name", sorted(REFERENCE))
+def test_activation_formulas_match_numpy(op_name, fast):
+    call, x = _call(op_name)
+    made = formula.of_call(call, {x: X}, fast)
+    assert ("fast_" in str(made)) == (fast and op_name != "relax.nn.relu")
+    np.testing.assert_allclose(_evaluate(made), REFERENCE[op_name], rtol=1e-6, atol=2e-6)
+
+
+def test_binary_ops_take_scalar_constants_and_known_values():
+    x = tensor("x", VALUES.shape)
+    halved = tensor("halved", VALUES.shape)
+    known = {x: X, halved: ("multiply", X, formula.const(0.5))}
+    made = formula.of_call(relax.op.subtract(x, halved), known, True)
+    assert made == ("subtract", X, ("multiply", X, ("const", 0.5)))
+    np.testing.assert_allclose(_evaluate(made), VALUES * 0.5, rtol=1e-7)
+
+
+@pytest.mark.parametrize("exponent,expected", [(2.0, VALUES ** 2), (3.0, VALUES ** 3)])
+def test_small_powers_are_multiplies(exponent, expected):
+    x = tensor("x", VALUES.shape)
+    made = formula.of_call(relax.op.power(x, relax.const(exponent, "float32")), {x: X}, True)
+    assert "power" not in str(made)
+    np.testing.assert_allclose(_evaluate(made), expected, rtol=1e-6)
+
+
+def test_a_power_of_one_half_is_a_square_root():
+    x = tensor("x", VALUES.shape)
+    assert formula.of_call(relax.op.power(x, relax.const(0.5, "float32")), {x: X}, True) == ("sqrt", X)
+
+
+@pytest.mark.parametrize("reason,build", [
+    ("an operand with no formula", lambda x, y: relax.op.add(x, y)),
+    ("a constant that is not a scalar", lambda x, y: relax.op.add(x, relax.const(VALUES))),
+    ("a reduction", lambda x, y: relax.op.sum(x)),
+    ("a cast to an integer", lambda x, y: relax.op.astype(x, "int32")),
+    ("a power with another exponent", lambda x, y: relax.op.power(x, relax.const(1.5, "float32"))),
+])
+def test_ops_without_a_formula_give_none(reason, build):
+    x, y = tensor("x", VALUES.shape), tensor("y", VALUES.shape)
+    assert formula.of_call(relax.BlockBuilder().normalize(build(x, y)), {x: X}, True) is None, reason
+
+
+def test_casts_between_floats_pass_the_value_on():
+    x = tensor("x", VALUES.shape)
+    cast = relax.BlockBuilder().normalize(relax.op.astype(x, "bfloat16"))
+    assert formula.of_call(cast, {x: X}, True) == X
