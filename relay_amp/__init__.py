@@ -19,6 +19,7 @@ from .errors import (
 from .passes import amp
 from .passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from .passes.casts import eliminate_redundant_casts
+from .passes.moves import hoist_over_moves
 from .passes.layers import Layer, count_layers, list_layers
 from .passes.layout import LayoutConfig
 from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
@@ -64,6 +65,7 @@ __all__ = [
     "digits",
     "eliminate_redundant_casts",
     "frontend",
+    "hoist_over_moves",
     "list_layers",
     "load",
     "metrics",

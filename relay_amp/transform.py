@@ -9,11 +9,12 @@ from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.layout import ConvertLayout
+from .passes.moves import HoistOverMoves
 from .passes.pooling import GlobalPoolWindows
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 from .passes.weight_only import QuantizeWeights
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues",
-           "GlobalPoolWindows", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "ToMixedPrecision",
+           "GlobalPoolWindows", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "ToMixedPrecision",
            "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]

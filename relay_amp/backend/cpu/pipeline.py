@@ -6,6 +6,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 from ...passes.layout import conv_layout_passes
+from ...passes.moves import HoistOverMoves
 from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, fusion_passes
 from . import amx
@@ -30,8 +31,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC (`conv_layout` overrides; None
     keeps the model's), softmax rows padded to whole vectors, dot-product kernel dispatch, kernel epilogue fusion
-    (activations included, before fast math splits them), fast math (unless turned off) and packed int4 kernels,
-    then legalization and fusion.
+    (casts and scalar ops moved next to the kernels first; activations before fast math splits them), fast math
+    (unless turned off) and packed int4 kernels, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -44,7 +45,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         WidenArithmetic(),
         PadSoftmaxRows(),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
-        *([FuseKernelEpilogues(fast_math=fast_math)] if dtypes else []),
+        *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math)] if dtypes else []),
         *([FastMath()] if fast_math else []),
         UsePackedInt4Kernels(target),
         *fusion_passes(target),

@@ -1,0 +1,97 @@
+"""HoistOverMoves: narrowing casts and scalar ops move before reshapes and transposes; numerics unchanged."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+from relay_amp.passes.moves import HoistOverMoves
+
+from pass_checks import assert_transforms
+
+
+@I.ir_module
+class Heads:  # attention's query: a projection split into heads, scaled, then cast by AMP
+    @R.function
+    def main(x: R.Tensor((1, 8, 16), "float32")) -> R.Tensor((1, 2, 8, 8), "bfloat16"):
+        with R.dataflow():
+            split = R.reshape(x, R.shape([1, 8, 2, 8]))
+            heads = R.permute_dims(split, axes=[0, 2, 1, 3])
+            scaled = R.multiply(heads, R.const(0.125, "float32"))
+            gv = R.astype(scaled, "bfloat16")
+            R.output(gv)
+        return gv
+
+
+def test_a_scale_and_a_cast_move_before_the_heads_split():
+    """Also reachable as relay_amp.transform.HoistOverMoves and relay_amp.hoist_over_moves."""
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 8, 16), "float32")) -> R.Tensor((1, 2, 8, 8), "bfloat16"):
+            with R.dataflow():
+                scaled = R.multiply(x, R.const(0.125, "float32"))
+                narrow = R.astype(scaled, "bfloat16")
+                split = R.reshape(narrow, R.shape([1, 8, 2, 8]))
+                gv = R.permute_dims(split, axes=[0, 2, 1, 3])
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Heads, Expected)
+    assert_transforms(relay_amp.transform.HoistOverMoves(), Heads, Expected)
+    assert_transforms(relay_amp.hoist_over_moves, Heads, Expected)
+
+
+def test_the_values_do_not_change():
+    x = np.random.default_rng(0).standard_normal((1, 8, 16)).astype("float32")
+    before = relay_amp.run(Heads, [x])[0]
+    after = relay_amp.run(HoistOverMoves()(Heads), [x])[0]
+    assert before.dtype == after.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))  # exact: same ops, same values
+
+
+@pytest.mark.parametrize("reason,op", [
+    ("a widening cast would make the moves carry more bytes", lambda t: R.astype(t, "float64")),
+    ("a tensor operand is not a scalar", lambda t: R.add(t, t)),
+    ("a reduction is not elementwise", lambda t: R.sum(t, axis=[3])),
+])
+def test_ops_that_cannot_move_stay(reason, op):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 8, 16), "float32")):
+            with R.dataflow():
+                heads = R.permute_dims(R.reshape(x, R.shape([1, 8, 2, 8])), axes=[0, 2, 1, 3])
+                gv = op(heads)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
+
+
+def test_a_move_read_twice_stays_where_it_is():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 8, 16), "float32")):
+            with R.dataflow():
+                heads = R.permute_dims(R.reshape(x, R.shape([1, 8, 2, 8])), axes=[0, 2, 1, 3])
+                narrow = R.astype(heads, "bfloat16")
+                gv = (narrow, heads)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
+
+
+def test_a_function_the_module_lacks_is_a_module_error():
+    with pytest.raises(relay_amp.ModuleError, match="forward"):
+        HoistOverMoves(func="forward")(Heads)
+
+
+def test_the_cpu_pipeline_hoists_before_epilogue_fusion():
+    names = [p.info.name for p in relay_amp.backend.cpu.pipeline.prepare_passes(
+        relay_amp.targets.get_target("cpu-avx512-bf16")).passes]
+    assert names.index("relay_amp.HoistOverMoves") < names.index("relay_amp.FuseKernelEpilogues")
