@@ -10,17 +10,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytest.importorskip("setuptools")
-
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """relay_amp's wheel, built from this checkout without the network."""
+    """relay_amp's wheel, built from a copy of this checkout as `pip install .` builds it (isolated setuptools)."""
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     for name in ("pyproject.toml", "README.md"):  # a copy: no build/ left in the checkout, none reused from it
         shutil.copy(ROOT / name, source)
     shutil.copytree(ROOT / "relay_amp", source / "relay_amp", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
                     str(source), "-w", str(out)], check=True, capture_output=True)
     return next(out.glob("relay_amp-*.whl"))
 
