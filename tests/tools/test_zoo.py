@@ -55,3 +55,33 @@ def test_unknown_names_and_exporters_are_option_errors():
         zoo.entry("resnet9")
     with pytest.raises(relay_amp.OptionError, match="exporter must be one of"):
         zoo.load("bert", tiny=True, exporter="tflite")
+
+
+ACTIVATION_OPS = ("relax.erf", "relax.tanh", "relax.sigmoid", "relax.exp")
+
+
+@pytest.mark.parametrize("name,every_one", [("gpt2", True), ("vit_s16", True), ("efficientnet_b0", False)])
+def test_exported_activations_after_kernels_land_in_their_epilogues(name, every_one):
+    """GPT-2's tanh GELU (with pow(x, 3)) and ViT's erf GELU, as the exporter wrote them, leave no activation op
+    behind once the CPU pipeline has dispatched kernels; EfficientNet's Sigmoid-Mul SiLUs after its 1x1 kernels
+    go too (those after depthwise convolutions, which have no kernel, stay)."""
+    from relay_amp.backend.cpu import amx, dispatch, pipeline
+    from relay_amp.passes.moves import HoistOverMoves
+
+    target = relay_amp.targets.get_target("cpu-amx")
+    kernels = dispatch.UseDotKernels(dispatch.target_dtypes(target), amx_dtypes=amx.target_dtypes(target))
+    passes = [*pipeline.layout_passes(), kernels, HoistOverMoves(), relay_amp.transform.FuseKernelEpilogues()]
+    mod = relay_amp.to_mixed_precision(zoo.load(name, tiny=True), "bfloat16")
+    before = _activation_count(mod)
+    for each in passes:
+        mod = each(mod)
+    after = _activation_count(mod)
+    assert before > 0 and (after == 0 if every_one else 0 < after < before), (before, after)
+
+
+def _activation_count(mod) -> int:
+    from tvm import relax
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e) if isinstance(e, relax.Call)
+                                    and getattr(e.op, "name", None) in ACTIVATION_OPS else None)
+    return len(found)

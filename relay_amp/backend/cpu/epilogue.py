@@ -6,7 +6,8 @@ the 56x56x256 fp32 outputs took more time to write and read back than their prod
 `FuseKernelEpilogues` follows each kernel's result through the ops that read it alone, as long as they are
 per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
 dtypes and reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
-(`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype.
+(`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype. Ops the
+graph has in bf16 after a cast are computed on the fp32 value, and rounded once, at the store.
 
 An activation that reads its input more than once (SiLU's x * sigmoid(x), GELU as exporters spell it:
 x * (erf(x / 1.414) + 1) * 0.5, with AMP's casts in between) is taken whole: the elementwise ops after a value
@@ -176,7 +177,7 @@ class _ChainFinder:
 
     def _add(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)
-        if other is None or tensor_dtype(current) != kernels.WIDE:
+        if other is None or tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
             return None
         constant = _channel_constant(other, chain.spec.out_channels)
         if constant is not None:
@@ -190,25 +191,25 @@ class _ChainFinder:
     def _multiply(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)
         constant = None if other is None else _channel_constant(other, chain.spec.out_channels)
-        if constant is None or tensor_dtype(current) != kernels.WIDE:
+        if constant is None or tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
             return None
         return self._record(chain, kernels.Step(kernels.SCALE), relax.const(constant))
 
     def _relu(self, value: relax.Call, current: relax.Var, chain: _Chain):
-        if tensor_dtype(current) != kernels.WIDE:
+        if tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
             return None
         return self._record(chain, kernels.Step(kernels.CLIP, low=0.0), None)
 
     def _clip(self, value: relax.Call, current: relax.Var, chain: _Chain):
         _, low, high = value.args
-        if tensor_dtype(current) != kernels.WIDE:
+        if tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
             return None
         return self._record(chain, kernels.Step(kernels.CLIP, float(low.value), float(high.value)), None)
 
     def _bound(self, value: relax.Call, current: relax.Var, chain: _Chain):
         """maximum or minimum by a scalar constant (a clip as relay_amp's frontends write it): one side of a CLIP."""
         other = self._other_operand(value, current)
-        if tensor_dtype(current) != kernels.WIDE or not isinstance(other, tvm.ir.expr.Constant):
+        if tensor_dtype(current) not in MODEL_FLOAT_DTYPES or not isinstance(other, tvm.ir.expr.Constant):
             return None
         values = other.value.numpy()
         if values.size != 1:

@@ -274,6 +274,16 @@ def test_a_bf16_round_trip_read_only_by_its_cast_back_stays_in_fp32():
     assert_transforms(FuseKernelEpilogues(), before, expected)
 
 
+def test_a_bias_added_in_bf16_after_the_cast_joins_the_epilogue_in_fp32():
+    """AMP may leave a bias add in bf16 after the kernel's cast (a tiny ViT does): it is added to the fp32 sum."""
+    bias = BIAS.astype(ml_dtypes.bfloat16)
+    before = _dispatched(_chain_module(lambda v, r: relax.op.astype(v, BF16),
+                                       lambda v, r: relax.op.add(relax.const(bias), v)))
+    expected = _expected(kernels.Epilogue((kernels.Step(kernels.BIAS),), "", BF16),
+                         [lambda r: relax.const(bias.astype(F32))])
+    assert_transforms(FuseKernelEpilogues(), before, expected)
+
+
 def test_a_function_the_module_lacks_is_a_module_error():
     with pytest.raises(relay_amp.ModuleError, match="no Relax function 'forward'"):
         FuseKernelEpilogues(func="forward")(_chain_module(lambda v, r: relax.op.nn.relu(v)))
