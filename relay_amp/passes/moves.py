@@ -8,12 +8,11 @@ carry half the bytes. Only narrowing casts and scalar ops move (a widening cast 
 more), and only over a move that nothing else reads.
 """
 
-import numpy as np
 import tvm
 from tvm import relax
 
 from .._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
-from ..dtypes import MODEL_FLOAT_DTYPES
+from ..dtypes import MODEL_FLOAT_DTYPES, numpy_dtype
 from ..ops import call_op_name
 
 MOVES = ("relax.reshape", "relax.permute_dims")
@@ -23,11 +22,7 @@ SCALAR_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
 def _narrowing_cast(call: relax.Call) -> bool:
     source, target = tensor_dtype(call.args[0]), tensor_dtype(call)
     return (source in MODEL_FLOAT_DTYPES and target in MODEL_FLOAT_DTYPES
-            and np.dtype(_numpy_name(target)).itemsize < np.dtype(_numpy_name(source)).itemsize)
-
-
-def _numpy_name(dtype: str) -> str:
-    return "float16" if dtype == "bfloat16" else dtype
+            and numpy_dtype(target).itemsize < numpy_dtype(source).itemsize)
 
 
 def _scalar_constant(expr: relax.Expr) -> bool:

@@ -208,13 +208,9 @@ class _ChainFinder:
 
     def _bound(self, value: relax.Call, current: relax.Var, chain: _Chain):
         """maximum or minimum by a scalar constant (a clip as relay_amp's frontends write it): one side of a CLIP."""
-        other = self._other_operand(value, current)
-        if tensor_dtype(current) not in MODEL_FLOAT_DTYPES or not isinstance(other, tvm.ir.expr.Constant):
+        bound = formula.scalar(self._other_operand(value, current))
+        if tensor_dtype(current) not in MODEL_FLOAT_DTYPES or bound is None:
             return None
-        values = other.value.numpy()
-        if values.size != 1:
-            return None
-        bound = float(values.reshape(-1)[0])
         low, high = (bound, math.inf) if value.op.name == "relax.maximum" else (-math.inf, bound)
         return self._record(chain, kernels.Step(kernels.CLIP, low, high), None)
 

@@ -9,15 +9,14 @@ or `tanh` gets fp32 casts around it; then TVM's own `FastMathTransform` turns th
 the fast versions. The approximations stay within about 1e-6 relative of the exact functions in fp32.
 """
 
-import math
-
 import tvm
 from tvm import relax, te, topi
 
 from ..._ir import rewrite_function, tensor_dtype
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
+from . import formula
+from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
 
-WIDE = "float32"  # the only dtype TVM's fast_* functions are fast in
 # FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
 WIDENED_OPS = ("relax.erf", "relax.exp", "relax.tanh")
 SMALL_POWERS = {  # constant exponents computed without pow
@@ -25,44 +24,17 @@ SMALL_POWERS = {  # constant exponents computed without pow
     3.0: lambda x: relax.op.multiply(relax.op.multiply(x, x), x),
     0.5: relax.op.sqrt,
 }
+# the activations computed as one TE function each, by the formulas kernels' epilogues use (relay_amp.backend.cpu
+# .formula)
+ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu")
 
 
-def _const(value: float) -> "tvm.tirx.PrimExpr":
-    return tvm.tirx.const(value, WIDE)
-
-
-def _gelu(x: te.Tensor) -> te.Tensor:
-    """x/2 * (1 + erf(x / sqrt 2))."""
-    erf = topi.fast_erf(topi.multiply(x, _const(1.0 / math.sqrt(2.0))))
-    return topi.multiply(topi.multiply(x, _const(0.5)), topi.add(erf, _const(1.0)))
-
-
-def _gelu_tanh(x: te.Tensor) -> te.Tensor:
-    """x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
-    cube = topi.multiply(topi.multiply(x, x), x)
-    inner = topi.multiply(topi.add(x, topi.multiply(cube, _const(0.044715))), _const(math.sqrt(2.0 / math.pi)))
-    return topi.multiply(topi.multiply(x, _const(0.5)), topi.add(topi.fast_tanh(inner), _const(1.0)))
-
-
-def _sigmoid(x: te.Tensor) -> te.Tensor:
-    """1 / (1 + exp(-x))."""
-    return topi.divide(_const(1.0), topi.add(topi.fast_exp(topi.negative(x)), _const(1.0)))
-
-
-def _silu(x: te.Tensor) -> te.Tensor:
-    """x * sigmoid(x)."""
-    return topi.multiply(x, _sigmoid(x))
-
-
-FORMULAS = {"relax.nn.gelu": _gelu, "relax.nn.gelu_tanh": _gelu_tanh, "relax.sigmoid": _sigmoid,
-            "relax.nn.silu": _silu}
-
-
-def _in_fp32(formula):
-    """A TE function computing `formula` in fp32 and returning the input's dtype."""
+def _in_fp32(op_name: str):
+    """A TE function computing the activation `op_name` in fp32 with the fast polynomials, returning the input's
+    dtype."""
     def compute(x: te.Tensor) -> te.Tensor:
         wide = topi.cast(x, WIDE) if x.dtype != WIDE else x
-        result = formula(wide)
+        result = formula.compute(formula.activation(op_name, formula.X, fast=True), wide)
         return topi.cast(result, x.dtype) if x.dtype != WIDE else result
     return compute
 
@@ -83,9 +55,9 @@ class _FastMathRewriter(relax.PyExprMutator):
         name, dtype = new_call.op.name, tensor_dtype(new_call.args[0])
         if dtype not in MODEL_FLOAT_DTYPES:
             return new_call
-        if name in FORMULAS:
+        if name in ACTIVATIONS:
             hint = "fast_" + name.rpartition(".")[2]
-            return self.builder_.call_te(_in_fp32(FORMULAS[name]), new_call.args[0], primfunc_name_hint=hint)
+            return self.builder_.call_te(_in_fp32(name), new_call.args[0], primfunc_name_hint=hint)
         if name in WIDENED_OPS and dtype in LOW_FLOAT_DTYPES:
             wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))
             return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
@@ -95,10 +67,9 @@ class _FastMathRewriter(relax.PyExprMutator):
         """x ** 2 and x ** 3 (a tanh-GELU's cube, a variance's square) as multiplies, x ** 0.5 as sqrt: LLVM
         calls libm's scalar pow for every element (1.5 ms for a 64x3072 cube against 0.07 ms multiplied)."""
         base, exponent = call.args
-        if tensor_dtype(base) not in MODEL_FLOAT_DTYPES or not isinstance(exponent, tvm.ir.expr.Constant):
+        if tensor_dtype(base) not in MODEL_FLOAT_DTYPES:
             return call
-        values = exponent.value.numpy()
-        power = SMALL_POWERS.get(float(values.reshape(-1)[0])) if values.size == 1 else None
+        power = SMALL_POWERS.get(formula.scalar(exponent))
         return call if power is None else power(base)
 
 

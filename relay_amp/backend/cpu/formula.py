@@ -51,8 +51,9 @@ def _gelu_tanh(x: tuple, tanh: str) -> tuple:
     return ("multiply", ("multiply", x, const(0.5)), ("add", (tanh, inner), const(1.0)))
 
 
-def _composite(op_name: str, x: tuple, fast: bool) -> "tuple | None":
-    """The formula of a Relax activation op of one operand, None for any other op."""
+def activation(op_name: str, x: tuple, fast: bool) -> "tuple | None":
+    """The formula of a Relax activation op of one operand applied to `x` (fast: TVM's polynomial erf/exp/tanh,
+    else libm's), None for any other op."""
     name = {kind: ("fast_" + kind if fast else kind) for kind in APPROXIMATED}
     if op_name in UNARY_OPS:
         kind = UNARY_OPS[op_name]
@@ -65,7 +66,7 @@ def _composite(op_name: str, x: tuple, fast: bool) -> "tuple | None":
     return builders[op_name]() if op_name in builders else None
 
 
-def _scalar(expr: relax.Expr) -> "float | None":
+def scalar(expr: relax.Expr) -> "float | None":
     """The value of a float constant with one element, else None."""
     if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) not in MODEL_FLOAT_DTYPES:
         return None
@@ -74,7 +75,7 @@ def _scalar(expr: relax.Expr) -> "float | None":
 
 
 def _power(base: tuple, exponent: relax.Expr) -> "tuple | None":
-    value = _scalar(exponent)
+    value = scalar(exponent)
     powers = {2.0: ("multiply", base, base), 3.0: ("multiply", ("multiply", base, base), base),
               0.5: ("sqrt", base)}
     return powers.get(value)
@@ -95,21 +96,22 @@ def of_call(call: relax.Expr, known: dict, fast: bool) -> "tuple | None":
         return None
     if len(operands) == 2 and name in BINARY_OPS:
         return (BINARY_OPS[name], *operands)
-    return _composite(name, operands[0], fast) if len(operands) == 1 else None
+    return activation(name, operands[0], fast) if len(operands) == 1 else None
 
 
 def _const_formula(expr: relax.Expr) -> "tuple | None":
-    value = _scalar(expr)
+    value = scalar(expr)
     return None if value is None else const(value)
 
 
-def _te(formula: tuple, x: te.Tensor):
+def compute(formula: tuple, x: te.Tensor):
+    """`formula` of the fp32 TE tensor `x`, as TE stages (a constant formula: a TIR constant)."""
     kind, *operands = formula
     if kind == "x":
         return x
     if kind == "const":
         return tvm.tirx.const(operands[0], WIDE)
-    return PRIMITIVES[kind](*(_te(operand, x) for operand in operands))
+    return PRIMITIVES[kind](*(compute(operand, x) for operand in operands))
 
 
 def _stored_value(stmt) -> tvm.ir.Expr:
@@ -124,7 +126,7 @@ def _function(formula: tuple) -> tvm.tirx.PrimFunc:
     """main(x: float32, out: Buffer((1,))): out[0] = formula(x), in one block."""
     var = tvm.tirx.Var("x", WIDE)
     stages = te.compute((1,), lambda _: var, name="x")
-    sch = s_tir.Schedule(te.create_prim_func([var, _te(formula, stages)]))
+    sch = s_tir.Schedule(te.create_prim_func([var, compute(formula, stages)]))
     for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
         sch.compute_inline(block)
     return sch.mod["main"]
