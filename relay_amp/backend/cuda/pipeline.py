@@ -1,4 +1,4 @@
-"""The CUDA pipeline: fusion; after fusion, tuning records, the tensor-core rule ahead of TVM's dlight rules,
+"""The CUDA pipeline: int4 operands packed for s4 tensor cores, fusion; after fusion, tuning records, the tensor-core rule ahead of TVM's dlight rules,
 and TVM's CUDA lowering."""
 
 import tvm
@@ -8,6 +8,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_lowering
 from ...passes.layout import conv_layout_passes
 from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, fusion_passes
+from .int4 import PackInt4Operands, UseS4TensorCores
 from .tensorcore import gpu_schedules
 
 
@@ -19,10 +20,10 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """int4 values held in int8, legalization and fusion; convolutions keep their layout unless `conv_layout` names
-    one (the tensor-core rule takes NCHW, NHWC and HWNC). `fast_math` is a CPU option: CUDA's exact functions are
-    already fast."""
-    return tvm.transform.Sequential([HoldSubByteInBytes(), *layout_passes(conv_layout), *fusion_passes(target)],
-                                    name="relay_amp_cuda_prepare")
+    one (the tensor-core rule takes NCHW, NHWC and HWNC); matmuls and NHWC/HWNC convolutions over int4 values on
+    packed words and s4 tensor cores. `fast_math` is a CPU option: CUDA's exact functions are already fast."""
+    return tvm.transform.Sequential([HoldSubByteInBytes(), *layout_passes(conv_layout), PackInt4Operands(),
+                                     UseS4TensorCores(), *fusion_passes(target)], name="relay_amp_cuda_prepare")
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:

@@ -32,6 +32,7 @@ SHARED = "shared"
 GATHER_LANES = 4
 IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\) \{')
+TENSOR_CORE_MARKS = ("wmma::mma_sync", '"mma.sync.')  # in a kernel's source: a wmma call, or inline PTX mma
 # (input dtype, accumulator dtype) -> the lowest sm version whose tensor cores take it
 WMMA_DTYPES = {("float16", "float32"): 70, ("float16", "float16"): 70, ("int8", "int32"): 72}
 
@@ -307,7 +308,9 @@ def gpu_schedules() -> tvm.transform.Pass:
 
 
 def tensor_core_kernels(cuda_source: str) -> dict[str, bool]:
-    """Each CUDA kernel of a generated source (see relay_amp.cuda_source), by name: whether it runs on wmma."""
+    """Each CUDA kernel of a generated source (see relay_amp.cuda_source), by name: whether it runs on tensor cores
+    (wmma fragments, or PTX `mma.sync` such as the s4 kernels of relay_amp.backend.cuda.int4)."""
     starts = list(KERNEL.finditer(cuda_source))
     ends = [found.start() for found in starts[1:]] + [len(cuda_source)]
-    return {found.group(1): "wmma::mma_sync" in cuda_source[found.end():end] for found, end in zip(starts, ends)}
+    return {found.group(1): any(mark in cuda_source[found.end():end] for mark in TENSOR_CORE_MARKS)
+            for found, end in zip(starts, ends)}

@@ -218,17 +218,6 @@ def test_bert_float16_runs_every_matmul_on_tensor_cores():
     assert F16_MMA in _ptx_instructions(source)
 
 
-def _int4_matmul() -> tvm.IRModule:
-    mod = single_output_module(relax.op.matmul, tensor("x", (64, 64)), tensor("w", (64, 64)))
-    return relay_amp.recast(mod, "int4", "int32", ops=["relax.matmul"])
-
-
-def test_an_int4_matmul_builds_for_cuda_on_int8_tensor_cores():
-    """int4 values are held in int8 (relay_amp.passes.sub_byte), so the int8 wmma fragments compute them."""
-    source = cuda_source(build(_int4_matmul(), "cuda-tensorcore"))
-    assert "wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, signed char" in source
-
-
 def test_a_module_taking_an_int4_input_is_refused_with_a_dtype_error():
     mod = single_output_module(relax.op.nn.relu, tensor("x", (16,), "int4"))
     with pytest.raises(relay_amp.DTypeError, match="takes x as a int4 tensor"):
