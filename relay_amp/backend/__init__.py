@@ -4,7 +4,8 @@ Each backend has a `pipeline.py` with two functions that build and tuning both c
 `prepare_passes(target, fast_math, conv_layout)` (layout, kernel dispatch, legalization, fusion: the tasks
 MetaSchedule sees) and
 `lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM), and
-`untuned_schedule(func, target)` (the default schedule of one task, which tuning measures first).
+`untuned_schedule(func, target)` (the default schedule of one task, which tuning measures first), and
+`PASS_CONFIG` (the PassContext options a build for the backend runs under).
 """
 
 import tvm

@@ -29,8 +29,8 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     check_host(target)
     tgt = get_target(target)
     database = None if tune_logs is None else load_database(tune_logs)
-    with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3):
-        backend = pipeline_for(tgt)
+    backend = pipeline_for(tgt)
+    with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3, config=backend.PASS_CONFIG):
         prepared = backend.prepare_passes(tgt, fast_math, conv_layout)(mod)  # once: the record check and the build share it
         if database is not None:
             _require_records(prepared_records(database, prepared, tgt), tune_logs)

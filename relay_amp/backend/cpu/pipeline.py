@@ -20,6 +20,7 @@ from .schedules import default_schedule, default_schedules
 from .widen import WidenArithmetic
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
+PASS_CONFIG: dict = {}  # TVM's defaults
 
 
 def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:
