@@ -5,7 +5,8 @@ add, ReLU and cast back to bf16 ran as a separate function that read the whole f
 the 56x56x256 fp32 outputs took more time to write and read back than their products took to compute.
 `FuseKernelEpilogues` follows each kernel's result through the ops that read it alone, as long as they are
 per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
-dtypes and reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
+dtypes, a last cast to int8/uint8 (a quantized model's requantize: scale, floor(x + 0.5), clamp, cast) and
+reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
 (`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype. Ops the
 graph has in bf16 after a cast are computed on the fp32 value, and rounded once, at the store.
 
@@ -28,6 +29,7 @@ from ...dtypes import MODEL_FLOAT_DTYPES
 from . import amx, formula, kernels
 
 _ALIAS = object()  # a step that only renames, reshapes or casts the value
+QUANTIZED_DTYPES = ("int8", "uint8")  # integer dtypes a kernel may store its finished value in
 ACTIVATION_WINDOW = 24  # bindings after a kernel's value searched for the ops of an activation
 
 
@@ -162,12 +164,19 @@ class _ChainFinder:
             return _ALIAS
         if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
             return None
-        if tensor_dtype(value) not in MODEL_FLOAT_DTYPES:
+        if tensor_dtype(value) not in MODEL_FLOAT_DTYPES and not self._quantizes(value, current):
             return None
         handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
                    "relax.clip": self._clip, "relax.maximum": self._bound, "relax.minimum": self._bound,
                    "relax.astype": self._astype, "relax.reshape": self._reshape}.get(value.op.name)
         return None if handler is None else handler(value, current, chain)
+
+    @staticmethod
+    def _quantizes(value: relax.Call, current: relax.Var) -> bool:
+        """Whether `value` casts the fp32 `current` to an 8-bit integer: the chain's last step (the kernel stores
+        the integer; nothing after it joins)."""
+        return (value.op.name == "relax.astype" and tensor_dtype(value) in QUANTIZED_DTYPES
+                and tensor_dtype(current) == kernels.WIDE)
 
     def _other_operand(self, value: relax.Call, current: relax.Var) -> "relax.Expr | None":
         first, second = value.args
@@ -218,7 +227,7 @@ class _ChainFinder:
         """A cast to fp32 goes on in fp32 (from int32 accumulators, or back from a narrow cast only it reads: TVM
         dropped such a round trip inside one function too); a narrow cast is stored unless a cast back follows."""
         dtype = tensor_dtype(value)
-        if dtype != kernels.WIDE and tensor_dtype(current) != kernels.WIDE:
+        if (dtype != kernels.WIDE and tensor_dtype(current) != kernels.WIDE) or tensor_dtype(current) in QUANTIZED_DTYPES:
             return None
         chain.out_dtype = dtype
         return _ALIAS

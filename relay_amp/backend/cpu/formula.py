@@ -21,11 +21,11 @@ X = ("x",)
 PRIMITIVES = {
     "add": topi.add, "subtract": topi.subtract, "multiply": topi.multiply, "divide": topi.divide,
     "maximum": topi.maximum, "minimum": topi.minimum, "negative": topi.negative, "sqrt": topi.sqrt,
-    "erf": topi.erf, "exp": topi.exp, "tanh": topi.tanh,
+    "erf": topi.erf, "exp": topi.exp, "tanh": topi.tanh, "floor": topi.floor,
     "fast_erf": topi.fast_erf, "fast_exp": topi.fast_exp, "fast_tanh": topi.fast_tanh,
 }
 UNARY_OPS = {"relax.negative": "negative", "relax.sqrt": "sqrt", "relax.erf": "erf", "relax.exp": "exp",
-             "relax.tanh": "tanh"}
+             "relax.tanh": "tanh", "relax.floor": "floor"}  # floor: the rounding of a quantize (floor(x + 0.5))
 BINARY_OPS = {"relax.add": "add", "relax.subtract": "subtract", "relax.multiply": "multiply",
               "relax.divide": "divide", "relax.maximum": "maximum", "relax.minimum": "minimum"}
 APPROXIMATED = ("erf", "exp", "tanh")  # the primitives with a fast_ version

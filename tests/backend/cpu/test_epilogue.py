@@ -287,3 +287,58 @@ def test_a_bias_added_in_bf16_after_the_cast_joins_the_epilogue_in_fp32():
 def test_a_function_the_module_lacks_is_a_module_error():
     with pytest.raises(relay_amp.ModuleError, match="no Relax function 'forward'"):
         FuseKernelEpilogues(func="forward")(_chain_module(lambda v, r: relax.op.nn.relu(v)))
+
+
+def _requantize(v: relax.Expr, r: relax.Expr, low: float = 0.0, high: float = 255.0, dtype: str = "uint8") -> list:
+    """What quantize writes between two int8 layers: scale, floor(x + 0.5), clamp, cast."""
+    return [lambda v, r: relax.op.multiply(v, relax.const(0.25, F32)),
+            lambda v, r: relax.op.add(v, relax.const(0.5, F32)),
+            lambda v, r: relax.op.floor(v),
+            lambda v, r: relax.op.maximum(v, relax.const(low, F32)),
+            lambda v, r: relax.op.minimum(v, relax.const(high, F32)),
+            lambda v, r: relax.op.astype(v, dtype)]
+
+
+def test_a_requantize_to_uint8_is_the_kernels_last_step():
+    before = _dispatched(_chain_module(*_requantize(None, None)))
+    steps = (kernels.Step(kernels.SCALE), kernels.Step(kernels.BIAS),
+             kernels.Step(kernels.MAP, formula=("minimum", ("maximum", ("floor", ("x",)), ("const", 0.0)),
+                                                ("const", 255.0))))
+    expected = _expected(kernels.Epilogue(steps, "", "uint8"),
+                         [lambda r: relax.const(np.full(64, 0.25, F32)), lambda r: relax.const(np.full(64, 0.5, F32))])
+    assert_transforms(FuseKernelEpilogues(), before, expected)
+
+
+def test_nothing_after_an_integer_cast_joins_the_epilogue():
+    """uint8 -> fp32 after the cast is not a round trip to drop: the integer is the value."""
+    ops = [lambda v, r: relax.op.astype(v, "uint8"), lambda v, r: relax.op.astype(v, F32)]
+    after = FuseKernelEpilogues()(_dispatched(_chain_module(*ops)))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert calls[-2].ty.dtype == "uint8" and calls[-1].op.name == "relax.astype"
+
+
+@pytest.mark.parametrize("preset,feature", [("cpu-amx", "amx_int8"), ("cpu-avx512-bf16", "avx512_vnni")])
+@pytest.mark.parametrize("low,high,dtype", [(0.0, 255.0, "uint8"), (-128.0, 127.0, "int8")])
+def test_int8_layers_store_their_requantized_output_exactly(preset, feature, low, high, dtype):
+    if not targets.host_supports(feature) or (preset == "cpu-amx" and not _amx_host()):
+        pytest.skip(f"host CPU has no {feature}")
+    x = tensor("x", SHAPE, "uint8")
+    weight = RNG.integers(-128, 128, (1, 1, 64, 64)).astype("int8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            value = bb.emit(relax.op.astype(bb.emit(relax.op.nn.conv2d(
+                x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO", out_dtype="int32")), F32))
+            requantize = _requantize(None, None, low, high, dtype)
+            for op in requantize[:-1]:
+                value = bb.emit(op(value, None))
+            out = bb.emit_output(requantize[-1](value, None))
+        bb.emit_func_output(out)
+    before = bb.get()
+    target = targets.get_target(preset)
+    fused = FuseKernelEpilogues()(dispatch.UseDotKernels(dispatch.target_dtypes(target),
+                                                         amx_dtypes=amx.target_dtypes(target))(before))
+    assert [b.value.ty.dtype for b in fused["main"].body.blocks[0].bindings] == [dtype]  # one kernel, storing ints
+    executable = build(before, preset)
+    data = RNG.integers(0, 256, SHAPE).astype("uint8")
+    np.testing.assert_array_equal(run_executable(executable, [data])[0], relay_amp.run(before, [data])[0])
