@@ -218,11 +218,18 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     """Vectorize a spatial block's innermost axis by whole registers, the last one partial where the axis is off
     them (197 tokens), and run its other loops in parallel. Vectors of a flat index would straddle rows there, and
     TVM computes each lane's address apart (a gather). A block with an innermost axis narrower than a register,
-    or no other loop, is fused whole and vectorized where the lanes divide it."""
+    or no other loop, is fused whole and vectorized where the lanes divide it, if it reads its operands in its
+    own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded to 4: a model's input) runs
+    its rows in parallel, each row's pixels in a serial loop and its narrow axis unrolled, since a flat vector
+    would gather every lane."""
     loops = sch.get_loops(block)
     if len(loops) > 1 and (_extent(sch, loops[-1]) or 0) >= ACCUMULATOR_LANES:
         sch.parallel(sch.fuse(*loops[:-1]))
         sch.vectorize(sch.split(loops[-1], [None, ACCUMULATOR_LANES])[1])
+        return
+    if len(loops) > 1 and not _reads_in_own_layout(sch, block):
+        sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
+        sch.unroll(loops[-1])
         return
     fused = sch.fuse(*loops)
     extent = _extent(sch, fused)
@@ -232,6 +239,20 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     outer, inner = sch.split(fused, [None, ACCUMULATOR_LANES])
     sch.parallel(outer)
     sch.vectorize(inner)
+
+
+def _reads_in_own_layout(sch: s_tir.Schedule, block) -> bool:
+    """Whether the block indexes every operand by its own trailing axes, in order (constant indices for broadcast
+    axes): a flat index over the block then walks each operand's memory in order."""
+    stmt = sch.get(block)
+    axes = [it.var for it in stmt.iter_vars]
+    for access in stmt.reads:
+        indices = [dim.min for dim in access.region]
+        trailing = axes[len(axes) - len(indices):] if len(indices) <= len(axes) else None
+        if trailing is None or not all(isinstance(index, tirx.IntImm) or index.same_as(axis)
+                                       for index, axis in zip(indices, trailing)):
+            return False
+    return True
 
 
 class ElementwiseRule(_CpuRule):

@@ -247,8 +247,13 @@ def _opaque(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return func.without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
 
 
-def _clip_bounds(call: relax.Call) -> tuple[float, float] | None:
-    if not (isinstance(call, relax.Call) and call.op.name == "relax.clip"):
+def _op_name(expr: relax.Expr) -> str | None:
+    """The name of the operator `expr` calls, None where it is not a call of an operator."""
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
+
+
+def _clip_bounds(call: relax.Expr) -> tuple[float, float] | None:
+    if _op_name(call) != "relax.clip":
         return None
     return tuple(float(bound.value) for bound in call.args[1:3])
 
@@ -271,9 +276,9 @@ class _Int4Reader:
     def holds_int4(self, expr: relax.Expr) -> bool:
         """Whether every value of `expr` (an int8 tensor) lies in int4's range by construction."""
         value = self._bound(expr)
-        while isinstance(value, relax.Call) and value.op.name in MOVES:
+        while _op_name(value) in MOVES:
             value = self._bound(value.args[0])
-        if not (isinstance(value, relax.Call) and value.op.name == "relax.astype" and tensor_dtype(value) == "int8"):
+        if not (_op_name(value) == "relax.astype" and tensor_dtype(value) == "int8"):
             return False
         bounds = _clip_bounds(self._bound(value.args[0]))
         return bounds is not None and INT4_RANGE[0] <= bounds[0] and bounds[1] <= INT4_RANGE[1]
