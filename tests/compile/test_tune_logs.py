@@ -14,12 +14,14 @@ ROOT = Path(__file__).resolve().parents[2] / "tune_logs"
 LOGS = sorted(path for path in ROOT.iterdir() if (path / MANIFEST).is_file())
 
 
-COMMITTED = [("bert", "float32"), ("bert", "bfloat16"), ("resnet18", "bfloat16"),
-             ("matmul", "float32"), ("matmul", "bfloat16"), ("matmul", "int8")]
+COMMITTED = [("bert", "float32", "cpu-avx512-bf16"), ("bert", "bfloat16", "cpu-avx512-bf16"),
+             ("resnet18", "bfloat16", "cpu-avx512-bf16"), ("resnet18", "bfloat16", "cpu-amx"),
+             ("matmul", "float32", "cpu-avx512-bf16"), ("matmul", "bfloat16", "cpu-avx512-bf16"),
+             ("matmul", "int8", "cpu-avx512-bf16")]
 
 
 def test_the_committed_logs_are_the_ones_listed():
-    assert {path.name for path in LOGS} == {log_dir(ROOT, m, d, "cpu-avx512-bf16").name for m, d in COMMITTED}
+    assert {path.name for path in LOGS} == {log_dir(ROOT, *entry).name for entry in COMMITTED}
 
 
 @pytest.mark.parametrize("path", LOGS, ids=lambda p: p.name)

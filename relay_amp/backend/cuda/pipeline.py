@@ -11,10 +11,10 @@ from ..fusion import AUTO, fusion_passes
 from .int4 import PackInt4Operands, UseS4TensorCores
 from .tensorcore import gpu_schedules
 
-# Static shared memory merged by its own pass, not by StorageRewrite: that one reuses a float16 staging buffer for
-# a float32 accumulator write-back (a conv with a 16-pixel GEMM side) and lowering then fails on the mismatched
-# wmma store pointer ("tvm_access_ptr element type must match the source buffer")
-PASS_CONFIG = {"tirx.merge_static_smem": True}
+# No StorageRewrite: it reuses a float16 staging buffer for a float32 accumulator write-back (a conv with a
+# 16-pixel GEMM side), and lowering then fails on the mismatched wmma store pointer ("tvm_access_ptr element type
+# must match the source buffer"); merging static shared memory instead fails on BERT's float16 matmuls
+PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 
 def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:
