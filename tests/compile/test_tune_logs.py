@@ -17,6 +17,7 @@ LOGS = sorted(path for path in ROOT.iterdir() if (path / MANIFEST).is_file())
 COMMITTED = [("bert", "float32", "cpu-avx512-bf16"), ("bert", "bfloat16", "cpu-avx512-bf16"),
              ("resnet18", "bfloat16", "cpu-avx512-bf16"), ("resnet18", "bfloat16", "cpu-amx"),
              ("matmul", "float32", "cpu-avx512-bf16"), ("matmul", "bfloat16", "cpu-avx512-bf16"),
+             ("matmul", "bfloat16", "cpu-amx"),
              ("matmul", "int8", "cpu-avx512-bf16")]
 
 
