@@ -1,5 +1,6 @@
-"""Atomic file writes and saving/loading of converted modules."""
+"""Modules to and from JSON files, atomic writes, and dataclasses (kernel specs) back from their JSON."""
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -46,3 +47,9 @@ def load(path: str | os.PathLike) -> tvm.IRModule:
     if not isinstance(mod, tvm.IRModule):
         raise ModelLoadError(f"{path} holds a {type(mod).__name__}, not an IRModule")
     return mod
+
+
+def dataclass_from_json(cls, text: str):
+    """An instance of dataclass `cls` from the JSON of its `asdict` (JSON's lists back to the tuples they were)."""
+    fields = json.loads(text)
+    return cls(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})

@@ -1,12 +1,15 @@
 """save/load of converted modules, and atomic writes."""
 
+import json
+from dataclasses import asdict, dataclass
+
 import numpy as np
 import pytest
 import tvm
 
 import relay_amp
 from relay_amp import models
-from relay_amp.serialization import atomic_write_bytes, atomic_write_text
+from relay_amp.serialization import atomic_write_bytes, atomic_write_text, dataclass_from_json
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -40,3 +43,15 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
         atomic_write_text(path, b"bytes")
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_a_dataclass_comes_back_from_its_json_with_its_tuples():
+    @dataclass(frozen=True)
+    class Spec:
+        shape: tuple
+        name: str
+        size: int
+
+    spec = Spec((1, 2, 3), "conv", 4)
+    again = dataclass_from_json(Spec, json.dumps(asdict(spec)))
+    assert again == spec and isinstance(again.shape, tuple)

@@ -227,7 +227,7 @@ class _ChainFinder:
         """A cast to fp32 goes on in fp32 (from int32 accumulators, or back from a narrow cast only it reads: TVM
         dropped such a round trip inside one function too); a narrow cast is stored unless a cast back follows."""
         dtype = tensor_dtype(value)
-        if (dtype != kernels.WIDE and tensor_dtype(current) != kernels.WIDE) or tensor_dtype(current) in QUANTIZED_DTYPES:
+        if tensor_dtype(current) in QUANTIZED_DTYPES or kernels.WIDE not in (dtype, tensor_dtype(current)):
             return None
         chain.out_dtype = dtype
         return _ALIAS

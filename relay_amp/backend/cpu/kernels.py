@@ -34,6 +34,7 @@ from tvm.script import tirx as T
 
 from ..._ir import OPAQUE_PATTERN
 from ...errors import DTypeError
+from ...serialization import dataclass_from_json
 from . import formula
 from .schedules import STACK_BYTES, largest_divisor, schedule_injective
 
@@ -326,8 +327,7 @@ def kernel_spec(sch: s_tir.Schedule, block) -> ConvSpec | None:
 
 def spec_from_json(text: str) -> ConvSpec:
     """The ConvSpec `json.dumps(asdict(spec))` wrote."""
-    fields = json.loads(text)
-    return ConvSpec(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
+    return dataclass_from_json(ConvSpec, text)
 
 
 def default_tile(width: int, out_channels: int) -> tuple[int, int]:

@@ -27,6 +27,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ..._ir import OPAQUE_PATTERN, rewrite_function, tensor_dtype, tensor_shape
+from ...ops import call_op_name
+from ...serialization import dataclass_from_json
 
 SPEC_ATTR = "relay_amp.s4_gemm"  # on the reference PrimFunc: its S4Spec as JSON
 VALUES_PER_WORD = 8
@@ -82,8 +84,14 @@ class S4Spec:
     @classmethod
     def from_json(cls, text: str) -> "S4Spec":
         """The spec `to_json` wrote."""
-        fields = json.loads(text)
-        return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in fields.items()})
+        return dataclass_from_json(cls, text)
+
+
+def spec_of(func) -> S4Spec | None:
+    """The S4Spec a reference PrimFunc carries under SPEC_ATTR, None for any other function."""
+    if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None or SPEC_ATTR not in func.attrs:
+        return None
+    return S4Spec.from_json(str(func.attrs[SPEC_ATTR]))
 
 
 def packed_words(depth: int) -> int:
@@ -247,13 +255,8 @@ def _opaque(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return func.without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
 
 
-def _op_name(expr: relax.Expr) -> str | None:
-    """The name of the operator `expr` calls, None where it is not a call of an operator."""
-    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
-
-
 def _clip_bounds(call: relax.Expr) -> tuple[float, float] | None:
-    if _op_name(call) != "relax.clip":
+    if call_op_name(call) != "relax.clip":
         return None
     return tuple(float(bound.value) for bound in call.args[1:3])
 
@@ -276,9 +279,9 @@ class _Int4Reader:
     def holds_int4(self, expr: relax.Expr) -> bool:
         """Whether every value of `expr` (an int8 tensor) lies in int4's range by construction."""
         value = self._bound(expr)
-        while _op_name(value) in MOVES:
+        while call_op_name(value) in MOVES:
             value = self._bound(value.args[0])
-        if not (_op_name(value) == "relax.astype" and tensor_dtype(value) == "int8"):
+        if not (call_op_name(value) == "relax.astype" and tensor_dtype(value) == "int8"):
             return False
         bounds = _clip_bounds(self._bound(value.args[0]))
         return bounds is not None and INT4_RANGE[0] <= bounds[0] and bounds[1] <= INT4_RANGE[1]
@@ -374,6 +377,7 @@ class UseS4TensorCores:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         updated = mod.clone()
         for gvar, func in mod.functions_items():
-            if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and SPEC_ATTR in func.attrs:
-                updated.update_func(gvar, tensor_core_kernel(S4Spec.from_json(str(func.attrs[SPEC_ATTR]))))
+            spec = spec_of(func)
+            if spec is not None:
+                updated.update_func(gvar, tensor_core_kernel(spec))
         return updated

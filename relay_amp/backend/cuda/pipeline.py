@@ -1,5 +1,5 @@
-"""The CUDA pipeline: int4 operands packed for s4 tensor cores, fusion; after fusion, tuning records, the tensor-core rule ahead of TVM's dlight rules,
-and TVM's CUDA lowering."""
+"""The CUDA pipeline: int4 operands packed for s4 tensor cores, fusion; after fusion, tuning records, the
+tensor-core rule ahead of TVM's dlight rules, and TVM's CUDA lowering."""
 
 import tvm
 from tvm import relax

@@ -170,6 +170,8 @@ def test_the_kernels_lanes_follow_ptxs_m8n8k32_fragment_layout():
 
 def test_the_cuda_pass_swaps_every_reference_for_a_scheduled_tensor_core_kernel():
     _, packed = _held_and_packed(_matmul_module((16, 64), 16, False)[0])
+    specs = [int4.spec_of(func) for _, func in packed.functions_items()]
+    assert [spec for spec in specs if spec is not None] == [S4Spec((16, 8), (16, 8), (16, 16))]
     after = UseS4TensorCores()(packed)
     kernels = [func for _, func in after.functions_items()
                if isinstance(func, tvm.tirx.PrimFunc) and "ptx" in func.script() and "m8n8k32" in func.script()]
