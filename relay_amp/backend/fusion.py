@@ -1,5 +1,6 @@
-"""The legalization and fusion passes every backend runs after its own graph rewrites (as MetaSchedule's
-compile_relax does them), so tuning, record matching and building see the same fused tasks."""
+"""The passes every backend runs: deduplication before its own graph rewrites, and legalization and fusion after
+them (as MetaSchedule's compile_relax does them), so tuning, record matching and building see the same fused
+tasks."""
 
 import tvm
 from tvm import relax
@@ -7,6 +8,13 @@ from tvm import relax
 from ..passes.pooling import GlobalPoolWindows
 
 AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
+
+
+def deduplication_passes() -> list[tvm.transform.Pass]:
+    """Identical bindings computed once (a quantizer's or an exporter's copy per reader), then the aliases that
+    leaves folded away."""
+    return [relax.transform.EliminateCommonSubexpr(), relax.transform.CanonicalizeBindings(),
+            relax.transform.DeadCodeElimination()]
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:

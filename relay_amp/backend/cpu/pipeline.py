@@ -8,7 +8,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from ...passes.layout import conv_layout_passes
 from ...passes.moves import HoistOverMoves
 from ...passes.sub_byte import HoldSubByteInBytes
-from ..fusion import AUTO, fusion_passes
+from ..fusion import AUTO, deduplication_passes, fusion_passes
 from . import amx
 from .dispatch import UseDotKernels, target_dtypes
 from .epilogue import FuseKernelEpilogues
@@ -30,7 +30,7 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC (`conv_layout` overrides; None
+    """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC (`conv_layout` overrides; None
     keeps the model's), softmax rows padded to whole vectors, dot-product kernel dispatch, kernel epilogue fusion
     (casts and scalar ops moved next to the kernels first; activations before fast math splits them), fast math
     (unless turned off) and packed int4 kernels, then legalization and fusion.
@@ -41,6 +41,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     """
     dtypes = target_dtypes(target)
     return tvm.transform.Sequential([
+        *deduplication_passes(),
         HoldSubByteInBytes(),
         *layout_passes(conv_layout),
         WidenArithmetic(),

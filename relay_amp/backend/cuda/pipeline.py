@@ -7,7 +7,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_lowering
 
 from ...passes.layout import conv_layout_passes
 from ...passes.sub_byte import HoldSubByteInBytes
-from ..fusion import AUTO, fusion_passes
+from ..fusion import AUTO, deduplication_passes, fusion_passes
 from .int4 import PackInt4Operands, UseS4TensorCores
 from .tensorcore import gpu_schedules
 
@@ -24,11 +24,12 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """int4 values held in int8, legalization and fusion; convolutions keep their layout unless `conv_layout` names
-    one (the tensor-core rule takes NCHW, NHWC and HWNC); matmuls and NHWC/HWNC convolutions over int4 values on
-    packed words and s4 tensor cores. `fast_math` is a CPU option: CUDA's exact functions are already fast."""
-    return tvm.transform.Sequential([HoldSubByteInBytes(), *layout_passes(conv_layout), PackInt4Operands(),
-                                     UseS4TensorCores(), *fusion_passes(target)], name="relay_amp_cuda_prepare")
+    """Identical bindings computed once, int4 values held in int8, legalization and fusion; convolutions keep their
+    layout unless `conv_layout` names one (the tensor-core rule takes NCHW, NHWC and HWNC); matmuls and NHWC/HWNC
+    convolutions over int4 values on packed words and s4 tensor cores. `fast_math` is a CPU option: CUDA's exact functions are already fast."""
+    return tvm.transform.Sequential([*deduplication_passes(), HoldSubByteInBytes(), *layout_passes(conv_layout),
+                                     PackInt4Operands(), UseS4TensorCores(), *fusion_passes(target)],
+                                    name="relay_amp_cuda_prepare")
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:

@@ -1,0 +1,62 @@
+"""deduplication_passes: a value computed twice the same way (a quantizer's requantize per reader) is computed once."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+from relay_amp.backend import fusion
+from relay_amp.backend.cpu import pipeline as cpu_pipeline
+from relay_amp.backend.cuda import pipeline as cuda_pipeline
+
+from pass_checks import assert_transforms
+
+
+@I.ir_module
+class TwoRequantizes:
+    @R.function
+    def main(x: R.Tensor((1, 8), "float32")) -> R.Tuple(R.Tensor((1, 8), "uint8"), R.Tensor((1, 8), "uint8")):
+        with R.dataflow():
+            a = R.multiply(x, R.const(4.0, "float32"))
+            a_rounded = R.floor(R.add(a, R.const(0.5, "float32")))
+            a_codes = R.astype(R.clip(a_rounded, 0, 255), "uint8")
+            b = R.multiply(x, R.const(4.0, "float32"))
+            b_rounded = R.floor(R.add(b, R.const(0.5, "float32")))
+            b_codes = R.astype(R.clip(b_rounded, 0, 255), "uint8")
+            gv = (a_codes, b_codes)
+            R.output(gv)
+        return gv
+
+
+def test_identical_chains_are_computed_once():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 8), "float32")) -> R.Tuple(R.Tensor((1, 8), "uint8"), R.Tensor((1, 8), "uint8")):
+            with R.dataflow():
+                a = R.multiply(x, R.const(4.0, "float32"))
+                a_rounded = R.floor(R.add(a, R.const(0.5, "float32")))
+                a_codes = R.astype(R.clip(a_rounded, 0, 255), "uint8")
+                gv = (a_codes, a_codes)
+                R.output(gv)
+            return gv
+
+    assert_transforms(tvm.transform.Sequential(fusion.deduplication_passes()), TwoRequantizes, Expected)
+
+
+@pytest.mark.parametrize("pipeline", [cpu_pipeline, cuda_pipeline])
+def test_every_backend_deduplicates_first(pipeline):
+    target = tvm.target.Target({"kind": "llvm"} if pipeline is cpu_pipeline else {"kind": "cuda", "arch": "sm_80"})
+    prepared = pipeline.prepare_passes(target)(TwoRequantizes)
+    calls = [b for b in prepared["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert len(calls) == 1  # one fused requantize, read twice
+
+
+def test_a_deduplicated_build_computes_both_outputs():
+    x = np.linspace(-1.0, 70.0, 8, dtype="float32").reshape(1, 8)
+    expected = np.clip(np.floor(x * 4.0 + 0.5), 0, 255).astype("uint8")
+    for got in relay_amp.run(TwoRequantizes, [x]):
+        np.testing.assert_array_equal(got, expected)
