@@ -263,3 +263,50 @@ def test_calls_into_primfuncs_keep_the_dtypes_their_signature_fixes():
     tvm.ir.assert_structural_equal(after, Expected)
     reasons = {e.op: e.reason for e in precision_plan(relay_amp.to_mixed_precision(Before, "bfloat16")).entries}
     assert reasons["relax.call_tir"].startswith("calls a PrimFunc")
+
+
+def _exported_bias_module(low: str | None) -> tvm.IRModule:
+    """relu(x @ W + reshape(b)), the bias reshaped to broadcast as exporters write it; with `low` the expected AMP
+    output: the add and relu in `low`, the reshaped bias cast to it."""
+    weight = relax.const((np.arange(12, dtype="float32").reshape(4, 3) - 6.0) / 8.0)
+    bias = relax.const(np.array([0.5, -1.0, 2.0], "float32"))
+    x = relax.Var("x", relax.TensorType((2, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if low is None:
+                biased = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, weight)),
+                                              bb.emit(relax.op.reshape(bias, (1, 3)))))
+                out = bb.emit_output(relax.op.nn.relu(biased))
+            else:
+                product = bb.emit(relax.op.matmul(bb.emit(relax.op.astype(x, low)), relay_amp._ir.cast_constant(
+                    weight, low), out_dtype="float32"))
+                product = bb.emit(relax.op.astype(product, low))
+                moved = bb.emit(relax.op.astype(bb.emit(relax.op.reshape(bias, (1, 3))), low))
+                out = bb.emit_output(relax.op.nn.relu(bb.emit(relax.op.add(product, moved))))
+        if low is not None:
+            out = bb.emit(relax.op.astype(out, "float32"))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+def test_a_bias_reshaped_from_a_constant_is_a_constant_to_amp(low):
+    """A data move of a constant does not hold the add it feeds in fp32 (the widest list ignores constants)."""
+    before = _exported_bias_module(None)
+    tvm.ir.assert_structural_equal(convert(before, low), _exported_bias_module(low))
+    adds = [e for e in precision_plan(relay_amp.to_mixed_precision(before, low)).entries if e.op == "relax.add"]
+    assert [(e.dtype, e.reason) for e in adds] == [(low, "widest list")]
+
+
+def test_a_moved_constant_beyond_float16s_range_keeps_the_add_in_fp32():
+    x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            moved = bb.emit(relax.op.reshape(relax.const(np.full(3, 1e5, "float32")), (1, 3)))
+            product = bb.emit(relax.op.matmul(x, relax.const(np.eye(3, dtype="float32"))))
+            out = bb.emit_output(relax.op.add(product, moved))
+        bb.emit_func_output(out)
+    plan = precision_plan(relay_amp.to_mixed_precision(bb.get(), "float16"))
+    assert [e.dtype for e in plan.entries if e.op == "relax.add"] == ["float32"]

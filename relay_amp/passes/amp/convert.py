@@ -16,6 +16,7 @@ from ..._ir import (
 )
 from ...dtypes import FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_choice, is_float
 from ...errors import LayerIndexError
+from ...ops import call_op_name
 from ..casts import EliminateRedundantCasts
 from ..layers import (
     DEFAULT_LAYER_OPS,
@@ -34,6 +35,9 @@ from .policy import (
 )
 
 _ASTYPE = "relax.astype"
+# ops that only move a tensor's values: one applied to a constant is a constant to AMP (exporters reshape a
+# convolution's bias to broadcast over NCHW; a non-constant fp32 operand would keep the bias add in fp32)
+_DATA_MOVES = ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze", "relax.broadcast_to")
 
 
 # calls into a PrimFunc or a packed function (an importer's TE fallback, a hand-written kernel): the callee's
@@ -50,6 +54,19 @@ def _float_leaves(args: Iterable[relax.Expr]) -> list[relax.Expr]:
     return [leaf for leaf in leaves if is_float(tensor_dtype(leaf) or "")]
 
 
+def moved_constants(func: relax.Function) -> dict:
+    """The vars of `func` bound to a data move of a constant (through any number of moves), and that constant."""
+    found: dict[relax.Var, relax.Constant] = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if call_op_name(binding.value) in _DATA_MOVES:
+                source = binding.value.args[0]
+                source = found.get(source, source) if isinstance(source, relax.Var) else source
+                if isinstance(source, tvm.ir.expr.Constant):
+                    found[binding.var] = source
+    return found
+
+
 @relax.expr_functor.mutator
 class _AmpMutator(relax.PyExprMutator):
     """Decides a dtype for every op call, in program order, and places the casts it needs."""
@@ -61,6 +78,7 @@ class _AmpMutator(relax.PyExprMutator):
         self.names = names  # original call -> (op-call index, binding name)
         self.forced = forced  # original call -> (dtype, reason) from a plan or the range guard
         self.excluded = excluded
+        self.moved = moved_constants(get_function(mod, config.func))  # var -> the constant it holds, moved
         self.casts: dict[tuple[relax.Expr, str], relax.Expr] = {}
         self.entries: list[PlanEntry] = []
 
@@ -127,7 +145,8 @@ class _AmpMutator(relax.PyExprMutator):
         return tensor_dtype(expr) == self.low
 
     def _is_flexible(self, expr: relax.Expr) -> bool:
-        """A constant that fits the target dtype's range never forces fp32."""
+        """A constant (or a data move of one) that fits the target dtype's range never forces fp32."""
+        expr = self.moved.get(expr, expr) if isinstance(expr, relax.Var) else expr
         if not isinstance(expr, tvm.ir.expr.Constant):
             return False
         values = expr.value.numpy().astype("float64")
