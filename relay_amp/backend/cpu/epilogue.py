@@ -26,6 +26,7 @@ from tvm import relax
 
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
+from ...ops import call_op_name
 from . import amx, formula, kernels
 
 _ALIAS = object()  # a step that only renames, reshapes or casts the value
@@ -194,8 +195,20 @@ class _ChainFinder:
         if (chain.residual_dtype or not isinstance(other, relax.Var) or other in self.absorbed
                 or tensor_shape(other) != tensor_shape(current) or tensor_dtype(other) not in MODEL_FLOAT_DTYPES):
             return None
+        other = self._narrow_source(other)
         chain.residual_dtype = tensor_dtype(other)
         return self._record(chain, kernels.Step(kernels.RESIDUAL), other)
+
+    def _narrow_source(self, var: relax.Var) -> relax.Var:
+        """The bf16 (or fp16) var that `var` is a cast of to fp32, else `var`: the kernel reads the narrow tensor
+        and widens it in registers (a residual stream kept in bf16 is read at half the bytes)."""
+        block, at = self.position.get(var, (None, None))
+        value = None if block is None else self.blocks[block][at].value
+        if call_op_name(value) != "relax.astype" or not isinstance(value.args[0], relax.Var):
+            return var
+        source = value.args[0]
+        narrow = tensor_dtype(source) in MODEL_FLOAT_DTYPES and tensor_dtype(source) != kernels.WIDE
+        return source if narrow and tensor_dtype(var) == kernels.WIDE else var
 
     def _multiply(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)

@@ -263,6 +263,21 @@ def test_avx512_kernels_take_the_same_epilogue():
         assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected) + 1e-4)
 
 
+def test_a_residual_widened_from_bf16_is_read_in_bf16():
+    """A bf16 residual stream: the kernel reads the bf16 tensor and widens it itself, not AMP's fp32 copy of it."""
+    x, r = tensor("x", SHAPE, BF16), tensor("r", SHAPE, BF16)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            wide = bb.emit(relax.op.astype(r, F32))
+            value = bb.emit(relax.op.add(bb.emit(_conv(x)), wide))
+            out = bb.emit_output(relax.op.astype(value, BF16))
+        bb.emit_func_output(out)
+    expected = _expected(kernels.Epilogue((kernels.Step(kernels.RESIDUAL),), BF16, BF16), [lambda r: r],
+                         residual_dtype=BF16)
+    assert_transforms(FuseKernelEpilogues(), _dispatched(bb.get()), expected)
+
+
 def test_a_bf16_round_trip_read_only_by_its_cast_back_stays_in_fp32():
     before = _dispatched(_chain_module(
         lambda v, r: relax.op.add(v, relax.const(BIAS)),
