@@ -37,6 +37,7 @@ class _Widener(relax.PyExprMutator):
         self.uses = uses  # how often the input function reads each var
         self.wide_of: dict[relax.Var, relax.Expr] = {}  # a bf16 var -> its fp32 value
         self.flows: set[relax.Var] = set()  # bf16 vars whose readers take the fp32 value: it needs no storage
+        self.widening: dict[relax.Expr, relax.Var] = {}  # a stored bf16 value -> its cast to fp32
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         call = binding.value
@@ -84,7 +85,9 @@ class _Widener(relax.PyExprMutator):
             return self.wide_of[expr]
         if isinstance(expr, tvm.ir.expr.Constant):
             return cast_constant(expr, WIDE)
-        return self.builder_.emit(relax.op.astype(expr, WIDE))
+        if expr not in self.widening:  # one cast per value, however many ops of the chain read it
+            self.widening[expr] = self.builder_.emit(relax.op.astype(expr, WIDE))
+        return self.widening[expr]
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.WidenArithmetic")
