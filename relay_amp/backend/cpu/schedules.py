@@ -5,7 +5,8 @@ scalar, single-threaded loop nests. `ContractionRule` schedules every contractio
 block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
 vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions within
 their rows; `RowReductionRule` runs row reductions (softmax, layer norm, RMS norm) one parallel row at a time with
-vector partial sums.
+vector partial sums; `ColumnReductionRule` runs reductions over outer axes (NHWC global pooling) by vectors of the
+kept innermost axis.
 """
 
 import math
@@ -335,6 +336,63 @@ class RowReductionRule(_CpuRule):
         return sch
 
 
+class ColumnReductionRule(_CpuRule):
+    """Reductions over the outer axes of a tensor whose innermost axis is kept (a global average pool over H and W
+    of NHWC data, as squeeze-excite blocks and classifier heads pool): a row reduction would sum one channel at a
+    time, its elements a channel count apart (a gather per vector). Here each whole vector of channels is added
+    across the reduced positions, one parallel item per vector of channels; the ops before it are inlined, the
+    ones after it run on that vector too."""
+
+    def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
+        """Schedule a function of one such reduction and elementwise ops, else None."""
+        reductions = [info for info in infos if not info.is_injective()]
+        if len(reductions) != 1 or _kept_axis(sch, reductions[0]) is None:
+            return None
+        block = reductions[0].block_rv
+        consumers = [info.block_rv for info in infos[infos.index(reductions[0]) + 1:]]
+        if not all(try_primitive(sch.compute_inline, info.block_rv) for info in infos[:infos.index(reductions[0])]):
+            return None
+        items = _vector_columns(sch, block, reductions[0])
+        for consumer in consumers:
+            sch.reverse_compute_at(consumer, items)
+            sch.vectorize(sch.get_loops(consumer)[-1])
+        return sch
+
+
+def _kept_axis(sch: s_tir.Schedule, info) -> "int | None":
+    """The position among `info`'s loops of the spatial loop indexing its reduced input's innermost axis, where
+    that axis is not reduced and is whole vectors long; else None."""
+    kinds = info.dom_kind()
+    loops = sch.get_loops(info.block_rv)
+    reduced = [it.var for it in info.iters if it.kind == "R"]
+    reads = [read for read in sch.get(info.block_rv).reads
+             if any(v.same_as(r) for v in index_vars(read) for r in reduced)]
+    if len(reads) != 1 or "R" not in kinds or len(loops) != len(kinds):
+        return None
+    innermost = vars_in(reads[0].region[-1].min)
+    for position, it in enumerate(info.iters):
+        if it.kind == "S" and any(v.same_as(it.var) for v in innermost):
+            extent = _extent(sch, loops[position])
+            return position if extent and extent % ACCUMULATOR_LANES == 0 else None
+    return None
+
+
+def _vector_columns(sch: s_tir.Schedule, block, info):
+    """The reduction as (parallel vectors of the kept axis, reduced loops, vectorized lanes): the parallel loop."""
+    kinds, loops = info.dom_kind(), sch.get_loops(block)
+    kept = _kept_axis(sch, info)
+    vectors, lanes = sch.split(loops[kept], [None, ACCUMULATOR_LANES])
+    spatial = [loop for position, loop in enumerate(loops) if kinds[position] == "S" and position != kept]
+    reduced = [loop for position, loop in enumerate(loops) if kinds[position] == "R"]
+    sch.reorder(*spatial, vectors, *reduced, lanes)
+    items = sch.fuse(*spatial, vectors)
+    sch.parallel(items)
+    sch.vectorize(lanes)
+    init = sch.decompose_reduction(block, reduced[0])
+    sch.vectorize(sch.get_loops(init)[-1])
+    return items
+
+
 def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:
     """Whether `info` reduces one tensor (not a contraction) over all its loops after the `rows` leading ones,
     in whole vectors."""
@@ -385,7 +443,8 @@ def _vectorize_partial_sums(sch: s_tir.Schedule, block) -> None:
 
 
 def _rules(first_rules) -> list[dl.ScheduleRule]:
-    return [*first_rules, ContractionRule(), ElementwiseRule(), RowReductionRule(), dl.cpu.Reduction()]
+    return [*first_rules, ContractionRule(), ElementwiseRule(), ColumnReductionRule(), RowReductionRule(),
+            dl.cpu.Reduction()]
 
 
 def default_schedules(*first_rules: dl.ScheduleRule) -> tvm.transform.Pass:

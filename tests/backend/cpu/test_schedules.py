@@ -46,6 +46,8 @@ CASES = {
     # rows of whole vectors: RowReductionRule's vector partial sums (the layer norm over 33 above stays with TVM's)
     "softmax_layer_norm_rows": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
                                 ("x", (3, 5, 64)), ("g", (64,)), ("b", (64,))),
+    # a global average pool over NHWC's H and W: ColumnReductionRule's vectors of channels
+    "channels_last_mean": (lambda x: relax.op.mean(x, axis=[1, 2], keepdims=True), ("x", (1, 7, 5, 48))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
                                                                                 keepdims=True))),
                       ("x", (6, 48))),
@@ -367,3 +369,61 @@ def test_row_reduction_rule_leaves_rows_off_whole_vectors_and_other_targets():
     assert schedules.RowReductionRule().apply(layer_norm, targets.get_target("cpu"), False) is None
     assert schedules.RowReductionRule().apply(_row_share, targets.get_target("cuda-tensorcore"), False) is None
     assert schedules.RowReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
+
+
+@T.prim_func(private=True, s_tir=True)
+def _column_mean(x: T.Buffer((T.int64(6), T.int64(32)), "float32"), out: T.Buffer((T.int64(32),), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    total = T.sblock_alloc_buffer((T.int64(32),))
+    for j, k in T.grid(T.int64(32), T.int64(6)):
+        with T.sblock("total"):
+            vj, vk = T.axis.remap("SR", [j, k])
+            with T.init():
+                total[vj] = T.float32(0)
+            total[vj] = total[vj] + x[vk, vj]
+    for j in range(T.int64(32)):
+        with T.sblock("mean"):
+            vj = T.axis.remap("S", [j])
+            out[vj] = total[vj] / T.float32(6)
+
+
+@T.prim_func(private=True, s_tir=True)
+def _column_mean_scheduled(x: T.Buffer((T.int64(6), T.int64(32)), "float32"),
+                           out: T.Buffer((T.int64(32),), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    total = T.sblock_alloc_buffer((T.int64(32),))
+    for column_block in T.parallel(T.int64(2)):
+        for lane_init in T.vectorized(T.int64(16)):
+            with T.sblock("total_init"):
+                v_column = T.axis.spatial(T.int64(32), column_block * T.int64(16) + lane_init)
+                T.reads()
+                T.writes(total[v_column])
+                total[v_column] = T.float32(0.0)
+        for row in range(T.int64(6)):
+            for lane in T.vectorized(T.int64(16)):
+                with T.sblock("total_update"):
+                    v_column = T.axis.spatial(T.int64(32), column_block * T.int64(16) + lane)
+                    v_row = T.axis.reduce(T.int64(6), row)
+                    T.reads(total[v_column], x[v_row, v_column])
+                    T.writes(total[v_column])
+                    total[v_column] = total[v_column] + x[v_row, v_column]
+        for lane in T.vectorized(T.int64(16)):
+            with T.sblock("mean"):
+                v_column = T.axis.spatial(T.int64(32), column_block * T.int64(16) + lane)
+                T.reads(total[v_column])
+                T.writes(out[v_column])
+                out[v_column] = total[v_column] / T.float32(6.0)
+
+
+def test_column_reduction_rule_adds_whole_vectors_of_the_kept_axis_in_parallel():
+    """A sum over the outer axis (a pool over NHWC's pixels): one parallel item per vector of 16 columns, each
+    adding its vector across the rows, then the division on that vector; RowReductionRule would take one column
+    at a time, its elements 32 apart."""
+    scheduled = schedules.ColumnReductionRule().apply(_column_mean, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _column_mean_scheduled)
+
+
+def test_column_reduction_rule_leaves_row_reductions_and_other_targets():
+    assert schedules.ColumnReductionRule().apply(_row_share, targets.get_target("cpu"), False) is None
+    assert schedules.ColumnReductionRule().apply(_column_mean, targets.get_target("cuda-tensorcore"), False) is None
+    assert schedules.ColumnReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
