@@ -321,6 +321,7 @@ class RowReductionRule(_CpuRule):
         if (not rows or not reductions or not infos[-1].is_injective()
                 or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions)):
             return None
+        infos = _inline_elementwise_steps(sch, infos)
         try:
             factored = [_factor_reduction(sch, info.block_rv, rows) for info in reductions]
             row = _parallel_rows(sch, infos[-1].block_rv, rows)
@@ -391,6 +392,16 @@ def _vector_columns(sch: s_tir.Schedule, block, info):
     init = sch.decompose_reduction(block, reduced[0])
     sch.vectorize(sch.get_loops(init)[-1])
     return items
+
+
+def _inline_elementwise_steps(sch: s_tir.Schedule, infos: list) -> list:
+    """`infos` with each elementwise block but the last that one block alone reads inlined into it where TIR
+    allows (a layer norm's result goes to its bf16 cast in registers, not through a buffer of its own; softmax's
+    exponentials, read twice, stay computed once)."""
+    def inlined(info) -> bool:
+        return (info.is_injective() and len(sch.get_consumers(info.block_rv)) == 1
+                and try_primitive(sch.compute_inline, info.block_rv))
+    return [*(info for info in infos[:-1] if not inlined(info)), infos[-1]]
 
 
 def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:

@@ -46,6 +46,10 @@ CASES = {
     # rows of whole vectors: RowReductionRule's vector partial sums (the layer norm over 33 above stays with TVM's)
     "softmax_layer_norm_rows": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.nn.softmax(x), g, b, axes=[-1]),
                                 ("x", (3, 5, 64)), ("g", (64,)), ("b", (64,))),
+    # the layer norm's result read by one elementwise block: inlined into it (no buffer between the two)
+    "layer_norm_scaled_rows": (lambda x, g, b: relax.op.multiply(relax.op.nn.layer_norm(x, g, b, axes=[-1]),
+                                                                 relax.const(2.0, "float32")),
+                               ("x", (3, 64)), ("g", (64,)), ("b", (64,))),
     # a global average pool over NHWC's H and W: ColumnReductionRule's vectors of channels
     "channels_last_mean": (lambda x: relax.op.mean(x, axis=[1, 2], keepdims=True), ("x", (1, 7, 5, 48))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
@@ -427,3 +431,19 @@ def test_column_reduction_rule_leaves_row_reductions_and_other_targets():
     assert schedules.ColumnReductionRule().apply(_row_share, targets.get_target("cpu"), False) is None
     assert schedules.ColumnReductionRule().apply(_column_mean, targets.get_target("cuda-tensorcore"), False) is None
     assert schedules.ColumnReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
+
+
+def _row_reduction_blocks(case: str) -> list[str]:
+    """The block names RowReductionRule leaves in CASES[case]'s one reducing function."""
+    prepared = tuning.prepare(_module(*CASES[case]), targets.get_target("cpu"))
+    func = next(f for _, f in prepared.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    scheduled = schedules.RowReductionRule().apply(func, targets.get_target("cpu"), False)
+    return [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
+
+
+def test_row_reduction_rule_inlines_an_elementwise_step_only_one_block_reads():
+    """The layer norm's result goes to the multiply in registers; softmax's exponentials, which the sum and the
+    division both read, are computed once."""
+    layer_norm = _row_reduction_blocks("layer_norm_scaled_rows")
+    assert "T_layer_norm" not in layer_norm and layer_norm[-1] == "T_multiply"
+    assert "T_fast_exp" in _row_reduction_blocks("softmax_layer_norm_rows")
