@@ -54,7 +54,7 @@ def _float_leaves(args: Iterable[relax.Expr]) -> list[relax.Expr]:
     return [leaf for leaf in leaves if is_float(tensor_dtype(leaf) or "")]
 
 
-def moved_constants(func: relax.Function) -> dict:
+def _moved_constants(func: relax.Function) -> dict:
     """The vars of `func` bound to a data move of a constant (through any number of moves), and that constant."""
     found: dict[relax.Var, relax.Constant] = {}
     for block in func.body.blocks:
@@ -78,7 +78,7 @@ class _AmpMutator(relax.PyExprMutator):
         self.names = names  # original call -> (op-call index, binding name)
         self.forced = forced  # original call -> (dtype, reason) from a plan or the range guard
         self.excluded = excluded
-        self.moved = moved_constants(get_function(mod, config.func))  # var -> the constant it holds, moved
+        self.moved = _moved_constants(get_function(mod, config.func))  # var -> the constant it holds, moved
         self.casts: dict[tuple[relax.Expr, str], relax.Expr] = {}
         self.entries: list[PlanEntry] = []
 
