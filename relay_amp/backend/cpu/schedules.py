@@ -316,12 +316,12 @@ class RowReductionRule(_CpuRule):
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
         """Schedule a function of row reductions ending in an elementwise block, else None."""
+        infos = _store_from_producer(sch, infos)
         rows = min(_leading_spatial(info) for info in infos)
         reductions = [info for info in infos if not info.is_injective()]
         if (not rows or not reductions or not infos[-1].is_injective()
                 or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions)):
             return None
-        infos = _inline_elementwise_steps(sch, infos)
         try:
             factored = [_factor_reduction(sch, info.block_rv, rows) for info in reductions]
             row = _parallel_rows(sch, infos[-1].block_rv, rows)
@@ -394,14 +394,22 @@ def _vector_columns(sch: s_tir.Schedule, block, info):
     return items
 
 
-def _inline_elementwise_steps(sch: s_tir.Schedule, infos: list) -> list:
-    """`infos` with each elementwise block but the last that one block alone reads inlined into it where TIR
-    allows (a layer norm's result goes to its bf16 cast in registers, not through a buffer of its own; softmax's
-    exponentials, read twice, stay computed once)."""
-    def inlined(info) -> bool:
-        return (info.is_injective() and len(sch.get_consumers(info.block_rv)) == 1
-                and try_primitive(sch.compute_inline, info.block_rv))
-    return [*(info for info in infos[:-1] if not inlined(info)), infos[-1]]
+def _store_from_producer(sch: s_tir.Schedule, infos: list) -> list:
+    """`infos` with the last block (the function's output: a layer norm's bf16 cast) inlined into the elementwise
+    block computing its value where TIR allows, so the value goes to the output in registers, not through a
+    buffer of its own."""
+    if len(infos) < 2 or not infos[-2].is_injective():
+        return infos
+    shape = _written_shape(sch, infos[-1])  # a slice of the value (after a padded softmax) keeps its own block
+    if 0 in shape or shape != _written_shape(sch, infos[-2]) or not try_primitive(sch.reverse_compute_inline,
+                                                                                   infos[-1].block_rv):
+        return infos
+    return normalize_prim_func(sch)
+
+
+def _written_shape(sch: s_tir.Schedule, info) -> tuple:
+    """The shape of the buffer `info`'s block writes, 0 for a symbolic extent."""
+    return tuple(_const(extent) for extent in sch.get(info.block_rv).writes[0].source.shape)
 
 
 def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:
