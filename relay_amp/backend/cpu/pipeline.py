@@ -30,8 +30,9 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC (`conv_layout` overrides; None
-    keeps the model's), softmax rows padded to whole vectors, dot-product kernel dispatch, kernel epilogue fusion
+    """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
+    (`conv_layout` overrides; None keeps the model's), softmax rows padded to whole vectors, dot-product kernel
+    dispatch, kernel epilogue fusion
     (casts and scalar ops moved next to the kernels first; activations before fast math splits them), fast math
     (unless turned off) and packed int4 kernels, then legalization and fusion.
 

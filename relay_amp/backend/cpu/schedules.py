@@ -347,14 +347,14 @@ class ColumnReductionRule(_CpuRule):
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
         """Schedule a function of one such reduction and elementwise ops, else None."""
         reductions = [info for info in infos if not info.is_injective()]
-        if len(reductions) != 1 or _kept_axis(sch, reductions[0]) is None:
+        kept = _kept_axis(sch, reductions[0]) if len(reductions) == 1 else None
+        if kept is None:
             return None
-        block = reductions[0].block_rv
-        consumers = [info.block_rv for info in infos[infos.index(reductions[0]) + 1:]]
-        if not all(try_primitive(sch.compute_inline, info.block_rv) for info in infos[:infos.index(reductions[0])]):
+        at = infos.index(reductions[0])
+        if not all(try_primitive(sch.compute_inline, info.block_rv) for info in infos[:at]):
             return None
-        items = _vector_columns(sch, block, reductions[0])
-        for consumer in consumers:
+        items = _vector_columns(sch, reductions[0], kept)
+        for consumer in (info.block_rv for info in infos[at + 1:]):
             sch.reverse_compute_at(consumer, items)
             sch.vectorize(sch.get_loops(consumer)[-1])
         return sch
@@ -378,10 +378,11 @@ def _kept_axis(sch: s_tir.Schedule, info) -> "int | None":
     return None
 
 
-def _vector_columns(sch: s_tir.Schedule, block, info):
-    """The reduction as (parallel vectors of the kept axis, reduced loops, vectorized lanes): the parallel loop."""
+def _vector_columns(sch: s_tir.Schedule, info, kept: int):
+    """The reduction `info` as (parallel vectors of its loop `kept`, reduced loops, vectorized lanes): the parallel
+    loop."""
+    block = info.block_rv
     kinds, loops = info.dom_kind(), sch.get_loops(block)
-    kept = _kept_axis(sch, info)
     vectors, lanes = sch.split(loops[kept], [None, ACCUMULATOR_LANES])
     spatial = [loop for position, loop in enumerate(loops) if kinds[position] == "S" and position != kept]
     reduced = [loop for position, loop in enumerate(loops) if kinds[position] == "R"]

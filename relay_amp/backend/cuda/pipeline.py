@@ -26,7 +26,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8, legalization and fusion; convolutions keep their
     layout unless `conv_layout` names one (the tensor-core rule takes NCHW, NHWC and HWNC); matmuls and NHWC/HWNC
-    convolutions over int4 values on packed words and s4 tensor cores. `fast_math` is a CPU option: CUDA's exact functions are already fast."""
+    convolutions over int4 values on packed words and s4 tensor cores. `fast_math` is a CPU option: CUDA's exact
+    functions are already fast."""
     return tvm.transform.Sequential([*deduplication_passes(), HoldSubByteInBytes(), *layout_passes(conv_layout),
                                      PackInt4Operands(), UseS4TensorCores(), *fusion_passes(target)],
                                     name="relay_amp_cuda_prepare")

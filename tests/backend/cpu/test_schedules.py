@@ -243,7 +243,8 @@ def _image_to_nhwc4_scheduled(x: T.Buffer((T.int64(1), T.int64(3), T.int64(8), T
                     T.reads(x[T.int64(0), v2, v0 + T.int64(-1), v1 + T.int64(-1)])
                     T.writes(out[T.int64(0), v0, v1, v2])
                     out[T.int64(0), v0, v1, v2] = T.if_then_else(
-                        T.int64(1) <= v0 and v0 < T.int64(9) and T.int64(1) <= v1 and v1 < T.int64(9) and v2 < T.int64(3),
+                        T.int64(1) <= v0 and v0 < T.int64(9) and T.int64(1) <= v1 and v1 < T.int64(9)
+                        and v2 < T.int64(3),
                         x[T.int64(0), v2, v0 - T.int64(1), v1 - T.int64(1)], T.float32(0.0))
 
 
@@ -256,8 +257,9 @@ def test_a_transposing_pad_to_a_narrow_axis_runs_rows_in_parallel_not_gathered_v
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _image_to_nhwc4_scheduled)
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype("float32")
     out = tvm.runtime.empty((1, 10, 10, 4), "float32")
-    tvm.compile(tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")}), target=target)["main"](
-        tvm.runtime.tensor(x), out)
+    built = tvm.compile(tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")}),
+                        target=target)
+    built["main"](tvm.runtime.tensor(x), out)
     expected = np.pad(x.transpose(0, 2, 3, 1), [(0, 0), (1, 1), (1, 1), (0, 1)])
     np.testing.assert_array_equal(out.numpy(), expected)
 
