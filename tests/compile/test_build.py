@@ -30,7 +30,9 @@ def test_build_for_host_cpu_matches_reference():
 def test_build_bf16_model_for_the_bf16_preset():
     mod = models.small_cnn()
     inputs = models.example_inputs(mod)
-    got = run_executable(build(relay_amp.to_mixed_precision(mod, "bfloat16"), "cpu-avx512-bf16"), inputs)[0]
+    executable = build(relay_amp.to_mixed_precision(mod, "bfloat16"), "cpu-avx512-bf16")
+    assert "vcvtneps2bf16" in executable.mod.imports[0].inspect_source("asm")  # native bf16 rounding
+    got = run_executable(executable, inputs)[0]
     expected = relay_amp.run(mod, inputs)[0]
     assert np.abs(got - expected).max() / np.abs(expected).max() < 2e-2
 

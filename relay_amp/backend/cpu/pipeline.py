@@ -10,6 +10,7 @@ from ...passes.moves import HoistOverMoves
 from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from . import amx
+from .bf16_round import rounding_passes
 from .dispatch import UseDotKernels, target_dtypes
 from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
@@ -56,10 +57,12 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
-    """For a prepared module: apply tuning records (when `tuned`), default schedules for the rest, lower."""
+    """For a prepared module: apply tuning records (when `tuned`), default schedules for the rest, native bf16
+    rounding (on avx512_bf16 targets), lower."""
     return tvm.transform.Sequential([
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
+        *rounding_passes(target),
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ], name="relay_amp_cpu_lower")

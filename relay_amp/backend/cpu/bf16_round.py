@@ -1,0 +1,93 @@
+"""bf16_round: every fp32 -> bfloat16 rounding of a scheduled CPU function on `vcvtneps2bf16`.
+
+TVM's BF16ComputeLegalize writes each rounding to bfloat16 as integer arithmetic on the fp32 bits (shift, mask,
+add a bias, shift, narrow: five instructions per vector), because its LLVM code generator has no bfloat16 type.
+On a CPU with avx512_bf16 one instruction does it. `NativeBF16Rounding` runs on the scheduled PrimFuncs, before
+TVM's lowering: in each vectorized loop it replaces `Cast("bfloat16", x)` of an fp32 `x` by the op
+`relay_amp.round_to_bf16`, which TVM's legalization leaves alone and its vectorizer widens to the loop's lanes;
+the op's LLVM lowering then calls the instruction on 16 lanes at a time (fewer lanes are padded to 16, more
+split into 16s). Casts in loops TVM leaves scalar keep its integer rounding: LLVM's loop vectorizer widens
+that, where a call on one lane would stop it.
+
+The instruction rounds to nearest even like TVM's arithmetic, and keeps NaN a NaN; it treats fp32 denormals
+(below 1.2e-38) as zero, as oneDNN's and PyTorch's bfloat16 conversions on these CPUs do.
+"""
+
+import tvm
+import tvm_ffi
+from tvm.ir.prim.expr import Cast
+
+ROUND_OP = "relay_amp.round_to_bf16"  # fp32 value -> the uint16 bits of its bfloat16 rounding
+FEATURE = "avx512bf16"
+CHUNK = 16  # fp32 lanes `vcvtneps2bf16` rounds at once (one zmm register)
+_LLVM_INTRINSIC = "llvm.x86.avx512bf16.cvtneps2bf16.512"
+_PURE = tvm.ir.Op.get("tirx.exp").get_attr("TCallEffectKind")  # the effect kind of a pure math op
+
+
+def _register_op() -> None:
+    if ROUND_OP in tvm.ir.Op.list_op_names():
+        return
+    tvm.ir.register_op_attr(ROUND_OP, "TCallEffectKind", _PURE)
+    tvm.ir.register_op_attr(ROUND_OP, "TVectorizable", True)
+    tvm.ir.register_op_attr(ROUND_OP, "TScriptPrinterName", ROUND_OP)
+    tvm.tirx.register_intrin_lowering(ROUND_OP, target="llvm", f=lower_round, level=99)
+
+
+def lanes_of(expr: tvm.ir.Expr) -> int:
+    """The number of vector lanes of a TIR expression (1 for a scalar)."""
+    return tvm.DataType(str(expr.ty)).lanes
+
+
+def _shuffle(vectors: list[tvm.ir.Expr], indices: range) -> tvm.ir.Expr:
+    return tvm.tirx.Shuffle(vectors, [tvm.tirx.const(i, "int32") for i in indices])
+
+
+def _as_chunks(value: tvm.ir.Expr) -> list[tvm.ir.Expr]:
+    """`value`'s lanes in 16-lane vectors, the last one padded with zeros."""
+    lanes = lanes_of(value)
+    if lanes == 1:
+        return [tvm.tirx.Broadcast(value, CHUNK)]
+    padding = -lanes % CHUNK
+    padded = [value, tvm.tirx.Broadcast(tvm.tirx.const(0, "float32"), padding)] if padding else [value]
+    return [_shuffle(padded, range(start, start + CHUNK)) for start in range(0, lanes, CHUNK)]
+
+
+def lower_round(call: tvm.ir.Expr) -> tvm.ir.Expr:
+    """The LLVM form of one `relay_amp.round_to_bf16` call: `vcvtneps2bf16` on each 16 lanes of its operand."""
+    value = call.args[0]
+    lanes = lanes_of(value)
+    rounded = [tvm.tirx.call_intrin(f"uint16x{CHUNK}", "tirx.reinterpret",
+                                    tvm.tirx.call_llvm_pure_intrin(f"int16x{CHUNK}", _LLVM_INTRINSIC, chunk))
+               for chunk in _as_chunks(value)]
+    return rounded[0] if lanes == CHUNK else _shuffle(rounded, range(lanes))
+
+
+def _native_cast(cast: Cast) -> tvm.ir.Expr:
+    if str(cast.ty) != "bfloat16" or str(cast.value.ty) != "float32":
+        return cast
+    bits = tvm.tirx.call_intrin("uint16", ROUND_OP, cast.value)
+    return tvm.tirx.call_intrin("bfloat16", "tirx.reinterpret", bits)
+
+
+def _native_vector_loop(loop: tvm.tirx.For) -> tvm.tirx.For:
+    if loop.kind != tvm.tirx.ForKind.VECTORIZED:
+        return loop
+    return tvm_ffi.structural_map(loop, [(Cast, _native_cast)])
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="NativeBF16Rounding")
+def NativeBF16Rounding(func: tvm.tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tvm.tirx.PrimFunc:  # noqa: N802
+    """Every fp32 -> bfloat16 cast in a vectorized loop of `func` as `relay_amp.round_to_bf16` (one
+    `vcvtneps2bf16` per 16 lanes); casts in other loops keep TVM's integer rounding, which LLVM vectorizes."""
+    body = tvm_ffi.structural_map(func.body, [(tvm.tirx.For, _native_vector_loop)])
+    return func if body.same_as(func.body) else func.with_body(body)
+
+
+def rounding_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """[NativeBF16Rounding] for an LLVM target with avx512_bf16, else nothing."""
+    if target.kind.name != "llvm" or not tvm.target.codegen.target_has_features(FEATURE, target):
+        return []
+    return [NativeBF16Rounding]
+
+
+_register_op()
