@@ -58,6 +58,14 @@ def _resnet50(tiny: bool):
                            layer_type="bottleneck", num_labels=1000)
 
 
+def _resnet18(tiny: bool):
+    if tiny:
+        return hf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                               layer_type="basic", num_labels=10)
+    return hf.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
+                           layer_type="basic", num_labels=1000)
+
+
 def _mobilenet_v2(tiny: bool):
     return hf.MobileNetV2Config(depth_multiplier=0.35 if tiny else 1.0, image_size=64 if tiny else 224,
                                 num_labels=10 if tiny else 1000)
@@ -110,6 +118,8 @@ def _t5_encoder(tiny: bool):
 
 ZOO = {entry.name: entry for entry in [
     ZooEntry("resnet50", "cnn", _resnet50, "ResNetForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
+             batch_norm=True),
+    ZooEntry("resnet18", "cnn", _resnet18, "ResNetForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
              batch_norm=True),
     ZooEntry("mobilenet_v2", "cnn", _mobilenet_v2, "MobileNetV2ForImageClassification", "logits",
              Shape(1, 224), Shape(1, 64), batch_norm=True),
