@@ -18,7 +18,7 @@ from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
 from .rows import PadSoftmaxRows
 from .schedules import default_schedule, default_schedules
-from .widen import WidenArithmetic
+from .widen import NormsReadNarrow, WidenArithmetic
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 PASS_CONFIG: dict = {}  # TVM's defaults
@@ -51,6 +51,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math)] if dtypes else []),
         *([FastMath()] if fast_math else []),
+        NormsReadNarrow(),
         UsePackedInt4Kernels(target),
         *fusion_passes(target),
     ], name="relay_amp_cpu_prepare")

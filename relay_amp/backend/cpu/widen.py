@@ -9,10 +9,16 @@ stores bf16, as PyTorch's fused CPU kernels do, and values are at least as accur
 a chain only when their input is already widened, so a reshape of a bf16 tensor stays a free view. A value read
 twice may end a fused function and be stored: it reaches its readers rounded to bf16, so no tensor is stored
 in fp32 that was bf16 before.
+
+`NormsReadNarrow` then gives a layer or RMS norm of a kernel's bf16 output one function that reads the bf16
+tensor and widens it as it loads: fusion would leave the widening cast a function of its own (nothing fuses
+after a kernel or into a norm), which stores an fp32 copy of the tensor for the norm to read back.
 """
 
+from collections.abc import Callable
+
 import tvm
-from tvm import relax
+from tvm import relax, te, topi
 
 from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype
 
@@ -103,3 +109,65 @@ class WidenArithmetic:
         uses = read_counts(get_function(mod, self.func))
         return relax.transform.DeadCodeElimination([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
 
+
+NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")  # a kernel: fusion puts no cast after it
+
+
+def _norm_of_narrow(op_name: str, attrs) -> Callable[..., te.Tensor]:
+    """A TE function: the norm `op_name` (with `attrs`) of a bf16 input, widened as it is read."""
+    def compute(narrow: te.Tensor, *params: te.Tensor) -> te.Tensor:
+        wide = topi.cast(narrow, WIDE)
+        if op_name == "relax.nn.layer_norm":
+            return topi.nn.layer_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
+        return topi.nn.rms_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
+    return compute
+
+
+@relax.expr_functor.mutator
+class _NarrowNormInputs(relax.PyExprMutator):
+    """Replaces each norm of a widened bf16 tensor by one TE function that reads the bf16 tensor."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name not in NORMS:
+            return new_call
+        narrow = self._narrow_source(new_call.args[0])
+        if narrow is None:
+            return new_call
+        name = new_call.op.name
+        compute = _norm_of_narrow(name, new_call.attrs)
+        return self.builder_.call_te(compute, narrow, *new_call.args[1:], primfunc_name_hint=name.rpartition(".")[2])
+
+    def _narrow_source(self, data: relax.Expr) -> relax.Expr | None:
+        """The bf16 tensor `data` is an fp32 cast of, where fusion would leave that cast a function of its own
+        (the tensor is a kernel's output or a parameter, seen through reshapes), else None."""
+        bound = self._op_binding(data, "relax.astype")
+        if bound is None or tensor_dtype(bound.args[0]) != NARROW or tensor_dtype(data) != WIDE:
+            return None
+        origin = bound.args[0]
+        while (reshape := self._op_binding(origin, "relax.reshape")) is not None:
+            origin = reshape.args[0]
+        producer = self.lookup_binding(origin) if isinstance(origin, relax.Var) else None
+        fuses_casts = producer is not None and not (isinstance(producer, relax.Call) and producer.op == _CALL_TIR)
+        return None if fuses_casts else bound.args[0]
+
+    def _op_binding(self, expr: relax.Expr, op_name: str) -> relax.Call | None:
+        bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        is_op = isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == op_name
+        return bound if is_op else None
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.NormsReadNarrow")
+class NormsReadNarrow:
+    """Layer and RMS norms of a kernel's bf16 output (or a parameter) cast to fp32 read the bf16 tensor and widen
+    it as they load it: fusion puts a cast neither after a kernel nor into a norm, so the cast would be a function
+    of its own that stores an fp32 copy. A cast that fuses into the op producing its input is left there."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
+        rewritten = rewrite_function(_NarrowNormInputs(mod), mod, self.func)
+        return relax.transform.DeadCodeElimination([self.func])(rewritten)

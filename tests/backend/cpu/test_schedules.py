@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
+from tvm import relax, te, topi
 from tvm.script import tirx as T
 
 import relay_amp
@@ -450,3 +450,15 @@ def test_row_reduction_rule_stores_the_output_from_the_block_computing_it():
     assert "T_multiply" not in layer_norm and layer_norm[-1] == "T_layer_norm"
     softmax = _row_reduction_blocks("softmax_layer_norm_rows")
     assert "T_fast_exp" in softmax and softmax[-1] == "T_softmax_norm"
+
+
+def test_row_reduction_rule_widens_a_bf16_input_as_each_pass_loads_it():
+    """A layer norm of a bf16 row: the cast block is inlined into the reductions and the output, not stored."""
+    x = te.placeholder((8, 64), "bfloat16", name="x")
+    gamma, beta = te.placeholder((64,), name="gamma"), te.placeholder((64,), name="beta")
+    norm = topi.nn.layer_norm(topi.cast(x, "float32"), gamma, beta, axis=[1], epsilon=1e-5)
+    scheduled = schedules.RowReductionRule().apply(te.create_prim_func([x, gamma, beta, norm]),
+                                                   targets.get_target("cpu"), False)
+    names = [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
+    assert names[0] != "compute" and "compute" not in names  # the cast block
+    assert scheduled.mod["main"].script().count('T.Cast("float32", x[') == 4  # sum, variance (x - mean twice), output

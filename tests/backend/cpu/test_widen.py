@@ -3,12 +3,15 @@
 import ml_dtypes
 import numpy as np
 import pytest
+import tvm
+from tvm import relax, topi
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp import models
-from relay_amp.backend.cpu.widen import WidenArithmetic
+from relay_amp.backend.cpu.widen import NormsReadNarrow, WidenArithmetic
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
 
@@ -144,3 +147,80 @@ def test_a_missing_function_is_a_module_error():
 
     with pytest.raises(relay_amp.ModuleError, match="encoder"):
         WidenArithmetic(func="encoder")(Module)
+
+
+def _norm_reading_bf16(x: relax.Var, params: list[relax.Var], compute) -> tvm.IRModule:
+    """main(x, *params) = one TE function `compute` of the bf16 `x` and fp32 `params`."""
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, *params]):
+        with builder.dataflow():
+            out = builder.emit_output(builder.call_te(compute, x, *params, primfunc_name_hint=compute.__name__))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def test_a_layer_norm_of_a_widened_parameter_reads_it_in_bf16():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 32), "bfloat16"), gamma: R.Tensor((32,), "float32"),
+                 beta: R.Tensor((32,), "float32")) -> R.Tensor((4, 32), "float32"):
+            with R.dataflow():
+                wide = R.astype(x, "float32")
+                out = R.nn.layer_norm(wide, gamma, beta, axes=[1], epsilon=1e-5)
+                R.output(out)
+            return out
+
+    def layer_norm(x, gamma, beta):
+        return topi.nn.layer_norm(topi.cast(x, "float32"), gamma, beta, axis=[1], epsilon=1e-5)
+
+    x, gamma, beta = Before["main"].params
+    after = assert_transforms(NormsReadNarrow(), Before, _norm_reading_bf16(x, [gamma, beta], layer_norm))
+    inputs = [np.random.default_rng(1).standard_normal(shape).astype(dtype) for shape, dtype in
+              [((4, 32), ml_dtypes.bfloat16), ((32,), "float32"), ((32,), "float32")]]
+    np.testing.assert_allclose(run_executable(build(after, "cpu"), inputs)[0], relay_amp.run(Before, inputs)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_an_rms_norm_of_a_widened_kernel_output_reads_it_in_bf16():
+    @I.ir_module
+    class Before:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel(a: T.Buffer((4, 32), "bfloat16"), b: T.Buffer((128,), "bfloat16")):
+            for i, j in T.grid(4, 32):
+                with T.sblock("copy"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    b[vi * 32 + vj] = a[vi, vj]
+
+        @R.function
+        def main(x: R.Tensor((4, 32), "bfloat16"), weight: R.Tensor((32,), "float32")) -> R.Tensor((4, 32), "float32"):
+            cls = Before
+            with R.dataflow():
+                flat = R.call_tir(cls.kernel, (x,), out_ty=R.Tensor((128,), "bfloat16"))
+                y = R.reshape(flat, (4, 32))  # seen through: the cast still has no function to join
+                wide = R.astype(y, "float32")
+                out = R.nn.rms_norm(wide, weight, axes=[1], epsilon=1e-5)
+                R.output(out)
+            return out
+
+    after = NormsReadNarrow()(Before)
+    calls = [binding.value for binding in after["main"].body.blocks[0].bindings]
+    assert [call.op.name for call in calls] == ["relax.call_tir", "relax.reshape", "relax.call_tir"]
+    assert calls[2].args[0].name_hint == "rms_norm"
+    assert calls[2].args[1][0].same_as(after["main"].body.blocks[0].bindings[1].var)  # the bf16 tensor itself
+
+
+def test_a_cast_that_fuses_into_its_producer_stays_there():
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((4, 32), "bfloat16"), gamma: R.Tensor((32,), "float32"),
+                 beta: R.Tensor((32,), "float32")) -> R.Tensor((4, 32), "float32"):
+            with R.dataflow():
+                doubled = R.add(x, x)  # the cast joins this function
+                wide = R.astype(doubled, "float32")
+                out = R.nn.layer_norm(wide, gamma, beta, axes=[1], epsilon=1e-5)
+                R.output(out)
+            return out
+
+    assert_transforms(NormsReadNarrow(), Module, Module)
