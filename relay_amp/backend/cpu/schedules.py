@@ -142,7 +142,7 @@ class ContractionRule(_CpuRule):
             found = _find_contraction(sch, normalize_prim_func(sch))
             if found is None:
                 return None
-        producers = sch.get_producers(found.block)
+        producers = _unless_inlined_window_padding(sch, found.block)
         _inline_epilogue(sch, found.block)
         _tile(sch, found)
         for producer in producers:
@@ -158,6 +158,18 @@ def _pad_to_vectors(sch: s_tir.Schedule, found: _Contraction) -> bool:
         return False
     factors = [ACCUMULATOR_LANES if iv.var.same_as(found.vector_var) else 1 for iv in sch.get(found.block).iter_vars]
     return try_primitive(lambda block: sch.pad_einsum(block, factors), found.block)
+
+
+def _unless_inlined_window_padding(sch: s_tir.Schedule, block) -> list:
+    """`block`'s producers, less the padding of a pooling window's one input, inlined into the window's loads: a
+    pool reads each input about twice (3x3, stride 2), so a padded copy of the input costs more than it saves,
+    where a convolution reads its padded input once per output-channel tile."""
+    producers = sch.get_producers(block)
+    outputs = [region.source for region in sch.get(block).writes]
+    inputs = [region for region in sch.get(block).reads if not any(region.source.same_as(out) for out in outputs)]
+    if len(inputs) != 1:
+        return producers
+    return [producer for producer in producers if not try_primitive(sch.compute_inline, producer)]
 
 
 def _inline_epilogue(sch: s_tir.Schedule, block) -> None:

@@ -437,10 +437,7 @@ def test_column_reduction_rule_leaves_row_reductions_and_other_targets():
 
 def _row_reduction_blocks(case: str) -> list[str]:
     """The block names RowReductionRule leaves in CASES[case]'s one reducing function."""
-    prepared = tuning.prepare(_module(*CASES[case]), targets.get_target("cpu"))
-    func = next(f for _, f in prepared.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
-    scheduled = schedules.RowReductionRule().apply(func, targets.get_target("cpu"), False)
-    return [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
+    return _scheduled_blocks(case, schedules.RowReductionRule())
 
 
 def test_row_reduction_rule_stores_the_output_from_the_block_computing_it():
@@ -462,3 +459,18 @@ def test_row_reduction_rule_widens_a_bf16_input_as_each_pass_loads_it():
     names = [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
     assert names[0] != "compute" and "compute" not in names  # the cast block
     assert scheduled.mod["main"].script().count('T.Cast("float32", x[') == 4  # sum, variance (x - mean twice), output
+
+
+def _scheduled_blocks(case: str, rule: "schedules._CpuRule") -> list[str]:
+    """The block names `rule` leaves in CASES[case]'s first function."""
+    prepared = tuning.prepare(_module(*CASES[case]), targets.get_target("cpu"))
+    func = next(f for _, f in prepared.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    scheduled = rule.apply(func, targets.get_target("cpu"), False)
+    return [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
+
+
+def test_a_pooling_window_reads_its_input_through_the_padding_condition_not_a_padded_copy():
+    """max_pool (case "max_pool", built and checked against the reference above) keeps no pad block; a
+    convolution, which reads its padded input once per output-channel tile, still pads it first."""
+    assert not [name for name in _scheduled_blocks("max_pool", schedules.ContractionRule()) if "pad" in name]
+    assert [name for name in _scheduled_blocks("conv_nchw_stride2", schedules.ContractionRule()) if "pad" in name]
