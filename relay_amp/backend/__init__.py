@@ -5,6 +5,7 @@ Each backend has a `pipeline.py` with two functions that build and tuning both c
 MetaSchedule sees) and
 `lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM), and
 `untuned_schedule(func, target)` (the default schedule of one task, which tuning measures first), and
+`candidate_passes(target)` (what a measured candidate gets after its schedule, as a built function does), and
 `PASS_CONFIG` (the PassContext options a build for the backend runs under).
 """
 

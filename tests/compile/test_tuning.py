@@ -13,7 +13,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from tvm import relax
+import tvm
+from tvm import relax, te
 
 import relay_amp
 from relay_amp import models, targets
@@ -172,3 +173,12 @@ def test_a_killed_tune_resumes_keeping_its_records_and_measuring_nothing_twice(t
     after = _schedules(work_dir)
     assert after[:len(kept)] == kept and len(after) > len(kept)
     assert len(set(after)) == len(after)  # nothing measured twice
+
+
+def test_a_measured_candidate_rounds_to_bf16_as_a_built_function_does():
+    a = te.placeholder((64,), "float32", name="a")
+    b = te.compute((64,), lambda i: (a[i] * 2).astype("bfloat16"), name="b")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([a, b]))
+    sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("b"))[0], [None, 16])[1])
+    candidate = tuning.build_candidate(sch.mod, targets.get_target("cpu-avx512-bf16"), None)
+    assert "vcvtneps2bf16" in candidate.inspect_source("asm")  # relay_amp.backend.cpu.bf16_round, as in a build

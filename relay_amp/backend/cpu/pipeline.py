@@ -69,6 +69,12 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
     ], name="relay_amp_cpu_lower")
 
 
+def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
+    """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: native bf16
+    rounding (on avx512_bf16 targets), so that tuning measures the code a build runs."""
+    return tvm.transform.Sequential(rounding_passes(target), name="relay_amp_cpu_candidate")
+
+
 def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "tvm.s_tir.Schedule | None":
     """The schedule an untuned build gives `func` (a tuning task), with its trace, or None."""
     return default_schedule(func, target, DotKernelRule())

@@ -43,6 +43,11 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
     ], name="relay_amp_cuda_lower")
 
 
+def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
+    """What a tuning candidate gets after its schedule before TVM's build: nothing on CUDA."""
+    return tvm.transform.Sequential([], name="relay_amp_cuda_candidate")
+
+
 def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> None:
     """None: tuning on CUDA starts from MetaSchedule's own space (dlight's schedules carry no replayable trace)."""
     return None
