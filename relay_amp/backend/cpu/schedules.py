@@ -228,17 +228,18 @@ def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share
 
 
 def schedule_injective(sch: s_tir.Schedule, block) -> None:
-    """Vectorize a spatial block's innermost axis by whole registers, the last one partial where the axis is off
-    them (197 tokens), and run its other loops in parallel. Vectors of a flat index would straddle rows there, and
+    """Vectorize a spatial block's innermost axis by whole registers (or halves, see `_row_lanes`), the last one
+    partial where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index would straddle rows there, and
     TVM computes each lane's address apart (a gather). A block with an innermost axis narrower than a register,
     or no other loop, is fused whole and vectorized where the lanes divide it, if it reads its operands in its
     own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded to 4: a model's input) runs
     its rows in parallel, each row's pixels in a serial loop and its narrow axis unrolled, since a flat vector
     would gather every lane."""
     loops = sch.get_loops(block)
-    if len(loops) > 1 and (_extent(sch, loops[-1]) or 0) >= ACCUMULATOR_LANES:
+    row = _extent(sch, loops[-1]) or 0
+    if len(loops) > 1 and row >= ACCUMULATOR_LANES:
         sch.parallel(sch.fuse(*loops[:-1]))
-        sch.vectorize(sch.split(loops[-1], [None, ACCUMULATOR_LANES])[1])
+        sch.vectorize(sch.split(loops[-1], [None, _row_lanes(row)])[1])
         return
     if len(loops) > 1 and not _reads_in_own_layout(sch, block):
         sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
@@ -252,6 +253,14 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     outer, inner = sch.split(fused, [None, ACCUMULATOR_LANES])
     sch.parallel(outer)
     sch.vectorize(inner)
+
+
+def _row_lanes(row: int) -> int:
+    """Lanes to vectorize a row of `row` elements by: whole 16-lane registers where they divide it, else 8-lane
+    halves where those do (24 or 40 channels), else 16 with the last vector partial (197 tokens). TVM's vectorizer
+    scalarizes a partial vector, lane by lane: a third of a 24-channel row."""
+    half = ACCUMULATOR_LANES // 2
+    return half if row % ACCUMULATOR_LANES and not row % half else ACCUMULATOR_LANES
 
 
 def _reads_in_own_layout(sch: s_tir.Schedule, block) -> bool:

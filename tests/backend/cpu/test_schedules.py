@@ -1,5 +1,6 @@
 """schedules: rule-based CPU schedules give correct results and cover every operator of the built-in models."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -219,6 +220,42 @@ def test_elementwise_rule_vectorizes_rows_off_whole_vectors_within_each_row():
     the rows run in parallel and each row's columns in vectors, the last one partial."""
     scheduled = schedules.ElementwiseRule().apply(_pad_rows, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _pad_rows_scheduled)
+
+
+@T.prim_func(private=True, s_tir=True)
+def _slice_add(x: T.Buffer((4, 32), "float32"), bias: T.Buffer((24,), "float32"), out: T.Buffer((4, 24), "bfloat16")):
+    for i, j in T.grid(4, 24):
+        with T.sblock("add"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = T.Cast("bfloat16", x[vi, vj] + bias[vj])
+
+
+@T.prim_func(private=True, s_tir=True)
+def _slice_add_scheduled(x: T.Buffer((4, 32), "float32"), bias: T.Buffer((24,), "float32"),
+                         out: T.Buffer((4, 24), "bfloat16")):
+    for ax0_fused in T.parallel(4):
+        for ax1_0 in range(3):
+            for ax1_1 in T.vectorized(8):
+                with T.sblock("add"):
+                    v0 = T.axis.spatial(4, ax0_fused)
+                    v1 = T.axis.spatial(24, ax1_0 * 8 + ax1_1)
+                    T.reads(x[v0, v1], bias[v1])
+                    T.writes(out[v0, v1])
+                    out[v0, v1] = T.Cast("bfloat16", x[v0, v1] + bias[v1])
+
+
+def test_elementwise_rule_takes_half_registers_where_they_divide_a_row_and_whole_ones_do_not():
+    """24 channels (a kernel's 32 sliced to EfficientNet's 24): three 8-lane vectors, not a 16-lane one and a
+    partial one, which TVM's vectorizer would run lane by lane."""
+    scheduled = schedules.ElementwiseRule().apply(_slice_add, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _slice_add_scheduled)
+    rng = np.random.default_rng(3)
+    x, bias = rng.standard_normal((4, 32)).astype("float32"), rng.standard_normal(24).astype("float32")
+    out = tvm.runtime.empty((4, 24), "bfloat16", tvm.cpu())
+    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
+    tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(bias), out)
+    expected = (x[:, :24] + bias).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(out.numpy().view("uint16"), expected.view("uint16"))
 
 
 @T.prim_func(private=True, s_tir=True)
