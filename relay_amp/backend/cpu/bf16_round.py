@@ -1,4 +1,4 @@
-"""bf16_round: every fp32 -> bfloat16 rounding of a scheduled CPU function on `vcvtneps2bf16`.
+"""bf16_round: fp32 -> bfloat16 roundings in scheduled CPU functions, on `vcvtneps2bf16`, and none in registers.
 
 TVM's BF16ComputeLegalize writes each rounding to bfloat16 as integer arithmetic on the fp32 bits (shift, mask,
 add a bias, shift, narrow: five instructions per vector), because its LLVM code generator has no bfloat16 type.
@@ -11,6 +11,10 @@ that, where a call on one lane would stop it.
 
 The instruction rounds to nearest even like TVM's arithmetic, and keeps NaN a NaN; it treats fp32 denormals
 (below 1.2e-38) as zero, as oneDNN's and PyTorch's bfloat16 conversions on these CPUs do.
+
+`DropRegisterRoundTrips` (every CPU target) first removes the roundings a value undergoes between two ops of one
+fused function once the schedule has put them in one expression: `float32(bfloat16(x))`, where the bf16 value
+never reaches memory (a SiLU's input, which AMP rounds because two ops read it).
 """
 
 import tvm
@@ -83,11 +87,29 @@ def NativeBF16Rounding(func: tvm.tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tvm
     return func if body.same_as(func.body) else func.with_body(body)
 
 
+def _unrounded(cast: Cast) -> tvm.ir.Expr:
+    inner = cast.value
+    if (str(cast.ty) == "float32" and isinstance(inner, Cast) and str(inner.ty) == "bfloat16"
+            and str(inner.value.ty) == "float32"):
+        return inner.value
+    return cast
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="DropRegisterRoundTrips")
+def DropRegisterRoundTrips(func: tvm.tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tvm.tirx.PrimFunc:  # noqa: N802
+    """`float32(bfloat16(x))` of an fp32 `x` as `x`: a bf16 rounding that a value undergoes between two ops of one
+    fused function, in registers, never reaching memory (SiLU's input, read twice by its sigmoid and its product,
+    was rounded there). Values get closer to fp32, as in PyTorch's compiled kernels, which keep fp32 inside."""
+    body = tvm_ffi.structural_map(func.body, [(Cast, _unrounded)])
+    return func if body.same_as(func.body) else func.with_body(body)
+
+
 def rounding_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    """[NativeBF16Rounding] for an LLVM target with avx512_bf16, else nothing."""
-    if target.kind.name != "llvm" or not tvm.target.codegen.target_has_features(FEATURE, target):
+    """For an LLVM target: DropRegisterRoundTrips, then NativeBF16Rounding where it has avx512_bf16; else none."""
+    if target.kind.name != "llvm":
         return []
-    return [NativeBF16Rounding]
+    native = tvm.target.codegen.target_has_features(FEATURE, target)
+    return [DropRegisterRoundTrips, *([NativeBF16Rounding] if native else [])]
 
 
 _register_op()

@@ -58,8 +58,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
-    """For a prepared module: apply tuning records (when `tuned`), default schedules for the rest, native bf16
-    rounding (on avx512_bf16 targets), lower."""
+    """For a prepared module: apply tuning records (when `tuned`), default schedules for the rest, bf16 roundings
+    dropped in registers and native elsewhere (on avx512_bf16 targets), lower."""
     return tvm.transform.Sequential([
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
@@ -70,8 +70,8 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
 
 
 def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
-    """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: native bf16
-    rounding (on avx512_bf16 targets), so that tuning measures the code a build runs."""
+    """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: its bf16
+    roundings (relay_amp.backend.cpu.bf16_round), so that tuning measures the code a build runs."""
     return tvm.transform.Sequential(rounding_passes(target), name="relay_amp_cpu_candidate")
 
 

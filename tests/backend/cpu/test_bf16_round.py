@@ -9,7 +9,8 @@ from tvm.script import ir as I
 from tvm.script import tirx as T
 
 from relay_amp import targets
-from relay_amp.backend.cpu.bf16_round import ROUND_OP, NativeBF16Rounding, lanes_of, rounding_passes
+from relay_amp.backend.cpu.bf16_round import (ROUND_OP, DropRegisterRoundTrips, NativeBF16Rounding, lanes_of,
+                                              rounding_passes)
 
 from pass_checks import assert_transforms
 
@@ -67,9 +68,34 @@ def test_a_function_without_bf16_casts_is_returned_unchanged():
 
 
 def test_only_llvm_targets_with_avx512_bf16_round_natively():
-    assert [p.info.name for p in rounding_passes(BF16_TARGET)] == ["NativeBF16Rounding"]
-    assert rounding_passes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == []
+    assert [p.info.name for p in rounding_passes(BF16_TARGET)] == ["DropRegisterRoundTrips", "NativeBF16Rounding"]
+    skylake = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    assert [p.info.name for p in rounding_passes(skylake)] == ["DropRegisterRoundTrips"]
     assert rounding_passes(targets.get_target("cuda-tensorcore")) == []
+
+
+def test_a_round_trip_through_bf16_in_registers_is_dropped_and_one_through_memory_stays():
+    @I.ir_module
+    class Before:
+        @T.prim_func(s_tir=True)
+        def main(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "bfloat16"), c: T.Buffer((16,), "float32")):
+            for i in range(16):
+                with T.sblock("silu"):
+                    v = T.axis.spatial(16, i)
+                    b[v] = T.Cast("bfloat16", a[v])
+                    c[v] = T.Cast("float32", T.Cast("bfloat16", a[v] + T.float32(1))) * T.Cast("float32", b[v])
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(s_tir=True)
+        def main(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "bfloat16"), c: T.Buffer((16,), "float32")):
+            for i in range(16):
+                with T.sblock("silu"):
+                    v = T.axis.spatial(16, i)
+                    b[v] = T.Cast("bfloat16", a[v])
+                    c[v] = (a[v] + T.float32(1)) * T.Cast("float32", b[v])  # b was stored: its rounding stays
+
+    assert_transforms(DropRegisterRoundTrips, Before, Expected)
 
 
 def test_lanes_of_counts_vector_lanes():
