@@ -1,9 +1,10 @@
 """profile: the time of every fused function and kernel call of a build, dtype variants side by side.
 
 The Relax VM calls a hook before and after each call (`VirtualMachine.set_instrument`); the time between the
-two is the call's. Calls are grouped by the ops their function computes, with casts and TVM's numbering
-dropped (`fused_reshape7_cast4_add5_erf` and `fused_reshape3_add1_erf` are both `reshape_add_erf`), so the
-same work lines up across dtypes; rows are sorted by how much slower the last variant is than the first.
+two is the call's. Calls are grouped by the ops their function computes, with casts, pads and TVM's numbering
+dropped (`fused_reshape7_cast4_add5_erf` and `fused_reshape3_add1_erf` are both `reshape_add_erf`; a bf16
+build's `conv2d_add_pad`, whose pad for the next AMX kernel fusion put there, lines up with fp32's `conv2d_add`,
+its time included), so the same work lines up across dtypes; rows are sorted by how much slower the last variant is than the first.
 That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
 """
 
@@ -26,14 +27,15 @@ from ..runtime import virtual_machine
 from .bench import BASELINE, variant
 from .models import example_inputs
 
-DROPPED_TOKENS = frozenset({"fused", "astype", "cast", ""})
+DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", ""})  # casts and a backend's padding join the ops
 KEEP_GOING = 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 
 
 def call_group(symbol: str) -> str:
-    """The ops a VM call computes, without casts and numbering: the key that lines variants up."""
-    tokens = (token.rstrip("0123456789") for token in symbol.split("_"))
-    return "_".join(token for token in tokens if token not in DROPPED_TOKENS) or "cast"  # a call that only casts
+    """The ops a VM call computes, without casts, pads and numbering: the key that lines variants up."""
+    tokens = [token.rstrip("0123456789") for token in symbol.split("_")]
+    kept = "_".join(token for token in tokens if token not in DROPPED_TOKENS)
+    return kept or ("pad" if "pad" in tokens else "cast")  # a call that only pads or only casts
 
 
 def call_times(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], repeat: int = 5,

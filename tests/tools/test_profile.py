@@ -14,9 +14,11 @@ from relay_amp.tools.profile import call_group, format_profile, profile, profile
     ("fused_reshape3_add1_divide_erf_add_multiply_reshape2", "reshape_add_divide_erf_add_multiply_reshape"),
     ("relay_amp_dot_kernel12", "relay_amp_dot_kernel"),
     ("fused_astype3", "cast"),
+    ("fused_conv2d3_add2_maximum_minimum_pad1", "conv2d_add_maximum_minimum"),  # the pad a bf16 build adds
+    ("pad4", "pad"),
     ("vm.builtin.alloc_storage", "vm.builtin.alloc_storage"),
 ])
-def test_call_groups_drop_casts_and_numbering(symbol, group):
+def test_call_groups_drop_casts_pads_and_numbering(symbol, group):
     assert call_group(symbol) == group
 
 
