@@ -4,7 +4,8 @@ The Relax VM calls a hook before and after each call (`VirtualMachine.set_instru
 two is the call's. Calls are grouped by the ops their function computes, with casts, pads and TVM's numbering
 dropped (`fused_reshape7_cast4_add5_erf` and `fused_reshape3_add1_erf` are both `reshape_add_erf`; a bf16
 build's `conv2d_add_pad`, whose pad for the next AMX kernel fusion put there, lines up with fp32's `conv2d_add`,
-its time included), so the same work lines up across dtypes; rows are sorted by how much slower the last variant is than the first.
+its time included), so the same work lines up across dtypes; rows are sorted by how much slower the last
+variant is than the first.
 That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
 """
 

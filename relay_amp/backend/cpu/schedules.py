@@ -229,12 +229,12 @@ def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share
 
 def schedule_injective(sch: s_tir.Schedule, block) -> None:
     """Vectorize a spatial block's innermost axis by whole registers (or halves, see `_row_lanes`), the last one
-    partial where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index would straddle rows there, and
-    TVM computes each lane's address apart (a gather). A block with an innermost axis narrower than a register,
-    or no other loop, is fused whole and vectorized where the lanes divide it, if it reads its operands in its
-    own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded to 4: a model's input) runs
-    its rows in parallel, each row's pixels in a serial loop and its narrow axis unrolled, since a flat vector
-    would gather every lane."""
+    partial where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index
+    would straddle rows there, and TVM computes each lane's address apart (a gather). A block with an innermost
+    axis narrower than a register, or no other loop, is fused whole and vectorized where the lanes divide it, if
+    it reads its operands in its own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded
+    to 4: a model's input) runs its rows in parallel, each row's pixels in a serial loop and its narrow axis
+    unrolled, since a flat vector would gather every lane."""
     loops = sch.get_loops(block)
     row = _extent(sch, loops[-1]) or 0
     if len(loops) > 1 and row >= ACCUMULATOR_LANES:
@@ -421,9 +421,8 @@ def _inline_widened_loads(sch: s_tir.Schedule, infos: list) -> list:
     readers: a layer norm's three passes then widen in registers as they load (two instructions a vector), which
     is faster than storing an fp32 copy of the row and loading it back."""
     casts = [info.block_rv for info in infos[:-1] if _casts_a_load(sch.get(info.block_rv))]
-    if not [block for block in casts if try_primitive(sch.compute_inline, block)]:
-        return infos
-    return normalize_prim_func(sch)
+    inlined = [block for block in casts if try_primitive(sch.compute_inline, block)]
+    return normalize_prim_func(sch) if inlined else infos
 
 
 def _casts_a_load(block: s_tir.SBlock) -> bool:

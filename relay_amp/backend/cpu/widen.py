@@ -21,6 +21,7 @@ import tvm
 from tvm import relax, te, topi
 
 from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype
+from ...ops import call_op_name
 
 NARROW = "bfloat16"
 WIDE = "float32"
@@ -111,7 +112,6 @@ class WidenArithmetic:
 
 
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")  # a kernel: fusion puts no cast after it
 
 
 def _norm_of_narrow(op_name: str, attrs) -> Callable[..., te.Tensor]:
@@ -130,12 +130,10 @@ class _NarrowNormInputs(relax.PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name not in NORMS:
-            return new_call
-        narrow = self._narrow_source(new_call.args[0])
+        name = call_op_name(new_call)
+        narrow = self._narrow_source(new_call.args[0]) if name in NORMS else None
         if narrow is None:
             return new_call
-        name = new_call.op.name
         compute = _norm_of_narrow(name, new_call.attrs)
         return self.builder_.call_te(compute, narrow, *new_call.args[1:], primfunc_name_hint=name.rpartition(".")[2])
 
@@ -149,13 +147,12 @@ class _NarrowNormInputs(relax.PyExprMutator):
         while (reshape := self._op_binding(origin, "relax.reshape")) is not None:
             origin = reshape.args[0]
         producer = self.lookup_binding(origin) if isinstance(origin, relax.Var) else None
-        fuses_casts = producer is not None and not (isinstance(producer, relax.Call) and producer.op == _CALL_TIR)
+        fuses_casts = producer is not None and call_op_name(producer) != "relax.call_tir"  # a kernel fuses none
         return None if fuses_casts else bound.args[0]
 
     def _op_binding(self, expr: relax.Expr, op_name: str) -> relax.Call | None:
         bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-        is_op = isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == op_name
-        return bound if is_op else None
+        return bound if call_op_name(bound) == op_name else None
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.NormsReadNarrow")
