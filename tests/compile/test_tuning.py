@@ -19,6 +19,7 @@ from tvm import relax, te
 import relay_amp
 from relay_amp import models, targets
 from relay_amp.backend.cpu import kernels
+from relay_amp.backend.cuda import pipeline as cuda_pipeline
 from relay_amp.compile import tuning
 from relay_amp.compile.build import build
 from relay_amp.compile.tuning import MANIFEST, load_database, tune
@@ -182,3 +183,10 @@ def test_a_measured_candidate_rounds_to_bf16_as_a_built_function_does():
     sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("b"))[0], [None, 16])[1])
     candidate = tuning.build_candidate(sch.mod, targets.get_target("cpu-avx512-bf16"), None)
     assert "vcvtneps2bf16" in candidate.inspect_source("asm")  # relay_amp.backend.cpu.bf16_round, as in a build
+
+
+def test_a_cuda_candidate_is_built_as_scheduled():
+    a = te.placeholder((64,), "float32", name="a")
+    module = tvm.IRModule({"main": te.create_prim_func([a, te.compute((64,), lambda i: a[i] * 2, name="b")])})
+    passes = cuda_pipeline.candidate_passes(targets.get_target("cuda-tensorcore"))
+    tvm.ir.assert_structural_equal(passes(module), module)

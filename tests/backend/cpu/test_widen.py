@@ -224,3 +224,14 @@ def test_a_cast_that_fuses_into_its_producer_stays_there():
             return out
 
     assert_transforms(NormsReadNarrow(), Module, Module)
+
+
+def test_norms_read_narrow_names_a_missing_function():
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((4,), "bfloat16")) -> R.Tensor((4,), "bfloat16"):
+            return x
+
+    with pytest.raises(relay_amp.ModuleError, match="encoder"):
+        NormsReadNarrow(func="encoder")(Module)
