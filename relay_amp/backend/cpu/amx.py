@@ -202,11 +202,11 @@ def tiling(spec: ConvSpec) -> Tiling:
 
 
 def supports(spec: ConvSpec) -> bool:
-    """Whether the AMX kernel computes `spec`: bf16 -> fp32 or int8/uint8 -> int32, output channels in 32-blocks,
-    input channels in whole 4-byte groups (as `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS
-    pixels."""
+    """Whether the AMX kernel computes `spec`: bf16 -> fp32 or int8/uint8 -> int32, at least 32 output channels in
+    16-blocks, input channels in whole 4-byte groups (as `kernels.pack_weight` packs them), tiles of at least
+    MIN_TILE_ROWS pixels."""
     product = PRODUCTS.get(spec.data_dtype)
-    if (product is None or spec.out_dtype != product.acc_dtype or spec.out_channels % (PANELS * LANES)
+    if (product is None or spec.out_dtype != product.acc_dtype or spec.out_channels < PANELS * LANES
             or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot)):
         return False
     return tiling(spec).tile_rows >= MIN_TILE_ROWS
@@ -225,8 +225,8 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.Pri
     buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums; one per image where
     `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype."""
     if not supports(spec):
-        raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with output channels divisible by "
-                         f"{PANELS * LANES}, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
+        raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with at least {PANELS * LANES} output "
+                         f"channels in {LANES}-blocks, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
                          f"of at least {MIN_TILE_ROWS} pixels; got {spec}")
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
@@ -252,7 +252,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     batch, _, _, channels = tiles.data_shape
     out_shape, tile_width = spec.out_shape, tiles.out_shape[2]
     group, rows, block = 4 // product.element_bytes, tiles.tile_rows, PANELS * LANES
-    positions, panels = batch * tiles.tiles_per_image, out_shape[3] // block
+    positions, panels = batch * tiles.tiles_per_image, -(-out_shape[3] // block)
     sharing = tiles.tiles_per_image if spec.weight_batch else positions  # pixel tiles that read one weight
     pairs_per_weight = (sharing + 1) // 2  # a pair shares its weight: an odd count repeats its last tile
     pairs = positions // sharing * pairs_per_weight
@@ -276,6 +276,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                     T.writes(out[tuple(slice(0, d) for d in out_shape)])
                     acc = T.alloc_buffer((2, rows, block), product.acc_dtype)
                     panel, start = item // chunks, item % chunks * per_chunk
+                    channel = _panel_channel(panel, out_shape[3])
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_config", T.int64(rows),
                                              T.int64(tiles.step_bytes)))
                     with T.serial(0, T.min(per_chunk, pairs - start)) as step:
@@ -283,13 +284,13 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                         first = weight * sharing + (start + step) % pairs_per_weight * 2
                         pixels = [(p // tiles.tiles_per_image, p % tiles.tiles_per_image * rows)
                                   for p in (first, T.min(first + 1, weight * sharing + sharing - 1))]
-                        panel_start = (*([weight] if spec.weight_batch else []), panel * PANELS, 0, 0, 0, 0, 0)
+                        panel_start = (*([weight] if spec.weight_batch else []), channel // LANES, 0, 0, 0, 0, 0)
                         T.evaluate(_block_call(spec, product, tiles, acc, [
                             data[image, pixel // tile_width * spec.strides[0], pixel % tile_width * spec.strides[1], 0]
                             for image, pixel in pixels], packed[panel_start]))
                         for tile, (image, pixel) in enumerate(pixels):
-                            _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, panel * block),
-                                        rows)
+                            _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, channel),
+                                        (rows, panel * block))
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_release"))
     return builder.get()
 
@@ -306,18 +307,39 @@ def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_i
         T.int64(PANELS * LANES * 4))
 
 
-def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tuple, rows: int) -> None:
-    """The epilogue of one tile: acc[tile] (rows pixels x 32 channels) through the steps into `out` from pixel
-    `pixel` of the tile buffer (`tile_width` wide) of `image`, channel `channel`; pixels off the output skipped."""
+def _panel_channel(panel, out_channels: int):
+    """The first output channel the block of `panel` computes: panel x 32, except that a last panel of only 16
+    channels overlaps the one before (it computes the 32 channels that end the output, and stores the new 16)."""
+    block = PANELS * LANES
+    return panel * block if out_channels % block == 0 else T.min(panel * block, out_channels - block)
+
+
+def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tuple, rows_from: tuple) -> None:
+    """The epilogue of one tile: acc[tile] (rows pixels x 32 channels from `channel`) through the steps into `out`
+    from pixel `pixel` of the tile buffer (`tile_width` wide) of `image`; pixels off the output skipped, and
+    channels below `stored_from` (another panel's, where the last panel overlaps it)."""
     image, pixel, tile_width, channel = at
-    _, out_h, out_w, _ = out.shape
+    rows, stored_from = rows_from
+    _, out_h, out_w, out_channels = out.shape
     with T.serial(0, rows) as row:
         y, x = (pixel + row) // tile_width, (pixel + row) % tile_width
         with T.If(tvm.tirx.all(y < out_h, x < out_w) if tile_width != out_w else y < out_h):
             with T.Then():
-                with T.vectorized(0, PANELS * LANES) as lane:
-                    index = (image, y, x, channel + lane)
-                    value = epilogue.apply(acc[tile, row, lane], str(out.dtype),
-                                           lambda i, step: operands[i][index if step.kind == RESIDUAL else index[-1]])
-                    T.buffer_store(out, value, index)
+                if out_channels % (PANELS * LANES) == 0:
+                    _store_lanes(epilogue, acc, (tile, row, 0), operands, out, (image, y, x, channel), PANELS * LANES)
+                for half in range(PANELS if out_channels % (PANELS * LANES) else 0):
+                    with T.If(channel + half * LANES >= stored_from):
+                        with T.Then():
+                            _store_lanes(epilogue, acc, (tile, row, half * LANES), operands, out,
+                                         (image, y, x, channel + half * LANES), LANES)
 
+
+def _store_lanes(epilogue: Epilogue, acc, first: tuple, operands: list, out, index: tuple, lanes: int) -> None:
+    """`lanes` accumulators of the scratch `acc` from `first` on through the epilogue into `out` from `index` on."""
+    tile, row, first_lane = first
+    image, y, x, channel = index
+    with T.vectorized(0, lanes) as lane:
+        at = (image, y, x, channel + lane)
+        value = epilogue.apply(acc[tile, row, first_lane + lane], str(out.dtype),
+                               lambda i, step: operands[i][at if step.kind == RESIDUAL else at[-1]])
+        T.buffer_store(out, value, at)

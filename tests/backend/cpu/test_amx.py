@@ -23,6 +23,8 @@ CASES = {
     "bf16_7x7_output_flat": kernels.ConvSpec((1, 9, 9, 64), (3, 3), 64),  # tiles over the 9-wide input
     "int8_3x3_output_flat_batch2": kernels.ConvSpec((2, 5, 5, 32), (3, 3), 32, (1, 1), "int8", "int32"),
     "uint8_matmul": kernels.ConvSpec((1, 1, 48, 128), (1, 1), 32, (1, 1), "uint8", "int32"),
+    "bf16_48_channels": kernels.ConvSpec((1, 1, 64, 64), (1, 1), 48),  # the last panel overlaps the first
+    "int8_3x3_80_channels": kernels.ConvSpec((1, 6, 6, 32), (3, 3), 80, (1, 1), "int8", "int32"),
 }
 
 
@@ -45,6 +47,27 @@ def test_kernel_uses_tiles_and_matches_numpy(case):
     got = tensors[-1].numpy()
     tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 tile sums in another order; integers are exact
     assert max_relative_error(got, reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_an_overlapping_last_panel_stores_its_own_channels_through_the_epilogue():
+    """80 channels: the third block computes channels 48-79 and stores 64-79, each with its own bias and residual."""
+    spec = kernels.ConvSpec((1, 1, 32, 64), (1, 1), 80)
+    epilogue = kernels.Epilogue((kernels.Step(kernels.BIAS), kernels.Step(kernels.RESIDUAL)), F32, F32)
+    func = amx.conv2d_nhwc(spec, epilogue).with_attr("global_symbol", "main")
+    script = func.script()
+    assert "T.min(" in script and script.count("T.vectorized(16)") == 4  # the panel's start; 2 tiles, 2 halves each
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
+    rng = np.random.default_rng(2)
+    data, weight = random_operands(spec, rng)
+    bias = rng.standard_normal(80).astype(F32)
+    residual = rng.standard_normal(spec.out_shape).astype(F32)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-amx"))
+    tensors = [tvm.runtime.tensor(x) for x in (data, kernels.pack_weight(weight, "OIHW", spec.dot), bias, residual)]
+    out = tvm.runtime.empty(spec.out_shape, F32, tvm.cpu())
+    lib["main"](*tensors, out)
+    expected = reference_conv(data, weight, spec) + bias + residual
+    assert max_relative_error(out.numpy(), expected) <= 1e-5  # fp32 tile sums in another order
 
 
 def test_an_exported_amx_kernel_runs_in_a_fresh_process(tmp_path):
@@ -97,7 +120,8 @@ def test_small_stride_1_outputs_tile_flat_over_the_input_width():
 
 
 @pytest.mark.parametrize("spec, reason", [
-    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 48), "output channels not in 32-blocks"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 16), "fewer output channels than one block of 32"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 40), "output channels not in 16-blocks"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, out_dtype=BF16), "tiles accumulate fp32"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype=F32, out_dtype=F32), "no fp32 tiles"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype=F32), "int8 accumulates int32"),
