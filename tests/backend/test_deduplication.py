@@ -1,5 +1,6 @@
 """deduplication_passes: a value computed twice the same way (a quantizer's requantize per reader) is computed once."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -60,3 +61,22 @@ def test_a_deduplicated_build_computes_both_outputs():
     expected = np.clip(np.floor(x * 4.0 + 0.5), 0, 255).astype("uint8")
     for got in relay_amp.run(TwoRequantizes, [x]):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_cpu_pads_a_tensor_two_amx_matmuls_read_once():
+    """197 rows (ViT's tokens) read by two AMX matmuls: dispatch pads them to whole tiles for each, and the pipeline
+    merges the two pads after epilogue fusion."""
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((1, 197, 64), "bfloat16"))
+    weights = [rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            products = [bb.emit(relax.op.matmul(x, relax.const(w), out_dtype="float32")) for w in weights]
+            out = bb.emit_output(relax.Tuple(products))
+        bb.emit_func_output(out)
+    prepared = cpu_pipeline.prepare_passes(relay_amp.targets.get_target("cpu-amx"))(bb.get())
+    called = [b.value.args[0].name_hint for b in prepared["main"].body.blocks[0].bindings
+              if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    assert len([name for name in called if "pad" in name]) == 1  # one pad, read by both kernels
+    assert len([name for name in called if "dot_kernel" in name]) == 2

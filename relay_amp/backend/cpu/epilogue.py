@@ -201,14 +201,15 @@ class _ChainFinder:
 
     def _narrow_source(self, var: relax.Var) -> relax.Var:
         """The bf16 (or fp16) var that `var` is a cast of to fp32, else `var`: the kernel reads the narrow tensor
-        and widens it in registers (a residual stream kept in bf16 is read at half the bytes)."""
+        and widens it in registers (a residual stream kept in bf16 is read at half the bytes). Not a var an
+        earlier chain absorbs: its binding is gone."""
         block, at = self.position.get(var, (None, None))
         value = None if block is None else self.blocks[block][at].value
         if call_op_name(value) != "relax.astype" or not isinstance(value.args[0], relax.Var):
             return var
         source = value.args[0]
         narrow = tensor_dtype(source) in MODEL_FLOAT_DTYPES and tensor_dtype(source) != kernels.WIDE
-        return source if narrow and tensor_dtype(var) == kernels.WIDE else var
+        return source if narrow and tensor_dtype(var) == kernels.WIDE and source not in self.absorbed else var
 
     def _multiply(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)

@@ -33,8 +33,9 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
     (`conv_layout` overrides; None keeps the model's), softmax rows padded to whole vectors, dot-product kernel
-    dispatch, kernel epilogue fusion
-    (casts and scalar ops moved next to the kernels first; activations before fast math splits them), fast math
+    dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
+    math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel that reads
+    it; merged earlier, two casts of one output would join an epilogue and store it wide), fast math
     (unless turned off) and packed int4 kernels, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
@@ -49,7 +50,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         WidenArithmetic(),
         PadSoftmaxRows(),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
-        *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math)] if dtypes else []),
+        *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),
         *([FastMath()] if fast_math else []),
         NormsReadNarrow(),
         UsePackedInt4Kernels(target),

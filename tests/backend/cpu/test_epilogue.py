@@ -289,6 +289,25 @@ def test_a_bf16_round_trip_read_only_by_its_cast_back_stays_in_fp32():
     assert_transforms(FuseKernelEpilogues(), before, expected)
 
 
+def test_a_residual_is_not_narrowed_to_a_cast_another_chain_absorbed():
+    """One fp32 copy of a round trip read by two ops (identical casts merged): the first kernel's chain takes the
+    round trip and stores the fp32 copy, so the second reads that copy, not the bf16 binding the first removed."""
+    x = tensor("x", SHAPE, BF16)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            stored = bb.emit(relax.op.astype(bb.emit(relax.op.astype(bb.emit(_conv(x)), BF16)), F32))
+            summed = bb.emit(relax.op.add(bb.emit(_conv(x)), stored))
+            out = bb.emit_output(relax.Tuple([summed, bb.emit(relax.op.nn.relu(stored))]))
+        bb.emit_func_output(out)
+    after = FuseKernelEpilogues()(_dispatched(bb.get()))
+    relax.analysis.well_formed(after)
+    first, second = [binding for binding in after["main"].body.blocks[0].bindings
+                     if isinstance(binding.value, relax.Call) and binding.value.op.name == "relax.call_tir"]
+    assert first.var.ty.dtype == F32  # the round trip, stored in fp32 by the first kernel
+    assert second.value.args[1].fields[-1].same_as(first.var)  # the second kernel's residual
+
+
 def test_a_bias_added_in_bf16_after_the_cast_joins_the_epilogue_in_fp32():
     """AMP may leave a bias add in bf16 after the kernel's cast (a tiny ViT does): it is added to the fp32 sum."""
     bias = BIAS.astype(ml_dtypes.bfloat16)
