@@ -5,6 +5,11 @@ TVM's `compute_at` drops the tail predicate of a factored reduction. A row of 19
 to TVM's scalar reduction (450-560 us per 6 x 197 x 197 softmax on cpu-amx). `PadSoftmaxRows` pads such rows
 with the dtype's lowest value, which changes no row's max and adds exp(lowest - max) = 0 to its sum, and slices
 the padded columns off the result: the same softmax.
+
+A matmul that reads the sliced result (attention's P.V, through AMP's cast or not) takes the padded rows instead,
+and its second operand as many zero rows: the padded columns meet zeros, so the products are the same, and the
+softmax's function stores whole vectors (a row of 197 sliced, or 198 padded again for bf16 pairs, is stored one
+element at a time).
 """
 
 import ml_dtypes
@@ -13,6 +18,7 @@ from tvm import relax
 
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
+from ...ops import call_op_name
 from .schedules import ACCUMULATOR_LANES
 
 SOFTMAX_OPS = ("relax.nn.softmax", "relax.nn.log_softmax")
@@ -33,10 +39,17 @@ def _row_extra(call: relax.Call) -> int:
 
 @relax.expr_functor.mutator
 class _RowPadder(relax.PyExprMutator):
-    """Rewrites softmax(x) over rows off whole vectors into softmax(pad(x, lowest))[..., :n]."""
+    """Rewrites softmax(x) over rows off whole vectors into softmax(pad(x, lowest))[..., :n], and matmuls of such
+    a slice into matmuls of the padded rows."""
+
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.padded_rows: list[relax.Var] = []  # the padded softmaxes bound so far
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
+        if call_op_name(new_call) == "relax.matmul":
+            return self._matmul_of_padded_rows(new_call)
         if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name not in SOFTMAX_OPS:
             return new_call
         extra = _row_extra(new_call)
@@ -45,13 +58,42 @@ class _RowPadder(relax.PyExprMutator):
         data, shape = new_call.args[0], tensor_shape(new_call.args[0])
         padded = self.builder_.emit(pad_after(data, len(shape), -1, extra, lowest(tensor_dtype(data))))
         rows = self.builder_.emit(relax.Call(new_call.op, [padded], new_call.attrs))
+        if new_call.op.name == "relax.nn.softmax":  # log-softmax's padded columns are not zeros
+            self.padded_rows.append(rows)
         return relax.op.strided_slice(rows, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
+
+    def _matmul_of_padded_rows(self, call: relax.Call) -> relax.Expr:
+        """`call` (a matmul) on the padded softmax rows its first operand slices, through a cast or not, with as
+        many zero rows added to its second operand; else `call`."""
+        data, operand = call.args
+        cast = self.lookup_binding(data) if isinstance(data, relax.Var) else None
+        sliced = cast.args[0] if call_op_name(cast) == "relax.astype" else data
+        rows = _sliced_rows(self.lookup_binding(sliced) if isinstance(sliced, relax.Var) else None)
+        if rows is None or not any(rows.same_as(padded) for padded in self.padded_rows):
+            return call
+        columns, width, operand_shape = tensor_shape(sliced)[-1], tensor_shape(rows)[-1], tensor_shape(operand)
+        if operand_shape is None or len(operand_shape) < 2 or operand_shape[-2] != columns:
+            return call
+        wide = rows if sliced is data else relax.op.astype(rows, tensor_dtype(data))
+        zero_rows = pad_after(operand, len(operand_shape), -2, width - columns)
+        return relax.Call(call.op, [self.builder_.emit(wide), self.builder_.emit(zero_rows)], call.attrs)
+
+
+def _sliced_rows(value: "relax.Expr | None") -> "relax.Var | None":
+    """The var whose leading columns `value` slices along its last axis (a strided_slice from 0, step 1), else None."""
+    if call_op_name(value) != "relax.strided_slice" or not isinstance(value.args[0], relax.Var):
+        return None
+    axes, begin, strides = (value.args[1], value.args[2], value.args[4] if len(value.args) > 4 else None)
+    ndim = len(tensor_shape(value.args[0]) or ())
+    last = [int(axis) % max(ndim, 1) for axis in axes] == [ndim - 1] if isinstance(axes, relax.Tuple) else False
+    return value.args[0] if last and int(begin[0]) == 0 and (strides is None or int(strides[0]) == 1) else None
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.PadSoftmaxRows")
 class PadSoftmaxRows:
     """Pad the rows of each last-axis softmax and log-softmax to whole 16-lane vectors with the lowest value,
-    and slice the result back."""
+    and slice the result back; a matmul of the slice reads the padded softmax rows and zero rows of its second
+    operand instead."""
 
     def __init__(self, func: str = "main"):
         self.func = func

@@ -63,3 +63,53 @@ def test_built_padded_rows_match_numpy(op):
     log_share = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     expected = log_share if op is relax.op.nn.log_softmax else np.exp(log_share)
     assert np.abs(got - expected).max() <= TOLERANCE * np.abs(expected).max()
+
+
+def test_a_matmul_of_the_sliced_softmax_reads_the_padded_rows():
+    """Attention's P.V after AMP: the matmul takes the 48 padded columns (zeros past 33) and V gets 15 zero rows."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(s: R.Tensor((2, 5, 33), "float32"), v: R.Tensor((2, 33, 8), "bfloat16")):
+            with R.dataflow():
+                p = R.nn.softmax(s, axis=-1)
+                gv = R.matmul(R.astype(p, "bfloat16"), v, out_dtype="float32")
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(s: R.Tensor((2, 5, 33), "float32"), v: R.Tensor((2, 33, 8), "bfloat16")):
+            with R.dataflow():
+                padded = R.nn.pad(s, [0, 0, 0, 0, 0, 15], pad_value=float(np.finfo("float32").min))
+                row = R.nn.softmax(padded, axis=-1)
+                p = R.strided_slice(row, axes=[2], begin=[0], end=[33])
+                _dead_cast = R.astype(p, "bfloat16")  # left for DCE, as the pass leaves it
+                wide = R.astype(row, "bfloat16")
+                zero_rows = R.nn.pad(v, [0, 0, 0, 15, 0, 0])
+                gv = R.matmul(wide, zero_rows, out_dtype="float32")
+                R.output(gv)
+            return gv
+
+    assert_transforms(rows.PadSoftmaxRows(), Before, Expected)
+
+
+def test_a_log_softmax_slice_keeps_its_matmul():
+    """log-softmax's padded columns are not zeros: its matmul reads the slice."""
+    x, v = tensor("x", (2, 5, 33)), tensor("v", (2, 33, 8))
+    before = single_output_module(lambda a, b: relax.op.matmul(relax.op.nn.log_softmax(a), b), x, v)
+    after = rows.PadSoftmaxRows()(before)
+    (matmul,) = [b.value for b in after["main"].body.blocks[0].bindings if b.value.op.name == "relax.matmul"]
+    assert tuple(matmul.args[0].ty.shape) == (2, 5, 33)
+
+
+def test_built_attention_over_padded_rows_matches_numpy():
+    rng = np.random.default_rng(1)
+    scores, values = rng.standard_normal((6, 197, 197)).astype("float32") * 4, rng.standard_normal((6, 197, 64))
+    mod = single_output_module(lambda s, v: relax.op.matmul(relax.op.nn.softmax(s), v),
+                               tensor("s", scores.shape), tensor("v", values.shape))
+    got = run_executable(build(mod, "cpu"), [scores, values.astype("float32")])[0]
+    shares = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = (shares / shares.sum(axis=-1, keepdims=True)) @ values
+    assert np.abs(got - expected).max() <= TOLERANCE * 10 * np.abs(expected).max()  # also the 197-term sums
