@@ -7,7 +7,9 @@ time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW d
 broadcast runtime matmuls) are left to the generic schedules. Conv inputs whose channels do not fill the
 instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero
 channels added to both operands; a weight whose output channels are off the 16-lane blocks (a 1000-class head)
-gets zero output channels, sliced off the result.
+gets zero output channels, sliced off the result. A pad of that slice back to the whole result (a softmax's rows
+padded with its lowest value) becomes an add of the pad value on the zero channels, which the kernel's epilogue
+takes (relay_amp.backend.cpu.epilogue).
 """
 
 import dataclasses
@@ -18,6 +20,8 @@ import tvm
 from tvm import relax
 
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
+from ...dtypes import numpy_dtype
+from ...ops import call_op_name
 from . import amx, kernels
 
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -65,9 +69,12 @@ class _Dispatcher(relax.PyExprMutator):
         self.dtypes = dtypes
         self.amx_dtypes = amx_dtypes
         self.kernel_count = 0
+        self.zero_tailed: list[relax.Var] = []  # kernel results whose channels past the sliced ones are zeros
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
+        if call_op_name(new_call) == "relax.nn.pad":
+            return self._pad_of_zero_tail(new_call)
         if not isinstance(new_call.op, tvm.ir.Op) or tensor_dtype(new_call.args[0]) not in self.dtypes:
             return new_call
         rewrite = {"relax.matmul": self._matmul, "relax.nn.conv2d": self._conv2d}.get(new_call.op.name)
@@ -97,14 +104,32 @@ class _Dispatcher(relax.PyExprMutator):
         kernel's channel blocks was given."""
         if padded == channels:
             return result
-        return relax.op.strided_slice(self.builder_.emit(result), axes=[axis], begin=[0], end=[channels])
+        whole = self.builder_.emit(result)
+        if axis == len(tensor_shape(whole)) - 1:
+            self.zero_tailed.append(whole)
+        return relax.op.strided_slice(whole, axes=[axis], begin=[0], end=[channels])
+
+    def _pad_of_zero_tail(self, pad: relax.Call) -> relax.Expr:
+        """`pad` of a kernel result's first channels back to all of them (a softmax's rows padded with its lowest
+        value, relay_amp.backend.cpu.rows) as the whole result plus the pad value on the zero channels: a
+        per-channel constant that joins the kernel's epilogue, so no function slices and pads the result."""
+        sliced = self.lookup_binding(pad.args[0]) if isinstance(pad.args[0], relax.Var) else None
+        whole = sliced.args[0] if call_op_name(sliced) == "relax.strided_slice" else None
+        if whole is None or not any(whole.same_as(var) for var in self.zero_tailed):
+            return pad
+        shape, channels = tensor_shape(whole), tensor_shape(pad.args[0])[-1]
+        if [int(width) for width in pad.attrs.pad_width] != [0] * (2 * len(shape) - 1) + [shape[-1] - channels]:
+            return pad
+        tail = np.full(shape[-1], float(pad.attrs.pad_value), numpy_dtype(tensor_dtype(whole)))
+        tail[:channels] = 0
+        return relax.op.add(whole, relax.const(tail))
 
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops
-        at run time, one packed weight per batch element (a 2-D one is a batch of one). A width off the kernel's
-        channel blocks (`_column_block`; 197 tokens) gets zero columns, sliced off the output; a depth off the
-        instruction's group (P.V over 197 tokens in bf16) gets zero products: a zero column of the first operand,
-        a zero row of the second."""
+        at run time, one packed weight per batch element (a 2-D one is a batch of one). A width off the kernels'
+        16-lane channel blocks (197 tokens) gets zero columns, sliced off the output; a depth off the instruction's
+        group (P.V over 197 tokens in bf16) gets zero products: a zero column of the first operand, a zero row of
+        the second."""
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
         if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
@@ -116,18 +141,13 @@ class _Dispatcher(relax.PyExprMutator):
             data = self.builder_.emit(pad_after(data, len(shape), -1, extra_depth))
             operand = self.builder_.emit(pad_after(operand, len(operand_shape), -2, extra_depth))
             shape, operand_shape = _deeper(shape, -1, extra_depth), _deeper(operand_shape, -2, extra_depth)
-        extra_width = -width % self._column_block(tensor_dtype(data))
+        extra_width = -width % kernels.LANES
         if extra_width:  # zero columns, padded as the operand is packed
             operand = self.builder_.emit(pad_after(operand, len(operand_shape), -1, extra_width))
             operand_shape = _deeper(operand_shape, -1, extra_width)
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
         result = self._emit_matmul(call, data, shape, operand_shape[-1], packed, batch)
         return self._first_channels(result, len(shape) - 1, width, operand_shape[-1])
-
-    def _column_block(self, data_dtype: str) -> int:
-        """The output channels a runtime operand's width is padded to a multiple of: AMX's panels where the
-        data dtype may run on AMX, else the AVX-512 kernel's lanes."""
-        return amx.PANELS * kernels.LANES if data_dtype in self.amx_dtypes else kernels.LANES
 
     def _emit_matmul(self, call: relax.Call, data: relax.Expr, shape: tuple[int, ...], out_ch: int,
                      packed: "np.ndarray | relax.Expr", weight_batch: int = 0) -> relax.Expr:

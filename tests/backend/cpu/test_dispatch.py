@@ -10,7 +10,9 @@ import relay_amp
 from relay_amp import targets
 from relay_amp._ir import tensor_dtype, tensor_shape
 from relay_amp.backend.cpu import amx, dispatch, kernels
+from relay_amp.backend.cpu.epilogue import FuseKernelEpilogues
 from relay_amp.compile.build import build
+from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor
@@ -238,14 +240,49 @@ def test_a_runtime_width_off_the_lanes_gets_zero_columns_and_a_slice():
     relax.analysis.well_formed(after)
 
 
-def test_runtime_operands_on_amx_get_a_weight_per_head_in_32_channel_panels():
-    scores = _attention_scores(BF16, tokens=17, out_dtype="float32")  # AMX tiles accumulate fp32, as AMP asks
+@pytest.mark.parametrize("tokens, blocks", [(17, 2), (40, 3)])  # 17 -> 32 columns; 40 -> 48 (a half panel)
+def test_runtime_operands_on_amx_get_a_weight_per_head_in_16_channel_blocks(tokens, blocks):
+    scores = _attention_scores(BF16, tokens=tokens, out_dtype="float32")  # AMX tiles accumulate fp32, as AMP asks
     after = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(scores)
     kernel = after["relay_amp_dot_kernel1"]
     assert amx.FUSABLE_ATTR in kernel.attrs  # the AMX kernel, not the AVX-512 one
-    assert [int(d) for d in kernel.params[1].ty.shape] == [2, 2, 1, 1, 16, 16, 2]  # heads, 17 -> 32 columns
-    assert [int(d) for d in kernel.params[0].ty.shape] == [2, 32, 1, 32]  # per head, 17 rows down 2 tiles of 16
+    assert [int(d) for d in kernel.params[1].ty.shape] == [2, blocks, 1, 1, 16, 16, 2]  # heads, 16-column blocks
+    rows = -(-tokens // 16) * 16  # per head, the rows down whole tiles of 16
+    assert [int(d) for d in kernel.params[0].ty.shape] == [2, rows, 1, 32]
     relax.analysis.well_formed(after)
+
+
+def _masked_softmax_input(tokens: int) -> tvm.IRModule:
+    """Q.K^T padded to whole vectors with fp32's lowest value, as relay_amp.backend.cpu.rows pads a softmax's rows."""
+    lowest = float(np.finfo("float32").min)
+    return single_output_module(
+        lambda q, k: relax.op.nn.pad(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]), out_dtype="float32"),
+                                     [0, 0, 0, 0, 0, 0, 0, -tokens % 16], pad_value=lowest),
+        tensor("q", (1, 2, tokens, 32), BF16), tensor("k", (1, 2, tokens, 32), BF16))
+
+
+def test_a_pad_of_the_sliced_result_back_to_its_width_is_an_add_on_the_zero_columns():
+    dispatched = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(_masked_softmax_input(17))
+    after = relax.transform.DeadCodeElimination()(dispatched)  # the slice is left unread
+    ops = [call_op_name(b.value) for b in after["main"].body.blocks[0].bindings]
+    assert "relax.strided_slice" not in ops and ops[-1] == "relax.add"
+    tail = after["main"].body.blocks[0].bindings[-1].value.args[1].value.numpy()
+    np.testing.assert_array_equal(tail, [0.0] * 17 + [np.finfo("float32").min] * 15)
+    fused = FuseKernelEpilogues()(after)
+    (kernel_call,) = [b.value for b in fused["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"]
+    assert len(kernel_call.args[1].fields) == 3  # data, packed operand, the mask as the epilogue's bias
+    relax.analysis.well_formed(fused)
+
+
+def test_built_masked_scores_match_numpy():
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX")
+    rng = np.random.default_rng(6)
+    q, k = (rng.standard_normal((1, 2, 40, 32)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    got = run_executable(build(_masked_softmax_input(40), "cpu-amx"), [q, k])[0]
+    scores = np.einsum("bhmk,bhnk->bhmn", q.astype("float64"), k.astype("float64"))
+    assert np.abs(got[..., :40] - scores).max() <= 1e-5 * np.abs(scores).max()  # fp32 sums of bf16 products
+    assert np.all(got[..., 40:] == np.finfo("float32").min)
 
 
 def _attention_values(dtype: str, heads: int, tokens: int, width: int) -> tvm.IRModule:
