@@ -226,8 +226,8 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.Pri
     `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype."""
     if not supports(spec):
         raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with at least {PANELS * LANES} output "
-                         f"channels in {LANES}-blocks, input channels filling 4-byte groups (2 bf16, 4 int8) and output rows "
-                         f"of at least {MIN_TILE_ROWS} pixels; got {spec}")
+                         f"channels in {LANES}-blocks, input channels filling 4-byte groups (2 bf16, 4 int8) and "
+                         f"output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
@@ -327,11 +327,12 @@ def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tup
             with T.Then():
                 if out_channels % (PANELS * LANES) == 0:
                     _store_lanes(epilogue, acc, (tile, row, 0), operands, out, (image, y, x, channel), PANELS * LANES)
-                for half in range(PANELS if out_channels % (PANELS * LANES) else 0):
-                    with T.If(channel + half * LANES >= stored_from):
-                        with T.Then():
-                            _store_lanes(epilogue, acc, (tile, row, half * LANES), operands, out,
-                                         (image, y, x, channel + half * LANES), LANES)
+                else:  # the last panel overlaps the one before: each half is stored unless that panel's
+                    for half in range(PANELS):
+                        with T.If(channel + half * LANES >= stored_from):
+                            with T.Then():
+                                _store_lanes(epilogue, acc, (tile, row, half * LANES), operands, out,
+                                             (image, y, x, channel + half * LANES), LANES)
 
 
 def _store_lanes(epilogue: Epilogue, acc, first: tuple, operands: list, out, index: tuple, lanes: int) -> None:

@@ -69,7 +69,7 @@ class _Dispatcher(relax.PyExprMutator):
         self.dtypes = dtypes
         self.amx_dtypes = amx_dtypes
         self.kernel_count = 0
-        self.zero_tailed: list[relax.Var] = []  # kernel results whose channels past the sliced ones are zeros
+        self.zero_tailed: set[relax.Var] = set()  # kernel results whose channels past the sliced ones are zeros
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
@@ -106,7 +106,7 @@ class _Dispatcher(relax.PyExprMutator):
             return result
         whole = self.builder_.emit(result)
         if axis == len(tensor_shape(whole)) - 1:
-            self.zero_tailed.append(whole)
+            self.zero_tailed.add(whole)
         return relax.op.strided_slice(whole, axes=[axis], begin=[0], end=[channels])
 
     def _pad_of_zero_tail(self, pad: relax.Call) -> relax.Expr:
@@ -115,7 +115,7 @@ class _Dispatcher(relax.PyExprMutator):
         per-channel constant that joins the kernel's epilogue, so no function slices and pads the result."""
         sliced = self.lookup_binding(pad.args[0]) if isinstance(pad.args[0], relax.Var) else None
         whole = sliced.args[0] if call_op_name(sliced) == "relax.strided_slice" else None
-        if whole is None or not any(whole.same_as(var) for var in self.zero_tailed):
+        if whole not in self.zero_tailed:
             return pad
         shape, channels = tensor_shape(whole), tensor_shape(pad.args[0])[-1]
         if [int(width) for width in pad.attrs.pad_width] != [0] * (2 * len(shape) - 1) + [shape[-1] - channels]:

@@ -44,7 +44,7 @@ class _RowPadder(relax.PyExprMutator):
 
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
-        self.padded_rows: list[relax.Var] = []  # the padded softmaxes bound so far
+        self.padded_rows: set[relax.Var] = set()  # the padded softmaxes bound so far
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
@@ -59,7 +59,7 @@ class _RowPadder(relax.PyExprMutator):
         padded = self.builder_.emit(pad_after(data, len(shape), -1, extra, lowest(tensor_dtype(data))))
         rows = self.builder_.emit(relax.Call(new_call.op, [padded], new_call.attrs))
         if new_call.op.name == "relax.nn.softmax":  # log-softmax's padded columns are not zeros
-            self.padded_rows.append(rows)
+            self.padded_rows.add(rows)
         return relax.op.strided_slice(rows, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
 
     def _matmul_of_padded_rows(self, call: relax.Call) -> relax.Expr:
@@ -69,7 +69,7 @@ class _RowPadder(relax.PyExprMutator):
         cast = self.lookup_binding(data) if isinstance(data, relax.Var) else None
         sliced = cast.args[0] if call_op_name(cast) == "relax.astype" else data
         rows = _sliced_rows(self.lookup_binding(sliced) if isinstance(sliced, relax.Var) else None)
-        if rows is None or not any(rows.same_as(padded) for padded in self.padded_rows):
+        if rows not in self.padded_rows:
             return call
         columns, width, operand_shape = tensor_shape(sliced)[-1], tensor_shape(rows)[-1], tensor_shape(operand)
         if operand_shape is None or len(operand_shape) < 2 or operand_shape[-2] != columns:
