@@ -220,19 +220,33 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     return frozenset(dtype for dtype, feature in TARGET_FEATURES.items() if has(feature, target))
 
 
-def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.PrimFunc:
+def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue(), tile_rows_out: bool = False) -> tvm.tirx.PrimFunc:
     """The AMX kernel for `spec` (see `supports`) with `epilogue` fused into its write-back: it takes the input
     buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums; one per image where
-    `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype."""
+    `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype, or with
+    `tile_rows_out` every row its tiles compute (`padded_out_shape`): a matmul's output that another AMX matmul
+    reads with zero rows added, whose values there no stored product reads."""
     if not supports(spec):
         raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with at least {PANELS * LANES} output "
                          f"channels in {LANES}-blocks, input channels filling 4-byte groups (2 bf16, 4 int8) and "
                          f"output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
-    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue))
+    if tile_rows_out and (padded_out_shape(spec) is None or any(step.kind == RESIDUAL for step in epilogue.steps)):
+        raise DTypeError(f"only a matmul down one-pixel-wide images without a residual stores its tiles' rows; got "
+                         f"{spec} with {epilogue}")
+    out_shape = padded_out_shape(spec) if tile_rows_out else spec.out_shape
+    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue, out_shape))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
     return kernels.mark_fusable(sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True),
                                 spec, epilogue, FUSABLE_ATTR)
+
+
+def padded_out_shape(spec: ConvSpec) -> "tuple[int, int, int, int] | None":
+    """The output with every row the tiles compute, for a matmul down one-pixel-wide images (1x1, stride 1, one
+    pixel wide) whose rows are off the tiles: its input's tile buffer shape with the output channels; else None."""
+    tiles = tiling(spec)
+    own_rows = (spec.kernel_size, spec.strides, spec.data_shape[2]) == ((1, 1), (1, 1), 1)
+    return (*tiles.data_shape[:3], spec.out_channels) if own_rows and tiles.data_shape != spec.data_shape else None
 
 
 def _chunks(pairs: int, panels: int) -> int:
@@ -241,7 +255,8 @@ def _chunks(pairs: int, panels: int) -> int:
     return max(1, min(pairs, -(-PARALLEL_ITEMS // panels)))
 
 
-def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
+def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilogue,
+            out_shape: tuple) -> tvm.tirx.PrimFunc:
     """The PrimFunc: a parallel loop over (32 output channels, run of pixel-tile pairs); per pair one LLVM call
     into a scratch accumulator, then the epilogue stores its pixels. With a weight per image (`weight_batch`) the
     two tiles of a pair come from one image.
@@ -250,7 +265,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     output's width exactly; flat tiling: the tile buffer is as wide as the input, and pixels past the output's
     width or height are not stored), at (y, x) there, which reads the input from (y x stride, x x stride)."""
     batch, _, _, channels = tiles.data_shape
-    out_shape, tile_width = spec.out_shape, tiles.out_shape[2]
+    tile_width = tiles.out_shape[2]
     group, rows, block = 4 // product.element_bytes, tiles.tile_rows, PANELS * LANES
     positions, panels = batch * tiles.tiles_per_image, -(-out_shape[3] // block)
     sharing = tiles.tiles_per_image if spec.weight_batch else positions  # pixel tiles that read one weight

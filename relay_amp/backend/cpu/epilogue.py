@@ -14,6 +14,10 @@ An activation that reads its input more than once (SiLU's x * sigmoid(x), GELU a
 x * (erf(x / 1.414) + 1) * 0.5, with AMP's casts in between) is taken whole: the elementwise ops after a value
 that only it feeds become one MAP step (`relay_amp.backend.cpu.formula`). So the 4x-wide output of a
 transformer's or ConvNeXt's first MLP matmul, or an EfficientNet expansion conv's, is stored once, activated.
+
+A matmul's output that dispatch pads with zero rows for another AMX matmul (197 tokens to 208, whole tiles) is
+stored with every row its tiles compute instead: the second matmul's products over those rows are not stored,
+so what they hold does not matter, and no function copies the output to pad it.
 """
 
 import math
@@ -50,6 +54,12 @@ class _Chain:
     out_dtype: str = ""
     end: "relax.Var | None" = None  # the var whose value the fused call computes
     absorbed: list = field(default_factory=list)  # vars whose bindings the fused call replaces
+    tile_rows_out: bool = False  # an AMX matmul storing every row its tiles compute, for another one's padded input
+
+    @property
+    def out_shape(self) -> tuple:
+        """The shape the fused call stores."""
+        return amx.padded_out_shape(self.spec) if self.tile_rows_out else self.spec.out_shape
 
 
 def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
@@ -169,7 +179,8 @@ class _ChainFinder:
             return None
         handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
                    "relax.clip": self._clip, "relax.maximum": self._bound, "relax.minimum": self._bound,
-                   "relax.astype": self._astype, "relax.reshape": self._reshape}.get(value.op.name)
+                   "relax.astype": self._astype, "relax.reshape": self._reshape,
+                   "relax.nn.pad": self._tile_rows}.get(value.op.name)
         return None if handler is None else handler(value, current, chain)
 
     @staticmethod
@@ -250,6 +261,26 @@ class _ChainFinder:
         shape = tensor_shape(value)
         return _ALIAS if shape is not None and shape[-1:] == (chain.spec.out_channels,) else None
 
+    def _tile_rows(self, value: relax.Call, current: relax.Var, chain: _Chain):
+        """An AMX matmul's output padded with rows after it for one AMX matmul (dispatch pads a matmul's input to
+        whole tiles): the first stores the rows its tiles compute instead. Row i of a matmul reads only input row
+        i, so the second's products over those rows, whatever they hold, are not stored."""
+        padded, widths = amx.padded_out_shape(chain.spec), [int(width) for width in value.attrs.pad_width]
+        if (chain.make is not amx.conv2d_nhwc or padded is None or tensor_shape(value) != padded
+                or chain.residual_dtype or widths[:3] + widths[4:] != [0] * 7
+                or not self._read_by_one_matmul(self.reader[current].var)):
+            return None
+        chain.tile_rows_out = True
+        return _ALIAS
+
+    def _read_by_one_matmul(self, var: relax.Var) -> bool:
+        """Whether `var` is read once, as the input of an AMX kernel that reads each output row's own input row."""
+        binding = self.reader.get(var)
+        kernel = None if binding is None or self.uses.get(var, 0) != 1 else self._kernel(binding.value)
+        if kernel is None or kernel[1] is not amx.conv2d_nhwc or not binding.value.args[1].fields[0].same_as(var):
+            return False
+        return (kernel[0].kernel_size, kernel[0].strides) == ((1, 1), (1, 1))
+
     @staticmethod
     def _record(chain: _Chain, step: "kernels.Step", operand: "relax.Expr | None"):
         chain.steps.append(step)
@@ -282,7 +313,7 @@ class _Fuser(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         fused = self._fused_call(chain)
-        if tensor_shape(binding.var) != chain.spec.out_shape:
+        if tensor_shape(binding.var) != chain.out_shape:
             fused = relax.op.reshape(self.builder_.emit(fused), tensor_shape(binding.var))
         leaves_block = not isinstance(binding.var, relax.DataflowVar)
         self.set_var_remap(binding.var, self.builder_.emit_output(fused) if leaves_block else self.builder_.emit(fused))
@@ -291,9 +322,10 @@ class _Fuser(relax.PyExprMutator):
         spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
         epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
         operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in chain.operands]
-        gvar = self.builder_.add_func(chain.make(spec, epilogue), "relay_amp_dot_kernel")
+        kernel = chain.make(spec, epilogue, tile_rows_out=True) if chain.tile_rows_out else chain.make(spec, epilogue)
+        gvar = self.builder_.add_func(kernel, "relay_amp_dot_kernel")
         inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]
-        return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(spec.out_shape, out_dtype))
+        return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(chain.out_shape, out_dtype))
 
     def _as_output_shape(self, operand: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
         shape = tensor_shape(operand)

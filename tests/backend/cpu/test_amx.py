@@ -138,3 +138,14 @@ def test_target_dtypes_follow_the_target_features():
     assert amx.target_dtypes(targets.get_target("cpu-amx")) == {BF16, "int8", "uint8"}
     assert not amx.target_dtypes(targets.get_target("cpu-avx512-bf16"))
     assert not amx.target_dtypes(targets.get_target("cuda-tensorcore"))
+
+
+def test_only_a_matmul_down_one_pixel_wide_images_stores_its_tiles_rows():
+    down = kernels.ConvSpec((1, 197, 1, 64), (1, 1), 32)  # 197 rows in 13 tiles of 16
+    assert amx.padded_out_shape(down) == (1, 208, 1, 32)
+    assert [int(d) for d in amx.conv2d_nhwc(down, tile_rows_out=True).params[-1].ty.shape] == [1, 208, 1, 32]
+    assert amx.padded_out_shape(CASES["bf16_conv_stride2_batch2"]) is None  # a 3x3 conv reads its neighbours' rows
+    assert amx.padded_out_shape(kernels.ConvSpec((1, 208, 1, 64), (1, 1), 32)) is None  # whole tiles: no extra rows
+    residual = kernels.Epilogue((kernels.Step(kernels.RESIDUAL),), F32, F32)
+    with pytest.raises(relay_amp.DTypeError, match="without a residual"):
+        amx.conv2d_nhwc(down, residual, tile_rows_out=True)

@@ -13,6 +13,7 @@ from relay_amp import targets
 from relay_amp.backend.cpu import amx, dispatch, kernels
 from relay_amp.backend.cpu.epilogue import FuseKernelEpilogues
 from relay_amp.compile.build import build
+from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
 
 from builders import tensor
@@ -376,3 +377,38 @@ def test_int8_layers_store_their_requantized_output_exactly(preset, feature, low
     executable = build(before, preset)
     data = RNG.integers(0, 256, SHAPE).astype("uint8")
     np.testing.assert_array_equal(run_executable(executable, [data])[0], relay_amp.run(before, [data])[0])
+
+
+def _two_matmuls(rows: int) -> tvm.IRModule:
+    """x @ W1 + bias, ReLU, cast to bf16, @ W2: an MLP over `rows` tokens, as AMP leaves it for the kernels."""
+    x = tensor("x", (1, rows, 64), BF16)
+    first, second = (RNG.standard_normal((64, 64)).astype(ml_dtypes.bfloat16) / 8 for _ in range(2))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            hidden = bb.emit(relax.op.matmul(x, relax.const(first), out_dtype=F32))
+            hidden = bb.emit(relax.op.nn.relu(bb.emit(relax.op.add(hidden, relax.const(BIAS)))))
+            narrow = bb.emit(relax.op.astype(hidden, BF16))
+            out = bb.emit_output(relax.op.matmul(narrow, relax.const(second), out_dtype=F32))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_matmul_feeding_another_stores_its_tiles_rows_instead_of_a_pad():
+    """197 rows: the second AMX matmul's input is padded to 208; the first kernel stores its 208 tile rows."""
+    after = FuseKernelEpilogues()(_dispatched(_two_matmuls(197)))
+    relax.analysis.well_formed(after)
+    bindings = after["main"].body.blocks[0].bindings
+    assert [call_op_name(b.value) for b in bindings].count("relax.nn.pad") == 1  # the model input's, not the hidden
+    first, second = [b for b in bindings if call_op_name(b.value) == "relax.call_tir"]
+    assert [int(d) for d in first.var.ty.shape] == [1, 208, 1, 64] and first.var.ty.dtype == BF16
+
+
+def test_a_built_mlp_over_tile_rows_matches_numpy():
+    if not _amx_host():
+        pytest.skip("host CPU (or kernel) has no AMX")
+    mod = _two_matmuls(197)
+    x = RNG.standard_normal((1, 197, 64)).astype(ml_dtypes.bfloat16)
+    got = run_executable(build(mod, "cpu-amx"), [x])[0].astype("float64")
+    expected = relay_amp.run(mod, [x])[0].astype("float64")  # the generic build
+    assert np.abs(got - expected).max() <= 2 ** -7 * np.abs(expected).max()  # bf16 hidden values, rounded apart
