@@ -412,3 +412,18 @@ def test_a_built_mlp_over_tile_rows_matches_numpy():
     got = run_executable(build(mod, "cpu-amx"), [x])[0].astype("float64")
     expected = relay_amp.run(mod, [x])[0].astype("float64")  # the generic build
     assert np.abs(got - expected).max() <= 2 ** -7 * np.abs(expected).max()  # bf16 hidden values, rounded apart
+
+
+def test_a_spatial_pad_after_an_fp32_kernel_ends_its_chain():
+    """ResNet's fp32 kernels: a conv's output padded for the next 3x3 conv stays a pad (no AMX tiles to ask)."""
+    x = tensor("x", SHAPE, F32)
+    weight = RNG.standard_normal((1, 1, 64, 64)).astype(F32)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            conv = bb.emit(relax.op.nn.conv2d(x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO"))
+            out = bb.emit_output(relax.op.nn.pad(bb.emit(relax.op.nn.relu(conv)), [0, 0, 1, 1, 1, 1, 0, 0]))
+        bb.emit_func_output(out)
+    after = FuseKernelEpilogues()(dispatch.UseDotKernels({F32})(bb.get()))
+    relax.analysis.well_formed(after)
+    assert call_op_name(after["main"].body.blocks[0].bindings[-1].value) == "relax.nn.pad"
