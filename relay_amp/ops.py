@@ -44,3 +44,9 @@ def call_op_name(expr: relax.Expr) -> str | None:
     if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
         return expr.op.name
     return None
+
+
+def sliced_by_binding(mutator: relax.PyExprMutator, expr: relax.Expr) -> relax.Expr | None:
+    """What the strided_slice bound to the var `expr` (in `mutator`'s builder) slices; None for anything else."""
+    bound = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+    return bound.args[0] if call_op_name(bound) == "relax.strided_slice" else None

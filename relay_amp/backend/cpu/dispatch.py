@@ -21,7 +21,7 @@ from tvm import relax
 
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
-from ...ops import call_op_name
+from ...ops import call_op_name, sliced_by_binding
 from . import amx, kernels
 
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -113,9 +113,8 @@ class _Dispatcher(relax.PyExprMutator):
         """`pad` of a kernel result's first channels back to all of them (a softmax's rows padded with its lowest
         value, relay_amp.backend.cpu.rows) as the whole result plus the pad value on the zero channels: a
         per-channel constant that joins the kernel's epilogue, so no function slices and pads the result."""
-        sliced = self.lookup_binding(pad.args[0]) if isinstance(pad.args[0], relax.Var) else None
-        whole = sliced.args[0] if call_op_name(sliced) == "relax.strided_slice" else None
-        if whole not in self.zero_tailed:
+        whole = sliced_by_binding(self, pad.args[0])
+        if whole not in self.zero_tailed:  # its one slice is `_first_channels`': the leading channels
             return pad
         shape, channels = tensor_shape(whole), tensor_shape(pad.args[0])[-1]
         if [int(width) for width in pad.attrs.pad_width] != [0] * (2 * len(shape) - 1) + [shape[-1] - channels]:

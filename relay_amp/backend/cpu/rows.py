@@ -18,7 +18,7 @@ from tvm import relax
 
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
-from ...ops import call_op_name
+from ...ops import call_op_name, sliced_by_binding
 from .schedules import ACCUMULATOR_LANES
 
 SOFTMAX_OPS = ("relax.nn.softmax", "relax.nn.log_softmax")
@@ -68,8 +68,8 @@ class _RowPadder(relax.PyExprMutator):
         data, operand = call.args
         cast = self.lookup_binding(data) if isinstance(data, relax.Var) else None
         sliced = cast.args[0] if call_op_name(cast) == "relax.astype" else data
-        rows = _sliced_rows(self.lookup_binding(sliced) if isinstance(sliced, relax.Var) else None)
-        if rows not in self.padded_rows:
+        rows = sliced_by_binding(self, sliced)
+        if rows not in self.padded_rows:  # its one slice is this pass's: the leading columns, the softmax's own
             return call
         columns, width, operand_shape = tensor_shape(sliced)[-1], tensor_shape(rows)[-1], tensor_shape(operand)
         if operand_shape is None or len(operand_shape) < 2 or operand_shape[-2] != columns:
@@ -77,16 +77,6 @@ class _RowPadder(relax.PyExprMutator):
         wide = rows if sliced is data else relax.op.astype(rows, tensor_dtype(data))
         zero_rows = pad_after(operand, len(operand_shape), -2, width - columns)
         return relax.Call(call.op, [self.builder_.emit(wide), self.builder_.emit(zero_rows)], call.attrs)
-
-
-def _sliced_rows(value: "relax.Expr | None") -> "relax.Var | None":
-    """The var whose leading columns `value` slices along its last axis (a strided_slice from 0, step 1), else None."""
-    if call_op_name(value) != "relax.strided_slice" or not isinstance(value.args[0], relax.Var):
-        return None
-    axes, begin, strides = (value.args[1], value.args[2], value.args[4] if len(value.args) > 4 else None)
-    ndim = len(tensor_shape(value.args[0]) or ())
-    last = [int(axis) % max(ndim, 1) for axis in axes] == [ndim - 1] if isinstance(axes, relax.Tuple) else False
-    return value.args[0] if last and int(begin[0]) == 0 and (strides is None or int(strides[0]) == 1) else None
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.PadSoftmaxRows")

@@ -1,0 +1,27 @@
+"""relay_amp.ops helpers that have no pass of their own to be tested through."""
+
+from tvm import relax
+
+from relay_amp._ir import rewrite_function
+from relay_amp.ops import call_op_name, sliced_by_binding
+
+from builders import single_output_module, tensor
+
+
+def test_sliced_by_binding_names_what_a_bound_slice_reads_and_nothing_else():
+    x = tensor("x", (4, 8))
+    mod = single_output_module(
+        lambda x: relax.op.negative(relax.op.exp(relax.op.strided_slice(x, axes=[1], begin=[0], end=[4]))), x)
+    found = {}
+
+    @relax.expr_functor.mutator
+    class Probe(relax.PyExprMutator):
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            new_call = super().visit_call_(call)
+            found.setdefault(call_op_name(new_call), sliced_by_binding(self, new_call.args[0]))
+            return new_call
+
+    rewrite_function(Probe(mod), mod, "main")
+    assert found["relax.exp"].same_as(x)  # exp reads a var bound to a slice of x
+    assert found["relax.negative"] is None  # negative reads a var bound to exp
+    assert found["relax.strided_slice"] is None  # x is a parameter: no binding
