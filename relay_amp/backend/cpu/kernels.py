@@ -36,7 +36,7 @@ from ..._ir import OPAQUE_PATTERN
 from ...errors import DTypeError
 from ...serialization import dataclass_from_json
 from . import formula
-from .schedules import STACK_BYTES, largest_divisor, schedule_injective
+from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
@@ -361,6 +361,14 @@ def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
     _schedule_conv(sch, spec, block, columns, rows, vectorize_copies=not tunable)
 
 
+def pixels_outermost(spec: ConvSpec) -> bool:
+    """Whether the kernel's parallel tiles take pixels outermost: where the whole packed weight fits in CACHE_BYTES,
+    each pixel tile reads it from L2 and data, residual and output stream once, in whole pixel rows. A larger
+    weight takes output-channel panels outermost, so that one panel stays in L2 while every pixel streams past."""
+    weight_elements = spec.out_channels * math.prod(spec.kernel_size) * spec.data_shape[-1]
+    return weight_elements * tvm.DataType(spec.dot.b_dtype).bits // 8 <= CACHE_BYTES
+
+
 def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, vectorize_copies: bool) -> None:
     """The kernel's loop nest. With sampled tiles the accumulator copies are left to LLVM's vectorizer: how many
     loops they keep depends on the sample, and a traced get_loops must return as many loops on every replay."""
@@ -370,12 +378,12 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, ve
     x_outer, x_row = sch.split(out_x, [None, rows])
     tensorized = spec.dot in INTRINSICS
     lanes = [out_c_lane, chan_group] if tensorized else [chan_group, out_c_lane]
-    # output-channel tiles outermost: one weight panel stays in L2 while every pixel streams past it
-    sch.reorder(out_c_outer, batch, out_y, x_outer, row, col, chan_outer, x_row, out_c_column, *lanes)
+    outer = [batch, out_y, x_outer, out_c_outer] if pixels_outermost(spec) else [out_c_outer, batch, out_y, x_outer]
+    sch.reorder(*outer, row, col, chan_outer, x_row, out_c_column, *lanes)
     cache = sch.cache_write(block, 0, "global")
-    sch.reverse_compute_at(cache, x_outer)
+    sch.reverse_compute_at(cache, outer[-1])
     sch.reverse_compute_inline(sch.get_sblock("out"))
-    tile = sch.fuse(out_c_outer, batch, out_y, x_outer)
+    tile = sch.fuse(*outer)
     sch.parallel(tile)
     sch.unroll(x_row)
     sch.unroll(out_c_column)

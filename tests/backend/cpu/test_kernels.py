@@ -18,6 +18,9 @@ CASES = {
     "int8_conv_stride2": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32"), "avx512_vnni"),
     "uint8_conv": (kernels.ConvSpec((2, 6, 6, 4), (3, 3), 16, (1, 1), "uint8", "int32"), "avx512_vnni"),
     "fp32_conv": (kernels.ConvSpec((1, 8, 8, 5), (3, 3), 32, (1, 1), "float32", "float32"), "avx512f"),
+    # a 557 KB weight: output-channel panels outermost (every case above takes pixel tiles outermost)
+    "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
+                                 "avx512f"),
 }
 INSTRUCTION = {"bfloat16": "vdpbf16ps", "int8": "vpdpbusd", "uint8": "vpdpbusd", "float32": "vfmadd"}
 
@@ -42,6 +45,14 @@ def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     lib["main"](*tensors)
     tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 sums in another order; integers are exact
     assert max_relative_error(tensors[-1].numpy(), reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_pixel_tiles_go_outermost_only_when_the_whole_weight_fits_in_cache():
+    assert kernels.pixels_outermost(kernels.ConvSpec((1, 56, 56, 64), (1, 1), 256, data_dtype="float32"))  # 64 KB
+    assert kernels.pixels_outermost(kernels.ConvSpec((1, 7, 7, 512), (1, 1), 512, data_dtype="bfloat16"))  # 512 KB
+    assert not kernels.pixels_outermost(kernels.ConvSpec((1, 7, 7, 512), (1, 1), 512, data_dtype="float32"))
+    assert not kernels.pixels_outermost(CASES["fp32_matmul_large_weight"][0])
+    assert all(kernels.pixels_outermost(spec) for name, (spec, _) in CASES.items() if "large" not in name)
 
 
 def test_packing_does_not_depend_on_the_source_layout():
