@@ -20,6 +20,7 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from ..._ir import index_vars, try_primitive, vars_in
 
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
+MAX_WINDOW_ROW = 8  # a window's row (7 taps in ConvNeXt's depthwise convs) unrolled with the output rows
 CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of a core's L2
 MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
 STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
@@ -161,15 +162,27 @@ def _pad_to_vectors(sch: s_tir.Schedule, found: _Contraction) -> bool:
 
 
 def _unless_inlined_window_padding(sch: s_tir.Schedule, block) -> list:
-    """`block`'s producers, less the padding of a pooling window's one input, inlined into the window's loads: a
-    pool reads each input about twice (3x3, stride 2), so a padded copy of the input costs more than it saves,
-    where a convolution reads its padded input once per output-channel tile."""
+    """`block`'s producers, less the padding of a window's input (a pool's, a depthwise conv's: reductions of at
+    most MAX_WINDOW), inlined into the window's loads: a window reads each input a few times from registers'
+    reach, so a padded copy of the input costs a pass over memory and a barrier more than it saves. A
+    convolution that reduces over channels keeps its padded copy: it reads it once per output-channel tile."""
     producers = sch.get_producers(block)
     outputs = [region.source for region in sch.get(block).writes]
     inputs = [region for region in sch.get(block).reads if not any(region.source.same_as(out) for out in outputs)]
-    if len(inputs) != 1:
+    if len(inputs) != 1 and not _slides_small_window(sch.get(block)):
         return producers
     return [producer for producer in producers if not try_primitive(sch.compute_inline, producer)]
+
+
+def _slides_small_window(block: s_tir.SBlock) -> bool:
+    """Whether `block` reduces over a window of at most MAX_WINDOW taps that slides with its outputs (an index
+    adds a reduction variable to an output one, as a depthwise conv's or a pool's does) and over nothing else."""
+    reduced = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    if not reduced or math.prod(_const(iv.dom.extent) for iv in reduced) > MAX_WINDOW:
+        return False
+    kinds = {iv.var: iv.iter_type for iv in block.iter_vars}
+    both = {tirx.IterVar.DataPar, tirx.IterVar.CommReduce}
+    return any({kinds.get(var) for var in vars_in(index.min)} >= both for read in block.reads for index in read.region)
 
 
 def _inline_epilogue(sch: s_tir.Schedule, block) -> None:
@@ -205,6 +218,8 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     sch.parallel(sch.fuse(*spatial))
     if len(inner) == 2:
         sch.unroll(inner[0])
+    if _slides_small_window(sch.get(found.block)) and (_extent(sch, found.reduction[-1]) or 0) <= MAX_WINDOW_ROW:
+        sch.unroll(found.reduction[-1])  # neighbouring outputs load each input of a window row once, and widen it once
     sch.vectorize(inner[-1])
     copy_loops = _own_loops(sch, cache, found.block)
     if copy_loops:  # a 1x1 register tile leaves the write-back no loop of its own

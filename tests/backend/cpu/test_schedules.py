@@ -171,6 +171,19 @@ def test_a_depthwise_conv_keeps_rows_of_pixels_in_registers_sharing_each_weight_
     assert (int(lanes.extent), lanes.kind) == (32, tvm.tirx.ForKind.VECTORIZED)
 
 
+def test_a_depthwise_conv_unrolls_its_window_rows_so_neighbouring_pixels_share_their_loads():
+    """The 5 taps of a window row are unrolled with the 7 pixels: the 11 inputs they read are loaded (and, for
+    bf16, widened) once each rather than 35 times. A matmul's reduction stays a loop."""
+    mod = relax.transform.LegalizeOps()(_module(*CASES["depthwise_conv_nhwc"]))
+    sch = schedules.ContractionRule().apply(mod["conv2d"], targets.get_target("cpu"), False)
+    *_, window_row, _, _ = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("group_conv2d_nhwc_update")))
+    assert (int(window_row.extent), window_row.kind) == (5, tvm.tirx.ForKind.UNROLLED)
+    matmul = relax.transform.LegalizeOps()(_module(*CASES["batch_matmul"]))
+    sch = schedules.ContractionRule().apply(matmul["matmul"], targets.get_target("cpu"), False)
+    assert all(sch.get(loop).kind != tvm.tirx.ForKind.UNROLLED or int(sch.get(loop).extent) != 8
+               for loop in sch.get_loops(sch.get_sblock("matmul_update")))
+
+
 def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
     """17 columns (prime, like ViT's 197 tokens): the second operand is copied into a zero-padded buffer, the
     contraction runs on two whole 16-lane vectors, the write-back trims the padding (before: scalar tiles)."""
@@ -506,8 +519,10 @@ def _scheduled_blocks(case: str, rule: "schedules._CpuRule") -> list[str]:
     return [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
 
 
-def test_a_pooling_window_reads_its_input_through_the_padding_condition_not_a_padded_copy():
-    """max_pool (case "max_pool", built and checked against the reference above) keeps no pad block; a
+def test_a_window_reads_its_input_through_the_padding_condition_not_a_padded_copy():
+    """max_pool and a depthwise conv (cases built and checked against the reference above) keep no pad block; a
     convolution, which reads its padded input once per output-channel tile, still pads it first."""
     assert not [name for name in _scheduled_blocks("max_pool", schedules.ContractionRule()) if "pad" in name]
+    assert not [name for name in _scheduled_blocks("depthwise_conv_nhwc", schedules.ContractionRule())
+                if "pad" in name]
     assert [name for name in _scheduled_blocks("conv_nchw_stride2", schedules.ContractionRule()) if "pad" in name]
