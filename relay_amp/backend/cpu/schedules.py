@@ -145,10 +145,17 @@ class ContractionRule(_CpuRule):
                 return None
         producers = _unless_inlined_window_padding(sch, found.block)
         _inline_epilogue(sch, found.block)
-        _tile(sch, found)
-        for producer in producers:
-            schedule_injective(sch, producer)
+        leftover = {sch.get(block).name_hint for block in sch.get_consumers(found.block)}  # a pad of the output
+        _tile(sch, found)  # which inlines what it can of them into its write-back
+        leftover = [block for block in sch.get_child_blocks(sch.get_sblock("root"))
+                    if sch.get(block).name_hint in leftover and _is_spatial(sch.get(block))]
+        for block in [*producers, *leftover]:
+            schedule_injective(sch, block)
         return sch
+
+
+def _is_spatial(block: s_tir.SBlock) -> bool:
+    return all(iv.iter_type == tirx.IterVar.DataPar for iv in block.iter_vars)
 
 
 def _pad_to_vectors(sch: s_tir.Schedule, found: _Contraction) -> bool:

@@ -10,6 +10,10 @@ a chain only when their input is already widened, so a reshape of a bf16 tensor 
 twice may end a fused function and be stored: it reaches its readers rounded to bf16, so no tensor is stored
 in fp32 that was bf16 before.
 
+A grouped (depthwise) convolution of bf16 operands, which no dot-product kernel takes, gets an fp32 weight: TVM
+would widen the constant weight at every tap of every tile, on the ports the FMAs need. Its data stays bf16,
+read as it is stored.
+
 `NormsReadNarrow` then gives a layer or RMS norm of a kernel's bf16 output one function that reads the bf16
 tensor and widens it as it loads: fusion would leave the widening cast a function of its own (nothing fuses
 after a kernel or into a norm), which stores an fp32 copy of the tensor for the norm to read back.
@@ -30,8 +34,16 @@ ARITHMETIC = frozenset(f"relax.{name}" for name in (
     "exp", "log", "erf", "tanh", "sigmoid", "clip", "where", "square", "nn.relu", "nn.gelu", "nn.gelu_tanh",
     "nn.silu", "nn.softmax", "nn.log_softmax", "nn.layer_norm", "nn.rms_norm", "mean", "sum", "variance", "max",
     "min"))
+GROUPED_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
 LAYOUT = frozenset(f"relax.{name}" for name in (
     "reshape", "permute_dims", "expand_dims", "squeeze", "strided_slice", "concat", "broadcast_to", "flatten"))
+
+
+def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
+    """Whether `call` is a grouped convolution of bf16 operands that accumulates in fp32."""
+    if call_op_name(call) not in GROUPED_CONVS or int(call.attrs.groups) == 1:
+        return False
+    return str(call.attrs.out_dtype) == WIDE and all(tensor_dtype(arg) == NARROW for arg in call.args)
 
 
 @relax.expr_functor.mutator
@@ -60,6 +72,16 @@ class _Widener(relax.PyExprMutator):
         self.wide_of[new_var] = wide_var
         if wide is wide_var or self.uses.get(binding.var, 0) == 1:  # an fp32 tensor already, or one reader
             self.flows.add(new_var)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        """A grouped convolution of bf16 operands into fp32 (no dot-product kernel takes one: TVM widens each
+        operand as it loads it) reads an fp32 weight: a constant one is widened once, when constants fold. Its
+        data stays bf16, so the op before it stores bf16."""
+        new_call = super().visit_call_(call)
+        if not _is_narrow_grouped_conv(new_call):
+            return new_call
+        data, weight = new_call.args
+        return relax.Call(new_call.op, [data, self._cast(weight)], new_call.attrs)
 
     def _widened(self, call: relax.Call) -> relax.Expr | None:
         """The fp32 computation of `call` where it is a bf16 op that joins a chain, else None."""
@@ -90,6 +112,10 @@ class _Widener(relax.PyExprMutator):
             return expr
         if expr in self.flows:
             return self.wide_of[expr]
+        return self._cast(expr)
+
+    def _cast(self, expr: relax.Expr) -> relax.Expr:
+        """bf16 `expr` cast to fp32: a constant on the host, a value by one cast however many ops read it."""
         if isinstance(expr, tvm.ir.expr.Constant):
             return cast_constant(expr, WIDE)
         if expr not in self.widening:  # one cast per value, however many ops of the chain read it
@@ -100,7 +126,7 @@ class _Widener(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.WidenArithmetic")
 class WidenArithmetic:
     """Compute bf16 elementwise, normalization and reduction chains in fp32, rounding once where a value leaves
-    the chain."""
+    the chain; give bf16 grouped convolutions an fp32 weight."""
 
     def __init__(self, func: str = "main"):
         self.func = func

@@ -130,6 +130,52 @@ def test_graph_output_is_rounded_once_and_matches_fp32():
     assert np.abs(got - expected).max() <= 2 ** -8 * np.abs(expected).max()  # one bf16 rounding of the result
 
 
+def test_a_grouped_conv_reads_a_widened_weight_and_its_data_in_bf16():
+    weight = np.random.default_rng(1).standard_normal((3, 3, 1, 16)).astype(ml_dtypes.bfloat16)
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 6, 16), "bfloat16")) -> R.Tensor((1, 6, 6, 16), "float32"):
+            with R.dataflow():
+                out = R.nn.conv2d(x, R.const(weight, "bfloat16"), padding=1, groups=16, data_layout="NHWC",
+                                  kernel_layout="HWIO", out_dtype="float32")
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 6, 6, 16), "bfloat16")) -> R.Tensor((1, 6, 6, 16), "float32"):
+            with R.dataflow():
+                out = R.nn.conv2d(x, R.const(weight.astype("float32"), "float32"), padding=1, groups=16,
+                                  data_layout="NHWC", kernel_layout="HWIO", out_dtype="float32")
+                R.output(out)
+            return out
+
+    assert_transforms(WidenArithmetic(), Before, Expected)
+    x = np.random.default_rng(0).standard_normal((1, 6, 6, 16)).astype(ml_dtypes.bfloat16)
+    got = run_executable(build(Before, "cpu"), [x])[0]
+    padded = np.pad(x.astype("float32"), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    wide = weight.astype("float32")
+    expected = sum(padded[:, i:i + 6, j:j + 6, :] * wide[i, j, 0] for i in range(3) for j in range(3))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)  # the same bf16 values, products in fp32
+
+
+def test_a_dense_conv_keeps_its_bf16_weight():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 6, 16), "bfloat16"), w: R.Tensor((3, 3, 16, 16), "bfloat16")
+                 ) -> R.Tensor((1, 6, 6, 16), "float32"):
+            with R.dataflow():
+                out = R.nn.conv2d(x, w, padding=1, data_layout="NHWC", kernel_layout="HWIO", out_dtype="float32")
+                R.output(out)
+            return out
+
+    assert_transforms(WidenArithmetic(), Before, Before)
+
+
 def test_bf16_bert_with_widened_chains_stays_within_bf16_error_of_fp32():
     mod = models.get_model("bert", seq_len=16, layers=1)
     inputs = models.example_inputs(mod)
