@@ -5,7 +5,7 @@ two is the call's. Calls are grouped by the ops their function computes, with ca
 dropped (`fused_reshape7_cast4_add5_erf` and `fused_reshape3_add1_erf` are both `reshape_add_erf`; a bf16
 build's `conv2d_add_pad`, whose pad for the next AMX kernel fusion put there, lines up with fp32's `conv2d_add`,
 its time included), so the same work lines up across dtypes; rows are sorted by how much slower the last
-variant is than the first.
+variant is than the first. The variants' runs alternate in one process, as the benchmarks' runners do.
 That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
 """
 
@@ -39,31 +39,51 @@ def call_group(symbol: str) -> str:
     return kept or ("pad" if "pad" in tokens else "cast")  # a call that only pads or only casts
 
 
-def call_times(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], repeat: int = 5,
-               warmup: int = 2) -> dict[str, tuple[int, float]]:
-    """Per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`."""
+def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.ndarray], repeat: int = 5,
+               warmup: int = 2) -> dict[str, dict[str, tuple[int, float]]]:
+    """Per variant, per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`.
+    The variants run in turn, one run each, the first of each round rotating, so that the machine's drift (20-50%
+    within minutes on a shared VM) falls on all of them alike rather than on whichever ran last."""
     if repeat < 1:
         raise OptionError(f"repeat must be at least 1, got {repeat}")
-    vm = virtual_machine(executable)
-    args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
-    for _ in range(warmup):
-        vm["main"](*args)
-    runs, started = [], []
+    timers = {name: _CallTimer(executable, inputs, warmup) for name, executable in executables.items()}
+    order = list(timers)
+    for round_index in range(repeat):
+        shift = round_index % len(order)
+        for name in order[shift:] + order[:shift]:
+            timers[name].run()
+    return {name: timer.times() for name, timer in timers.items()}
 
-    def instrument(func, symbol, before_run, ret_value, *call_args) -> int:
+
+class _CallTimer:
+    """One executable's VM, warmed up, with a hook that records each call's time under its call group."""
+
+    def __init__(self, executable: relax.VMExecutable, inputs: Sequence[np.ndarray], warmup: int):
+        self.vm = virtual_machine(executable)
+        self.args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
+        for _ in range(warmup):
+            self.vm["main"](*self.args)
+        self.runs: list[dict[str, list[float]]] = []
+        self.started: list[float] = []
+        self.vm.set_instrument(self._instrument)
+
+    def _instrument(self, func, symbol, before_run, ret_value, *call_args) -> int:
         if before_run:
-            started.append(time.perf_counter())
+            self.started.append(time.perf_counter())
         else:
-            runs[-1][call_group(symbol)].append(time.perf_counter() - started.pop())
+            self.runs[-1][call_group(symbol)].append(time.perf_counter() - self.started.pop())
         return KEEP_GOING
 
-    vm.set_instrument(instrument)
-    for _ in range(repeat):
-        runs.append(defaultdict(list))
-        vm["main"](*args)
-    groups = {group for run in runs for group in run}
-    return {group: (len(runs[0][group]), statistics.median(sum(run[group]) for run in runs) * 1e3)
-            for group in groups}
+    def run(self) -> None:
+        """One timed run of `main`."""
+        self.runs.append(defaultdict(list))
+        self.vm["main"](*self.args)
+
+    def times(self) -> dict[str, tuple[int, float]]:
+        """Per call group: calls per run and median ms per run."""
+        groups = {group for run in self.runs for group in run}
+        return {group: (len(self.runs[0][group]), statistics.median(sum(run[group]) for run in self.runs) * 1e3)
+                for group in groups}
 
 
 @dataclass(frozen=True)
@@ -85,10 +105,11 @@ def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), t
     """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group, worst penalty first."""
     if not dtypes:
         raise OptionError("profile needs at least one dtype")
-    inputs = example_inputs(mod)
-    return profile_rows({dtype: call_times(build(variant(mod, dtype), target, fast_math=fast_math,
-                                                 conv_layout=conv_layout), inputs, repeat)
-                         for dtype in dtypes})
+    if repeat < 1:
+        raise OptionError(f"repeat must be at least 1, got {repeat}")
+    executables = {dtype: build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout)
+                   for dtype in dtypes}
+    return profile_rows(call_times(executables, example_inputs(mod), repeat))
 
 
 def profile_rows(measured: dict[str, dict[str, tuple[int, float]]]) -> list[ProfileRow]:

@@ -199,7 +199,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
             result.agreement = _int8_agreement(name, tiny, executables[BASELINE], {
                 f"relay_amp {QUANTIZED}": _relay_runner_on(executables[QUANTIZED]), ORT_INT8: _ort_runner_on(ort_int8)})
     if "bfloat16" in executables:
-        rows = profile_rows({d: call_times(executables[d], inputs) for d in (BASELINE, "bfloat16")})
+        rows = profile_rows(call_times({d: executables[d] for d in (BASELINE, "bfloat16")}, inputs))
         result.slow_paths = slow_paths(rows)
     return result
 

@@ -6,7 +6,9 @@ import pytest
 
 from relay_amp import OptionError, models
 from relay_amp.tools.cli import main
-from relay_amp.tools.profile import call_group, format_profile, profile, profile_to_json
+from relay_amp.compile.build import build
+from relay_amp.tools import profile as profile_module
+from relay_amp.tools.profile import call_group, call_times, format_profile, profile, profile_to_json
 
 
 @pytest.mark.parametrize("symbol, group", [
@@ -33,6 +35,18 @@ def test_profile_lines_up_dtype_variants_worst_penalty_first():
     table = format_profile(rows, ["float32", "bfloat16"], top=3)
     assert "bfloat16 / float32" in table and table.splitlines()[-1].startswith("total")
     assert json.loads(profile_to_json(rows, model="small_cnn"))["rows"][0]["group"] == rows[0].group
+
+
+def test_call_times_run_the_variants_in_turn_rotating_the_first(monkeypatch):
+    order = []
+    timed_run = profile_module._CallTimer.run
+    monkeypatch.setattr(profile_module._CallTimer, "run", lambda self: (order.append(id(self)), timed_run(self)))
+    mod = models.small_cnn()
+    executable = build(mod, "cpu")
+    times = call_times({"a": executable, "b": executable}, models.example_inputs(mod), repeat=3, warmup=0)
+    first, second = order[:2]
+    assert first != second and order == [first, second, second, first, first, second]
+    assert set(times) == {"a", "b"} and times["a"].keys() == times["b"].keys()
 
 
 def test_profile_needs_a_dtype_and_a_positive_repeat():
