@@ -273,6 +273,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     pairs = positions // sharing * pairs_per_weight
     per_chunk = -(-pairs // _chunks(pairs, panels))
     chunks = -(-pairs // per_chunk)
+    pixels_first = kernels.pixels_outermost(spec)
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
             T.func_name("main")
@@ -290,7 +291,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                     T.reads([buffer[tuple(slice(0, d) for d in buffer.shape)] for buffer in (data, packed, *operands)])
                     T.writes(out[tuple(slice(0, d) for d in out_shape)])
                     acc = T.alloc_buffer((2, rows, block), product.acc_dtype)
-                    panel, start = item // chunks, item % chunks * per_chunk
+                    panel, start = _item_panel_and_start(item, panels, chunks, per_chunk, pixels_first)
                     channel = _panel_channel(panel, out_shape[3])
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_config", T.int64(rows),
                                              T.int64(tiles.step_bytes)))
@@ -308,6 +309,14 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                                         (rows, panel * block))
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_release"))
     return builder.get()
+
+
+def _item_panel_and_start(item, panels: int, chunks: int, per_chunk: int, pixels_first: bool) -> tuple:
+    """The weight panel and first tile pair of parallel item `item`: consecutive items take one run of pixels
+    through every panel where `kernels.pixels_outermost` says so, else one panel through every run."""
+    if pixels_first:
+        return item % panels, item // panels * per_chunk
+    return item // chunks, item % chunks * per_chunk
 
 
 def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_inputs: list, weight_panel):

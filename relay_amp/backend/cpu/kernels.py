@@ -362,11 +362,18 @@ def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
 
 
 def pixels_outermost(spec: ConvSpec) -> bool:
-    """Whether the kernel's parallel tiles take pixels outermost: where the whole packed weight fits in CACHE_BYTES,
-    each pixel tile reads it from L2 and data, residual and output stream once, in whole pixel rows. A larger
-    weight takes output-channel panels outermost, so that one panel stays in L2 while every pixel streams past."""
-    weight_elements = spec.out_channels * math.prod(spec.kernel_size) * spec.data_shape[-1]
-    return weight_elements * tvm.DataType(spec.dot.b_dtype).bits // 8 <= CACHE_BYTES
+    """Whether a kernel's parallel tiles take pixels outermost: where the packed weight is no larger than the data
+    (one image's, with a weight per image) and fits in CACHE_BYTES, each thread streams its pixels once, in whole
+    pixel rows of data, residual and output, and reads the weight from L2. Otherwise output-channel panels go
+    outermost, so each thread streams only its share of the weight, which is then the larger read: a layer's
+    weight arrives from memory, not from cache, at every inference."""
+    weight_bytes = spec.out_channels * math.prod(spec.kernel_size) * spec.data_shape[-1] * _bytes(spec.dot.b_dtype)
+    image = spec.data_shape[1:] if spec.weight_batch else spec.data_shape
+    return weight_bytes <= min(CACHE_BYTES, math.prod(image) * _bytes(spec.data_dtype))
+
+
+def _bytes(dtype: str) -> int:
+    return tvm.DataType(dtype).bits // 8
 
 
 def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, vectorize_copies: bool) -> None:

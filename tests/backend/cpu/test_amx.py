@@ -49,6 +49,11 @@ def test_kernel_uses_tiles_and_matches_numpy(case):
     assert max_relative_error(got, reference_conv(data, weight, spec)) <= tolerance
 
 
+def test_the_cases_take_both_parallel_orders():
+    """Runs of pixel tiles through every panel (a weight no larger than the data) and panels through every run."""
+    assert {kernels.pixels_outermost(spec) for spec in CASES.values()} == {True, False}
+
+
 def test_an_overlapping_last_panel_stores_its_own_channels_through_the_epilogue():
     """80 channels: the third block computes channels 48-79 and stores 64-79, each with its own bias and residual."""
     spec = kernels.ConvSpec((1, 1, 32, 64), (1, 1), 80)

@@ -18,7 +18,10 @@ CASES = {
     "int8_conv_stride2": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32"), "avx512_vnni"),
     "uint8_conv": (kernels.ConvSpec((2, 6, 6, 4), (3, 3), 16, (1, 1), "uint8", "int32"), "avx512_vnni"),
     "fp32_conv": (kernels.ConvSpec((1, 8, 8, 5), (3, 3), 32, (1, 1), "float32", "float32"), "avx512f"),
-    # a 557 KB weight: output-channel panels outermost (every case above takes pixel tiles outermost)
+    # pixel tiles outermost: a 4 KB weight over 14 KB of data (the cases above: panels, their weights outweigh it)
+    "fp32_matmul_pixels_first": (kernels.ConvSpec((1, 8, 14, 32), (1, 1), 32, (1, 1), "float32", "float32"),
+                                 "avx512f"),
+    # a 557 KB weight: output-channel panels outermost
     "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
                                  "avx512f"),
 }
@@ -47,12 +50,18 @@ def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     assert max_relative_error(tensors[-1].numpy(), reference_conv(data, weight, spec)) <= tolerance
 
 
-def test_pixel_tiles_go_outermost_only_when_the_whole_weight_fits_in_cache():
+def test_pixel_tiles_go_outermost_only_when_the_weight_fits_in_cache_and_is_no_larger_than_the_data():
     assert kernels.pixels_outermost(kernels.ConvSpec((1, 56, 56, 64), (1, 1), 256, data_dtype="float32"))  # 64 KB
-    assert kernels.pixels_outermost(kernels.ConvSpec((1, 7, 7, 512), (1, 1), 512, data_dtype="bfloat16"))  # 512 KB
-    assert not kernels.pixels_outermost(kernels.ConvSpec((1, 7, 7, 512), (1, 1), 512, data_dtype="float32"))
-    assert not kernels.pixels_outermost(CASES["fp32_matmul_large_weight"][0])
-    assert all(kernels.pixels_outermost(spec) for name, (spec, _) in CASES.items() if "large" not in name)
+    assert kernels.pixels_outermost(kernels.ConvSpec((1, 28, 28, 512), (1, 1), 512, data_dtype="bfloat16"))  # 512 KB
+    assert not kernels.pixels_outermost(kernels.ConvSpec((1, 28, 28, 512), (1, 1), 512, data_dtype="float32"))
+    assert not kernels.pixels_outermost(CASES["fp32_matmul_large_weight"][0])  # 557 KB
+    # ViT-S/16's projections: a 295 KB weight read by 197 tokens (151 KB)
+    assert not kernels.pixels_outermost(kernels.ConvSpec((1, 208, 1, 384), (1, 1), 384, data_dtype="bfloat16"))
+    # attention's P.V: a weight (27 KB) per head, one head's data (27 KB)
+    assert kernels.pixels_outermost(kernels.ConvSpec((6, 208, 1, 64), (1, 1), 64, data_dtype="bfloat16",
+                                                     weight_batch=6))
+    assert not kernels.pixels_outermost(CASES["bf16_matmul"][0])  # a 6 KB weight over 3 KB of data
+    assert kernels.pixels_outermost(CASES["fp32_matmul_pixels_first"][0])
 
 
 def test_packing_does_not_depend_on_the_source_layout():
