@@ -145,16 +145,17 @@ class ContractionRule(_CpuRule):
                 return None
         producers = _unless_inlined_window_padding(sch, found.block)
         _inline_epilogue(sch, found.block)
-        leftover = {sch.get(block).name_hint for block in sch.get_consumers(found.block)}  # a pad of the output
+        consumer_names = {sch.get(block).name_hint for block in sch.get_consumers(found.block)}  # a pad of the output
         _tile(sch, found)  # which inlines what it can of them into its write-back
         leftover = [block for block in sch.get_child_blocks(sch.get_sblock("root"))
-                    if sch.get(block).name_hint in leftover and _is_spatial(sch.get(block))]
+                    if sch.get(block).name_hint in consumer_names and _is_spatial(sch.get(block))]
         for block in [*producers, *leftover]:
             schedule_injective(sch, block)
         return sch
 
 
 def _is_spatial(block: s_tir.SBlock) -> bool:
+    """Whether `block` reduces over nothing."""
     return all(iv.iter_type == tirx.IterVar.DataPar for iv in block.iter_vars)
 
 
@@ -182,8 +183,9 @@ def _unless_inlined_window_padding(sch: s_tir.Schedule, block) -> list:
 
 
 def _slides_small_window(block: s_tir.SBlock) -> bool:
-    """Whether `block` reduces over a window of at most MAX_WINDOW taps that slides with its outputs (an index
-    adds a reduction variable to an output one, as a depthwise conv's or a pool's does) and over nothing else."""
+    """Whether `block` reduces over at most MAX_WINDOW values along a window that slides with its outputs (an
+    index adds a reduction variable to an output one): a pool's, a depthwise conv's, a conv's over very few
+    channels; not a matmul's."""
     reduced = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     if not reduced or math.prod(_const(iv.dom.extent) for iv in reduced) > MAX_WINDOW:
         return False
