@@ -46,7 +46,13 @@ def call_op_name(expr: relax.Expr) -> str | None:
     return None
 
 
+def bound_call(mutator: relax.PyExprMutator, expr: relax.Expr, op_name: str) -> relax.Call | None:
+    """The call of `op_name` bound to the var `expr` (in `mutator`'s builder); None for anything else."""
+    bound = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+    return bound if call_op_name(bound) == op_name else None
+
+
 def sliced_by_binding(mutator: relax.PyExprMutator, expr: relax.Expr) -> relax.Expr | None:
     """What the strided_slice bound to the var `expr` (in `mutator`'s builder) slices; None for anything else."""
-    bound = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-    return bound.args[0] if call_op_name(bound) == "relax.strided_slice" else None
+    bound = bound_call(mutator, expr, "relax.strided_slice")
+    return None if bound is None else bound.args[0]

@@ -3,7 +3,7 @@
 from tvm import relax
 
 from relay_amp._ir import rewrite_function
-from relay_amp.ops import call_op_name, sliced_by_binding
+from relay_amp.ops import bound_call, call_op_name, sliced_by_binding
 
 from builders import single_output_module, tensor
 
@@ -25,3 +25,22 @@ def test_sliced_by_binding_names_what_a_bound_slice_reads_and_nothing_else():
     assert found["relax.exp"].same_as(x)  # exp reads a var bound to a slice of x
     assert found["relax.negative"] is None  # negative reads a var bound to exp
     assert found["relax.strided_slice"] is None  # x is a parameter: no binding
+
+
+def test_bound_call_finds_a_var_bound_to_a_call_of_the_op_named():
+    x = tensor("x", (4, 8))
+    mod = single_output_module(lambda x: relax.op.negative(relax.op.exp(x)), x)
+    found = {}
+
+    @relax.expr_functor.mutator
+    class Probe(relax.PyExprMutator):
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            new_call = super().visit_call_(call)
+            arg = new_call.args[0]
+            found[call_op_name(new_call)] = (bound_call(self, arg, "relax.exp"), bound_call(self, arg, "relax.add"))
+            return new_call
+
+    rewrite_function(Probe(mod), mod, "main")
+    exp_call, not_add = found["relax.negative"]
+    assert call_op_name(exp_call) == "relax.exp" and exp_call.args[0].same_as(x) and not_add is None
+    assert found["relax.exp"] == (None, None)  # x is a parameter: no binding

@@ -44,8 +44,7 @@ def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.n
     """Per variant, per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`.
     The variants run in turn, one run each, the first of each round rotating, so that the machine's drift (20-50%
     within minutes on a shared VM) falls on all of them alike rather than on whichever ran last."""
-    if repeat < 1:
-        raise OptionError(f"repeat must be at least 1, got {repeat}")
+    _check_repeat(repeat)
     timers = {name: _CallTimer(executable, inputs, warmup) for name, executable in executables.items()}
     order = list(timers)
     for round_index in range(repeat):
@@ -53,6 +52,11 @@ def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.n
         for name in order[shift:] + order[:shift]:
             timers[name].run()
     return {name: timer.times() for name, timer in timers.items()}
+
+
+def _check_repeat(repeat: int) -> None:
+    if repeat < 1:
+        raise OptionError(f"repeat must be at least 1, got {repeat}")
 
 
 class _CallTimer:
@@ -105,8 +109,7 @@ def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), t
     """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group, worst penalty first."""
     if not dtypes:
         raise OptionError("profile needs at least one dtype")
-    if repeat < 1:
-        raise OptionError(f"repeat must be at least 1, got {repeat}")
+    _check_repeat(repeat)  # before anything is built
     executables = {dtype: build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout)
                    for dtype in dtypes}
     return profile_rows(call_times(executables, example_inputs(mod), repeat))

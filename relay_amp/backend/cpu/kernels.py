@@ -367,13 +367,10 @@ def pixels_outermost(spec: ConvSpec) -> bool:
     pixel rows of data, residual and output, and reads the weight from L2. Otherwise output-channel panels go
     outermost, so each thread streams only its share of the weight, which is then the larger read: a layer's
     weight arrives from memory, not from cache, at every inference."""
-    weight_bytes = spec.out_channels * math.prod(spec.kernel_size) * spec.data_shape[-1] * _bytes(spec.dot.b_dtype)
+    weight = spec.out_channels * math.prod(spec.kernel_size) * spec.data_shape[-1]
+    weight_bytes = weight * tvm.DataType(spec.dot.b_dtype).itemsize
     image = spec.data_shape[1:] if spec.weight_batch else spec.data_shape
-    return weight_bytes <= min(CACHE_BYTES, math.prod(image) * _bytes(spec.data_dtype))
-
-
-def _bytes(dtype: str) -> int:
-    return tvm.DataType(dtype).bits // 8
+    return weight_bytes <= min(CACHE_BYTES, math.prod(image) * tvm.DataType(spec.data_dtype).itemsize)
 
 
 def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, vectorize_copies: bool) -> None:

@@ -18,7 +18,7 @@ from tvm import relax
 
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
-from ...ops import call_op_name, sliced_by_binding
+from ...ops import bound_call, call_op_name, sliced_by_binding
 from .schedules import ACCUMULATOR_LANES
 
 SOFTMAX_OPS = ("relax.nn.softmax", "relax.nn.log_softmax")
@@ -66,8 +66,8 @@ class _RowPadder(relax.PyExprMutator):
         """`call` (a matmul) on the padded softmax rows its first operand slices, through a cast or not, with as
         many zero rows added to its second operand; else `call`."""
         data, operand = call.args
-        cast = self.lookup_binding(data) if isinstance(data, relax.Var) else None
-        sliced = cast.args[0] if call_op_name(cast) == "relax.astype" else data
+        cast = bound_call(self, data, "relax.astype")
+        sliced = data if cast is None else cast.args[0]
         rows = sliced_by_binding(self, sliced)
         if rows not in self.padded_rows:  # its one slice is this pass's: the leading columns, the softmax's own
             return call

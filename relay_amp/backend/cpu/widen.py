@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, te, topi
 
 from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype
-from ...ops import call_op_name
+from ...ops import bound_call, call_op_name
 
 NARROW = "bfloat16"
 WIDE = "float32"
@@ -166,19 +166,15 @@ class _NarrowNormInputs(relax.PyExprMutator):
     def _narrow_source(self, data: relax.Expr) -> relax.Expr | None:
         """The bf16 tensor `data` is an fp32 cast of, where fusion would leave that cast a function of its own
         (the tensor is a kernel's output or a parameter, seen through reshapes), else None."""
-        bound = self._op_binding(data, "relax.astype")
+        bound = bound_call(self, data, "relax.astype")
         if bound is None or tensor_dtype(bound.args[0]) != NARROW or tensor_dtype(data) != WIDE:
             return None
         origin = bound.args[0]
-        while (reshape := self._op_binding(origin, "relax.reshape")) is not None:
+        while (reshape := bound_call(self, origin, "relax.reshape")) is not None:
             origin = reshape.args[0]
         producer = self.lookup_binding(origin) if isinstance(origin, relax.Var) else None
         fuses_casts = producer is not None and call_op_name(producer) != "relax.call_tir"  # a kernel fuses none
         return None if fuses_casts else bound.args[0]
-
-    def _op_binding(self, expr: relax.Expr, op_name: str) -> relax.Call | None:
-        bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-        return bound if call_op_name(bound) == op_name else None
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.NormsReadNarrow")
