@@ -12,7 +12,7 @@ the fast versions. The approximations stay within about 1e-6 relative of the exa
 import tvm
 from tvm import relax, te, topi
 
-from ..._ir import rewrite_function, tensor_dtype
+from ..._ir import get_function, rewrite_function, tensor_dtype
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from . import formula
 from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
@@ -27,22 +27,73 @@ SMALL_POWERS = {  # constant exponents computed without pow
 # the activations computed as one TE function each, by the formulas kernels' epilogues use (relay_amp.backend.cpu
 # .formula)
 ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu")
+# ops that compute each output element from the same element of their operands: a value read only by these, whose
+# results are in turn rounded to a narrow float, is itself kept only as accurately as that float
+ELEMENTWISE = (*formula.UNARY_OPS, *formula.BINARY_OPS, *ACTIVATIONS, "relax.astype", "relax.nn.relu", "relax.clip")
 
 
-def _in_fp32(op_name: str):
+def _in_fp32(op_name: str, rounded_to: str):
     """A TE function computing the activation `op_name` in fp32 with the fast polynomials, returning the input's
-    dtype."""
+    dtype; its exps only as accurate as `rounded_to` keeps them (see formula.rounded_to)."""
     def compute(x: te.Tensor) -> te.Tensor:
         wide = topi.cast(x, WIDE) if x.dtype != WIDE else x
-        result = formula.compute(formula.activation(op_name, formula.X, fast=True), wide)
+        result = formula.compute(formula.rounded_to(formula.activation(op_name, formula.X, fast=True), rounded_to),
+                                 wide)
         return topi.cast(result, x.dtype) if x.dtype != WIDE else result
     return compute
 
 
+def rounded_values(func: relax.Function) -> set[relax.Var]:
+    """The vars of `func` whose value is rounded to bfloat16 or float16 before anything needs it: every reader casts
+    it to one, or is an elementwise op whose result is in turn such a var."""
+    read_otherwise: set[relax.Var] = set()
+    rounded: set[relax.Var] = set()
+    relax.analysis.post_order_visit(func.body.body, lambda expr: _collect_var(read_otherwise, expr))
+    for binding in reversed([b for block in func.body.blocks for b in block.bindings]):
+        operands = _op_operands(binding.value)
+        keeps_rounding = _rounds(binding.value) or (
+            _is_elementwise(binding.value) and binding.var in rounded - read_otherwise)
+        (rounded if keeps_rounding else read_otherwise).update(operands)
+        relax.analysis.post_order_visit(
+            binding.value, lambda expr: expr in operands or _collect_var(read_otherwise, expr))
+    return rounded - read_otherwise
+
+
+def _op_operands(value: relax.Expr) -> set[relax.Var]:
+    """The vars a call of an op reads directly (none for anything else)."""
+    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+        return set()
+    return {arg for arg in value.args if isinstance(arg, relax.Var)}
+
+
+def _is_elementwise(value: relax.Expr) -> bool:
+    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in ELEMENTWISE
+
+
+def _rounds(value: relax.Expr) -> bool:
+    """Whether `value` is a cast to a narrow float."""
+    return _is_elementwise(value) and value.op.name == "relax.astype" and tensor_dtype(value) in LOW_FLOAT_DTYPES
+
+
+def _collect_var(found: set, expr: relax.Expr) -> None:
+    if isinstance(expr, relax.Var):
+        found.add(expr)
+
+
 @relax.expr_functor.mutator
 class _FastMathRewriter(relax.PyExprMutator):
-    """Replaces GELU, SiLU and sigmoid by fast fp32 TE functions, widens low-precision erf/exp/tanh and turns small
-    constant powers into multiplies."""
+    """Replaces GELU, SiLU and sigmoid by fast fp32 TE functions (their exps only as accurate as the narrow float
+    their result is rounded to, where it is), widens low-precision erf/exp/tanh and turns small constant powers into
+    multiplies."""
+
+    def __init__(self, mod: tvm.IRModule, func: str):
+        super().__init__(mod)
+        self.rounded = rounded_values(get_function(mod, func))
+        self.bound: relax.Var | None = None
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self.bound = binding.var
+        super().visit_var_binding_(binding)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
@@ -57,7 +108,8 @@ class _FastMathRewriter(relax.PyExprMutator):
             return new_call
         if name in ACTIVATIONS:
             hint = "fast_" + name.rpartition(".")[2]
-            return self.builder_.call_te(_in_fp32(name), new_call.args[0], primfunc_name_hint=hint)
+            rounded_to = LOW_FLOAT_DTYPES[0] if self.bound in self.rounded else dtype
+            return self.builder_.call_te(_in_fp32(name, rounded_to), new_call.args[0], primfunc_name_hint=hint)
         if name in WIDENED_OPS and dtype in LOW_FLOAT_DTYPES:
             wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))
             return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
@@ -83,4 +135,4 @@ class FastMath:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return relax.transform.FastMathTransform()(rewrite_function(_FastMathRewriter(mod), mod, self.func))
+        return relax.transform.FastMathTransform()(rewrite_function(_FastMathRewriter(mod, self.func), mod, self.func))

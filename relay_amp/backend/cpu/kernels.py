@@ -131,7 +131,7 @@ class Epilogue:
                 value = _clamped(value, step.low, step.high)
                 continue
             if step.kind == MAP:
-                value = formula.expression(step.formula, value)
+                value = formula.expression(formula.rounded_to(step.formula, out_dtype), value)
                 continue
             operand = tvm.tirx.Cast(WIDE, operand_at(taken, step))
             taken += 1

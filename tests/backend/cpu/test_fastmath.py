@@ -141,3 +141,36 @@ def test_small_constant_powers_become_multiplies(exponent, expected_ops):
     x = np.linspace(0.1, 4, 256, dtype="float32").reshape(4, 64)
     got = run_executable(build(before, "cpu"), [x])[0]
     np.testing.assert_allclose(got, x.astype("float64") ** exponent, rtol=1e-6)  # one or two fp32 roundings
+
+
+@I.ir_module
+class Rounded:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32")):
+        with R.dataflow():
+            gate = R.sigmoid(x)
+            silu = R.multiply(x, gate)
+            narrow = R.astype(silu, "bfloat16")  # gate and silu are rounded to bf16 before anything reads them
+            reduced = R.sigmoid(x)
+            mean = R.mean(reduced, axis=[1], keepdims=True)  # a reduction reads this one
+            returned = R.sigmoid(x)
+            gv = (narrow, mean, returned)
+            R.output(gv)
+        return gv
+
+
+def test_values_rounded_to_a_narrow_float_are_found_through_elementwise_readers():
+    assert {var.name for var in fastmath.rounded_values(Rounded["main"])} == {"gate", "silu"}
+
+
+def test_only_activations_rounded_to_a_narrow_float_take_the_narrow_exp():
+    after = fastmath.FastMath()(Rounded)
+    relax.analysis.well_formed(after)
+    sigmoids = [func.script() for gv, func in after.functions_items() if "fast_sigmoid" in gv.name_hint]
+    assert sorted("narrow_exp" in text for text in sigmoids) == [False, True]  # the builder shares the fp32 one
+    x = np.linspace(-6, 6, 256, dtype="float32").reshape(4, 64)
+    narrow, mean, returned = run_executable(build(Rounded, "cpu"), [x])
+    silu = EXACT["silu"](x.astype("float64"))
+    assert np.all(np.abs(narrow.astype("float64") - silu) <= RELATIVE["bfloat16"] * np.abs(silu))
+    np.testing.assert_allclose(returned, EXACT["sigmoid"](x.astype("float64")), rtol=TOLERANCE)
+    np.testing.assert_allclose(mean[:, 0], EXACT["sigmoid"](x.astype("float64")).mean(axis=1), rtol=TOLERANCE)

@@ -88,3 +88,26 @@ def test_casts_between_floats_pass_the_value_on():
     x = tensor("x", VALUES.shape)
     cast = relax.BlockBuilder().normalize(relax.op.astype(x, "bfloat16"))
     assert formula.of_call(cast, {x: X}, True) == X
+
+
+def test_the_narrow_exp_is_within_its_bound_and_saturates_like_fast_exp():
+    values = np.concatenate([np.linspace(-87.0, 88.0, 20001), [-200.0, 0.0, 200.0]]).astype("float32")
+    data = te.placeholder(values.shape, "float32", "data")
+    out = formula.PRIMITIVES["narrow_exp"](data)
+    lib = tvm.compile(tvm.IRModule({"main": te.create_prim_func([data, out])}), "llvm")
+    result = tvm.runtime.tensor(np.zeros_like(values))
+    lib["main"](tvm.runtime.tensor(values), result)
+    got = result.numpy().astype("float64")
+    assert np.abs(got[:-3] / np.exp(values[:-3].astype("float64")) - 1.0).max() <= 1e-5  # float16's half ulp: 4.9e-4
+    assert got[-3] == 0.0 and got[-2] == 1.0 and got[-1] == np.inf
+
+
+def test_exps_rounded_to_a_narrow_float_take_the_narrow_polynomial():
+    silu = formula.activation("relax.nn.silu", X, fast=True)
+    for dtype in ("bfloat16", "float16"):
+        narrowed = formula.rounded_to(silu, dtype)
+        assert "narrow_exp" in str(narrowed) and "fast_exp" not in str(narrowed)
+        np.testing.assert_allclose(_evaluate(narrowed), REFERENCE["relax.nn.silu"], rtol=1e-5, atol=1e-6)
+    assert formula.rounded_to(silu, "float32") == silu
+    exact = formula.activation("relax.nn.silu", X, fast=False)
+    assert formula.rounded_to(exact, "bfloat16") == exact  # only the fast polynomial has a narrow one

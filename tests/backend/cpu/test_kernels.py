@@ -8,7 +8,7 @@ from tvm.s_tir import meta_schedule as ms
 
 import relay_amp
 from relay_amp import targets
-from relay_amp.backend.cpu import kernels
+from relay_amp.backend.cpu import formula, kernels
 
 from conv_cases import max_relative_error, random_operands, reference_conv
 
@@ -134,3 +134,14 @@ def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_fu
     k = te.reduce_axis((0, 16), "k")
     matmul = te.compute((16, 16), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k))
     assert kernels.DotKernelRule().apply(te.create_prim_func([a, b, matmul]), target, False) is None
+
+
+def test_an_epilogue_stored_in_bf16_computes_its_exps_to_bf16s_accuracy():
+    silu = formula.activation("relax.nn.silu", formula.X, fast=True)
+    epilogue = kernels.Epilogue(steps=(kernels.Step(kernels.MAP, formula=silu),))
+    accumulator = tvm.tirx.Var("accumulator", "float32")
+    for out_dtype in ("bfloat16", "float32"):
+        expected = formula.expression(formula.rounded_to(silu, out_dtype), tvm.tirx.Cast("float32", accumulator))
+        tvm.ir.assert_structural_equal(epilogue.apply(accumulator, out_dtype, None),
+                                       tvm.tirx.Cast(out_dtype, expected))
+    assert formula.rounded_to(silu, "bfloat16") != silu
