@@ -33,21 +33,24 @@ APPROXIMATED = ("erf", "exp", "tanh")  # the primitives with a fast_ version
 # relative error, 7e-6 in fp32 arithmetic (fast_exp's degree 7: 1e-7; float16's half ulp: 4.9e-4). A degree 3, at
 # 1.2e-4, biased a bf16 EfficientNet-B0's output 30% further from fp32's than fast_exp did.
 NARROW_EXP_POLYNOMIAL = (0.99996366, 0.50002222, 0.16790617, 0.04158984)
-EXP_LIMIT = 88.3762626647950  # |x| past which e^x leaves fp32's normal range (fast_exp's clamp)
+NARROW_EXP_LIMIT = 88.0  # |x| clamped so that n stays within [-127, 127]: 2^n's exponent field within [0, 254]
+ROUNDING_MAGIC = 1.5 * 2 ** 23 + 127  # a float whose ulp is 1: adding it rounds to an integer, offset by 127
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def _narrow_exp(x: te.Tensor) -> te.Tensor:
-    """e^x for results rounded to a narrow float: 2^n by the exponent bits times e^f by NARROW_EXP_POLYNOMIAL."""
+    """e^x for results rounded to a narrow float: 2^n times e^f by NARROW_EXP_POLYNOMIAL, n rounded by adding
+    ROUNDING_MAGIC, whose low mantissa bits then hold n + 127, the exponent field of 2^n (no floor, no conversion)."""
     def element(*index):
-        value = te.max(te.min(x(*index), _wide(EXP_LIMIT)), _wide(-EXP_LIMIT))
-        whole = tvm.tirx.floor(value * _wide(LOG2E) + _wide(0.5))
+        value = te.max(te.min(x(*index), _wide(NARROW_EXP_LIMIT)), _wide(-NARROW_EXP_LIMIT))
+        rounded = value * _wide(LOG2E) + _wide(ROUNDING_MAGIC)
+        bits = tvm.tirx.reinterpret("int32", rounded)
+        whole = tvm.tirx.reinterpret(WIDE, bits) - _wide(ROUNDING_MAGIC)  # as bits, or TVM folds the magic away
         fraction = value - whole * _wide(LN2)
         power = _wide(NARROW_EXP_POLYNOMIAL[-1])
         for coefficient in (*reversed(NARROW_EXP_POLYNOMIAL[:-1]), 1.0):
             power = power * fraction + _wide(coefficient)
-        exponent = tvm.tirx.Cast("int32", whole + _wide(127.0)) << 23
-        return power * tvm.tirx.reinterpret(WIDE, exponent)
+        return power * tvm.tirx.reinterpret(WIDE, bits << 23)
     return te.compute(x.shape, element, name="narrow_exp")
 
 
