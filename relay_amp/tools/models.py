@@ -155,6 +155,29 @@ def linear(batch: int = 1, size: int = 4096, seed: int = 0) -> tvm.IRModule:
     return _projection(batch, size, seed)
 
 
+def _runtime_matmul(batch: int, rows: int, depth: int, columns: int) -> tvm.IRModule:
+    """main(a: batch x rows x depth, b: batch x depth x columns) = a @ b, both operands runtime tensors."""
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((batch, rows, depth), "float32"))
+    b = relax.Var("b", relax.TensorType((batch, depth, columns), "float32"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(R.matmul(a, b))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def attention_scores(batch: int = 1, heads: int = 12, tokens: int = 197, head_size: int = 64) -> tvm.IRModule:
+    """Attention's Q.K^T as a matmul of two runtime tensors: (batch*heads) x tokens x head_size by x head_size x
+    tokens (ViT-B/16's shape by default)."""
+    return _runtime_matmul(batch * heads, tokens, head_size, tokens)
+
+
+def runtime_matmul(batch: int = 1, size: int = 1024) -> tvm.IRModule:
+    """One batch x size x size by batch x size x size matmul whose operands are both runtime tensors."""
+    return _runtime_matmul(batch, size, size, size)
+
+
 def resnet18_conv(batch: int = 1, channels: int = 128, image_size: int = 28, seed: int = 0) -> tvm.IRModule:
     """One 3x3 conv layer of ResNet-18's second stage (128 channels at 28x28) with its ReLU."""
     bb = relax.BlockBuilder()
@@ -174,6 +197,8 @@ MODELS: dict[str, Callable[..., tvm.IRModule]] = {
     "bert": bert_encoder,
     "matmul": matmul,
     "linear": linear,
+    "attention_scores": attention_scores,
+    "runtime_matmul": runtime_matmul,
 }
 
 

@@ -16,6 +16,8 @@ from relay_amp import models
         ("resnet18", {"image_size": 32, "classes": 7}, (1, 7)),
         ("bert", {"seq_len": 16, "layers": 2}, (1, 16, 256)),
         ("linear", {"batch": 2, "size": 64}, (2, 64)),
+        ("attention_scores", {"heads": 2, "tokens": 5, "head_size": 8}, (2, 5, 5)),
+        ("runtime_matmul", {"batch": 2, "size": 16}, (2, 16, 16)),
     ],
 )
 def test_model_is_deterministic_well_formed_and_runs(name, options, out_shape):
@@ -41,3 +43,10 @@ def test_example_inputs_match_parameter_types():
 def test_unknown_model_name_is_an_option_error():
     with pytest.raises(relay_amp.OptionError, match="vgg"):
         models.get_model("vgg")
+
+
+def test_runtime_matmuls_take_both_operands_as_inputs():
+    mod = models.attention_scores(heads=2, tokens=5, head_size=8)
+    a, b = models.example_inputs(mod)
+    assert a.shape == (2, 5, 8) and b.shape == (2, 8, 5)
+    np.testing.assert_allclose(relay_amp.run(mod, [a, b])[0], a @ b, rtol=1e-5, atol=1e-5)
