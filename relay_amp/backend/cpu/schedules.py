@@ -263,7 +263,7 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     row = _extent(sch, loops[-1]) or 0
     if len(loops) > 1 and row >= ACCUMULATOR_LANES:
         sch.parallel(sch.fuse(*loops[:-1]))
-        sch.vectorize(sch.split(loops[-1], [None, _row_lanes(row)])[1])
+        _vectorize_whole_vectors(sch, loops[-1], row)
         return
     if len(loops) > 1 and not _reads_in_own_layout(sch, block):
         sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
@@ -277,6 +277,17 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     outer, inner = sch.split(fused, [None, ACCUMULATOR_LANES])
     sch.parallel(outer)
     sch.vectorize(inner)
+
+
+def _vectorize_whole_vectors(sch: s_tir.Schedule, loop, row: int) -> None:
+    """Vectorize a row loop of `row` elements by `_row_lanes`; a row off whole vectors (197 tokens, a depth padded
+    to 198) is partitioned first, its whole vectors in one loop and the rest in a serial one: split with a partial
+    last vector, the predicate it needs made TVM's vectorizer scalarize every lane of the row."""
+    lanes = _row_lanes(row)
+    whole = row - row % lanes
+    if whole < row:
+        loop = sch.loop_partition(loop, [whole, None])[0]
+    sch.vectorize(sch.split(loop, [None, lanes])[1])
 
 
 def _row_lanes(row: int) -> int:

@@ -231,23 +231,46 @@ def _pad_rows_scheduled(x: T.Buffer((T.int64(3), T.int64(4), T.int64(19)), "floa
                         out: T.Buffer((T.int64(3), T.int64(4), T.int64(20)), "float32")):
     T.func_attr({"tirx.noalias": True})
     for row in T.parallel(T.int64(12)):
-        for column_block in range(T.int64(2)):
-            for column in T.vectorized(T.int64(16)):
-                with T.sblock("pad"):
-                    v0 = T.axis.spatial(T.int64(3), row // T.int64(4))
-                    v1 = T.axis.spatial(T.int64(4), row % T.int64(4))
-                    v2 = T.axis.spatial(T.int64(20), column_block * T.int64(16) + column)
-                    T.where(column_block * T.int64(16) + column < T.int64(20))
-                    T.reads(x[v0, v1, v2])
-                    T.writes(out[v0, v1, v2])
-                    out[v0, v1, v2] = T.if_then_else(v2 < T.int64(19), x[v0, v1, v2], T.float32(0.0))
+        with T.sblock("pad_ax2_common"):
+            T.reads()
+            T.writes()
+            with T.sblock("pad_ax20_partition"):
+                T.reads()
+                T.writes()
+                for column_block in range(T.int64(1)):
+                    for column in T.vectorized(T.int64(16)):
+                        with T.sblock("pad_ax20"):
+                            v0 = T.axis.spatial(T.int64(3), row // T.int64(4))
+                            v1 = T.axis.spatial(T.int64(4), row % T.int64(4))
+                            v2 = T.axis.spatial(T.int64(16), column_block * T.int64(16) + column)
+                            T.reads(x[T.int64(0):T.int64(3), T.int64(0):T.int64(4), T.int64(0):T.int64(16)])
+                            T.writes(out[T.int64(0):T.int64(3), T.int64(0):T.int64(4), T.int64(0):T.int64(16)])
+                            out[v0, v1, v2] = T.if_then_else(v2 < T.int64(19), x[v0, v1, v2], T.float32(0.0))
+            with T.sblock("pad_ax21_partition"):
+                T.reads()
+                T.writes()
+                for tail in range(T.int64(16), T.int64(20)):
+                    with T.sblock("pad_ax21"):
+                        v0 = T.axis.spatial(T.int64(3), row // T.int64(4))
+                        v1 = T.axis.spatial(T.int64(4), row % T.int64(4))
+                        v2 = T.axis.spatial((T.int64(16), T.int64(20)), tail)
+                        T.reads(x[T.int64(0):T.int64(3), T.int64(0):T.int64(4), T.int64(16):T.int64(20)])
+                        T.writes(out[T.int64(0):T.int64(3), T.int64(0):T.int64(4), T.int64(16):T.int64(20)])
+                        out[v0, v1, v2] = T.if_then_else(v2 < T.int64(19), x[v0, v1, v2], T.float32(0.0))
 
 
 def test_elementwise_rule_vectorizes_rows_off_whole_vectors_within_each_row():
     """20 columns (like ViT's 197 tokens): vectors of the flat index would straddle rows and gather lane by lane;
-    the rows run in parallel and each row's columns in vectors, the last one partial."""
+    the rows run in parallel, each row's whole vectors vectorized and the rest in a serial loop (a partial last
+    vector's predicate made TVM scalarize every lane)."""
     scheduled = schedules.ElementwiseRule().apply(_pad_rows, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _pad_rows_scheduled)
+    lib = tvm.compile(tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")}),
+                      target=targets.get_target("cpu"))
+    x = np.arange(3 * 4 * 19, dtype="float32").reshape(3, 4, 19)
+    out = tvm.runtime.tensor(np.full((3, 4, 20), -1.0, "float32"))
+    lib["main"](tvm.runtime.tensor(x), out)
+    np.testing.assert_array_equal(out.numpy(), np.pad(x, ((0, 0), (0, 0), (0, 1))))
 
 
 @T.prim_func(private=True, s_tir=True)
