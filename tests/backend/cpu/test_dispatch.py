@@ -204,14 +204,25 @@ def _attention_scores(dtype: str, heads: int = 2, tokens: int = 16, width: int =
 
 
 def test_runtime_operands_are_packed_by_relax_ops_for_a_per_head_kernel():
-    after = dispatch.UseDotKernels({BF16})(_attention_scores(BF16))
+    after = dispatch.UseDotKernels({BF16})(_attention_scores(BF16, tokens=32))
     calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
     assert [c.op.name for c in calls] == ["relax.permute_dims", "relax.reshape", "relax.permute_dims",
                                           "relax.reshape", "relax.reshape", "relax.call_tir", "relax.reshape"]
     packed = calls[5].args[1].fields[1]
-    assert [int(d) for d in packed.ty.shape.values] == [2, 1, 1, 1, 16, 16, 2]  # heads, N/16, 1, 1, K/2, 16, 2
+    assert [int(d) for d in packed.ty.shape.values] == [2, 2, 1, 1, 16, 16, 2]  # heads, N/16, 1, 1, K/2, 16, 2
     kernel = after["relay_amp_dot_kernel1"]
-    assert [int(d) for d in kernel.params[1].shape] == [2, 1, 1, 1, 16, 16, 2]  # one packed weight per head
+    assert [int(d) for d in kernel.params[1].shape] == [2, 2, 1, 1, 16, 16, 2]  # one packed weight per head
+
+
+@pytest.mark.parametrize("dtype, amx_dtypes, columns", [
+    (BF16, set(), 32),  # a dot-product instruction's tile shares each broadcast between two 16-lane columns
+    ("float32", set(), 16),  # fp32 FMAs measured slower so
+    (BF16, {BF16}, 16),  # AMX tiles take 16-column blocks
+])
+def test_a_runtime_width_is_padded_to_the_kernels_column_block(dtype, amx_dtypes, columns):
+    scores = _attention_scores(dtype, tokens=16, out_dtype="float32")
+    after = dispatch.UseDotKernels({dtype}, amx_dtypes=amx_dtypes)(scores)
+    assert int(after["relay_amp_dot_kernel1"].params[1].ty.shape[1]) * 16 == columns
     relax.analysis.well_formed(after)
 
 
@@ -222,13 +233,13 @@ def test_a_runtime_matmul_broadcast_against_a_2d_operand_is_left_alone():
 
 
 def test_a_runtime_depth_off_the_group_gets_a_zero_column_and_a_zero_row():
-    after = dispatch.UseDotKernels({BF16})(_attention_scores(BF16, width=33))  # Q.K^T over 33: P.V over 197 alike
+    after = dispatch.UseDotKernels({BF16})(_attention_scores(BF16, tokens=32, width=33))  # P.V over 197 alike
     pads = [b.value for b in after["main"].body.blocks[0].bindings
             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.nn.pad"]
     assert [[int(w) for w in pad.attrs.pad_width] for pad in pads] == [[0, 0, 0, 0, 0, 0, 0, 1],  # Q: 33 -> 34
                                                                        [0, 0, 0, 0, 0, 1, 0, 0]]  # K^T: 33 -> 34
     kernel = after["relay_amp_dot_kernel1"]
-    assert [int(d) for d in kernel.params[1].shape] == [2, 1, 1, 1, 17, 16, 2]  # heads, N/16, 1, 1, 34/2, 16, 2
+    assert [int(d) for d in kernel.params[1].shape] == [2, 2, 1, 1, 17, 16, 2]  # heads, N/16, 1, 1, 34/2, 16, 2
     relax.analysis.well_formed(after)
 
 
@@ -311,11 +322,11 @@ def test_built_runtime_matmul_on_amx_matches_exact_products(dtype, tokens, toler
 
 
 def test_signed_int8_runtime_operands_get_run_time_weight_sums():
-    after = dispatch.UseDotKernels({"int8"})(_attention_scores("int8"))
+    after = dispatch.UseDotKernels({"int8"})(_attention_scores("int8", tokens=32))
     calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
     kernel_call = next(c for c in calls if c.op.name == "relax.call_tir")
     sums = kernel_call.args[1].fields[2]
-    assert [int(d) for d in sums.ty.shape.values] == [2, 16] and tensor_dtype(sums) == "int32"  # per head, column
+    assert [int(d) for d in sums.ty.shape.values] == [2, 32] and tensor_dtype(sums) == "int32"  # per head, column
     assert "relax.sum" in [c.op.name for c in calls]
 
 
