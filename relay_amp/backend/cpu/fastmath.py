@@ -11,8 +11,9 @@ the fast versions. The approximations stay within about 1e-6 relative of the exa
 
 import tvm
 from tvm import relax, te, topi
+from tvm.relax import dpl
 
-from ..._ir import get_function, rewrite_function, tensor_dtype
+from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from . import formula
 from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
@@ -30,6 +31,23 @@ ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn
 # ops that compute each output element from the same element of their operands: a value read only by these, whose
 # results are in turn rounded to a narrow float, is itself kept only as accurately as that float
 ELEMENTWISE = (*formula.UNARY_OPS, *formula.BINARY_OPS, *ACTIVATIONS, "relax.astype", "relax.nn.relu", "relax.clip")
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.SiluSpelledOut")
+def silu_spelled_out(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+    """x * sigmoid(x), the exporters' SiLU, as one nn.silu (computed x / (1 + e^-x): a multiply fewer than
+    1 / (1 + e^-x) times x, and one rounding fewer), where the sigmoid has no other reader."""
+    value = dpl.wildcard()
+    gate = dpl.is_op("relax.sigmoid")(value)
+    product = dpl.is_op("relax.multiply")(value, gate) | dpl.is_op("relax.multiply")(gate, value)
+    bound_to = {binding.value: binding.var for block in func.body.blocks for binding in block.bindings}
+    reads = read_counts(func)
+
+    def rewrite(call: relax.Call, matched: dict) -> relax.Expr:
+        gate_var = bound_to.get(matched[gate])
+        return relax.op.nn.silu(matched[value]) if gate_var is not None and reads[gate_var] == 1 else call
+
+    return dpl.rewrite_call(product, rewrite, func)
 
 
 def _in_fp32(op_name: str, rounded_to: str):
@@ -135,4 +153,6 @@ class FastMath:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return relax.transform.FastMathTransform()(rewrite_function(_FastMathRewriter(mod, self.func), mod, self.func))
+        spelled = silu_spelled_out(mod)
+        return relax.transform.FastMathTransform()(rewrite_function(_FastMathRewriter(spelled, self.func), spelled,
+                                                                    self.func))

@@ -102,7 +102,7 @@ def activation(op_name: str, x: tuple, fast: bool) -> "tuple | None":
         kind = UNARY_OPS[op_name]
         return (name.get(kind, kind), x)
     builders = {"relax.sigmoid": lambda: _sigmoid(x, name["exp"]),
-                "relax.nn.silu": lambda: ("multiply", x, _sigmoid(x, name["exp"])),
+                "relax.nn.silu": lambda: ("divide", x, ("add", (name["exp"], ("negative", x)), const(1.0))),
                 "relax.nn.gelu": lambda: _gelu(x, name["erf"]),
                 "relax.nn.gelu_tanh": lambda: _gelu_tanh(x, name["tanh"]),
                 "relax.nn.relu": lambda: ("maximum", x, const(0.0))}
@@ -138,8 +138,18 @@ def of_call(call: relax.Expr, known: dict, fast: bool) -> "tuple | None":
     if None in operands or all(operand[0] == "const" for operand in operands):
         return None
     if len(operands) == 2 and name in BINARY_OPS:
-        return (BINARY_OPS[name], *operands)
+        return _over_reciprocal(BINARY_OPS[name], *operands)
     return activation(name, operands[0], fast) if len(operands) == 1 else None
+
+
+def _over_reciprocal(kind: str, left: tuple, right: tuple) -> tuple:
+    """`kind` of two formulas, a product with a reciprocal (x * sigmoid(x)) as a quotient: one op and one rounding
+    fewer."""
+    if kind == "multiply":
+        for value, other in ((left, right), (right, left)):
+            if other[0] == "divide" and other[1] == const(1.0):
+                return ("divide", value, other[2])
+    return (kind, left, right)
 
 
 def _const_formula(expr: relax.Expr) -> "tuple | None":

@@ -133,7 +133,7 @@ def test_a_value_also_read_outside_the_epilogue_ends_the_chain_and_is_stored():
 
 
 # x * sigmoid(x) as formula.of_call reads it under fast math
-SILU = ("multiply", ("x",), ("divide", ("const", 1.0), ("add", ("fast_exp", ("negative", ("x",))), ("const", 1.0))))
+SILU = ("divide", ("x",), ("add", ("fast_exp", ("negative", ("x",))), ("const", 1.0)))  # x * sigmoid(x) as x / (...)
 
 
 def test_an_activation_reading_its_input_twice_becomes_one_map_step():

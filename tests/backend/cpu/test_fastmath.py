@@ -166,11 +166,49 @@ def test_values_rounded_to_a_narrow_float_are_found_through_elementwise_readers(
 def test_only_activations_rounded_to_a_narrow_float_take_the_narrow_exp():
     after = fastmath.FastMath()(Rounded)
     relax.analysis.well_formed(after)
-    sigmoids = [func.script() for gv, func in after.functions_items() if "fast_sigmoid" in gv.name_hint]
-    assert sorted("narrow_exp" in text for text in sigmoids) == [False, True]  # the builder shares the fp32 one
+    gates = [func.script() for gv, func in after.functions_items() if gv.name_hint.startswith("fast_si")]
+    assert sorted("narrow_exp" in text for text in gates) == [False, True]  # the silu; the fp32 sigmoid, shared
     x = np.linspace(-6, 6, 256, dtype="float32").reshape(4, 64)
     narrow, mean, returned = run_executable(build(Rounded, "cpu"), [x])
     silu = EXACT["silu"](x.astype("float64"))
     assert np.all(np.abs(narrow.astype("float64") - silu) <= RELATIVE["bfloat16"] * np.abs(silu))
     np.testing.assert_allclose(returned, EXACT["sigmoid"](x.astype("float64")), rtol=TOLERANCE)
     np.testing.assert_allclose(mean[:, 0], EXACT["sigmoid"](x.astype("float64")).mean(axis=1), rtol=TOLERANCE)
+
+
+@I.ir_module
+class SpelledSilu:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), y: R.Tensor((4, 64), "float32")):
+        with R.dataflow():
+            gate = R.sigmoid(x)
+            silu = R.multiply(x, gate)  # the exporters' SiLU
+            shared = R.sigmoid(y)
+            product = R.multiply(shared, y)  # a SiLU whose gate another op reads too
+            gated = R.multiply(shared, x)
+            gv = (silu, product, gated)
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class OneSilu:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), y: R.Tensor((4, 64), "float32")):
+        with R.dataflow():
+            silu = R.nn.silu(x)
+            shared = R.sigmoid(y)
+            product = R.multiply(shared, y)
+            gated = R.multiply(shared, x)
+            gv = (silu, product, gated)
+            R.output(gv)
+        return gv
+
+
+def test_an_exported_silu_becomes_one_op_unless_its_gate_is_read_again():
+    assert_transforms(fastmath.silu_spelled_out, SpelledSilu, OneSilu)
+    x, y = (np.linspace(-6, 6, 256, dtype="float32").reshape(4, 64) * s for s in (1.0, -0.5))
+    silu, product, gated = run_executable(build(SpelledSilu, "cpu"), [x, y])
+    np.testing.assert_allclose(silu, EXACT["silu"](x.astype("float64")), rtol=TOLERANCE, atol=1e-7)
+    np.testing.assert_allclose(product, EXACT["silu"](y.astype("float64")), rtol=TOLERANCE, atol=1e-7)
+    np.testing.assert_allclose(gated, EXACT["sigmoid"](y.astype("float64")) * x, rtol=TOLERANCE, atol=1e-7)

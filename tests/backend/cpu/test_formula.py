@@ -111,3 +111,12 @@ def test_exps_rounded_to_a_narrow_float_take_the_narrow_polynomial():
     assert formula.rounded_to(silu, "float32") == silu
     exact = formula.activation("relax.nn.silu", X, fast=False)
     assert formula.rounded_to(exact, "bfloat16") == exact  # only the fast polynomial has a narrow one
+
+
+def test_a_product_with_a_reciprocal_is_a_quotient():
+    x, gate = tensor("x", VALUES.shape), tensor("gate", VALUES.shape)
+    sigmoid = formula.activation("relax.sigmoid", X, fast=True)
+    for call in (relax.op.multiply(x, gate), relax.op.multiply(gate, x)):  # x * sigmoid(x), in either order
+        made = formula.of_call(call, {x: X, gate: sigmoid}, True)
+        assert made == ("divide", X, sigmoid[2]) == formula.activation("relax.nn.silu", X, fast=True)
+    np.testing.assert_allclose(_evaluate(made), REFERENCE["relax.nn.silu"], rtol=1e-6, atol=2e-6)
