@@ -168,8 +168,8 @@ def _runtime_matmul(batch: int, rows: int, depth: int, columns: int) -> tvm.IRMo
 
 
 def attention_scores(batch: int = 1, heads: int = 12, tokens: int = 197, head_size: int = 64) -> tvm.IRModule:
-    """Attention's Q.K^T as a matmul of two runtime tensors: (batch*heads) x tokens x head_size by x head_size x
-    tokens (ViT-B/16's shape by default)."""
+    """Attention's Q.K^T as a matmul of two runtime tensors: (batch*heads) x tokens x head_size by (batch*heads) x
+    head_size x tokens (ViT-B/16's shape by default)."""
     return _runtime_matmul(batch * heads, tokens, head_size, tokens)
 
 

@@ -14,7 +14,7 @@ import tvm
 from tvm import relax, s_tir, te, topi
 
 from ..._ir import tensor_dtype
-from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
+from ...dtypes import MODEL_FLOAT_DTYPES
 
 WIDE = "float32"
 X = ("x",)
@@ -61,10 +61,9 @@ def _wide(value: float) -> tvm.ir.Expr:
 PRIMITIVES["narrow_exp"] = _narrow_exp
 
 
-def rounded_to(formula: tuple, dtype: str) -> tuple:
-    """`formula` with its fast exps only as accurate as a narrow float keeps them, where its result is rounded to
-    `dtype` and that is bfloat16 or float16; unchanged for any other dtype."""
-    return _renamed(formula, "fast_exp", "narrow_exp") if dtype in LOW_FLOAT_DTYPES else formula
+def narrowed(formula: tuple) -> tuple:
+    """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp)."""
+    return _renamed(formula, "fast_exp", "narrow_exp")
 
 
 def _renamed(formula: tuple, old: str, new: str) -> tuple:

@@ -33,6 +33,7 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
 from ..._ir import OPAQUE_PATTERN
+from ...dtypes import LOW_FLOAT_DTYPES
 from ...errors import DTypeError
 from ...serialization import dataclass_from_json
 from . import formula
@@ -131,7 +132,8 @@ class Epilogue:
                 value = _clamped(value, step.low, step.high)
                 continue
             if step.kind == MAP:
-                value = formula.expression(formula.rounded_to(step.formula, out_dtype), value)
+                narrow = out_dtype in LOW_FLOAT_DTYPES  # the result keeps no more than a narrow float's accuracy
+                value = formula.expression(formula.narrowed(step.formula) if narrow else step.formula, value)
                 continue
             operand = tvm.tirx.Cast(WIDE, operand_at(taken, step))
             taken += 1

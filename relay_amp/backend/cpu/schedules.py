@@ -252,8 +252,8 @@ def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share
 
 
 def schedule_injective(sch: s_tir.Schedule, block) -> None:
-    """Vectorize a spatial block's innermost axis by whole registers (or halves, see `_row_lanes`), the last one
-    partial where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index
+    """Vectorize a spatial block's innermost axis by whole registers (or halves, see `_row_lanes`), the rest in a
+    serial loop where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index
     would straddle rows there, and TVM computes each lane's address apart (a gather). A block with an innermost
     axis narrower than a register, or no other loop, is fused whole and vectorized where the lanes divide it, if
     it reads its operands in its own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded
@@ -292,8 +292,8 @@ def _vectorize_whole_vectors(sch: s_tir.Schedule, loop, row: int) -> None:
 
 def _row_lanes(row: int) -> int:
     """Lanes to vectorize a row of `row` elements by: whole 16-lane registers where they divide it, else 8-lane
-    halves where those do (24 or 40 channels), else 16 with the last vector partial (197 tokens). TVM's vectorizer
-    scalarizes a partial vector, lane by lane: a third of a 24-channel row."""
+    halves where those do (24 or 40 channels), else 16 with a serial rest (197 tokens, `_vectorize_whole_vectors`):
+    16 lanes over 24 channels would leave a third of the row serial."""
     half = ACCUMULATOR_LANES // 2
     return half if row % ACCUMULATOR_LANES and not row % half else ACCUMULATOR_LANES
 

@@ -140,8 +140,9 @@ def test_an_epilogue_stored_in_bf16_computes_its_exps_to_bf16s_accuracy():
     silu = formula.activation("relax.nn.silu", formula.X, fast=True)
     epilogue = kernels.Epilogue(steps=(kernels.Step(kernels.MAP, formula=silu),))
     accumulator = tvm.tirx.Var("accumulator", "float32")
-    for out_dtype in ("bfloat16", "float32"):
-        expected = formula.expression(formula.rounded_to(silu, out_dtype), tvm.tirx.Cast("float32", accumulator))
+    for out_dtype, computed in (("bfloat16", formula.narrowed(silu)), ("float16", formula.narrowed(silu)),
+                                ("float32", silu)):
+        expected = formula.expression(computed, tvm.tirx.Cast("float32", accumulator))
         tvm.ir.assert_structural_equal(epilogue.apply(accumulator, out_dtype, None),
                                        tvm.tirx.Cast(out_dtype, expected))
-    assert formula.rounded_to(silu, "bfloat16") != silu
+    assert formula.narrowed(silu) != silu
