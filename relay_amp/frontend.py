@@ -10,6 +10,7 @@ import tvm
 
 from ._ir import clamps_as_max_min, fold_batch_norm
 from .errors import MissingDependencyError, ModelLoadError
+from .onnx_quantized import as_qdq
 
 
 def _load_onnx(model):
@@ -66,7 +67,7 @@ def _simplified(proto):
 
 def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.IRModule:
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants,
-    clamps (ReLU6) as maximum and minimum."""
+    clamps (ReLU6) as maximum and minimum, QOperator and integer ops as QDQ pairs around float ops."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -74,7 +75,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.
         import onnx
 
         onnx.checker.check_model(proto)
-        imported = relax_from_onnx(_simplified(proto), shape_dict=shape_dict, keep_params_in_input=False)
+        imported = relax_from_onnx(_simplified(as_qdq(proto)), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
     return clamps_as_max_min(imported)

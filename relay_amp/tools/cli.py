@@ -254,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--fallback", type=_dtype, default="bfloat16", help="dtype of everything not in int8")
     qz.add_argument("--dynamic-matmuls", action="store_true", help="matmuls scale activations per row at run time")
     qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
-    qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (QuantizeLinear/"
-                    "DequantizeLinear pairs, e.g. ONNX Runtime's static quantizer): run it on relay_amp's int8 "
-                    "layers with its own ranges, no calibration")
+    qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (ONNX Runtime's QDQ, "
+                    "QOperator or dynamic int8 files): run it on relay_amp's int8 layers with its own ranges, no "
+                    "calibration")
     qz.add_argument("--plan", help="write the quantization plan as JSON")
     qz.add_argument("-o", "--output", help="write the quantized module (TVM JSON, relay_amp.load reads it)")
 

@@ -9,6 +9,7 @@ from tvm import relax
 import relay_amp
 from relay_amp import DTypeError, ModuleError, OptionError, digits, metrics
 from relay_amp.passes.quantize import QuantEntry, QuantPlan
+from relay_amp.passes.quantize.plan import DYNAMIC
 from relay_amp.passes.quantize.qdq import code_range, strip_qdq
 
 from builders import tensor
@@ -50,6 +51,33 @@ def float_linear() -> tvm.IRModule:
 
 def test_strip_qdq_removes_activation_pairs_and_keeps_weight_dequantizes():
     assert_transforms(strip_qdq, qdq_linear(2 / 255, 0, "uint8"), float_linear())
+
+
+def dynamic_qdq_linear() -> tvm.IRModule:
+    """qdq_linear with the activation's scale computed at run time, as DynamicQuantizeLinear imports."""
+    bb = relax.BlockBuilder()
+    x = tensor("x", (4, 2))
+    zero = relax.const(0, "uint8")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            scale = bb.emit(relax.op.divide(relax.op.max(relax.op.abs(x)), relax.const(255.0)))
+            codes = bb.emit(relax.op.quantize(x, scale, zero, axis=0, out_dtype="uint8"))
+            real = bb.emit(relax.op.dequantize(codes, scale, zero, axis=1))
+            out = bb.emit_output(relax.op.matmul(real, bb.emit(_weight())))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_strip_qdq_removes_pairs_whose_scale_is_computed_at_run_time():
+    assert_transforms(strip_qdq, dynamic_qdq_linear(), float_linear())
+
+
+def test_a_pair_whose_scale_is_computed_at_run_time_makes_a_dynamic_matmul():
+    realized = relay_amp.realize_qdq(dynamic_qdq_linear(), fallback_dtype="float32")
+    [entry] = relay_amp.quant_plan(realized).entries
+    assert entry.dtype == DYNAMIC
+    plan = QuantPlan(["relax.nn.conv2d", "relax.matmul"], "qdq", "per_channel", "float32", entries=[entry])
+    tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(), plan))
 
 
 @pytest.mark.parametrize("scale, zero, dtype, planned, threshold", [

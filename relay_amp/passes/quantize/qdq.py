@@ -7,7 +7,8 @@ the dequantizes of constant weights and biases fold into fp32 constants. What is
 would have made from those ranges, realized by apply_quant_plan: uint8 codes where the range has no negative
 part (the same codes as the model's when its zero point is 0), else symmetric int8 over the larger side, and
 symmetric per-channel weights re-derived from the model's (the same codes where its weights are symmetric per
-channel, as ONNX Runtime writes them).
+channel, as ONNX Runtime writes them). A pair whose scale the model computes at run time (DynamicQuantizeLinear,
+ONNX Runtime's dynamic quantization) makes its matmul a dynamic one, with per-row scales at run time.
 """
 
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ from ..._ir import get_function, rewrite_function, tensor_dtype
 from ...dtypes import MODEL_FLOAT_DTYPES, check_choice
 from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
-from .plan import QuantEntry, QuantPlan
+from .plan import DYNAMIC, QuantEntry, QuantPlan
 from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, prepared, quantizable_ops, realize_prepared,
                       unquantizable)
 
@@ -45,9 +46,15 @@ def _pair_quantize(dequantize: relax.Expr, bound) -> relax.Call | None:
         return None
     for quantized_arg, dequantized_arg in zip(quantize.args[1:], dequantize.args[1:]):
         values = _constant(quantized_arg), _constant(dequantized_arg)
-        if values[0] is None or values[1] is None or not np.array_equal(*values):
+        same_value = quantized_arg.same_as(dequantized_arg) and values[0] is None
+        if not same_value and (values[0] is None or values[1] is None or not np.array_equal(*values)):
             return None
     return quantize
+
+
+def _is_dynamic(quantize: relax.Call) -> bool:
+    """Whether a pair's scale is computed at run time."""
+    return _constant(quantize.args[1]) is None
 
 
 def code_range(quantize: relax.Call) -> tuple[float, float]:
@@ -58,14 +65,18 @@ def code_range(quantize: relax.Call) -> tuple[float, float]:
 
 
 def input_ranges(mod: tvm.IRModule, ops: Iterable[str] = QUANTIZABLE_OPS, func: str = "main"
-                 ) -> list[tuple[float, float] | None]:
-    """Per layer of `ops` (the shared layer index), the range of the QDQ pair its input comes through, or None."""
+                 ) -> list[tuple[float, float] | str | None]:
+    """Per layer of `ops` (the shared layer index), the range of the QDQ pair its input comes through, DYNAMIC
+    where the pair's scale is computed at run time, or None where there is no pair."""
     values = {binding.var: binding.value for binding in op_bindings(mod, func)}
     ranges = []
     for binding in layer_bindings(mod, ops, func):
         data = binding.value.args[0]
         quantize = _pair_quantize(values.get(data, data), values.get)
-        ranges.append(None if quantize is None else code_range(quantize))
+        if quantize is None:
+            ranges.append(None)
+        else:
+            ranges.append(DYNAMIC if _is_dynamic(quantize) else code_range(quantize))
     return ranges
 
 
@@ -94,6 +105,11 @@ def _entry(layer, call: relax.Call, value_range: tuple[float, float] | None) -> 
         return QuantEntry(layer.index, layer.op, layer.name, FALLBACK, 0.0, f"not quantizable: {reason}")
     if value_range is None:
         return QuantEntry(layer.index, layer.op, layer.name, FALLBACK, 0.0, "no QDQ pair on its input")
+    if value_range == DYNAMIC:
+        if layer.op != "relax.matmul":
+            return QuantEntry(layer.index, layer.op, layer.name, FALLBACK, 0.0,
+                              "its input's scale is computed at run time: dynamic int8 covers matmuls")
+        return QuantEntry(layer.index, layer.op, layer.name, DYNAMIC, 0.0, "dynamic: per-row scales at run time")
     low, high = value_range
     dtype, threshold = ("uint8", high) if low >= 0 else ("int8", max(-low, high))
     return QuantEntry(layer.index, layer.op, layer.name, dtype, threshold, "from the model's QuantizeLinear")
