@@ -360,9 +360,10 @@ def _leading_spatial(info) -> int:
 
 
 class RowReductionRule(_CpuRule):
-    """Row reductions (softmax, layer norm, RMS norm): blocks sharing leading spatial axes (the rows), reducing
-    over the rest in whole vectors. Each row runs all the blocks in one parallel iteration; each reduction keeps
-    ACCUMULATOR_LANES partial results in one vector (rfactor) and adds them up at the end of the row.
+    """Row reductions (softmax, layer norm, RMS norm, a dynamic int8 matmul's row scales): blocks sharing leading
+    spatial axes (the rows), reducing over the rest in whole vectors, ending in an elementwise block or in a
+    reduction. Each row runs all the blocks in one parallel iteration; each reduction keeps ACCUMULATOR_LANES
+    partial results in one vector (rfactor) and adds them up at the end of the row.
 
     TVM's dl.cpu.Reduction reduces one scalar at a time (a chain of dependent adds, 4 cycles each) and takes the
     rows this rule leaves: reductions whose length is not a whole number of vectors (a layer norm over 197), since
@@ -371,16 +372,15 @@ class RowReductionRule(_CpuRule):
     """
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
-        """Schedule a function of row reductions ending in an elementwise block, else None."""
+        """Schedule a function of row reductions ending in an elementwise block or in a reduction, else None."""
         infos = _store_from_producer(sch, _inline_widened_loads(sch, infos))
         rows = min(_leading_spatial(info) for info in infos)
         reductions = [info for info in infos if not info.is_injective()]
-        if (not rows or not reductions or not infos[-1].is_injective()
-                or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions)):
+        if not rows or not reductions or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions):
             return None
         try:
             factored = [_factor_reduction(sch, info.block_rv, rows) for info in reductions]
-            row = _parallel_rows(sch, infos[-1].block_rv, rows)
+            row = _parallel_rows(sch, infos[-1].block_rv, rows, vectorize=infos[-1].is_injective())
             for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
                 sch.compute_at(block, row, preserve_unit_loops=False)
             for info in infos[:-1]:
@@ -504,12 +504,14 @@ def _factor_reduction(sch: s_tir.Schedule, block, rows: int):
     return sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].source.shape))
 
 
-def _parallel_rows(sch: s_tir.Schedule, block, rows: int):
-    """The `rows` leading loops of `block` fused into one parallel loop (returned); the rest vectorized."""
+def _parallel_rows(sch: s_tir.Schedule, block, rows: int, vectorize: bool):
+    """The `rows` leading loops of `block` fused into one parallel loop (returned); the rest vectorized where
+    `vectorize` (a final reduction adds its partial results one at a time)."""
     loops = sch.get_loops(block)
     row = sch.fuse(*loops[:rows]) if rows > 1 else loops[0]
     sch.parallel(row)
-    _vectorize_row(sch, block)
+    if vectorize:
+        _vectorize_row(sch, block)
     return row
 
 

@@ -57,6 +57,8 @@ CASES = {
                                ("x", (3, 64)), ("g", (64,)), ("b", (64,))),
     # a global average pool over NHWC's H and W: ColumnReductionRule's vectors of channels
     "channels_last_mean": (lambda x: relax.op.mean(x, axis=[1, 2], keepdims=True), ("x", (1, 7, 5, 48))),
+    # a function ending in its reduction (a dynamic int8 matmul's row scales): no elementwise block after it
+    "row_abs_max": (lambda x: relax.op.max(relax.op.abs(x), axis=[-1], keepdims=True), ("x", (2, 5, 64))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
                                                                                 keepdims=True))),
                       ("x", (6, 48))),
@@ -463,6 +465,69 @@ def test_row_reduction_rule_leaves_rows_off_whole_vectors_and_other_targets():
     assert schedules.RowReductionRule().apply(layer_norm, targets.get_target("cpu"), False) is None
     assert schedules.RowReductionRule().apply(_row_share, targets.get_target("cuda-tensorcore"), False) is None
     assert schedules.RowReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
+
+
+@T.prim_func(private=True, s_tir=True)
+def _row_abs_max(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
+                 out: T.Buffer((T.int64(4), T.int64(1)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    magnitude = T.sblock_alloc_buffer((T.int64(4), T.int64(32)))
+    for i, j in T.grid(T.int64(4), T.int64(32)):
+        with T.sblock("magnitude"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            magnitude[vi, vj] = T.fabs(x[vi, vj])
+    for i, one, k in T.grid(T.int64(4), T.int64(1), T.int64(32)):
+        with T.sblock("largest"):
+            vi, vone, vk = T.axis.remap("SSR", [i, one, k])
+            with T.init():
+                out[vi, vone] = T.float32(-3.4028234663852886e38)
+            out[vi, vone] = T.max(out[vi, vone], magnitude[vi, vk])
+
+
+@T.prim_func(private=True, s_tir=True)
+def _row_abs_max_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
+                           out: T.Buffer((T.int64(4), T.int64(1)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    magnitude = T.sblock_alloc_buffer((T.int64(4), T.int64(32)))
+    out_rf = T.sblock_alloc_buffer((T.int64(4), T.int64(1), T.int64(16)))
+    for row in T.parallel(T.int64(4)):
+        for column_block in range(T.int64(2)):
+            for column in T.vectorized(T.int64(16)):
+                with T.sblock("magnitude"):
+                    v_row = T.axis.spatial(T.int64(4), row)
+                    v_column = T.axis.spatial(T.int64(32), column_block * T.int64(16) + column)
+                    T.reads(x[v_row, v_column])
+                    T.writes(magnitude[v_row, v_column])
+                    magnitude[v_row, v_column] = T.fabs(x[v_row, v_column])
+        for lane_init in T.vectorized(T.int64(16)):
+            with T.sblock("largest_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(out_rf[v_row, T.int64(0), v_lane])
+                out_rf[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
+        for step in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(16)):
+                with T.sblock("largest_rf_update"):
+                    v_lane, v_row, v_step = T.axis.remap("SSR", [lane, row, step])
+                    T.reads(out_rf[v_row, T.int64(0), v_lane], magnitude[v_row, v_step * T.int64(16) + v_lane])
+                    T.writes(out_rf[v_row, T.int64(0), v_lane])
+                    out_rf[v_row, T.int64(0), v_lane] = T.max(out_rf[v_row, T.int64(0), v_lane],
+                                                              magnitude[v_row, v_step * T.int64(16) + v_lane])
+        for lane in range(T.int64(16)):
+            with T.sblock("largest"):
+                v_lane, v_row = T.axis.remap("RS", [lane, row])
+                T.reads(out_rf[v_row, T.int64(0), v_lane])
+                T.writes(out[v_row, T.int64(0)])
+                with T.init():
+                    out[v_row, T.int64(0)] = T.float32(-3.4028234663852886e38)
+                out[v_row, T.int64(0)] = T.max(out[v_row, T.int64(0)], out_rf[v_row, T.int64(0), v_lane])
+
+
+def test_row_reduction_rule_takes_a_function_that_ends_in_its_reduction():
+    """A row's largest magnitude (a dynamic int8 matmul's scale) with nothing after the reduction: rows in
+    parallel, vector partial results; before, no rule took it and it ran serial, one element at a time."""
+    scheduled = schedules.RowReductionRule().apply(_row_abs_max, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _row_abs_max_scheduled)
 
 
 @T.prim_func(private=True, s_tir=True)
