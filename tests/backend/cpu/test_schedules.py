@@ -88,11 +88,16 @@ def test_symbolic_shapes_build_and_match(rows, cols):
     np.testing.assert_allclose(got, inputs[0] @ inputs[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "bert"])
-def test_every_operator_of_the_built_in_models_gets_a_schedule(name):
+def _dynamic_int8(mod: tvm.IRModule) -> tvm.IRModule:
+    return relay_amp.quantize(mod, [models.example_inputs(mod)], dynamic_matmuls=True)
+
+
+@pytest.mark.parametrize("name, convert", [("resnet18", None), ("bert", None), ("bert", _dynamic_int8)])
+def test_every_operator_of_the_built_in_models_gets_a_schedule(name, convert):
     target = targets.get_target("cpu")
+    mod = models.get_model(name)
     with target:
-        scheduled = schedules.default_schedules()(tuning.prepare(models.get_model(name), target))
+        scheduled = schedules.default_schedules()(tuning.prepare(convert(mod) if convert else mod, target))
     unscheduled = [gv.name_hint for gv, func in scheduled.functions_items()
                    if isinstance(func, tvm.tirx.PrimFunc) and "tirx.is_scheduled" not in func.attrs]
     assert unscheduled == [], unscheduled
