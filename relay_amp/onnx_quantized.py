@@ -4,9 +4,10 @@ ONNX Runtime writes a statically quantized model either as QDQ (QuantizeLinear/D
 float ops, which TVM imports) or as QOperator (QLinearConv, QLinearMatMul, and Microsoft's QGemm, QLinearAdd,
 ..., which TVM does not), and a dynamically quantized one as DynamicQuantizeLinear -> MatMulInteger/ConvInteger
 -> Cast -> Mul by the product of the two scales. `as_qdq` writes both in the QDQ form:
-- a QLinear op becomes its float op over dequantized operands, clipped to the range its output's codes stand
-  for (ONNX Runtime folds a ReLU or a clip into that range) and quantized; an op that moves 8-bit codes without
-  arithmetic (MaxPool, Reshape, ...) runs on the dequantized values and quantizes again with the same parameters;
+- a QLinear op becomes its float op over dequantized operands, quantized into its output's codes (whose range
+  also does the ReLU or clip ONNX Runtime folded into it: realize_qdq keeps that clamp); an op that moves 8-bit
+  codes without arithmetic (MaxPool, Reshape, ...) runs on the dequantized values and quantizes again with the same
+  parameters;
 - the dynamic pattern becomes the float conv or matmul of dequantize(DynamicQuantizeLinear(x)) and the
   dequantized weight: a QDQ pair whose scale is computed at run time, which realize_qdq makes a dynamic matmul.
 Constant weights and biases are dequantized here, with numpy.
@@ -150,19 +151,12 @@ class _Rewriter:
         return [self.constant(names[0], (codes.astype(np.float64) * scale).astype(np.float32))]
 
     def quantize_output(self, value: str, output: str, scale: str, zero: str) -> None:
-        """Clip `value` to what the codes of `output` stand for, then quantize it into `output`."""
-        if scale in self.constants and zero in self.constants:
-            info = np.iinfo(self.constants[zero].dtype)
-            bounds = _dequantized(np.array([info.min, info.max]), self.constants[scale], self.constants[zero], 0)
-            clipped = self.fresh(output, "clip")
-            self.emit("Clip", [value, self.constant(output, bounds.min()), self.constant(output, bounds.max())],
-                      [clipped])
-            value = clipped
+        """Quantize `value` into `output`, whose parameters its readers then find."""
         self.emit("QuantizeLinear", [value, scale, zero], [output])
         self.params[output] = (scale, zero)
 
     def qlinear(self, node, spec: _QLinear) -> None:
-        """A QLinear op as dequantize, float op, clip, quantize."""
+        """A QLinear op as dequantize, float op, quantize."""
         if _attribute(node, "channels_last", 0):
             raise ModelLoadError(f"{node.op_type} node {node.name!r}: channels_last=1 is not supported")
         operands = [self.float_operand(node, start, _weight_axis(node, start)) for start in _operand_starts(spec, node)]

@@ -38,19 +38,24 @@ def qdq_linear(scale: float, zero: int, dtype: str) -> tvm.IRModule:
     return bb.get()
 
 
-def float_linear() -> tvm.IRModule:
-    """qdq_linear without its activation pair."""
+def float_linear(clamp: tuple[float, float] | None = None) -> tvm.IRModule:
+    """qdq_linear without its activation pair: x clamped to `clamp` (the pair's range), if given."""
     bb = relax.BlockBuilder()
     x = tensor("x", (4, 2))
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.matmul(x, bb.emit(_weight())))
+            data = x
+            if clamp is not None:
+                floored = bb.emit(relax.op.maximum(x, relax.const(clamp[0], "float32")))
+                data = bb.emit(relax.op.minimum(floored, relax.const(clamp[1], "float32")))
+            out = bb.emit_output(relax.op.matmul(data, bb.emit(_weight())))
         bb.emit_func_output(out)
     return bb.get()
 
 
-def test_strip_qdq_removes_activation_pairs_and_keeps_weight_dequantizes():
-    assert_transforms(strip_qdq, qdq_linear(2 / 255, 0, "uint8"), float_linear())
+def test_strip_qdq_removes_activation_pairs_keeping_their_clamp_and_weight_dequantizes():
+    """uint8 codes at 2/255 stand for [0, 2]: ONNX Runtime folds a ReLU into such a pair and removes it."""
+    assert_transforms(strip_qdq, qdq_linear(2 / 255, 0, "uint8"), float_linear(clamp=(0.0, 2.0)))
 
 
 def dynamic_qdq_linear() -> tvm.IRModule:
@@ -80,18 +85,18 @@ def test_a_pair_whose_scale_is_computed_at_run_time_makes_a_dynamic_matmul():
     tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(), plan))
 
 
-@pytest.mark.parametrize("scale, zero, dtype, planned, threshold", [
-    (2 / 255, 0, "uint8", "uint8", 2.0),  # no negative part: the model's own codes
-    (0.5, 0, "int8", "int8", 64.0),  # [-64, 63.5]: symmetric over the larger side
-    (0.5, 128, "uint8", "int8", 64.0),  # ONNX Runtime's asymmetric uint8 around a signed range
+@pytest.mark.parametrize("scale, zero, dtype, planned, threshold, clamp", [
+    (2 / 255, 0, "uint8", "uint8", 2.0, (0.0, 2.0)),  # no negative part: the model's own codes
+    (0.5, 0, "int8", "int8", 64.0, (-64.0, 63.5)),  # symmetric over the larger side
+    (0.5, 128, "uint8", "int8", 64.0, (-64.0, 63.5)),  # ONNX Runtime's asymmetric uint8 around a signed range
 ])
-def test_the_plan_holds_each_layer_range_from_the_model(scale, zero, dtype, planned, threshold):
+def test_the_plan_holds_each_layer_range_from_the_model(scale, zero, dtype, planned, threshold, clamp):
     realized = relay_amp.realize_qdq(qdq_linear(scale, zero, dtype), fallback_dtype="float32")
     [entry] = relay_amp.quant_plan(realized).entries
     assert (entry.dtype, entry.threshold) == (planned, pytest.approx(threshold))
     assert relay_amp.quant_plan(realized).observer == "qdq"
     plan = QuantPlan(["relax.nn.conv2d", "relax.matmul"], "qdq", "per_channel", "float32", entries=[entry])
-    tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(), plan))
+    tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(clamp), plan))
 
 
 def test_code_range_is_what_the_extreme_codes_stand_for():

@@ -82,19 +82,29 @@ def input_ranges(mod: tvm.IRModule, ops: Iterable[str] = QUANTIZABLE_OPS, func: 
 
 @relax.expr_functor.mutator
 class _PairRemover(relax.PyExprMutator):
-    """Replaces dequantize(quantize(x)) by x (the unused quantize is removed after)."""
+    """Replaces dequantize(quantize(x)) by x clamped to the range its codes stand for (ONNX Runtime folds a ReLU
+    or ReLU6 into that range and removes the op), or by x where the range is computed at run time (it holds all
+    of x); the unused quantize is removed after."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
         quantize = _pair_quantize(new_call, self._bound)
-        return new_call if quantize is None else quantize.args[0]
+        if quantize is None:
+            return new_call
+        if _is_dynamic(quantize):
+            return quantize.args[0]
+        low, high = code_range(quantize)
+        dtype = tensor_dtype(quantize.args[0])
+        floored = self.builder_.emit(relax.op.maximum(quantize.args[0], relax.const(low, dtype)))
+        return relax.op.minimum(floored, relax.const(high, dtype))
 
     def _bound(self, expr: relax.Expr) -> relax.Expr | None:
         return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
 
 def strip_qdq(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
-    """`mod` without its activation quantize -> dequantize pairs (the float model they were inserted into)."""
+    """`mod` without its activation quantize -> dequantize pairs (the float model they were inserted into), each
+    pair's clipping kept as a clamp."""
     stripped = rewrite_function(_PairRemover(mod), mod, func)
     return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(stripped))
 
