@@ -66,17 +66,15 @@ def _weight_axis(node, operand: int) -> int:
     if node.op_type in ("QLinearConv", "ConvInteger"):
         return 0
     if node.op_type == "QGemm":
-        return 0 if _attribute(node, "transB", 0) else 1
+        return 0 if _attributes(node).get("transB", 0) else 1
     return -1
 
 
-def _attribute(node, name: str, default):
+def _attributes(node, dropped: tuple[str, ...] = ()) -> dict:
+    """`node`'s attributes by name, as Python values, but for those `dropped`."""
     from onnx import helper
 
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name not in dropped}
 
 
 def _dequantized(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, axis: int) -> np.ndarray:
@@ -95,7 +93,6 @@ class _Rewriter:
     def __init__(self, graph):
         from onnx import numpy_helper
 
-        self.graph = graph
         self.constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
         self.params: dict[str, tuple[str, str]] = {}  # a quantized activation -> its scale and zero point
         self.readers = defaultdict(list)
@@ -146,7 +143,8 @@ class _Rewriter:
         if not all(name in self.constants for name in names):
             raise ModelLoadError(f"{node.op_type} node {node.name!r}: its bias and scales must be constants")
         codes, a_scale, b_scale = (self.constants[name] for name in names)
-        alpha_over_beta = _attribute(node, "alpha", 1.0) / _attribute(node, "beta", 1.0)
+        attributes = _attributes(node)
+        alpha_over_beta = attributes.get("alpha", 1.0) / attributes.get("beta", 1.0)
         scale = (a_scale.astype(np.float64) * b_scale * alpha_over_beta).reshape(-1)
         return [self.constant(names[0], (codes.astype(np.float64) * scale).astype(np.float32))]
 
@@ -157,10 +155,10 @@ class _Rewriter:
 
     def qlinear(self, node, spec: _QLinear) -> None:
         """A QLinear op as dequantize, float op, quantize."""
-        if _attribute(node, "channels_last", 0):
+        if _attributes(node).get("channels_last", 0):
             raise ModelLoadError(f"{node.op_type} node {node.name!r}: channels_last=1 is not supported")
         operands = [self.float_operand(node, start, _weight_axis(node, start)) for start in _operand_starts(spec, node)]
-        attributes = {a.name: _attribute(node, a.name, None) for a in node.attribute if a.name not in spec.dropped}
+        attributes = _attributes(node, spec.dropped)
         quantized = _has_input(node, spec.output)
         result = self.fresh(node.output[0], "float") if quantized else node.output[0]
         self.emit(spec.float_op, operands + self.bias(node, spec), [result], **attributes)
@@ -173,7 +171,7 @@ class _Rewriter:
         data = self.fresh(node.input[0], "dq")
         self.emit("DequantizeLinear", [node.input[0], scale, zero], [data])
         outputs = [self.fresh(name, "float") for name in node.output]
-        attributes = {a.name: _attribute(node, a.name, None) for a in node.attribute}
+        attributes = _attributes(node)
         self.emit(node.op_type, [data, *node.input[1:]], outputs, **attributes)
         for value, output in zip(outputs, node.output):
             self.emit("QuantizeLinear", [value, scale, zero], [output])
@@ -191,7 +189,7 @@ class _Rewriter:
         zero = self.constants.get(node.input[3]) if _has_input(node, 3) else None
         axis = _weight_axis(node, 1)
         weight = self.constant(node.input[1], _dequantized(self.constants[node.input[1]], weight_scale, zero, axis))
-        attributes = {a.name: _attribute(node, a.name, None) for a in node.attribute}
+        attributes = _attributes(node)
         self.emit(INTEGER_OPS[node.op_type], [data, weight], [scaled.output[0]], **attributes)
         self.skipped.update({id(cast), id(scaled)})
         return True

@@ -114,8 +114,8 @@ def test_what_cannot_be_written_in_qdq_form_is_a_clear_error():
         model.graph.node[1].name = "conv"
         as_qdq(model)
     pooled = _model([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
-                     helper.make_node("QLinearGlobalAveragePool", ["q", "s", "z", "s", "z"], ["p"], domain="com.microsoft",
-                                      channels_last=1, name="pool"),
+                     helper.make_node("QLinearGlobalAveragePool", ["q", "s", "z", "s", "z"], ["p"],
+                                      domain="com.microsoft", channels_last=1, name="pool"),
                      helper.make_node("DequantizeLinear", ["p", "s", "z"], ["y"])],
                     {"s": np.float32(0.1), "z": np.uint8(0)}, {"x": [1, 4, 4, 3]}, {"y": [1, 1, 1, 3]},
                     ("", "com.microsoft"))
@@ -134,8 +134,8 @@ def _quantized_by_onnxruntime(path_in, path_out, images, dynamic: bool) -> None:
         def get_next(self):
             return next(feeds, None)
 
-    quantization.quantize_static(str(path_in), str(path_out), Batches(), quant_format=quantization.QuantFormat.QOperator,
-                                 per_channel=True)
+    quantization.quantize_static(str(path_in), str(path_out), Batches(),
+                                 quant_format=quantization.QuantFormat.QOperator, per_channel=True)
 
 
 def test_onnxruntime_qoperator_digits_model_runs_int8_with_its_accuracy(tmp_path):

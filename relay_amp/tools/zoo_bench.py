@@ -194,8 +194,8 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
             ort_file = _ort_quantized(name, path, calibration)
             ort_int8 = _ort_session(ort_file)
             runners[ORT_INT8] = _ort_runner(ort_int8, inputs)
-            executables[ORT_FILE_INT8] = build(realize_qdq(frontend.from_onnx(ort_file)), target)
-            runners[ORT_FILE_INT8] = _relay_runner(executables[ORT_FILE_INT8], inputs)
+            on_ort_file = build(realize_qdq(frontend.from_onnx(ort_file)), target)
+            runners[ORT_FILE_INT8] = _relay_runner(on_ort_file, inputs)
         result.ms = rotating_medians(runners, rounds, repeat)
         reference = _output(runners["torch fp32"]())
         result.error = {runner: float(np.abs(_output(run()) - reference).max() / np.abs(reference).max())
@@ -203,7 +203,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         if QUANTIZED in dtypes:
             result.agreement = _int8_agreement(name, tiny, executables[BASELINE], {
                 f"relay_amp {QUANTIZED}": _relay_runner_on(executables[QUANTIZED]), ORT_INT8: _ort_runner_on(ort_int8),
-                ORT_FILE_INT8: _relay_runner_on(executables[ORT_FILE_INT8])})
+                ORT_FILE_INT8: _relay_runner_on(on_ort_file)})
     if "bfloat16" in executables:
         rows = profile_rows(call_times({d: executables[d] for d in (BASELINE, "bfloat16")}, inputs))
         result.slow_paths = slow_paths(rows)
@@ -239,7 +239,8 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
         if quantized:
             ours = r.ms.get(f"relay_amp {QUANTIZED}")
             rows[-1] += [_ratio(r.ms.get("relay_amp fp32"), ours), _ratio(r.ms.get(ORT_INT8), ours),
-                         _ratio(r.ms.get(ORT_INT8), r.ms.get(ORT_FILE_INT8)), " / ".join(f"{value:.4g}" for value in r.agreement.values())]
+                         _ratio(r.ms.get(ORT_INT8), r.ms.get(ORT_FILE_INT8)),
+                         " / ".join(f"{value:.4g}" for value in r.agreement.values())]
     return tabulate(rows, headers=headers, tablefmt="github")
 
 
