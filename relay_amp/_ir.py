@@ -231,18 +231,24 @@ class _ClampLifter(relax.PyExprMutator):
         return new_call
 
     def _clip(self, call: relax.Call) -> relax.Expr:
-        data, dtype = call.args[0], tensor_dtype(call.args[0])
         bounds = [_constant_float(bound) for bound in call.args[1:]]
         if None in bounds:
             return call  # a symbolic bound
-        clamps = [(op, bound) for op, bound in zip((relax.op.maximum, relax.op.minimum), bounds)
-                  if math.isfinite(bound)]
-        if not clamps:
-            return data
-        for op, bound in clamps[:-1]:
-            data = self.builder_.emit(op(data, relax.const(bound, dtype)))
-        last_op, last_bound = clamps[-1]
-        return last_op(data, relax.const(last_bound, dtype))
+        return clamped(self.builder_, call.args[0], *bounds)
+
+
+def clamped(builder: relax.BlockBuilder, data: relax.Expr, low: float, high: float) -> relax.Expr:
+    """`data` clamped to [low, high] as maximum then minimum by constants (an infinite bound left out), the first
+    emitted with `builder`, the last returned unbound."""
+    dtype = tensor_dtype(data)
+    clamps = [(op, bound) for op, bound in zip((relax.op.maximum, relax.op.minimum), (low, high))
+              if math.isfinite(bound)]
+    if not clamps:
+        return data
+    for op, bound in clamps[:-1]:
+        data = builder.emit(op(data, relax.const(bound, dtype)))
+    last_op, last_bound = clamps[-1]
+    return last_op(data, relax.const(last_bound, dtype))
 
 
 def _constant_float(bound: relax.Expr) -> float | None:

@@ -21,3 +21,39 @@ def test_tensor_intrinsics_import_registers_them_and_restores_inspect():
     result = subprocess.run([sys.executable, "-c", IMPORT_IN_A_FRESH_PROCESS], capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_clamped_emits_maximum_then_minimum_by_constants_leaving_out_infinite_bounds():
+    import math
+
+    import tvm
+    from tvm import relax
+
+    from relay_amp._ir import clamped
+
+    def body(low: float, high: float) -> relax.Function:
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((4,), "float32"))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                out = bb.emit_output(clamped(bb, x, low, high))
+            bb.emit_func_output(out)
+        return bb.get()["main"]
+
+    def expected(*ops) -> relax.Function:
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((4,), "float32"))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                value = x
+                for op, bound in ops[:-1]:
+                    value = bb.emit(op(value, relax.const(bound, "float32")))
+                op, bound = ops[-1]
+                out = bb.emit_output(op(value, relax.const(bound, "float32")))
+            bb.emit_func_output(out)
+        return bb.get()["main"]
+
+    tvm.ir.assert_structural_equal(body(0.0, 6.0), expected((relax.op.maximum, 0.0), (relax.op.minimum, 6.0)))
+    tvm.ir.assert_structural_equal(body(-math.inf, 6.0), expected((relax.op.minimum, 6.0)))
+    x = relax.Var("x", relax.TensorType((4,), "float32"))
+    assert clamped(relax.BlockBuilder(), x, -math.inf, math.inf) is x

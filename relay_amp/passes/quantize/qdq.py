@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..._ir import get_function, rewrite_function, tensor_dtype
+from ..._ir import clamped, get_function, rewrite_function, tensor_dtype
 from ...dtypes import MODEL_FLOAT_DTYPES, check_choice
 from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
@@ -93,10 +93,7 @@ class _PairRemover(relax.PyExprMutator):
             return new_call
         if _is_dynamic(quantize):
             return quantize.args[0]
-        low, high = code_range(quantize)
-        dtype = tensor_dtype(quantize.args[0])
-        floored = self.builder_.emit(relax.op.maximum(quantize.args[0], relax.const(low, dtype)))
-        return relax.op.minimum(floored, relax.const(high, dtype))
+        return clamped(self.builder_, quantize.args[0], *code_range(quantize))
 
     def _bound(self, expr: relax.Expr) -> relax.Expr | None:
         return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
