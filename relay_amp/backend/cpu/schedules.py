@@ -260,6 +260,8 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     to 4: a model's input) runs its rows in parallel, each row's pixels in a serial loop and its narrow axis
     unrolled, since a flat vector would gather every lane."""
     loops = sch.get_loops(block)
+    if not loops:
+        return  # a scalar (a size computed from a symbolic shape)
     row = _extent(sch, loops[-1]) or 0
     if len(loops) > 1 and row >= ACCUMULATOR_LANES:
         sch.parallel(sch.fuse(*loops[:-1]))

@@ -634,3 +634,36 @@ def test_a_window_reads_its_input_through_the_padding_condition_not_a_padded_cop
     assert not [name for name in _scheduled_blocks("depthwise_conv_nhwc", schedules.ContractionRule())
                 if "pad" in name]
     assert [name for name in _scheduled_blocks("conv_nchw_stride2", schedules.ContractionRule()) if "pad" in name]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _size_and_double(length: T.Buffer((), "int64"), x: T.Buffer((32,), "float32"), size: T.Buffer((), "int64"),
+                     y: T.Buffer((32,), "float32")):
+    with T.sblock("size"):
+        size[()] = length[()] * T.int64(8)
+    for i in range(32):
+        with T.sblock("double"):
+            vi = T.axis.spatial(32, i)
+            y[vi] = x[vi] * T.float32(2)
+
+
+@T.prim_func(private=True, s_tir=True)
+def _size_and_double_scheduled(length: T.Buffer((), "int64"), x: T.Buffer((32,), "float32"),
+                               size: T.Buffer((), "int64"), y: T.Buffer((32,), "float32")):
+    with T.sblock("size"):
+        T.reads(length[()])
+        T.writes(size[()])
+        size[()] = length[()] * T.int64(8)
+    for ax0_fused_0 in T.parallel(2):
+        for ax0_fused_1 in T.vectorized(16):
+            with T.sblock("double"):
+                v0 = T.axis.spatial(32, ax0_fused_0 * 16 + ax0_fused_1)
+                T.reads(x[v0])
+                T.writes(y[v0])
+                y[v0] = x[v0] * T.float32(2.0)
+
+
+def test_elementwise_rule_leaves_a_scalar_block_as_it_is():
+    """A size computed from a symbolic shape (a dynamic model's) is a block with no loop: nothing to schedule."""
+    scheduled = schedules.ElementwiseRule().apply(_size_and_double, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _size_and_double_scheduled)
