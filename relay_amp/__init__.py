@@ -25,6 +25,7 @@ from .passes.layout import LayoutConfig
 from .passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
 from .passes.ranges import RangeStats, calibrate
 from .passes.recast import recast
+from .passes.shapes import specialize, symbolic_dims
 from .passes.weight_only import quantize_weights
 from .runtime import configure_threads, run
 from .serialization import load, save
@@ -77,6 +78,8 @@ __all__ = [
     "realize_qdq",
     "recast",
     "run",
+    "specialize",
+    "symbolic_dims",
     "save",
     "targets",
     "to_mixed_precision",

@@ -6,14 +6,14 @@ import linecache
 import math
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import tvm
 from tvm import relax
 from tvm.relax import dpl
 
 from .dtypes import cast_array
-from .errors import ModuleError
+from .errors import ModuleError, OptionError
 
 OPAQUE_PATTERN = 8  # relax's kOpaque op pattern: operator fusion leaves a call of the function alone
 
@@ -274,3 +274,15 @@ def _scalar_clamp(func) -> "Callable | None":
     if not (data.source.same_as(func.params[0]) and bound.source.same_as(func.params[1]) and not bound.indices):
         return None
     return CLAMP_OPS[type(node.value)]
+
+
+def checked_dims(dims: Mapping[str, int], known: list[str]) -> dict[str, int]:
+    """`dims` as {name: size}, after checking that each name is one of the `known` symbolic input dims and each
+    size a positive int (else OptionError naming it)."""
+    for name, size in dims.items():
+        if name not in known:
+            raise OptionError(f"the model has no symbolic input dim {name!r}; its symbolic dims: "
+                              f"{', '.join(known) or 'none (its input shapes are static)'}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OptionError(f"symbolic dim {name!r} must be bound to a positive int, got {size!r}")
+    return dict(dims)

@@ -4,11 +4,11 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import tvm
 
-from ._ir import clamps_as_max_min, fold_batch_norm
+from ._ir import checked_dims, clamps_as_max_min, fold_batch_norm
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq
 
@@ -65,12 +65,36 @@ def _simplified(proto):
         return proto
 
 
-def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None) -> tvm.IRModule:
+def onnx_symbolic_dims(proto) -> list[str]:
+    """The names of the symbolic dims (dim_param) of an ONNX model's inputs, in order of first appearance."""
+    names = [dim.dim_param for tensor in proto.graph.input for dim in tensor.type.tensor_type.shape.dim]
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def _with_dims(proto, dims: Mapping[str, int]):
+    """A copy of `proto` whose inputs' symbolic dims named in `dims` have those sizes."""
+    import onnx
+
+    sizes = checked_dims(dims, onnx_symbolic_dims(proto))
+    bound = onnx.ModelProto()
+    bound.CopyFrom(proto)
+    for tensor in bound.graph.input:
+        for dim in tensor.type.tensor_type.shape.dim:
+            if dim.dim_param in sizes:
+                dim.dim_value = sizes[dim.dim_param]
+    return bound
+
+
+def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
+              dims: Mapping[str, int] | None = None) -> tvm.IRModule:
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants,
-    clamps (ReLU6) as maximum and minimum, QOperator and integer ops as QDQ pairs around float ops."""
+    clamps (ReLU6) as maximum and minimum, QOperator and integer ops as QDQ pairs around float ops. `dims` sizes
+    the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
+    if dims:
+        proto = _with_dims(proto, dims)
     try:
         import onnx
 

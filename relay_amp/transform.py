@@ -13,8 +13,9 @@ from .passes.moves import HoistOverMoves
 from .passes.pooling import GlobalPoolWindows
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
+from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues",
-           "GlobalPoolWindows", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "ToMixedPrecision",
-           "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]
+           "GlobalPoolWindows", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize",
+           "ToMixedPrecision", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]

@@ -1,8 +1,12 @@
-"""Small Relax modules for tests: one `main` whose single dataflow output is an expression of its parameters."""
+"""Small models for tests: Relax modules with one `main` whose single dataflow output is an expression of its
+parameters, and an ONNX model on dynamic axes."""
 
 from collections.abc import Callable
 
+import numpy as np
+import onnx
 import tvm
+from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 
@@ -19,3 +23,19 @@ def single_output_module(build_body: Callable[..., relax.Expr], *params: relax.V
             out = bb.emit_output(build_body(*params))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def positions_onnx() -> onnx.ModelProto:
+    """x + its position along the sequence, the positions computed from x's shape (Range over Shape), on dynamic
+    batch and sequence axes: a transformer export's position ids."""
+    scalars = {"zero": np.array(0, "int64"), "one": np.array(1, "int64")}
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+             helper.make_node("Range", ["zero", "length", "one"], ["positions"]),
+             helper.make_node("Cast", ["positions"], ["as_float"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["x", "as_float"], ["y"])]
+    graph = helper.make_graph(nodes, "positions",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])],
+                              [numpy_helper.from_array(v, k) for k, v in scalars.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -11,6 +11,8 @@ from onnx.reference import ReferenceEvaluator
 import relay_amp
 from relay_amp import frontend
 
+from builders import positions_onnx
+
 
 def conv_gemm_onnx() -> onnx.ModelProto:
     """Conv -> Relu -> Flatten -> Gemm with fixed random weights."""
@@ -135,3 +137,20 @@ def test_an_onnx_clip_imports_as_maximum_and_minimum_and_an_nhwc_build_keeps_no_
     x = np.random.default_rng(4).standard_normal((1, 3, 8, 8)).astype("float32")
     expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
     np.testing.assert_allclose(relay_amp.run(mod, [x])[0], expected, rtol=1e-5, atol=1e-4)
+
+
+def test_from_onnx_sizes_dynamic_axes_by_name_before_shapes_fold():
+    model = positions_onnx()
+    assert frontend.onnx_symbolic_dims(model) == ["batch", "seq"]
+    assert relay_amp.symbolic_dims(frontend.from_onnx(model)) == ["batch", "seq"]
+    mod = frontend.from_onnx(model, dims={"batch": 2, "seq": 5})
+    assert relay_amp.symbolic_dims(mod) == []
+    assert "R.arange" not in mod.script()  # the positions folded to a constant
+    x = np.random.default_rng(3).standard_normal((2, 5)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(mod, [x])[0], ReferenceEvaluator(model).run(None, {"x": x})[0])
+    assert frontend.onnx_symbolic_dims(model) == ["batch", "seq"], "from_onnx changed its input model"
+
+
+def test_from_onnx_rejects_dims_the_file_does_not_have():
+    with pytest.raises(relay_amp.OptionError, match="no symbolic input dim 'sequence'; its symbolic dims: batch, seq"):
+        frontend.from_onnx(positions_onnx(), dims={"sequence": 5})
