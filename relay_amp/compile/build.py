@@ -2,13 +2,15 @@
 
 import contextlib
 import os
+import warnings
 
 import tvm
 from tvm import relax
 
 from ..backend import pipeline_for
 from ..backend.fusion import AUTO
-from ..errors import TargetError, TuningError
+from ..errors import ModuleError, TargetError, TuningError
+from ..passes.shapes import symbolic_dims
 from ..targets import check_host, get_target
 from .tuning import load_database, prepared_records
 
@@ -25,9 +27,28 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     run on tensor cores (relay_amp.backend.cuda.tensorcore), and TVM's dlight rules schedule the rest.
     `conv_layout` "auto" lets the backend choose the convolutions' layout (CPU: NHWC, converted at the graph's
     edges; CUDA: as the model has it); a data layout such as "NCHW" forces one, None keeps the model's.
+    Inputs with symbolic dims (an export's dynamic axes) get a warning: the kernels need static shapes, so bind them
+    first (`frontend.from_onnx(path, dims=...)`, `specialize`); where TVM cannot compile the dynamic model, the
+    ModuleError says so.
     """
     check_host(target)
     tgt = get_target(target)
+    dims = _symbolic_input_dims(mod)
+    if dims:
+        warnings.warn(f"the model's inputs have symbolic dims ({', '.join(dims)}): convolutions and matmuls over "
+                      f"them run on generic schedules, not relay_amp's kernels, several times slower; {_binding(dims)}",
+                      stacklevel=2)
+    try:
+        return _build(mod, tgt, tune_logs, fast_math, conv_layout)
+    except tvm.error.InternalError as err:
+        if not dims:
+            raise
+        raise ModuleError(f"TVM cannot compile this model with symbolic input dims ({', '.join(dims)}): "
+                          f"{str(err).strip().splitlines()[-1]}; {_binding(dims)}") from err
+
+
+def _build(mod: tvm.IRModule, tgt: tvm.target.Target, tune_logs, fast_math: bool,
+           conv_layout) -> relax.VMExecutable:
     database = None if tune_logs is None else load_database(tune_logs)
     backend = pipeline_for(tgt)
     with tgt, database or contextlib.nullcontext(), tvm.transform.PassContext(opt_level=3, config=backend.PASS_CONFIG):
@@ -35,6 +56,19 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
         if database is not None:
             _require_records(prepared_records(database, prepared, tgt), tune_logs)
         return relax.build(prepared, target=tgt, relax_pipeline=backend.lowering_passes(tgt, database is not None))
+
+
+def _symbolic_input_dims(mod: tvm.IRModule) -> list[str]:
+    """The symbolic dims of main's inputs ([] for a module without a Relax main)."""
+    has_main = any(gv.name_hint == "main" and isinstance(f, relax.Function) for gv, f in mod.functions_items())
+    return symbolic_dims(mod) if has_main else []
+
+
+def _binding(dims: list[str]) -> str:
+    """How to give symbolic dims sizes, for a message."""
+    sizes = ", ".join(f"{name!r}: N" for name in dims)
+    return (f"bind them first: relay_amp.frontend.from_onnx(path, dims={{{sizes}}}), or "
+            f"relay_amp.specialize(mod, {{{sizes}}}) (CLI: --dim {','.join(f'{name}=N' for name in dims)})")
 
 
 def _require_records(count: int, tune_logs) -> None:

@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 
 import relay_amp
@@ -12,7 +13,7 @@ from relay_amp import models, targets
 from relay_amp.compile.build import build, compile_ptx, cuda_source
 from relay_amp.runtime import run_executable
 
-from builders import single_output_module, tensor
+from builders import positions_onnx, single_output_module, tensor
 
 
 def matmul_module(n: int = 256):
@@ -50,3 +51,21 @@ def test_float16_matmul_for_tensor_cores_uses_mma_instructions():
 def test_cuda_source_of_a_cpu_build_is_a_target_error():
     with pytest.raises(relay_amp.TargetError, match="no CUDA module"):
         cuda_source(build(models.small_cnn(), "cpu"))
+
+
+def test_build_warns_of_symbolic_inputs_and_still_computes_them():
+    weight = relax.const(np.random.default_rng(0).standard_normal((8, 16)).astype("float32"))
+    batch = tvm.tirx.Var("batch", "int64")
+    mod = single_output_module(lambda x: relax.op.nn.relu(relax.op.matmul(x, weight)), tensor("x", (batch, 8)))
+    with pytest.warns(UserWarning, match=r"symbolic dims \(batch\).*specialize\(mod, \{'batch': N\}\)"):
+        executable = build(mod, "cpu")
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype("float32")
+    np.testing.assert_allclose(run_executable(executable, [x])[0], relay_amp.run(mod, [x])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_model_tvm_cannot_compile_is_a_module_error_saying_how_to_bind_its_dims():
+    mod = relay_amp.frontend.from_onnx(positions_onnx())
+    with pytest.warns(UserWarning), pytest.raises(relay_amp.ModuleError,
+                                                  match=r"symbolic input dims \(batch, seq\).*dims=\{'batch': N"):
+        build(mod, "cpu")
+    build(relay_amp.frontend.from_onnx(positions_onnx(), dims={"batch": 2, "seq": 4}), "cpu")
