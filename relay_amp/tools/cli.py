@@ -29,11 +29,12 @@ from .profile import format_profile, profile, profile_to_json
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "int8q": "int8q", "int4w": "int4w"}
 
 
-def load_model(spec: str, batch: int = 1) -> tvm.IRModule:
-    """A built-in model by name (see relay_amp.models.MODELS) or an ONNX file by path."""
+def load_model(spec: str, batch: int = 1, dims: "dict[str, int] | None" = None) -> tvm.IRModule:
+    """A built-in model by name (see relay_amp.models.MODELS) or an ONNX file by path, its symbolic input dims
+    named in `dims` bound to their sizes."""
     if spec in models.MODELS:
         return models.get_model(spec, batch=batch)
-    return frontend.from_onnx(spec)
+    return frontend.from_onnx(spec, dims=dims)
 
 
 def layer_table(mod: tvm.IRModule, ops: Sequence[str]) -> str:
@@ -48,13 +49,13 @@ def layer_table(mod: tvm.IRModule, ops: Sequence[str]) -> str:
 
 
 def _cmd_layers(args: argparse.Namespace) -> None:
-    mod = load_model(args.model, args.batch)
+    mod = load_model(args.model, args.batch, args.dim)
     print(layer_table(mod, args.ops))
     print(f"\n{count_layers(mod, args.ops)} layers, longest chain {count_layers(mod, args.ops, depth=True)}")
 
 
 def _cmd_recast(args: argparse.Namespace) -> None:
-    mod = recast(load_model(args.model, args.batch), args.dtype, args.out_dtype, args.ops, args.skip)
+    mod = recast(load_model(args.model, args.batch, args.dim), args.dtype, args.out_dtype, args.ops, args.skip)
     print(layer_table(mod, args.ops))
     _write_text(args.output, mod.script(show_meta=True))
 
@@ -67,7 +68,7 @@ def _write_text(path: str | None, text: str) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> None:
-    mod = load_model(args.model, args.batch)
+    mod = load_model(args.model, args.batch, args.dim)
     if args.apply_plan:
         converted = apply_plan(mod, PrecisionPlan.load(args.apply_plan))
     else:
@@ -94,7 +95,7 @@ def _write_plan_and_module(args: argparse.Namespace, plan, mod: tvm.IRModule) ->
 
 
 def _cmd_tune(args: argparse.Namespace) -> None:
-    mod = variant(load_model(args.model, args.batch), args.dtype)
+    mod = variant(load_model(args.model, args.batch, args.dim), args.dtype)
     work_dir = args.work_dir or log_dir("tune_logs", args.model, args.dtype, args.target)
     description = {"model": args.model, "batch": args.batch, "dtype": args.dtype}
     tune(mod, args.target, work_dir, args.trials, trials_per_task=args.trials_per_task,
@@ -107,7 +108,7 @@ ZOO_PREFIX = "zoo"
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:
-    mod = load_model(args.model, args.batch)
+    mod = load_model(args.model, args.batch, args.dim)
     if args.from_qdq:
         _require_unset(args, "--from-qdq", calib=None, apply_plan=None, exclude=[], dynamic_matmuls=False)
         quantized = realize_qdq(mod, fallback_dtype=args.fallback)
@@ -134,7 +135,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if args.model == ZOO_PREFIX or args.model.startswith(ZOO_PREFIX + ":"):
         _bench_zoo(args)
         return
-    mod = load_model(args.model, args.batch)
+    mod = load_model(args.model, args.batch, args.dim)
     twin = args.model if args.torch else None
     rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
                      torch_twin=twin, fast_math=not args.exact_math)
@@ -149,7 +150,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> None:
-    rows = profile(load_model(args.model, args.batch), args.dtypes, args.target, args.repeat,
+    rows = profile(load_model(args.model, args.batch, args.dim), args.dtypes, args.target, args.repeat,
                    conv_layout=LAYOUTS[args.layout])
     if args.json:
         print(profile_to_json(rows, model=args.model, batch=args.batch, target=args.target, dtypes=args.dtypes))
@@ -191,6 +192,14 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
 
 
+def _dims(text: str) -> dict[str, int]:
+    """NAME=SIZE[,NAME=SIZE...] as {name: size}."""
+    try:
+        return {name.strip(): int(size) for name, size in (part.split("=") for part in _op_list(text))}
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected NAME=SIZE[,NAME=SIZE...], e.g. batch=1; got {text!r}") from err
+
+
 def _op_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -204,6 +213,8 @@ def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None
     parser = commands.add_parser(name, help=help_text)
     parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}), ONNX file, or (bench) zoo[:NAMES]")
     parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
+    parser.add_argument("--dim", type=_dims, default={}, help="sizes of an ONNX file's symbolic input dims "
+                        "(dynamic axes), e.g. batch=1,sequence=128: the kernels need static shapes")
     if ops is not None:
         parser.add_argument("--ops", type=_op_list, default=list(ops), help="comma-separated op names")
     if target:

@@ -110,3 +110,22 @@ def test_quantize_from_qdq_runs_a_quantized_onnx_file_with_its_ranges(tmp_path, 
     assert "--calib does not apply with --from-qdq" in capsys.readouterr().err
     assert main(["quantize", "small_cnn", "--from-qdq"]) == 1
     assert "not a QDQ model" in capsys.readouterr().err
+
+
+def test_dim_sizes_an_onnx_files_dynamic_axes(tmp_path, capsys):
+    import onnx
+
+    from builders import positions_onnx
+
+    path = tmp_path / "positions.onnx"
+    onnx.save(positions_onnx(), path)
+    assert main(["bench", str(path), "--dtypes", "fp32", "--repeat", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "symbolic dim 'batch'" in err and "--dim batch=N" in err and err.count("\n") == 1
+    assert main(["bench", str(path), "--dtypes", "fp32", "--repeat", "1", "--dim", "batch=2,seq=4"]) == 0
+    assert "float32" in capsys.readouterr().out
+    assert main(["bench", str(path), "--dim", "sequence=4"]) == 1
+    assert "no symbolic input dim 'sequence'; its symbolic dims: batch, seq" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", str(path), "--dim", "batch"])
+    assert "expected NAME=SIZE" in capsys.readouterr().err

@@ -8,6 +8,8 @@ from tvm import relax
 import relay_amp
 from relay_amp import models
 
+from builders import positions_onnx
+
 
 @pytest.mark.parametrize(
     "name, options, out_shape",
@@ -38,6 +40,13 @@ def test_bert_has_the_layers_of_a_transformer_encoder():
 def test_example_inputs_match_parameter_types():
     ids, = models.example_inputs(models.bert_encoder(batch=2, seq_len=8))
     assert ids.dtype == np.int64 and ids.shape == (2, 8) and ids.max() < models.INT_INPUT_HIGH
+
+
+def test_example_inputs_of_a_dynamic_model_name_the_dim_to_bind():
+    mod = relay_amp.frontend.from_onnx(positions_onnx())
+    with pytest.raises(relay_amp.OptionError, match=r"input 'x' has symbolic dim 'batch'.*--dim batch=N"):
+        models.example_inputs(mod)
+    assert models.example_inputs(relay_amp.specialize(mod, {"batch": 2, "seq": 3}))[0].shape == (2, 3)
 
 
 def test_unknown_model_name_is_an_option_error():
