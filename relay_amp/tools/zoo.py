@@ -26,6 +26,7 @@ from .pytorch import avoid_broken_onednn_amx
 EXPORTERS = ("torchscript", "dynamo", "torch.export")
 avoid_broken_onednn_amx()  # before any torch op of this process: PyTorch's AMX dies on some VMs
 OPSET = 17
+DYNAMIC_AXES = {"cnn": {0: "batch"}, "transformer": {0: "batch", 1: "sequence"}}  # per kind of model
 
 
 @dataclass(frozen=True)
@@ -197,15 +198,21 @@ class SingleOutput(torch.nn.Module):
         return getattr(self.model(**dict(zip(self.input_names, inputs))), self.output)
 
 
-def export_onnx(name: str, path: "str | Path", tiny: bool = False, exporter: str = "torchscript") -> Path:
-    """Write the zoo model to an ONNX file with torch.onnx.export's TorchScript or dynamo exporter."""
+def export_onnx(name: str, path: "str | Path", tiny: bool = False, exporter: str = "torchscript",
+                dynamic: bool = False) -> Path:
+    """Write the zoo model to an ONNX file with torch.onnx.export's TorchScript or dynamo exporter; `dynamic` marks
+    the batch axis (and a transformer's sequence axis) dynamic, as exports meant for serving do (DYNAMIC_AXES)."""
     if exporter not in EXPORTERS[:2]:
         raise OptionError(f"ONNX exporter must be one of {list(EXPORTERS[:2])}, got {exporter!r}")
+    if dynamic and exporter != "torchscript":
+        raise OptionError("dynamic axes take the torchscript exporter (the dynamo one wants torch.export's "
+                          "dynamic_shapes, which these models' shape checks refuse)")
     module = torch_module(name, tiny)
     inputs = tuple(torch.from_numpy(x) for x in example_inputs(name, tiny))
+    names = module.input_names[:len(inputs)]
+    axes = dict.fromkeys(names, DYNAMIC_AXES[entry(name).kind]) if dynamic else None
     with torch.no_grad():
-        torch.onnx.export(module, inputs, str(path), input_names=module.input_names[:len(inputs)],
-                          output_names=["output"],
+        torch.onnx.export(module, inputs, str(path), input_names=names, output_names=["output"], dynamic_axes=axes,
                           opset_version=OPSET if exporter == "torchscript" else None,
                           dynamo=exporter == "dynamo", external_data=False)
     return Path(path)

@@ -1,7 +1,9 @@
 """The model zoo: every family exports, converts, builds and matches PyTorch on a tiny config."""
 
 import numpy as np
+import onnx
 import pytest
+import tvm
 
 torch = pytest.importorskip("torch")
 zoo = pytest.importorskip("relay_amp.tools.zoo")
@@ -55,6 +57,8 @@ def test_unknown_names_and_exporters_are_option_errors():
         zoo.entry("resnet9")
     with pytest.raises(relay_amp.OptionError, match="exporter must be one of"):
         zoo.load("bert", tiny=True, exporter="tflite")
+    with pytest.raises(relay_amp.OptionError, match="dynamic axes take the torchscript exporter"):
+        zoo.export_onnx("bert", "unused.onnx", tiny=True, exporter="dynamo", dynamic=True)
 
 
 ACTIVATION_OPS = ("relax.erf", "relax.tanh", "relax.sigmoid", "relax.exp")
@@ -85,3 +89,34 @@ def _activation_count(mod) -> int:
     relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e) if isinstance(e, relax.Call)
                                     and getattr(e.op, "name", None) in ACTIVATION_OPS else None)
     return len(found)
+
+
+def _kernel_calls(mod) -> int:
+    """How many dot-product kernels the host's CPU pipeline dispatches in `mod`."""
+    from relay_amp.backend.cpu import pipeline
+
+    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
+    with target, tvm.transform.PassContext(opt_level=3):
+        prepared = pipeline.prepare_passes(target)(mod)
+    return sum("dot_kernel" in gv.name_hint for gv in prepared.get_global_vars())
+
+
+@pytest.mark.parametrize("name", ["resnet50", "bert"])
+def test_dynamic_axes_sized_at_import_reach_the_kernels_and_match_pytorch(name, tmp_path):
+    """An export with dynamic batch (and sequence) axes, as exports for serving are: sized at import, it gets as
+    many kernels as a static export and matches PyTorch; unsized, a CNN still builds, with a warning."""
+    inputs = zoo.example_inputs(name, tiny=True)
+    expected, _ = _reference(name, inputs)
+    path = zoo.export_onnx(name, tmp_path / f"{name}.onnx", tiny=True, dynamic=True)
+    axes = list(zoo.DYNAMIC_AXES[zoo.entry(name).kind].values())
+    assert relay_amp.frontend.onnx_symbolic_dims(onnx.load(path)) == axes
+    mod = relay_amp.frontend.from_onnx(path, dims=dict(zip(axes, inputs[0].shape)))
+    assert relay_amp.symbolic_dims(mod) == []
+    assert _kernel_calls(mod) == _kernel_calls(zoo.load(name, tiny=True))
+    target = relay_amp.targets.host_preset()
+    assert _relative_error(run_executable(relay_amp.build(mod, target), inputs)[0], expected) <= FP32_TOLERANCE
+    if name == "resnet50":
+        dynamic = relay_amp.frontend.from_onnx(path)
+        with pytest.warns(UserWarning, match=r"symbolic dims \(batch\)"):
+            executable = relay_amp.build(dynamic, target)
+        assert _relative_error(run_executable(executable, inputs)[0], expected) <= FP32_TOLERANCE
