@@ -4,7 +4,7 @@
 Exporters mark axes dynamic (`torch.onnx.export(..., dynamic_axes={"pixel_values": {0: "batch"}})`), and TVM's
 importer keeps them as symbolic dims named as the file names them. relay_amp's dot-product kernels pack and tile
 static shapes, so a convolution or matmul over a symbolic dim runs on a generic schedule instead (a
-dynamic-batch ResNet-18 in bf16: about 2.7x slower than the same model with its batch bound). `build` warns about
+dynamic-batch ResNet-18 in bf16: about 2.4x slower than the same model with its batch bound). `build` warns about
 such inputs. `relay_amp.frontend.from_onnx(path, dims={"batch": 1})` binds them in the file before import, so
 that shapes computed from them fold to constants too (a transformer's positions: Range over the sequence length);
 `specialize(mod, {"batch": 1})` binds them in a module already imported.

@@ -33,6 +33,8 @@ def load_model(spec: str, batch: int = 1, dims: "dict[str, int] | None" = None) 
     """A built-in model by name (see relay_amp.models.MODELS) or an ONNX file by path, its symbolic input dims
     named in `dims` bound to their sizes."""
     if spec in models.MODELS:
+        if dims:
+            raise OptionError(f"--dim sizes an ONNX file's symbolic dims; built-in model {spec!r} takes --batch")
         return models.get_model(spec, batch=batch)
     return frontend.from_onnx(spec, dims=dims)
 

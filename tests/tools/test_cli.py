@@ -27,6 +27,7 @@ def test_recast_writes_tvmscript_atomically(tmp_path, capsys):
         (["layers", "missing.onnx"], "not found: missing.onnx"),
         (["layers", "small_cnn", "--ops", "nn.conv9d"], "unknown op 'nn.conv9d'"),
         (["recast", "small_cnn", "--skip", "7"], "layer index 7 is out of range"),
+        (["layers", "small_cnn", "--dim", "batch=2"], "built-in model 'small_cnn' takes --batch"),
     ],
 )
 def test_errors_print_one_line_and_exit_nonzero(argv, fragment, capsys):
