@@ -10,7 +10,7 @@ from tvm import relax
 from ..backend import pipeline_for
 from ..backend.fusion import AUTO
 from ..errors import ModuleError, TargetError, TuningError
-from ..passes.shapes import symbolic_dims
+from ..passes.shapes import bind_advice, symbolic_dims
 from ..targets import check_host, get_target
 from .tuning import load_database, prepared_records
 
@@ -36,7 +36,7 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     dims = _symbolic_input_dims(mod)
     if dims:
         warnings.warn(f"the model's inputs have symbolic dims ({', '.join(dims)}): convolutions and matmuls over "
-                      f"them run on generic schedules, not relay_amp's kernels, several times slower; {_binding(dims)}",
+                      f"them run on generic schedules, not relay_amp's kernels, several times slower; {bind_advice(dims)}",
                       stacklevel=2)
     try:
         return _build(mod, tgt, tune_logs, fast_math, conv_layout)
@@ -44,7 +44,7 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
         if not dims:
             raise
         raise ModuleError(f"TVM cannot compile this model with symbolic input dims ({', '.join(dims)}): "
-                          f"{str(err).strip().splitlines()[-1]}; {_binding(dims)}") from err
+                          f"{str(err).strip().splitlines()[-1]}; {bind_advice(dims)}") from err
 
 
 def _build(mod: tvm.IRModule, tgt: tvm.target.Target, tune_logs, fast_math: bool,
@@ -62,13 +62,6 @@ def _symbolic_input_dims(mod: tvm.IRModule) -> list[str]:
     """The symbolic dims of main's inputs ([] for a module without a Relax main)."""
     has_main = any(gv.name_hint == "main" and isinstance(f, relax.Function) for gv, f in mod.functions_items())
     return symbolic_dims(mod) if has_main else []
-
-
-def _binding(dims: list[str]) -> str:
-    """How to give symbolic dims sizes, for a message."""
-    sizes = ", ".join(f"{name!r}: N" for name in dims)
-    return (f"bind them first: relay_amp.frontend.from_onnx(path, dims={{{sizes}}}), or "
-            f"relay_amp.specialize(mod, {{{sizes}}}) (CLI: --dim {','.join(f'{name}=N' for name in dims)})")
 
 
 def _require_records(count: int, tune_logs) -> None:

@@ -14,6 +14,7 @@ from ..errors import LayerIndexError, ModelLoadError, OptionError
 from ..runtime import compile_module, run_executable
 from ..serialization import atomic_write_text
 from .layers import DEFAULT_LAYER_OPS, layer_bindings, list_layers
+from .shapes import static_input_shape
 
 FINITE_MAX = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.389531e38}
 DEFAULT_MARGIN = 2.0  # keep a layer in fp32 once its observed range passes half the dtype's finite range
@@ -73,7 +74,7 @@ def check_inputs(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "m
     if len(inputs) != len(params):
         raise OptionError(f"{func} takes {len(params)} inputs, a batch holds {len(inputs)}")
     for param, value in zip(params, inputs):
-        shape = tuple(int(d) for d in param.ty.shape.values)
+        shape = static_input_shape(param)
         if value.shape != shape or str(value.dtype) != str(param.ty.dtype):
             raise OptionError(f"input {param.name!r} must be {shape} {param.ty.dtype}, "
                               f"got {value.shape} {value.dtype}")

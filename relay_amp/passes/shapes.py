@@ -15,7 +15,8 @@ from collections.abc import Mapping
 import tvm
 from tvm import relax
 
-from .._ir import checked_dims, get_function
+from .._ir import checked_dims, get_function, tensor_shape
+from ..errors import OptionError
 
 
 def symbolic_dims(mod: tvm.IRModule, func: str = "main") -> list[str]:
@@ -27,6 +28,23 @@ def symbolic_dims(mod: tvm.IRModule, func: str = "main") -> list[str]:
             if isinstance(dim, tvm.tirx.Var) and dim.name not in names:
                 names.append(dim.name)
     return names
+
+
+def bind_advice(dims: list[str]) -> str:
+    """How to give the symbolic dims `dims` sizes, for an error or warning message."""
+    sizes = ", ".join(f"{name!r}: N" for name in dims)
+    return (f"bind them first: relay_amp.frontend.from_onnx(path, dims={{{sizes}}}), or "
+            f"relay_amp.specialize(mod, {{{sizes}}}) (CLI: --dim {','.join(f'{name}=N' for name in dims)})")
+
+
+def static_input_shape(param: relax.Var) -> tuple[int, ...]:
+    """The shape of input `param`, or OptionError naming its symbolic dims and how to bind them."""
+    shape = tensor_shape(param) or ()
+    symbolic = [dim for dim in shape if isinstance(dim, str)]
+    if symbolic:
+        raise OptionError(f"input {param.name!r} has symbolic dim {symbolic[0]!r} (all: {', '.join(symbolic)}): "
+                          f"{bind_advice(symbolic)}")
+    return shape
 
 
 def specialize(mod: tvm.IRModule, dims: Mapping[str, int], func: str = "main") -> tvm.IRModule:

@@ -7,6 +7,7 @@ import tvm
 
 from .._ir import get_function
 from ..errors import ModelLoadError, OptionError
+from ..passes.shapes import static_input_shape
 from .models import example_inputs
 
 CALIBRATION_BATCHES = 8
@@ -33,7 +34,7 @@ def load_batches(mod: tvm.IRModule, path: str | os.PathLike, func: str = "main")
 
 
 def _split(arrays: dict[str, np.ndarray], param, path) -> list[np.ndarray]:
-    name, shape = param.name, tuple(int(d) for d in param.ty.shape.values)
+    name, shape = param.name, static_input_shape(param)
     if name not in arrays:
         raise OptionError(f"calibration data {path} has no array for input {name!r} (it has {sorted(arrays)})")
     samples = arrays[name]

@@ -9,6 +9,7 @@ from tvm.relax import op as R
 
 from .._ir import get_function
 from ..errors import OptionError
+from ..passes.shapes import static_input_shape
 
 INT_INPUT_HIGH = 100  # integer inputs (token ids) are drawn from [0, INT_INPUT_HIGH)
 
@@ -209,22 +210,12 @@ def get_model(name: str, **options) -> tvm.IRModule:
     return MODELS[name](**options)
 
 
-def _static_shape(param: relax.Var) -> list[int]:
-    """The shape of input `param`, or OptionError naming its first symbolic dim."""
-    dims = param.ty.shape.values
-    symbolic = next((d for d in dims if not isinstance(d, tvm.tirx.IntImm)), None)
-    if symbolic is not None:
-        raise OptionError(f"input {param.name!r} has symbolic dim {str(symbolic)!r}: bind it first "
-                          f"(relay_amp.specialize(mod, {{{str(symbolic)!r}: N}}); CLI: --dim {symbolic}=N)")
-    return [int(d) for d in dims]
-
-
 def example_inputs(mod: tvm.IRModule, seed: int = 0, func: str = "main") -> list[np.ndarray]:
     """Random inputs for every parameter of `func`: normal floats, integers in [0, INT_INPUT_HIGH)."""
     rng = np.random.default_rng(seed)
     inputs = []
     for param in get_function(mod, func).params:
-        shape = _static_shape(param)
+        shape = static_input_shape(param)
         dtype = str(param.ty.dtype)
         if dtype.startswith("int") or dtype.startswith("uint"):
             inputs.append(rng.integers(0, INT_INPUT_HIGH, shape).astype(dtype))

@@ -72,3 +72,18 @@ def test_calibrate_rejects_empty_data_and_wrong_shapes():
         calibrate(mod, [])
     with pytest.raises(relay_amp.OptionError, match="'image'"):
         calibrate(mod, [np.zeros((3, 1, 8, 8), "float32")])
+
+
+def test_calibrating_a_model_with_symbolic_inputs_names_the_dim_to_bind(tmp_path):
+    from tvm import relax, tirx
+
+    from builders import single_output_module, tensor
+    from relay_amp.tools.calibration import load_batches
+
+    weight = relax.const(np.ones((4, 8), "float32"))
+    mod = single_output_module(lambda x: relax.op.matmul(x, weight), tensor("x", (tirx.Var("batch", "int64"), 4)))
+    with pytest.raises(relay_amp.OptionError, match=r"input 'x' has symbolic dim 'batch'.*--dim batch=N"):
+        calibrate(mod, [np.ones((2, 4), "float32")])
+    np.savez(tmp_path / "calib.npz", x=np.ones((2, 4), "float32"))
+    with pytest.raises(relay_amp.OptionError, match=r"input 'x' has symbolic dim 'batch'.*--dim batch=N"):
+        load_batches(mod, tmp_path / "calib.npz")
