@@ -12,7 +12,7 @@ from relay_amp.passes.quantize.observers import BINS, Histogram, threshold
 from relay_amp.passes.quantize.realize import quantize_weight
 from relay_amp.tools.models import example_inputs
 
-from builders import tensor
+from builders import single_output_module, tensor
 from pass_checks import assert_transforms
 
 WEIGHT = np.array([[0.5, -1.0, 0.25], [-0.25, 0.5, 0.125]], "float32")  # [K=2, N=3]: per-column scales
@@ -53,6 +53,62 @@ def linear_plan(dtype: str, limit: float, fallback: str = "float32") -> QuantPla
     layer = relay_amp.list_layers(linear_module(), ["matmul"])[0]
     return QuantPlan(["relax.matmul"], "minmax", "per_channel", fallback,
                      entries=[QuantEntry(0, layer.op, layer.name, dtype, limit, "test")])
+
+
+DEPTHWISE_WEIGHT = np.random.default_rng(3).normal(size=(4, 1, 3, 3)).astype("float32")
+
+
+def depthwise(data: relax.Expr, weight: np.ndarray, out_dtype: str = "float32") -> relax.Expr:
+    """The 3x3 depthwise conv of depthwise_module, over `weight`."""
+    return relax.op.nn.conv2d(data, relax.const(weight), padding=1, groups=4, out_dtype=out_dtype)
+
+
+def depthwise_module() -> tvm.IRModule:
+    """main(x[1, 4, 6, 6]) = a depthwise conv of x with DEPTHWISE_WEIGHT."""
+    return single_output_module(lambda x: depthwise(x, DEPTHWISE_WEIGHT), tensor("x", (1, 4, 6, 6)))
+
+
+def expected_depthwise(step: float) -> tvm.IRModule:
+    """depthwise_module with uint8 activation codes of `step`: fp32 weight codes, fp32 sums, one multiply."""
+    codes, scales = quantize_weight(DEPTHWISE_WEIGHT, 0)
+    bb = relax.BlockBuilder()
+    x = tensor("x", (1, 4, 6, 6))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            scaled = bb.emit(relax.op.multiply(x, relax.const(1 / step)))
+            rounded = bb.emit(relax.op.floor(bb.emit(relax.op.add(scaled, relax.const(0.5)))))
+            clipped = bb.emit(relax.op.minimum(bb.emit(relax.op.maximum(rounded, relax.const(0.0))),
+                                               relax.const(255.0)))
+            accumulated = bb.emit(depthwise(bb.emit(relax.op.astype(clipped, "uint8")), codes.astype("float32")))
+            out = bb.emit_output(relax.op.multiply(accumulated, relax.const(
+                (scales * step).reshape(1, -1, 1, 1).astype("float32"))))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_depthwise_conv_multiplies_its_codes_by_fp32_weight_codes():
+    layer = relay_amp.list_layers(depthwise_module(), ["nn.conv2d"])[0]
+    plan = QuantPlan(["relax.nn.conv2d"], "minmax", "per_channel", "float32",
+                     entries=[QuantEntry(0, layer.op, layer.name, "uint8", 2.0, "test")])
+    assert_transforms(lambda mod: relay_amp.apply_quant_plan(mod, plan).without_attr(QuantPlan.ATTR),
+                      depthwise_module(), expected_depthwise(2.0 / 255))
+
+
+def test_quantize_makes_a_depthwise_conv_of_an_unsigned_input_int8_and_keeps_a_signed_one_in_the_fallback():
+    """After a ReLU the conv runs on codes, within the codes' rounding of fp32 (its sums are exact: integers below
+    2^24); after a SiLU-like signed input it stays in the fallback, with the reason."""
+    rng = np.random.default_rng(4)
+    unsigned = [np.abs(rng.normal(size=(1, 4, 6, 6))).astype("float32") for _ in range(4)]
+    quantized = relay_amp.quantize(depthwise_module(), unsigned, fallback_dtype="float32")
+    [entry] = relay_amp.quant_plan(quantized).entries
+    assert entry.dtype == "uint8"
+    inputs = [np.abs(rng.normal(size=(1, 4, 6, 6))).astype("float32")]
+    expected = relay_amp.run(depthwise_module(), inputs)[0]
+    np.testing.assert_allclose(relay_amp.run(quantized, inputs)[0], expected, atol=0.03 * np.abs(expected).max())
+    relax.analysis.well_formed(quantized)
+    signed = [rng.normal(size=(1, 4, 6, 6)).astype("float32")]
+    [entry] = relay_amp.quant_plan(relay_amp.quantize(depthwise_module(), signed)).entries
+    assert entry.dtype == "fallback" and entry.reason.startswith("grouped convolution of a signed input")
 
 
 @pytest.mark.parametrize("dtype, levels", [("uint8", 255), ("int8", 127)])
