@@ -344,6 +344,25 @@ def test_a_requantize_to_uint8_is_the_kernels_last_step():
     assert_transforms(FuseKernelEpilogues(), before, expected)
 
 
+def _relu6(v: relax.Expr, r: relax.Expr) -> list:
+    """A bias and a ReLU6, as the frontends write them."""
+    return [lambda v, r: relax.op.add(v, relax.const(BIAS)),
+            lambda v, r: relax.op.maximum(v, relax.const(0.0, F32)),
+            lambda v, r: relax.op.minimum(v, relax.const(6.0, F32))]
+
+
+def test_a_requantize_after_relu6_folds_into_one_multiply_add_before_the_codes():
+    """bias, ReLU6, x 0.25, + 0.5, floor, clamp: the clamp to [0, 6] moves after the multiply-add and the floor,
+    as [0, 2]: tighter than the codes' own, so it stays."""
+    before = _dispatched(_chain_module(*_relu6(None, None), *_requantize(None, None)))
+    steps = (kernels.Step(kernels.SCALE), kernels.Step(kernels.BIAS),
+             kernels.Step(kernels.MAP, formula=("minimum", ("maximum", ("floor", ("x",)), ("const", 0.0)),
+                                                ("const", 255.0))), kernels.Step(kernels.CLIP, 0.0, 2.0))
+    expected = _expected(kernels.Epilogue(steps, "", "uint8"),
+                         [lambda r: relax.const(np.full(64, 0.25, F32)), lambda r: relax.const(BIAS * 0.25 + 0.5)])
+    assert_transforms(FuseKernelEpilogues(), before, expected)
+
+
 def test_nothing_after_an_integer_cast_joins_the_epilogue():
     """uint8 -> fp32 after the cast is not a round trip to drop: the integer is the value."""
     ops = [lambda v, r: relax.op.astype(v, "uint8"), lambda v, r: relax.op.astype(v, F32)]
@@ -377,6 +396,31 @@ def test_int8_layers_store_their_requantized_output_exactly(preset, feature, low
     executable = build(before, preset)
     data = RNG.integers(0, 256, SHAPE).astype("uint8")
     np.testing.assert_array_equal(run_executable(executable, [data])[0], relay_amp.run(before, [data])[0])
+
+
+def test_an_int8_layer_with_relu6_stores_the_codes_of_the_unfused_ops():
+    """The folded requantize rounds differently only where a value sits within fp32 rounding of a half code."""
+    if not targets.host_supports("avx512_vnni"):
+        pytest.skip("host CPU has no avx512_vnni")
+    x = tensor("x", SHAPE, "uint8")
+    weight = RNG.integers(-128, 128, (1, 1, 64, 64)).astype("int8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            value = bb.emit(relax.op.astype(bb.emit(relax.op.nn.conv2d(
+                x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO", out_dtype="int32")), F32))
+            value = bb.emit(relax.op.multiply(value, relax.const(SCALE / 4096)))
+            ops = [*_relu6(None, None), *_requantize(None, None)]
+            for op in ops[:-1]:
+                value = bb.emit(op(value, None))
+            out = bb.emit_output(ops[-1](value, None))
+        bb.emit_func_output(out)
+    before = bb.get()
+    data = RNG.integers(0, 256, SHAPE).astype("uint8")
+    built = run_executable(build(before, "cpu-avx512-bf16"), [data])[0].astype("int32")
+    unfused = relay_amp.run(before, [data])[0].astype("int32")
+    assert np.abs(built - unfused).max() <= 1 and (built == unfused).mean() > 0.999
+    assert len(np.unique(unfused)) > 2  # the codes span the clamp, not only its ends
 
 
 def _two_matmuls(rows: int) -> tvm.IRModule:

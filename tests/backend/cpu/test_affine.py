@@ -1,0 +1,121 @@
+"""affine: an epilogue's scales, biases and clamps folded into one multiply-add and a clamp moved after it."""
+
+import math
+
+import numpy as np
+import pytest
+from tvm import relax
+
+from relay_amp.backend.cpu import kernels
+from relay_amp.backend.cpu.affine import folded
+
+RNG = np.random.default_rng(0)
+CHANNELS = 8
+CODES = ("minimum", ("maximum", ("floor", ("x",)), ("const", 0.0)), ("const", 255.0))  # floor, clamp to uint8
+SILU = ("divide", ("x",), ("add", ("exp", ("negative", ("x",))), ("const", 1.0)))
+
+
+def scale(values) -> tuple:
+    return kernels.Step(kernels.SCALE), relax.const(np.broadcast_to(values, CHANNELS).astype("float32"))
+
+
+def bias(values) -> tuple:
+    return kernels.Step(kernels.BIAS), relax.const(np.broadcast_to(values, CHANNELS).astype("float32"))
+
+
+def clip(low: float = -math.inf, high: float = math.inf) -> tuple:
+    return kernels.Step(kernels.CLIP, low, high), None
+
+
+def mapped(formula: tuple) -> tuple:
+    return kernels.Step(kernels.MAP, formula=formula), None
+
+
+def residual() -> tuple:
+    return kernels.Step(kernels.RESIDUAL), relax.Var("r", relax.TensorType((1, CHANNELS), "float32"))
+
+
+def fold(*pairs) -> tuple[list, list]:
+    return folded([step for step, _ in pairs], [operand for _, operand in pairs if operand is not None])
+
+
+def kinds(steps: list) -> list[str]:
+    return [step.kind for step in steps]
+
+
+def evaluate(formula: tuple, x: np.ndarray) -> np.ndarray:
+    kind, *operands = formula
+    if kind == "x":
+        return x
+    if kind == "const":
+        return np.float64(operands[0])
+    values = [evaluate(operand, x) for operand in operands]
+    functions = {"floor": np.floor, "maximum": np.maximum, "minimum": np.minimum, "negative": np.negative,
+                 "exp": np.exp, "add": np.add, "divide": np.divide}
+    return functions[kind](*values)
+
+
+def run(steps: list, operands: list, x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """The epilogue's value for accumulators `x` (rows of CHANNELS), in float64."""
+    taken = iter(operands)
+    for step in steps:
+        if step.kind == kernels.CLIP:
+            x = np.minimum(np.maximum(x, step.low), step.high)
+        elif step.kind == kernels.MAP:
+            x = evaluate(step.formula, x)
+        else:
+            operand = next(taken)
+            value = r if step.kind == kernels.RESIDUAL else operand.value.numpy().astype("float64")
+            x = x * value if step.kind == kernels.SCALE else x + value
+    return x
+
+
+def test_a_requantize_after_relu6_becomes_one_multiply_add_and_the_codes_clamp():
+    weight_scales, layer_bias = RNG.uniform(0.01, 0.1, CHANNELS), RNG.normal(size=CHANNELS)
+    steps, operands = fold(scale(weight_scales), bias(layer_bias), clip(0.0), clip(high=6.0), scale(42.5),
+                           bias(0.5), mapped(CODES))
+    assert kinds(steps) == [kernels.SCALE, kernels.BIAS, kernels.MAP] and steps[-1].formula == CODES
+    np.testing.assert_allclose(operands[0].value.numpy(), weight_scales * 42.5, rtol=1e-6)
+    np.testing.assert_allclose(operands[1].value.numpy(), layer_bias * 42.5 + 0.5, rtol=1e-6)
+
+
+def test_a_residual_and_a_non_monotone_activation_end_a_run():
+    steps, _ = fold(scale(2.0), bias(1.0), residual(), clip(0.0), scale(0.25), bias(0.5), mapped(CODES))
+    assert kinds(steps) == [kernels.SCALE, kernels.BIAS, kernels.RESIDUAL, kernels.SCALE, kernels.BIAS, kernels.MAP]
+    steps, _ = fold(bias(1.0), clip(0.0, 6.0), mapped(SILU))
+    assert kinds(steps) == [kernels.BIAS, kernels.CLIP, kernels.MAP]
+
+
+@pytest.mark.parametrize("after_clamp", [scale(RNG.uniform(0.5, 2.0, CHANNELS)), scale(-2.0),
+                                         bias(RNG.normal(size=CHANNELS))])
+def test_a_clamp_stays_before_a_per_channel_or_negative_constant(after_clamp):
+    steps, _ = fold(bias(1.0), clip(0.0), after_clamp)
+    assert kinds(steps) == [kernels.BIAS, kernels.CLIP, after_clamp[0].kind]
+
+
+def test_a_clamp_a_monotone_map_does_not_make_redundant_follows_it():
+    steps, _ = fold(clip(0.0, 6.0), mapped(("floor", ("x",))))
+    assert kinds(steps) == [kernels.MAP, kernels.CLIP] and (steps[1].low, steps[1].high) == (0.0, 6.0)
+
+
+CHAINS = {
+    "relu6 requantize": [scale(RNG.uniform(0.01, 0.1, CHANNELS)), bias(RNG.normal(size=CHANNELS)), clip(0.0),
+                         clip(high=6.0), scale(42.5), bias(0.5), mapped(CODES)],
+    "residual relu requantize": [scale(0.5), bias(RNG.normal(size=CHANNELS)), residual(), clip(0.0), scale(20.0),
+                                 bias(0.5), mapped(CODES)],
+    "clamps and scales": [clip(-1.0, 3.0), scale(3.0), bias(-2.0), clip(0.0), scale(RNG.uniform(0.5, 2, CHANNELS)),
+                          clip(high=4.0), mapped(("floor", ("x",))), bias(0.5)],
+    "disjoint clamps": [clip(0.0, 1.0), clip(2.0, 3.0), scale(2.0)],
+    "activation": [bias(RNG.normal(size=CHANNELS)), clip(-3.0, 3.0), mapped(SILU), scale(2.0), clip(high=1.0)],
+}
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_a_folded_epilogue_computes_what_the_steps_did(name):
+    steps, operands = fold(*CHAINS[name])
+    original_steps = [step for step, _ in CHAINS[name]]
+    original_operands = [operand for _, operand in CHAINS[name] if operand is not None]
+    x, r = RNG.normal(scale=30.0, size=(1000, CHANNELS)), RNG.normal(size=(1000, CHANNELS))
+    np.testing.assert_allclose(run(steps, operands, x, r), run(original_steps, original_operands, x, r),
+                               rtol=1e-5, atol=1e-5)
+    assert len(steps) <= len(original_steps)
