@@ -1,12 +1,13 @@
-"""affine: an epilogue's scales and biases merged into one multiply-add, its clamps moved after them.
+"""affine: runs of fp32 scales, biases, clamps and floors by constants folded into a multiply-add, floor and clamp.
 
-A quantized model's conv ends in a requantize: the dequantizing scale, the layer's bias, its ReLU6, the next
-layer's 1/step and +0.5, then floor and the clamp to the codes (SCALE, BIAS, CLIP, CLIP, SCALE, BIAS, MAP), about
-eleven vector ops for each 16 values with the casts, where a 1x1 conv over 24 channels spends 6 `vpdpbusd`. A
-clamp commutes with a multiply by a positive constant the same for every channel (its bounds are multiplied too)
-and with an add of such a constant (its bounds move), and a monotone MAP (floor, then a clamp to the codes) takes
-it as a clamp of its bounds' images, which the MAP's own clamp makes redundant. So that chain becomes SCALE,
-BIAS, MAP: one fused multiply-add, floor, two clamps. Values differ from the unfolded chain's by fp32 rounding.
+A quantized model's layers end in a requantize: the dequantizing scale, the layer's bias, its ReLU6, the next
+layer's 1/step and +0.5, then floor and the clamp to the codes: nine fp32 ops, about eleven vector ops for each
+16 values with the casts, where a 1x1 conv over 24 channels spends 6 `vpdpbusd` and a 3x3 depthwise conv 9 FMAs.
+A clamp commutes with a multiply by a positive constant the same for every channel (its bounds are multiplied
+too) and with an add of such a constant (its bounds move), and moves after a floor as the floor of its bounds, so
+`FoldAffineClamps` (before kernel dispatch: the kernels' epilogues and the depthwise convs' fused functions both
+gain) makes that run one multiply, one add (a fused multiply-add), floor and one clamp. Values differ from the
+unfolded run's by fp32 rounding. `folded` is the algebra, over epilogue steps (`kernels.Step`).
 """
 
 import math
@@ -16,9 +17,14 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ...ops import call_op_name
 from . import kernels
 
 MONOTONE = ("floor", "maximum", "minimum")  # a MAP of these over x and constants never decreases
+WIDE = "float32"
+CLAMPS = ("relax.maximum", "relax.minimum")
+CHAIN_OPS = ("relax.multiply", "relax.add", "relax.floor", "relax.nn.relu", *CLAMPS)
 
 
 @dataclass
@@ -124,3 +130,155 @@ def _value(formula: tuple, x: float) -> float:
     if kind == "floor":
         return float(np.floor(values[0]))
     return max(values) if kind == "maximum" else min(values)
+
+
+
+@dataclass
+class _OpRun:
+    """A run of single-use fp32 ops that fold: the value it starts from, its steps and their bindings."""
+    source: relax.Expr
+    steps: list  # (kernels.Step, operand values or None)
+    vars: list  # the vars the run binds, the last one its result
+    axis: "int | None" = None  # the axis of its per-channel operands
+
+
+def _channel_operand(expr: relax.Expr, shape: tuple) -> "tuple[np.ndarray, int | None] | None":
+    """An fp32 constant that broadcasts to `shape` along at most one axis: its values and that axis (None for a
+    scalar), else None."""
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != WIDE:
+        return None
+    values = expr.value.numpy()
+    if values.ndim > len(shape):
+        return None
+    aligned = (1,) * (len(shape) - values.ndim) + values.shape
+    axes = [axis for axis, size in enumerate(aligned) if size != 1]
+    if not axes:
+        return values.reshape(1), None
+    if len(axes) > 1 or aligned[axes[0]] != shape[axes[0]]:
+        return None
+    return values.reshape(-1), axes[0]
+
+
+def _as_step(call: relax.Expr, shape: tuple) -> "tuple | None":
+    """((step, operand values or None, their axis), data) for an fp32 op a run folds: a multiply or add by a
+    constant along at most one axis, maximum or minimum by a scalar, ReLU, floor. None for any other."""
+    name = call_op_name(call)
+    if name not in CHAIN_OPS or tensor_dtype(call) != WIDE:
+        return None
+    if name in ("relax.floor", "relax.nn.relu"):
+        step = kernels.Step(kernels.MAP, formula=("floor", ("x",))) if name == "relax.floor" else kernels.Step(
+            kernels.CLIP, 0.0)
+        return (step, None, None), call.args[0]
+    data, other = call.args
+    if isinstance(data, tvm.ir.expr.Constant):
+        data, other = other, data
+    operand = _channel_operand(other, shape)
+    if operand is None or (name in CLAMPS and operand[1] is not None):
+        return None
+    values, axis = operand
+    if name == "relax.maximum":
+        return (kernels.Step(kernels.CLIP, low=float(values[0])), None, None), data
+    if name == "relax.minimum":
+        return (kernels.Step(kernels.CLIP, high=float(values[0])), None, None), data
+    return (kernels.Step(kernels.SCALE if name == "relax.multiply" else kernels.BIAS), values, axis), data
+
+
+def _chains(func: relax.Function) -> list[_OpRun]:
+    """The runs of single-use fp32 ops of `func` that fold to fewer ops, in binding order."""
+    uses = read_counts(func)
+    open_runs: dict[relax.Var, _OpRun] = {}  # the run each var ends, while nothing else has read it
+    runs = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            shape = tensor_shape(binding.var)
+            found = None if shape is None else _as_step(binding.value, shape)
+            if found is None:
+                continue
+            (step, values, axis), data = found
+            run = open_runs.pop(data, None) if isinstance(data, relax.DataflowVar) and uses.get(data) == 1 else None
+            if run is None or (None not in (axis, run.axis) and axis != run.axis):  # one channel axis per run
+                run = _OpRun(data, [], [])
+                runs.append(run)
+            run.steps.append((step, values))
+            run.vars.append(binding.var)
+            run.axis = run.axis if axis is None else axis
+            open_runs[binding.var] = run
+    return [run for run in runs if 0 < len(_folded_run(run)[0]) < len(run.steps)]
+
+
+def _folded_run(run: _OpRun) -> tuple[list, list]:
+    steps = [step for step, _ in run.steps]
+    return folded(steps, [relax.const(values) for _, values in run.steps if values is not None])
+
+
+def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, leaves_block: bool) -> relax.Var:
+    """Emit `run` folded, from `value`; the var of its result (an output of the block where `leaves_block`)."""
+    steps, operands = _folded_run(run)
+    rank, operands = len(tensor_shape(run.vars[-1])), iter(operands)
+    exprs = []
+    for step in steps:
+        if step.kind == kernels.MAP:
+            exprs.append(lambda x: relax.op.floor(x))
+        elif step.kind == kernels.CLIP:
+            exprs.extend(_clamp_ops(step))
+        else:
+            constant = _broadcast(next(operands).value.numpy(), run.axis, rank)
+            op = relax.op.multiply if step.kind == kernels.SCALE else relax.op.add
+            exprs.append(lambda x, op=op, constant=constant: op(x, constant))
+    for make in exprs[:-1]:
+        value = builder.emit(make(value))
+    return builder.emit_output(exprs[-1](value)) if leaves_block else builder.emit(exprs[-1](value))
+
+
+def _clamp_ops(step: kernels.Step) -> list:
+    ops = []
+    if step.low > -math.inf:
+        ops.append(lambda x: relax.op.maximum(x, relax.const(step.low, WIDE)))
+    if step.high < math.inf:
+        ops.append(lambda x: relax.op.minimum(x, relax.const(step.high, WIDE)))
+    return ops
+
+
+def _broadcast(values: np.ndarray, axis: "int | None", rank: int) -> relax.Expr:
+    """Per-channel `values` as a constant that broadcasts along `axis` of a rank-`rank` tensor; a scalar where they
+    are all one value."""
+    if np.all(values == values.flat[0]):
+        return relax.const(float(values.flat[0]), WIDE)
+    shape = [1] * rank
+    shape[axis] = -1
+    return relax.const(values.astype(WIDE).reshape(shape))
+
+
+@relax.expr_functor.mutator
+class _Folder(relax.PyExprMutator):
+    """Binds each folding run's result to its folded ops and drops the run's other bindings."""
+
+    def __init__(self, mod: tvm.IRModule, runs: list[_OpRun]):
+        super().__init__(mod)
+        self.run_of = {run.vars[-1]: run for run in runs}
+        self.dropped = {var for run in runs for var in run.vars[:-1]}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.dropped:
+            return
+        run = self.run_of.get(binding.var)
+        if run is None:
+            super().visit_var_binding_(binding)
+            return
+        leaves_block = self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar)
+        self.set_var_remap(binding.var, _emitted(self.builder_, self.visit_expr(run.source), run, leaves_block))
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldAffineClamps")
+class FoldAffineClamps:
+    """Fold each run of fp32 scales, biases, clamps and floors by constants into a multiply-add, floor and clamp."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod` (constants behind layout changes folded first); the input module is left as it
+        was."""
+        mod = relax.transform.FoldConstant()(mod)
+        runs = _chains(get_function(mod, self.func))
+        return rewrite_function(_Folder(mod, runs), mod, self.func) if runs else mod

@@ -9,7 +9,8 @@ dtypes, a last cast to int8/uint8 (a quantized model's requantize: scale, floor(
 reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
 (`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype. Ops the
 graph has in bf16 after a cast are computed on the fp32 value, and rounded once, at the store. Runs of scales,
-biases and clamps are folded first (`relay_amp.backend.cpu.affine`).
+biases and clamps are folded before (`relay_amp.backend.cpu.affine`), so a requantize after a ReLU6 is one
+multiply-add, floor and clamp here.
 
 An activation that reads its input more than once (SiLU's x * sigmoid(x), GELU as exporters spell it:
 x * (erf(x / 1.414) + 1) * 0.5, with AMP's casts in between) is taken whole: the elementwise ops after a value
@@ -32,7 +33,7 @@ from tvm import relax
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
-from . import affine, amx, formula, kernels
+from . import amx, formula, kernels
 
 _ALIAS = object()  # a step that only renames, reshapes or casts the value
 QUANTIZED_DTYPES = ("int8", "uint8")  # integer dtypes a kernel may store its finished value in
@@ -322,9 +323,8 @@ class _Fuser(relax.PyExprMutator):
 
     def _fused_call(self, chain: _Chain) -> relax.Expr:
         spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
-        steps, operands = affine.folded(chain.steps, chain.operands)
-        epilogue = kernels.Epilogue(tuple(steps), chain.residual_dtype, out_dtype)
-        operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in operands]
+        epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
+        operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in chain.operands]
         kernel = chain.make(spec, epilogue, tile_rows_out=True) if chain.tile_rows_out else chain.make(spec, epilogue)
         gvar = self.builder_.add_func(kernel, "relay_amp_dot_kernel")
         inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]

@@ -10,6 +10,7 @@ from ...passes.moves import HoistOverMoves
 from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from . import amx
+from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
 from .dispatch import UseDotKernels, target_dtypes
 from .epilogue import FuseKernelEpilogues
@@ -32,7 +33,8 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
-    (`conv_layout` overrides; None keeps the model's), softmax rows padded to whole vectors, dot-product kernel
+    (`conv_layout` overrides; None keeps the model's), bf16 chains widened, runs of scales, biases and clamps
+    folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
     dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
     math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel that reads
     it; merged earlier, two casts of one output would join an epilogue and store it wide), fast math
@@ -48,6 +50,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         HoldSubByteInBytes(),
         *layout_passes(conv_layout),
         WidenArithmetic(),
+        FoldAffineClamps(),
         PadSoftmaxRows(),
         *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),

@@ -4,9 +4,10 @@ x86 has no bf16 arithmetic: TVM computes each bf16 op in fp32 and rounds its res
 so a fused chain of bf16 ops (an exporter's GELU: add, divide, erf, add, multiply, multiply; a softmax; a
 residual add after a kernel's fp32 accumulator) rounded after every step. `WidenArithmetic` rewrites such
 chains to compute in fp32 from their bf16 inputs, with one cast back to bf16 where a value leaves the chain (an
-operand of a kernel, a graph output): after fusion the function loads bf16, computes in fp32 registers and
-stores bf16, as PyTorch's fused CPU kernels do, and values are at least as accurate as before. Layout ops join
-a chain only when their input is already widened, so a reshape of a bf16 tensor stays a free view. A value read
+operand of a kernel, a graph output; a cast to an integer dtype, a quantize's codes, takes the fp32 value):
+after fusion the function loads bf16, computes in fp32 registers and stores bf16, as PyTorch's fused CPU kernels
+do, and values are at least as accurate as before. Layout ops join a chain only when their input is already
+widened, so a reshape of a bf16 tensor stays a free view. A value read
 twice may end a fused function and be stored: it reaches its readers rounded to bf16, so no tensor is stored
 in fp32 that was bf16 before.
 
@@ -33,7 +34,7 @@ ARITHMETIC = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs", "sqrt", "rsqrt",
     "exp", "log", "erf", "tanh", "sigmoid", "clip", "where", "square", "nn.relu", "nn.gelu", "nn.gelu_tanh",
     "nn.silu", "nn.softmax", "nn.log_softmax", "nn.layer_norm", "nn.rms_norm", "mean", "sum", "variance", "max",
-    "min"))
+    "min", "floor"))  # floor: a quantize's rounding, floor(x / step + 0.5), in AMP's fallback
 GROUPED_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
 LAYOUT = frozenset(f"relax.{name}" for name in (
     "reshape", "permute_dims", "expand_dims", "squeeze", "strided_slice", "concat", "broadcast_to", "flatten"))
@@ -44,6 +45,13 @@ def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
     if call_op_name(call) not in GROUPED_CONVS or int(call.attrs.groups) == 1:
         return False
     return str(call.attrs.out_dtype) == WIDE and all(tensor_dtype(arg) == NARROW for arg in call.args)
+
+
+def _is_integer_cast_of_chain(call: relax.Expr, flows: set) -> bool:
+    """Whether `call` casts a chain's bf16 value that needs no storage to an integer dtype (a quantize's codes,
+    whole numbers already): it casts the fp32 value instead, without the bf16 rounding in between."""
+    return (call_op_name(call) == "relax.astype" and call.args[0] in flows
+            and tensor_dtype(call) not in (NARROW, WIDE, "float16"))
 
 
 @relax.expr_functor.mutator
@@ -78,6 +86,8 @@ class _Widener(relax.PyExprMutator):
         operand as it loads it) reads an fp32 weight: a constant one is widened once, when constants fold. Its
         data stays bf16, so the op before it stores bf16."""
         new_call = super().visit_call_(call)
+        if _is_integer_cast_of_chain(new_call, self.flows):
+            return relax.op.astype(self.wide_of[new_call.args[0]], tensor_dtype(new_call))
         if not _is_narrow_grouped_conv(new_call):
             return new_call
         data, weight = new_call.args

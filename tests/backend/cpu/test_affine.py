@@ -4,10 +4,15 @@ import math
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 
+import relay_amp
 from relay_amp.backend.cpu import kernels
-from relay_amp.backend.cpu.affine import folded
+from relay_amp.backend.cpu.affine import FoldAffineClamps, folded
+
+from builders import tensor
+from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
 CHANNELS = 8
@@ -119,3 +124,66 @@ def test_a_folded_epilogue_computes_what_the_steps_did(name):
     np.testing.assert_allclose(run(steps, operands, x, r), run(original_steps, original_operands, x, r),
                                rtol=1e-5, atol=1e-5)
     assert len(steps) <= len(original_steps)
+
+
+NHWC = (1, 3, 3, CHANNELS)
+WEIGHT_SCALES = RNG.uniform(0.01, 0.1, CHANNELS).astype("float32")
+LAYER_BIAS = RNG.normal(size=(1, 1, 1, CHANNELS)).astype("float32")
+
+
+def _requantize_after_relu6(x: relax.Expr, bb: relax.BlockBuilder) -> relax.Expr:
+    """A dequantize, the layer's bias and ReLU6, then the next layer's uint8 codes, one binding each."""
+    ops = [lambda v: relax.op.multiply(v, relax.const(WEIGHT_SCALES)),
+           lambda v: relax.op.add(v, relax.const(LAYER_BIAS)),
+           lambda v: relax.op.maximum(v, relax.const(0.0)), lambda v: relax.op.minimum(v, relax.const(6.0)),
+           lambda v: relax.op.multiply(v, relax.const(42.5)), lambda v: relax.op.add(v, relax.const(0.5)),
+           relax.op.floor,
+           lambda v: relax.op.maximum(v, relax.const(0.0)), lambda v: relax.op.minimum(v, relax.const(255.0))]
+    for op in ops:
+        x = bb.emit(op(x))
+    return relax.op.astype(x, "uint8")
+
+
+def _module(body) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    x = tensor("x", NHWC)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(x, bb))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _folded_requantize(x: relax.Expr, bb: relax.BlockBuilder) -> relax.Expr:
+    scale = (WEIGHT_SCALES.astype("float64") * 42.5).astype("float32").reshape(1, 1, 1, -1)
+    bias = (LAYER_BIAS.astype("float64") * 42.5 + 0.5).astype("float32")
+    x = bb.emit(relax.op.multiply(x, relax.const(scale)))
+    x = bb.emit(relax.op.floor(bb.emit(relax.op.add(x, relax.const(bias)))))
+    x = bb.emit(relax.op.minimum(bb.emit(relax.op.maximum(x, relax.const(0.0))), relax.const(255.0)))
+    return relax.op.astype(x, "uint8")
+
+
+def test_fold_affine_clamps_makes_a_requantize_after_relu6_one_multiply_add_floor_and_clamp():
+    assert_transforms(FoldAffineClamps(), _module(_requantize_after_relu6), _module(_folded_requantize))
+
+
+def test_folded_codes_match_the_unfolded_ones_on_the_vm():
+    data = [RNG.normal(scale=40.0, size=NHWC).astype("float32")]
+    before = _module(_requantize_after_relu6)
+    expected = relay_amp.run(before, data)[0].astype("int32")
+    actual = relay_amp.run(FoldAffineClamps()(before), data)[0].astype("int32")
+    assert np.abs(actual - expected).max() <= 1 and (actual == expected).mean() > 0.95
+    assert len(np.unique(expected)) > 3
+
+
+def test_runs_that_would_not_shrink_or_whose_value_is_read_twice_are_left_alone():
+    def relu_then_residual(x, bb):
+        biased = bb.emit(relax.op.add(x, relax.const(LAYER_BIAS)))
+        scaled = bb.emit(relax.op.multiply(biased, relax.const(0.5)))
+        return relax.op.add(bb.emit(relax.op.nn.relu(scaled)), biased)  # biased is read twice: a run ends there
+
+    before = _module(relu_then_residual)
+    assert_transforms(FoldAffineClamps(), before, before)
+    channel_after_clamp = _module(lambda x, bb: relax.op.multiply(
+        bb.emit(relax.op.maximum(x, relax.const(0.0))), relax.const(WEIGHT_SCALES)))
+    assert_transforms(FoldAffineClamps(), channel_after_clamp, channel_after_clamp)

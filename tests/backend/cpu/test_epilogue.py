@@ -11,6 +11,7 @@ from tvm import relax
 import relay_amp
 from relay_amp import targets
 from relay_amp.backend.cpu import amx, dispatch, kernels
+from relay_amp.backend.cpu.affine import FoldAffineClamps
 from relay_amp.backend.cpu.epilogue import FuseKernelEpilogues
 from relay_amp.compile.build import build
 from relay_amp.ops import call_op_name
@@ -351,16 +352,16 @@ def _relu6(v: relax.Expr, r: relax.Expr) -> list:
             lambda v, r: relax.op.minimum(v, relax.const(6.0, F32))]
 
 
-def test_a_requantize_after_relu6_folds_into_one_multiply_add_before_the_codes():
-    """bias, ReLU6, x 0.25, + 0.5, floor, clamp: the clamp to [0, 6] moves after the multiply-add and the floor,
-    as [0, 2]: tighter than the codes' own, so it stays."""
+def test_a_requantize_after_relu6_folded_first_is_a_multiply_add_before_the_codes():
+    """bias, ReLU6, x 0.25, + 0.5, floor, clamp, folded (relay_amp.backend.cpu.affine): the clamp to [0, 6] moves
+    after the multiply-add and the floor, as [0, 2], within the codes' own: the epilogue's MAP clamps to it."""
     before = _dispatched(_chain_module(*_relu6(None, None), *_requantize(None, None)))
     steps = (kernels.Step(kernels.SCALE), kernels.Step(kernels.BIAS),
              kernels.Step(kernels.MAP, formula=("minimum", ("maximum", ("floor", ("x",)), ("const", 0.0)),
-                                                ("const", 255.0))), kernels.Step(kernels.CLIP, 0.0, 2.0))
+                                                ("const", 2.0))))
     expected = _expected(kernels.Epilogue(steps, "", "uint8"),
                          [lambda r: relax.const(np.full(64, 0.25, F32)), lambda r: relax.const(BIAS * 0.25 + 0.5)])
-    assert_transforms(FuseKernelEpilogues(), before, expected)
+    assert_transforms(lambda mod: FuseKernelEpilogues()(FoldAffineClamps()(mod)), before, expected)
 
 
 def test_nothing_after_an_integer_cast_joins_the_epilogue():

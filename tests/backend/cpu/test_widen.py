@@ -50,6 +50,40 @@ def test_chain_from_a_kernel_output_to_a_matmul_rounds_once():
     assert_transforms(WidenArithmetic(), Before, Expected)
 
 
+def test_a_quantize_in_the_bf16_fallback_floors_in_fp32_and_casts_its_codes_from_fp32():
+    """AMP leaves a quantize's codes, floor(x * 42.5 + 0.5) clamped, in bf16 after a depthwise conv's fp32 sums:
+    the floor joins the chain, and the cast to uint8 reads the fp32 value (no bf16 rounding in between)."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32")) -> R.Tensor((4, 8), "uint8"):
+            with R.dataflow():
+                narrow = R.astype(x, "bfloat16")
+                scaled = R.multiply(narrow, R.const(42.5, "bfloat16"))
+                shifted = R.add(scaled, R.const(0.5, "bfloat16"))
+                rounded = R.floor(shifted)
+                clamped = R.minimum(R.maximum(rounded, R.const(0.0, "bfloat16")), R.const(255.0, "bfloat16"))
+                codes = R.astype(clamped, "uint8")
+                R.output(codes)
+            return codes
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32")) -> R.Tensor((4, 8), "uint8"):
+            with R.dataflow():
+                scaled = R.multiply(x, R.const(42.5, "float32"))
+                shifted = R.add(scaled, R.const(0.5, "float32"))
+                rounded = R.floor(shifted)
+                low = R.maximum(rounded, R.const(0.0, "float32"))
+                clamped = R.minimum(low, R.const(255.0, "float32"))
+                codes = R.astype(clamped, "uint8")
+                R.output(codes)
+            return codes
+
+    assert_transforms(WidenArithmetic(), Before, Expected)
+
+
 def test_layout_ops_of_bf16_inputs_stay_views_and_other_dtypes_are_left_alone():
     @I.ir_module
     class Before:
