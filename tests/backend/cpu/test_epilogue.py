@@ -372,11 +372,8 @@ def test_nothing_after_an_integer_cast_joins_the_epilogue():
     assert calls[-2].ty.dtype == "uint8" and calls[-1].op.name == "relax.astype"
 
 
-@pytest.mark.parametrize("preset,feature", [("cpu-amx", "amx_int8"), ("cpu-avx512-bf16", "avx512_vnni")])
-@pytest.mark.parametrize("low,high,dtype", [(0.0, 255.0, "uint8"), (-128.0, 127.0, "int8")])
-def test_int8_layers_store_their_requantized_output_exactly(preset, feature, low, high, dtype):
-    if not targets.host_supports(feature) or (preset == "cpu-amx" and not _amx_host()):
-        pytest.skip(f"host CPU has no {feature}")
+def _int8_layer(ops: list) -> tvm.IRModule:
+    """main(x): a uint8 x int8 1x1 conv's int32 sums as fp32, through `ops` (each a function of the value and r)."""
     x = tensor("x", SHAPE, "uint8")
     weight = RNG.integers(-128, 128, (1, 1, 64, 64)).astype("int8")
     bb = relax.BlockBuilder()
@@ -384,12 +381,19 @@ def test_int8_layers_store_their_requantized_output_exactly(preset, feature, low
         with bb.dataflow():
             value = bb.emit(relax.op.astype(bb.emit(relax.op.nn.conv2d(
                 x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO", out_dtype="int32")), F32))
-            requantize = _requantize(None, None, low, high, dtype)
-            for op in requantize[:-1]:
+            for op in ops[:-1]:
                 value = bb.emit(op(value, None))
-            out = bb.emit_output(requantize[-1](value, None))
+            out = bb.emit_output(ops[-1](value, None))
         bb.emit_func_output(out)
-    before = bb.get()
+    return bb.get()
+
+
+@pytest.mark.parametrize("preset,feature", [("cpu-amx", "amx_int8"), ("cpu-avx512-bf16", "avx512_vnni")])
+@pytest.mark.parametrize("low,high,dtype", [(0.0, 255.0, "uint8"), (-128.0, 127.0, "int8")])
+def test_int8_layers_store_their_requantized_output_exactly(preset, feature, low, high, dtype):
+    if not targets.host_supports(feature) or (preset == "cpu-amx" and not _amx_host()):
+        pytest.skip(f"host CPU has no {feature}")
+    before = _int8_layer(_requantize(None, None, low, high, dtype))
     target = targets.get_target(preset)
     fused = FuseKernelEpilogues()(dispatch.UseDotKernels(dispatch.target_dtypes(target),
                                                          amx_dtypes=amx.target_dtypes(target))(before))
@@ -403,20 +407,8 @@ def test_an_int8_layer_with_relu6_stores_the_codes_of_the_unfused_ops():
     """The folded requantize rounds differently only where a value sits within fp32 rounding of a half code."""
     if not targets.host_supports("avx512_vnni"):
         pytest.skip("host CPU has no avx512_vnni")
-    x = tensor("x", SHAPE, "uint8")
-    weight = RNG.integers(-128, 128, (1, 1, 64, 64)).astype("int8")
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            value = bb.emit(relax.op.astype(bb.emit(relax.op.nn.conv2d(
-                x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO", out_dtype="int32")), F32))
-            value = bb.emit(relax.op.multiply(value, relax.const(SCALE / 4096)))
-            ops = [*_relu6(None, None), *_requantize(None, None)]
-            for op in ops[:-1]:
-                value = bb.emit(op(value, None))
-            out = bb.emit_output(ops[-1](value, None))
-        bb.emit_func_output(out)
-    before = bb.get()
+    before = _int8_layer([lambda v, r: relax.op.multiply(v, relax.const(SCALE / 4096)), *_relu6(None, None),
+                          *_requantize(None, None)])
     data = RNG.integers(0, 256, SHAPE).astype("uint8")
     built = run_executable(build(before, "cpu-avx512-bf16"), [data])[0].astype("int32")
     unfused = relay_amp.run(before, [data])[0].astype("int32")
