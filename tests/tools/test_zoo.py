@@ -120,3 +120,26 @@ def test_dynamic_axes_sized_at_import_reach_the_kernels_and_match_pytorch(name, 
         with pytest.warns(UserWarning, match=r"symbolic dims \(batch\)"):
             executable = relay_amp.build(dynamic, target)
         assert _relative_error(run_executable(executable, inputs)[0], expected) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("name, depthwise_dtype", [("mobilenet_v2", "uint8"), ("efficientnet_b0", "fallback")])
+def test_quantized_depthwise_convs_follow_their_input_sign_and_stay_close_to_fp32(name, depthwise_dtype):
+    """MobileNetV2's depthwise convs read ReLU6 outputs: int8q makes them uint8 layers; EfficientNet's read SiLU
+    outputs and stay in the bf16 fallback. Both builds (requantize runs folded) keep close to fp32 (a wrong scale or
+fold would not: cosine near 0)."""
+    from relay_amp.passes.layers import layer_bindings
+    from relay_amp.passes.quantize.realize import prepared
+
+    mod = zoo.load(name, tiny=True)
+    rng = np.random.default_rng(0)
+    shape = zoo.example_inputs(name, tiny=True)[0].shape
+    quantized = relay_amp.quantize(mod, [rng.standard_normal(shape).astype("float32") for _ in range(4)])
+    entries = relay_amp.quant_plan(quantized).entries
+    calls = [binding.value for binding in layer_bindings(prepared(mod), ["relax.nn.conv2d", "relax.matmul"])]
+    depthwise = {entry.dtype for entry, call in zip(entries, calls) if getattr(call.attrs, "groups", 1) != 1}
+    assert depthwise == {depthwise_dtype}
+    target = relay_amp.targets.host_preset()
+    inputs = [rng.standard_normal(shape).astype("float32")]
+    expected = run_executable(relay_amp.build(mod, target), inputs)[0]
+    got = run_executable(relay_amp.build(quantized, target), inputs)[0]
+    assert relay_amp.metrics.cosine_similarity(got, expected) >= 0.95  # the tiny configs' few channels: noisy int8
