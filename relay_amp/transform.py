@@ -1,5 +1,6 @@
 """The relay_amp passes as tvm.transform.Pass objects, for use inside tvm.transform.Sequential."""
 
+from .backend.cpu.affine import FoldAffineClamps
 from .backend.cpu.dispatch import UseDotKernels
 from .backend.cpu.epilogue import FuseKernelEpilogues
 from .backend.cpu.fastmath import FastMath
@@ -16,6 +17,6 @@ from .passes.recast import Recast
 from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldBatchNorm", "FuseKernelEpilogues",
-           "GlobalPoolWindows", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize",
-           "ToMixedPrecision", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]
+__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm",
+           "FuseKernelEpilogues", "GlobalPoolWindows", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ",
+           "Recast", "Specialize", "ToMixedPrecision", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]
