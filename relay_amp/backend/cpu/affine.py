@@ -132,7 +132,6 @@ def _value(formula: tuple, x: float) -> float:
     return max(values) if kind == "maximum" else min(values)
 
 
-
 @dataclass
 class _OpRun:
     """A run of single-use fp32 ops that fold: the value it starts from, its steps and their bindings."""
@@ -218,7 +217,7 @@ def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, leaves
     exprs = []
     for step in steps:
         if step.kind == kernels.MAP:
-            exprs.append(lambda x: relax.op.floor(x))
+            exprs.append(relax.op.floor)
         elif step.kind == kernels.CLIP:
             exprs.extend(_clamp_ops(step))
         else:
@@ -231,6 +230,7 @@ def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, leaves
 
 
 def _clamp_ops(step: kernels.Step) -> list:
+    """A CLIP step as maximum and minimum by scalars (clip has no layout inference), each side it bounds."""
     ops = []
     if step.low > -math.inf:
         ops.append(lambda x: relax.op.maximum(x, relax.const(step.low, WIDE)))
