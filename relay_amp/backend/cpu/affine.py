@@ -7,22 +7,22 @@ A clamp commutes with a multiply by a positive constant the same for every chann
 too) and with an add of such a constant (its bounds move), and moves after a floor as the floor of its bounds, so
 `FoldAffineClamps` (before kernel dispatch: the kernels' epilogues and the depthwise convs' fused functions both
 gain) makes that run one multiply, one add (a fused multiply-add), floor and one clamp. Values differ from the
-unfolded run's by fp32 rounding. `folded` is the algebra, over epilogue steps (`kernels.Step`).
+unfolded run's by fp32 rounding. `folded` is the algebra, over epilogue steps (`kernels.Step`) with numpy
+operands.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import clamped, get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...ops import call_op_name
-from . import kernels
+from . import formula, kernels
 
-MONOTONE = ("floor", "maximum", "minimum")  # a MAP of these over x and constants never decreases
-WIDE = "float32"
+FLOOR = ("floor", formula.X)  # the one MAP a run folds over: a quantize's rounding
 CLAMPS = ("relax.maximum", "relax.minimum")
 CHAIN_OPS = ("relax.multiply", "relax.add", "relax.floor", "relax.nn.relu", *CLAMPS)
 
@@ -35,13 +35,13 @@ class _Run:
     low: float = -math.inf
     high: float = math.inf
 
-    def affine(self) -> list[tuple[kernels.Step, "relax.Expr | None"]]:
+    def affine(self) -> list[tuple[kernels.Step, "np.ndarray | None"]]:
         """The run's multiply-add as steps with their operands."""
         steps = []
         if self.scale is not None:
-            steps.append((kernels.Step(kernels.SCALE), relax.const(self.scale.astype("float32"))))
+            steps.append((kernels.Step(kernels.SCALE), self.scale))
         if self.bias is not None:
-            steps.append((kernels.Step(kernels.BIAS), relax.const(self.bias.astype("float32"))))
+            steps.append((kernels.Step(kernels.BIAS), self.bias))
         return steps
 
     def clamp(self) -> list[tuple[kernels.Step, None]]:
@@ -52,18 +52,18 @@ class _Run:
 
 
 def folded(steps: list, operands: list) -> tuple[list, list]:
-    """`steps` and their `operands` (constants for SCALE and BIAS) with every run of scales, biases and clamps
-    merged into a multiply-add and one clamp, the clamp moved into a monotone MAP after it where it can."""
+    """`steps` and their `operands` (arrays of values for SCALE and BIAS) with every run of scales, biases and
+    clamps merged into a multiply-add and one clamp, the clamp moved after a floor."""
     pending = iter(operands)
-    out: list[tuple[kernels.Step, "relax.Expr | None"]] = []
+    out: list[tuple[kernels.Step, "np.ndarray | None"]] = []
     run = _Run()
     for step in steps:
         operand = next(pending) if step.kind in kernels.TAKES_OPERAND else None
         if _merged(run, step, operand):
             continue
-        if step.kind == kernels.MAP and _monotone(step.formula):
+        if step.kind == kernels.MAP and step.formula == FLOOR:  # floor(clamp(y, lo, hi)) = clamp(floor(y), ...)
             out.extend([*run.affine(), (step, None)])
-            run = _mapped_clamp(run, step.formula)
+            run = _Run(low=float(np.floor(run.low)), high=float(np.floor(run.high)))
             continue
         out.extend(run.affine() + run.clamp())
         run = _Run()
@@ -73,7 +73,12 @@ def folded(steps: list, operands: list) -> tuple[list, list]:
     return [step for step, _ in out], [operand for _, operand in out if operand is not None]
 
 
-def _merged(run: _Run, step: kernels.Step, operand: "relax.Expr | None") -> bool:
+def _uniform(values: np.ndarray) -> bool:
+    """Whether every channel has the same value."""
+    return bool(np.all(values == values.flat[0]))
+
+
+def _merged(run: _Run, step: kernels.Step, operand: "np.ndarray | None") -> bool:
     """Merge `step` into `run` where that is exact; False (run unchanged) where it is not."""
     if step.kind == kernels.CLIP:
         low, high = max(run.low, step.low), min(run.high, step.high)
@@ -81,70 +86,43 @@ def _merged(run: _Run, step: kernels.Step, operand: "relax.Expr | None") -> bool
             return False
         run.low, run.high = low, high
         return True
-    if step.kind not in (kernels.SCALE, kernels.BIAS) or not isinstance(operand, tvm.ir.expr.Constant):
+    if step.kind not in (kernels.SCALE, kernels.BIAS):
         return False
-    values = operand.value.numpy().astype("float64")
-    clamped = run.low > -math.inf or run.high < math.inf
-    uniform = bool(np.all(values == values.flat[0]))
+    values = np.asarray(operand, "float64")
+    clamped_run = run.low > -math.inf or run.high < math.inf
     if step.kind == kernels.SCALE:
-        if clamped and not (uniform and values.flat[0] > 0):
+        if clamped_run and not (_uniform(values) and values.flat[0] > 0):
             return False
         run.scale = values if run.scale is None else run.scale * values
         run.bias = None if run.bias is None else run.bias * values
-        if clamped:
+        if clamped_run:
             run.low, run.high = run.low * values.flat[0], run.high * values.flat[0]
         return True
-    if clamped and not uniform:
+    if clamped_run and not _uniform(values):
         return False
     run.bias = values if run.bias is None else run.bias + values
-    if clamped:
+    if clamped_run:
         run.low, run.high = run.low + values.flat[0], run.high + values.flat[0]
     return True
-
-
-def _monotone(formula: tuple) -> bool:
-    """Whether `formula` is floor, maximum and minimum over x and constants: nondecreasing in x."""
-    kind, *operands = formula
-    if kind in ("x", "const"):
-        return True
-    return kind in MONOTONE and all(_monotone(operand) for operand in operands)
-
-
-def _mapped_clamp(run: _Run, formula: tuple) -> _Run:
-    """The clamp of `run` after the monotone `formula`: f(clamp(y, lo, hi)) = clamp(f(y), f(lo), f(hi)), none
-    where f's own range is no wider."""
-    low, high = _value(formula, run.low), _value(formula, run.high)
-    if low <= _value(formula, -math.inf) and high >= _value(formula, math.inf):
-        return _Run()
-    return _Run(low=low, high=high)
-
-
-def _value(formula: tuple, x: float) -> float:
-    """`formula` at x (floor, maximum, minimum over x and constants)."""
-    kind, *operands = formula
-    if kind == "x":
-        return x
-    if kind == "const":
-        return operands[0]
-    values = [_value(operand, x) for operand in operands]
-    if kind == "floor":
-        return float(np.floor(values[0]))
-    return max(values) if kind == "maximum" else min(values)
 
 
 @dataclass
 class _OpRun:
     """A run of single-use fp32 ops that fold: the value it starts from, its steps and their bindings."""
     source: relax.Expr
-    steps: list  # (kernels.Step, operand values or None)
-    vars: list  # the vars the run binds, the last one its result
+    steps: list = field(default_factory=list)  # (kernels.Step, operand values or None)
+    vars: list = field(default_factory=list)  # the vars the run binds, the last one its result
     axis: "int | None" = None  # the axis of its per-channel operands
+
+    def folded(self) -> tuple[list, list]:
+        """The run's steps and operands, folded."""
+        return folded([step for step, _ in self.steps], [values for _, values in self.steps if values is not None])
 
 
 def _channel_operand(expr: relax.Expr, shape: tuple) -> "tuple[np.ndarray, int | None] | None":
     """An fp32 constant that broadcasts to `shape` along at most one axis: its values and that axis (None for a
     scalar), else None."""
-    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != WIDE:
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != kernels.WIDE:
         return None
     values = expr.value.numpy()
     if values.ndim > len(shape):
@@ -162,11 +140,10 @@ def _as_step(call: relax.Expr, shape: tuple) -> "tuple | None":
     """((step, operand values or None, their axis), data) for an fp32 op a run folds: a multiply or add by a
     constant along at most one axis, maximum or minimum by a scalar, ReLU, floor. None for any other."""
     name = call_op_name(call)
-    if name not in CHAIN_OPS or tensor_dtype(call) != WIDE:
+    if name not in CHAIN_OPS or tensor_dtype(call) != kernels.WIDE:
         return None
     if name in ("relax.floor", "relax.nn.relu"):
-        step = kernels.Step(kernels.MAP, formula=("floor", ("x",))) if name == "relax.floor" else kernels.Step(
-            kernels.CLIP, 0.0)
+        step = kernels.Step(kernels.MAP, formula=FLOOR) if name == "relax.floor" else kernels.Step(kernels.CLIP, 0.0)
         return (step, None, None), call.args[0]
     data, other = call.args
     if isinstance(data, tvm.ir.expr.Constant):
@@ -182,8 +159,9 @@ def _as_step(call: relax.Expr, shape: tuple) -> "tuple | None":
     return (kernels.Step(kernels.SCALE if name == "relax.multiply" else kernels.BIAS), values, axis), data
 
 
-def _chains(func: relax.Function) -> list[_OpRun]:
-    """The runs of single-use fp32 ops of `func` that fold to fewer ops, in binding order."""
+def _chains(func: relax.Function) -> list[tuple[_OpRun, tuple[list, list]]]:
+    """The runs of single-use fp32 ops of `func` that fold to fewer ops, each with its folded steps and operands,
+    in binding order."""
     uses = read_counts(func)
     open_runs: dict[relax.Var, _OpRun] = {}  # the run each var ends, while nothing else has read it
     runs = []
@@ -196,77 +174,62 @@ def _chains(func: relax.Function) -> list[_OpRun]:
             (step, values, axis), data = found
             run = open_runs.pop(data, None) if isinstance(data, relax.DataflowVar) and uses.get(data) == 1 else None
             if run is None or (None not in (axis, run.axis) and axis != run.axis):  # one channel axis per run
-                run = _OpRun(data, [], [])
+                run = _OpRun(data)
                 runs.append(run)
             run.steps.append((step, values))
             run.vars.append(binding.var)
             run.axis = run.axis if axis is None else axis
             open_runs[binding.var] = run
-    return [run for run in runs if 0 < len(_folded_run(run)[0]) < len(run.steps)]
+    with_folds = [(run, run.folded()) for run in runs]
+    return [(run, fold) for run, fold in with_folds if 0 < len(fold[0]) < len(run.steps)]
 
 
-def _folded_run(run: _OpRun) -> tuple[list, list]:
-    steps = [step for step, _ in run.steps]
-    return folded(steps, [relax.const(values) for _, values in run.steps if values is not None])
-
-
-def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, leaves_block: bool) -> relax.Var:
-    """Emit `run` folded, from `value`; the var of its result (an output of the block where `leaves_block`)."""
-    steps, operands = _folded_run(run)
+def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, fold: tuple[list, list],
+             leaves_block: bool) -> relax.Var:
+    """Emit the `fold` of `run` from `value`; the var of its result (an output of the block where `leaves_block`)."""
+    steps, operands = fold
     rank, operands = len(tensor_shape(run.vars[-1])), iter(operands)
-    exprs = []
-    for step in steps:
+    expr = value
+    for number, step in enumerate(steps):
+        data = builder.emit(expr) if number else expr
         if step.kind == kernels.MAP:
-            exprs.append(relax.op.floor)
+            expr = relax.op.floor(data)
         elif step.kind == kernels.CLIP:
-            exprs.extend(_clamp_ops(step))
+            expr = clamped(builder, data, step.low, step.high)
         else:
-            constant = _broadcast(next(operands).value.numpy(), run.axis, rank)
             op = relax.op.multiply if step.kind == kernels.SCALE else relax.op.add
-            exprs.append(lambda x, op=op, constant=constant: op(x, constant))
-    for make in exprs[:-1]:
-        value = builder.emit(make(value))
-    return builder.emit_output(exprs[-1](value)) if leaves_block else builder.emit(exprs[-1](value))
-
-
-def _clamp_ops(step: kernels.Step) -> list:
-    """A CLIP step as maximum and minimum by scalars (clip has no layout inference), each side it bounds."""
-    ops = []
-    if step.low > -math.inf:
-        ops.append(lambda x: relax.op.maximum(x, relax.const(step.low, WIDE)))
-    if step.high < math.inf:
-        ops.append(lambda x: relax.op.minimum(x, relax.const(step.high, WIDE)))
-    return ops
+            expr = op(data, _broadcast(next(operands), run.axis, rank))
+    return builder.emit_output(expr) if leaves_block else builder.emit(expr)
 
 
 def _broadcast(values: np.ndarray, axis: "int | None", rank: int) -> relax.Expr:
     """Per-channel `values` as a constant that broadcasts along `axis` of a rank-`rank` tensor; a scalar where they
     are all one value."""
-    if np.all(values == values.flat[0]):
-        return relax.const(float(values.flat[0]), WIDE)
+    if _uniform(values):
+        return relax.const(float(values.flat[0]), kernels.WIDE)
     shape = [1] * rank
     shape[axis] = -1
-    return relax.const(values.astype(WIDE).reshape(shape))
+    return relax.const(values.astype(kernels.WIDE).reshape(shape))
 
 
 @relax.expr_functor.mutator
 class _Folder(relax.PyExprMutator):
     """Binds each folding run's result to its folded ops and drops the run's other bindings."""
 
-    def __init__(self, mod: tvm.IRModule, runs: list[_OpRun]):
+    def __init__(self, mod: tvm.IRModule, runs: list[tuple[_OpRun, tuple[list, list]]]):
         super().__init__(mod)
-        self.run_of = {run.vars[-1]: run for run in runs}
-        self.dropped = {var for run in runs for var in run.vars[:-1]}
+        self.run_of = {run.vars[-1]: (run, fold) for run, fold in runs}
+        self.dropped = {var for run, _ in runs for var in run.vars[:-1]}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:
             return
-        run = self.run_of.get(binding.var)
-        if run is None:
+        if binding.var not in self.run_of:
             super().visit_var_binding_(binding)
             return
+        run, fold = self.run_of[binding.var]
         leaves_block = self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar)
-        self.set_var_remap(binding.var, _emitted(self.builder_, self.visit_expr(run.source), run, leaves_block))
+        self.set_var_remap(binding.var, _emitted(self.builder_, self.visit_expr(run.source), run, fold, leaves_block))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldAffineClamps")

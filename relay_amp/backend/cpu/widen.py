@@ -26,6 +26,7 @@ import tvm
 from tvm import relax, te, topi
 
 from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype
+from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
 
 NARROW = "bfloat16"
@@ -51,7 +52,7 @@ def _is_integer_cast_of_chain(call: relax.Expr, flows: set) -> bool:
     """Whether `call` casts a chain's bf16 value that needs no storage to an integer dtype (a quantize's codes,
     whole numbers already): it casts the fp32 value instead, without the bf16 rounding in between."""
     return (call_op_name(call) == "relax.astype" and call.args[0] in flows
-            and tensor_dtype(call) not in (NARROW, WIDE, "float16"))
+            and tensor_dtype(call) not in MODEL_FLOAT_DTYPES)
 
 
 @relax.expr_functor.mutator

@@ -20,7 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..._ir import get_function, rewrite_function, tensor_dtype, tensor_shape, with_attr
+from ..._ir import clamped, get_function, rewrite_function, tensor_dtype, tensor_shape, with_attr
 from ...dtypes import check_choice
 from ...errors import LayerIndexError, OptionError
 from ...ops import canonical_ops
@@ -130,8 +130,7 @@ class _Realizer(relax.PyExprMutator):
         maximum and minimum clip with layout inference (clip has none: an NHWC build would transpose around it)."""
         low = -INT8_MAX if dtype == "int8" else 0
         rounded = relax.op.floor(self.builder_.emit(relax.op.add(self.builder_.emit(scaled), relax.const(0.5))))
-        floored = self.builder_.emit(relax.op.maximum(self.builder_.emit(rounded), relax.const(float(low))))
-        clipped = self.builder_.emit(relax.op.minimum(floored, relax.const(float(CODE_LEVELS[dtype]))))
+        clipped = self.builder_.emit(clamped(self.builder_, self.builder_.emit(rounded), low, CODE_LEVELS[dtype]))
         return self.builder_.emit(relax.op.astype(clipped, dtype))
 
 

@@ -1,4 +1,4 @@
-"""affine: an epilogue's scales, biases and clamps folded into one multiply-add and a clamp moved after it."""
+"""affine: runs of scales, biases and clamps folded into one multiply-add and a clamp moved after it (and a floor)."""
 
 import math
 
@@ -9,23 +9,22 @@ from tvm import relax
 
 import relay_amp
 from relay_amp.backend.cpu import kernels
-from relay_amp.backend.cpu.affine import FoldAffineClamps, folded
+from relay_amp.backend.cpu.affine import FLOOR, FoldAffineClamps, folded
 
 from builders import tensor
 from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
 CHANNELS = 8
-CODES = ("minimum", ("maximum", ("floor", ("x",)), ("const", 0.0)), ("const", 255.0))  # floor, clamp to uint8
 SILU = ("divide", ("x",), ("add", ("exp", ("negative", ("x",))), ("const", 1.0)))
 
 
 def scale(values) -> tuple:
-    return kernels.Step(kernels.SCALE), relax.const(np.broadcast_to(values, CHANNELS).astype("float32"))
+    return kernels.Step(kernels.SCALE), np.broadcast_to(values, CHANNELS).astype("float32")
 
 
 def bias(values) -> tuple:
-    return kernels.Step(kernels.BIAS), relax.const(np.broadcast_to(values, CHANNELS).astype("float32"))
+    return kernels.Step(kernels.BIAS), np.broadcast_to(values, CHANNELS).astype("float32")
 
 
 def clip(low: float = -math.inf, high: float = math.inf) -> tuple:
@@ -34,6 +33,11 @@ def clip(low: float = -math.inf, high: float = math.inf) -> tuple:
 
 def mapped(formula: tuple) -> tuple:
     return kernels.Step(kernels.MAP, formula=formula), None
+
+
+def codes() -> list[tuple]:
+    """A quantize's rounding and clamp to uint8 codes, as the Relax graph has them."""
+    return [mapped(FLOOR), clip(0.0), clip(high=255.0)]
 
 
 def residual() -> tuple:
@@ -70,23 +74,25 @@ def run(steps: list, operands: list, x: np.ndarray, r: np.ndarray) -> np.ndarray
             x = evaluate(step.formula, x)
         else:
             operand = next(taken)
-            value = r if step.kind == kernels.RESIDUAL else operand.value.numpy().astype("float64")
+            value = r if step.kind == kernels.RESIDUAL else np.asarray(operand, "float64")
             x = x * value if step.kind == kernels.SCALE else x + value
     return x
 
 
-def test_a_requantize_after_relu6_becomes_one_multiply_add_and_the_codes_clamp():
+def test_a_requantize_after_relu6_becomes_one_multiply_add_floor_and_the_codes_clamp():
     weight_scales, layer_bias = RNG.uniform(0.01, 0.1, CHANNELS), RNG.normal(size=CHANNELS)
     steps, operands = fold(scale(weight_scales), bias(layer_bias), clip(0.0), clip(high=6.0), scale(42.5),
-                           bias(0.5), mapped(CODES))
-    assert kinds(steps) == [kernels.SCALE, kernels.BIAS, kernels.MAP] and steps[-1].formula == CODES
-    np.testing.assert_allclose(operands[0].value.numpy(), weight_scales * 42.5, rtol=1e-6)
-    np.testing.assert_allclose(operands[1].value.numpy(), layer_bias * 42.5 + 0.5, rtol=1e-6)
+                           bias(0.5), *codes())
+    assert kinds(steps) == [kernels.SCALE, kernels.BIAS, kernels.MAP, kernels.CLIP] and steps[2].formula == FLOOR
+    assert (steps[3].low, steps[3].high) == (0.0, 255.0)
+    np.testing.assert_allclose(operands[0], weight_scales * 42.5, rtol=1e-6)
+    np.testing.assert_allclose(operands[1], layer_bias * 42.5 + 0.5, rtol=1e-6)
 
 
-def test_a_residual_and_a_non_monotone_activation_end_a_run():
-    steps, _ = fold(scale(2.0), bias(1.0), residual(), clip(0.0), scale(0.25), bias(0.5), mapped(CODES))
-    assert kinds(steps) == [kernels.SCALE, kernels.BIAS, kernels.RESIDUAL, kernels.SCALE, kernels.BIAS, kernels.MAP]
+def test_a_residual_and_an_activation_other_than_floor_end_a_run():
+    steps, _ = fold(scale(2.0), bias(1.0), residual(), clip(0.0), scale(0.25), bias(0.5), *codes())
+    assert kinds(steps) == [kernels.SCALE, kernels.BIAS, kernels.RESIDUAL, kernels.SCALE, kernels.BIAS, kernels.MAP,
+                            kernels.CLIP]
     steps, _ = fold(bias(1.0), clip(0.0, 6.0), mapped(SILU))
     assert kinds(steps) == [kernels.BIAS, kernels.CLIP, kernels.MAP]
 
@@ -98,18 +104,18 @@ def test_a_clamp_stays_before_a_per_channel_or_negative_constant(after_clamp):
     assert kinds(steps) == [kernels.BIAS, kernels.CLIP, after_clamp[0].kind]
 
 
-def test_a_clamp_a_monotone_map_does_not_make_redundant_follows_it():
-    steps, _ = fold(clip(0.0, 6.0), mapped(("floor", ("x",))))
+def test_a_clamp_moves_after_a_floor_as_its_floored_bounds():
+    steps, _ = fold(clip(0.5, 6.5), mapped(FLOOR))
     assert kinds(steps) == [kernels.MAP, kernels.CLIP] and (steps[1].low, steps[1].high) == (0.0, 6.0)
 
 
 CHAINS = {
     "relu6 requantize": [scale(RNG.uniform(0.01, 0.1, CHANNELS)), bias(RNG.normal(size=CHANNELS)), clip(0.0),
-                         clip(high=6.0), scale(42.5), bias(0.5), mapped(CODES)],
+                         clip(high=6.0), scale(42.5), bias(0.5), *codes()],
     "residual relu requantize": [scale(0.5), bias(RNG.normal(size=CHANNELS)), residual(), clip(0.0), scale(20.0),
-                                 bias(0.5), mapped(CODES)],
+                                 bias(0.5), *codes()],
     "clamps and scales": [clip(-1.0, 3.0), scale(3.0), bias(-2.0), clip(0.0), scale(RNG.uniform(0.5, 2, CHANNELS)),
-                          clip(high=4.0), mapped(("floor", ("x",))), bias(0.5)],
+                          clip(high=4.0), mapped(FLOOR), bias(0.5)],
     "disjoint clamps": [clip(0.0, 1.0), clip(2.0, 3.0), scale(2.0)],
     "activation": [bias(RNG.normal(size=CHANNELS)), clip(-3.0, 3.0), mapped(SILU), scale(2.0), clip(high=1.0)],
 }
