@@ -8,7 +8,7 @@ from relay_amp.backend.cpu import kernels
 
 def random_operands(spec: kernels.ConvSpec, rng) -> tuple[np.ndarray, np.ndarray]:
     """Data (NHWC) and an OIHW weight in the spec's dtypes: normal floats, integers over their whole range."""
-    weight_shape = (spec.out_channels, spec.data_shape[-1], *spec.kernel_size)
+    weight_shape = (spec.out_channels, spec.depth, *spec.kernel_size)
     if spec.data_dtype in ("bfloat16", "float32"):
         dtype = ml_dtypes.bfloat16 if spec.data_dtype == "bfloat16" else "float32"
         return rng.standard_normal(spec.data_shape).astype(dtype), rng.standard_normal(weight_shape).astype(dtype)
@@ -18,15 +18,19 @@ def random_operands(spec: kernels.ConvSpec, rng) -> tuple[np.ndarray, np.ndarray
 
 
 def reference_conv(data: np.ndarray, weight_oihw: np.ndarray, spec: kernels.ConvSpec) -> np.ndarray:
-    """The unpadded NHWC convolution `spec` describes, in float64."""
+    """The unpadded NHWC convolution `spec` describes (each block of output channels over its block of input
+    channels, for `spec.groups`), in float64."""
     data, weight = data.astype("float64"), weight_oihw.astype("float64")
     _, out_h, out_w, _ = spec.out_shape
     stride_h, stride_w = spec.strides
+    width = spec.out_channels // spec.groups
     out = np.zeros(spec.out_shape)
     for row in range(spec.kernel_size[0]):
         for col in range(spec.kernel_size[1]):
             window = data[:, row:row + (out_h - 1) * stride_h + 1:stride_h, col:col + (out_w - 1) * stride_w + 1:stride_w]
-            out += np.einsum("nhwc,oc->nhwo", window, weight[:, :, row, col])
+            for group in range(spec.groups):
+                outs, ins = slice(group * width, (group + 1) * width), slice(group * spec.depth, (group + 1) * spec.depth)
+                out[..., outs] += np.einsum("nhwc,oc->nhwo", window[..., ins], weight[outs, :, row, col])
     return out
 
 

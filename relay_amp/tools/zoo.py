@@ -5,7 +5,7 @@ size (what the benchmark times) and a tiny one (what the tests convert). `load` 
 (`torch.onnx.export` with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and
 imports it into Relax. torchvision and timm would need another torch build than the one these machines run
 (their wheels pin torch 2.14 with CUDA), so the CNNs come from transformers' ResNet, MobileNetV2,
-EfficientNet and ConvNeXt, which are the same architectures. Needs the `zoo` extra (torch, transformers):
+EfficientNet, ConvNeXt and RegNet, which are the same architectures. Needs the `zoo` extra (torch, transformers):
 import this module only where it is used.
 """
 
@@ -84,6 +84,14 @@ def _convnext_tiny(tiny: bool):
     return hf.ConvNextConfig(num_labels=1000)  # the defaults are ConvNeXt-T
 
 
+def _regnet_y(tiny: bool):
+    if tiny:
+        return hf.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], groups_width=8,
+                               layer_type="y", num_labels=10)
+    return hf.RegNetConfig(embedding_size=32, hidden_sizes=[48, 104, 208, 440], depths=[1, 3, 6, 6], groups_width=8,
+                           layer_type="y", num_labels=1000)  # RegNetY-400MF: grouped 3x3 convs, groups of 8
+
+
 def _vit_s16(tiny: bool):
     if tiny:
         return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -128,6 +136,8 @@ ZOO = {entry.name: entry for entry in [
              Shape(1, 224), Shape(1, 64), batch_norm=True),
     ZooEntry("convnext_tiny", "cnn", _convnext_tiny, "ConvNextForImageClassification", "logits",
              Shape(1, 224), Shape(1, 64)),
+    ZooEntry("regnet_y", "cnn", _regnet_y, "RegNetForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
+             batch_norm=True),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",

@@ -91,14 +91,37 @@ def _activation_count(mod) -> int:
     return len(found)
 
 
-def _kernel_calls(mod) -> int:
-    """How many dot-product kernels the host's CPU pipeline dispatches in `mod`."""
+def _prepared_functions(mod) -> list[str]:
+    """The names of the functions the host's CPU pipeline prepares from `mod` (kernels, fused functions)."""
     from relay_amp.backend.cpu import pipeline
 
     target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
     with target, tvm.transform.PassContext(opt_level=3):
         prepared = pipeline.prepare_passes(target)(mod)
-    return sum("dot_kernel" in gv.name_hint for gv in prepared.get_global_vars())
+    return [gv.name_hint for gv in prepared.get_global_vars()]
+
+
+def _kernel_calls(mod) -> int:
+    """How many dot-product kernels the host's CPU pipeline dispatches in `mod`."""
+    return sum("dot_kernel" in name for name in _prepared_functions(mod))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_regnets_grouped_convs_get_kernels_like_its_other_convs(dtype):
+    """RegNetY's 3x3 convs in groups of 8 channels run on the dot-product kernels (two groups per 16-lane block),
+    as its 1x1 and squeeze-excitation convs do: no convolution is left to a fused function."""
+    from tvm import relax
+
+    mod = zoo.load("regnet_y", tiny=True)
+    groups = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: groups.append(int(e.attrs.groups))
+                                    if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.nn.conv2d"
+                                    else None)
+    assert max(groups) > 1
+    mod = mod if dtype == "float32" else relay_amp.to_mixed_precision(mod, dtype)
+    functions = _prepared_functions(mod)
+    assert not [name for name in functions if "conv2d" in name]
+    assert sum("dot_kernel" in name for name in functions) >= len(groups)
 
 
 @pytest.mark.parametrize("name", ["resnet50", "bert"])

@@ -3,8 +3,10 @@
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
-time, one per batch element. Calls the kernels cannot take (other dtypes, NCHW data, groups or dilation,
-broadcast runtime matmuls) are left to the generic schedules. Conv inputs whose channels do not fill the
+time, one per batch element. A grouped conv's weight is made block-diagonal over 16-lane output blocks
+(`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products. Calls the kernels cannot
+take (other dtypes, NCHW data, depthwise convs, dilation, broadcast runtime matmuls) are left to the generic
+schedules. Conv inputs whose channels do not fill the
 instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero
 channels added to both operands; a weight whose output channels are off the 16-lane blocks (a 1000-class head)
 gets zero output channels, sliced off the result. A pad of that slice back to the whole result (a softmax's rows
@@ -36,9 +38,17 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
 
 
 def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
-    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) != kernels.intrinsic_for(data_dtype).b_dtype:
+    """A constant weight in the kernel's weight dtype, or in fp32 holding only values that dtype holds exactly (a
+    grouped conv's bf16 weight that WidenArithmetic widened, a quantized one's integer codes) read back in it."""
+    weight_dtype = kernels.intrinsic_for(data_dtype).b_dtype
+    if not isinstance(expr, tvm.ir.expr.Constant) or tensor_dtype(expr) not in (weight_dtype, "float32"):
         return None
-    return expr.value.numpy()
+    values = expr.value.numpy()
+    if tensor_dtype(expr) == weight_dtype:
+        return values
+    with np.errstate(invalid="ignore"):
+        narrow = values.astype(numpy_dtype(weight_dtype))
+    return narrow if np.array_equal(narrow.astype("float32"), values) else None
 
 
 def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -181,21 +191,29 @@ class _Dispatcher(relax.PyExprMutator):
         attrs, data, dtype = call.attrs, call.args[0], tensor_dtype(call.args[0])
         weight = _constant_weight(call.args[1], dtype)
         shape = _static_shape(data)
-        if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or int(attrs.groups) != 1
+        if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC"
                 or any(int(d) != 1 for d in attrs.dilation) or shape is None):
             return None
-        layout, dot = str(attrs.kernel_layout), kernels.intrinsic_for(dtype)
-        extra = -weight.shape[layout.index("I")] % dot.group  # zero channels that round inputs up to the group
-        channels = weight.shape[layout.index("O")]  # and outputs up to the 16 lanes, sliced off after
-        weight = np.pad(weight, [(0, {"I": extra, "O": -channels % kernels.LANES}.get(axis, 0)) for axis in layout])
-        out_ch, in_ch = weight.shape[layout.index("O")], weight.shape[layout.index("I")]
-        if not kernels.supports(out_ch, in_ch, dot):
+        layout, dot, groups = str(attrs.kernel_layout), kernels.intrinsic_for(dtype), 1
+        channels = weight.shape[layout.index("O")]  # outputs padded up to the 16 lanes are sliced off after
+        if int(attrs.groups) == 1:
+            extra = -weight.shape[layout.index("I")] % dot.group  # zero input channels up to the dot's group
+            weight = np.pad(weight, [(0, {"I": extra, "O": -channels % kernels.LANES}.get(axis, 0)) for axis in layout])
+        else:
+            grouped = kernels.grouped_weight(np.transpose(weight, [layout.index(axis) for axis in "OIHW"]),
+                                             int(attrs.groups))
+            if grouped is None:
+                return None
+            (weight, groups), layout = grouped, "OIHW"
+            extra = groups * weight.shape[1] - shape[3]  # zero input channels for a last block short of groups
+        out_ch, in_ch = weight.shape[layout.index("O")], shape[3] + extra
+        if not kernels.supports(out_ch, in_ch, dot, groups):
             return None
         top, left, bottom, right = (int(p) for p in attrs.padding)
         padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, in_ch)
         kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
         spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
-                                _out_dtype(call, dtype))
+                                _out_dtype(call, dtype), groups=groups)
         pad_width = [0, 0, top, bottom, left, right, 0, extra]
         if any(pad_width):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))

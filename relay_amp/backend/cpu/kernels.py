@@ -42,6 +42,7 @@ from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injec
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
 MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
+MAX_GROUP_WASTE = 4  # products per useful one a grouped conv's block-diagonal weight may cost (see grouped_weight)
 MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: pad the rows instead
 RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
 SPEC_ANNOTATION = "relay_amp.conv_spec"
@@ -208,20 +209,43 @@ def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
     return np.ascontiguousarray(blocked.transpose(0, 2, 3, 4, 1, 5))
 
 
+def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, int] | None":
+    """A grouped convolution's [O, I/groups, KH, KW] weight for the kernel, with its number of channel blocks
+    (`ConvSpec.groups`): output channels in 16-lane blocks, each reducing over the input channels of the groups it
+    covers, zero where they are not its own group's (block diagonal). A last block short of groups gets zero
+    output channels (sliced off) and reads zero input channels (padded). None where groups of fewer than 16 output
+    channels do not tile the 16 lanes, or where the zeros would be more than MAX_GROUP_WASTE - 1 products per
+    useful one (a depthwise convolution: 15)."""
+    out_channels, group_depth = weight_oihw.shape[:2]
+    group_width = out_channels // groups
+    merged = 1 if group_width % LANES == 0 else LANES // group_width  # groups per 16-lane block
+    if merged > MAX_GROUP_WASTE or (merged > 1 and merged * group_width != LANES):
+        return None
+    blocks = -(-groups // merged)
+    dense = np.zeros((blocks * merged * group_width, merged * group_depth, *weight_oihw.shape[2:]), weight_oihw.dtype)
+    place = np.arange(out_channels) // group_width % merged  # the output channel's group within its block
+    for slot in range(merged):
+        rows = np.flatnonzero(place == slot)
+        dense[rows, slot * group_depth:(slot + 1) * group_depth] = weight_oihw[rows]
+    return dense, blocks
+
+
 def weight_sums(weight_ohwi_packed: np.ndarray) -> np.ndarray:
     """Per output channel, INT8_SHIFT times the sum of its int8 weights: the correction for shifted activations."""
     sums = weight_ohwi_packed.astype("int64").sum(axis=(1, 2, 3, 5))  # [O/16, 16]
     return (INT8_SHIFT * sums).reshape(-1).astype("int32")
 
 
-def supports(out_channels: int, in_channels: int, dot: DotIntrin) -> bool:
+def supports(out_channels: int, in_channels: int, dot: DotIntrin, groups: int = 1) -> bool:
     """Whether a conv/matmul with these channel counts fits the kernel's 16-lane, group-wide blocks."""
-    return out_channels % LANES == 0 and in_channels % dot.group == 0
+    return out_channels % (groups * LANES) == 0 and in_channels % (groups * dot.group) == 0
 
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """An unpadded NHWC convolution the kernel computes (pad the data first): shapes, strides, dtypes."""
+    """An unpadded NHWC convolution the kernel computes (pad the data first): shapes, strides, dtypes; `groups`
+    splits the channels into that many blocks, each output block reducing over its own input block (a grouped
+    convolution; see `grouped_weight`)."""
     data_shape: tuple[int, int, int, int]
     kernel_size: tuple[int, int]
     out_channels: int
@@ -229,6 +253,7 @@ class ConvSpec:
     data_dtype: str = "bfloat16"
     out_dtype: str = "float32"
     weight_batch: int = 0  # 0: one weight for the whole batch; else one packed weight per batch element
+    groups: int = 1
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -237,6 +262,11 @@ class ConvSpec:
         out_h = (height - self.kernel_size[0]) // self.strides[0] + 1
         out_w = (width - self.kernel_size[1]) // self.strides[1] + 1
         return batch, out_h, out_w, self.out_channels
+
+    @property
+    def depth(self) -> int:
+        """The input channels each output channel reduces over: its group's."""
+        return self.data_shape[-1] // self.groups
 
     @property
     def dot(self) -> DotIntrin:
@@ -255,7 +285,7 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
 
     A bf16 operand must be a parameter: TVM's bf16 legalization would store an intermediate bf16 buffer as fp32.
     """
-    dot, channels = spec.dot, spec.data_shape[-1]
+    dot, channels = spec.dot, spec.depth
     data = te.placeholder(spec.data_shape, spec.data_dtype, "data")
     blocks = (spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group)
     packed = te.placeholder((spec.weight_batch, *blocks) if spec.weight_batch else blocks, dot.b_dtype, "packed")
@@ -271,8 +301,13 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
         index = (o // LANES, r, c, k // dot.group, o % LANES, k % dot.group)
         return packed[(b, *index) if spec.weight_batch else index]
 
+    blocks_per_group = spec.out_channels // spec.groups // LANES
+
+    def channel(o, k):  # the input channel of output channel o's k-th product; its 16-lane block's group
+        return k if spec.groups == 1 else o // LANES // blocks_per_group * channels + k
+
     acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
-        operand[b, y * stride_h + row, x * stride_w + col, chan].astype(dot.acc_dtype)
+        operand[b, y * stride_h + row, x * stride_w + col, channel(o, chan)].astype(dot.acc_dtype)
         * weight(b, o, row, col, chan).astype(dot.acc_dtype),
         axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: json.dumps(asdict(spec))})
     sums = [te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
@@ -305,9 +340,10 @@ def conv2d_nhwc_compute(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.
     """The unscheduled kernel for `spec` with `epilogue` in its output stage: its blocks carry relay_amp's schedule
     rule, which MetaSchedule tunes (`ApplyCustomRule`) and `DotKernelRule` applies untuned. It stays out of
     operator fusion. Parameters: data, packed weight, [weight sums,] the epilogue's operands, output."""
-    if not supports(spec.out_channels, spec.data_shape[-1], spec.dot):
+    if not supports(spec.out_channels, spec.data_shape[-1], spec.dot, spec.groups):
+        in_groups = f" in each of {spec.groups} groups" if spec.groups > 1 else ""
         raise DTypeError(f"kernel needs output channels divisible by {LANES} and input channels by "
-                         f"{spec.dot.group}; got {spec.out_channels} and {spec.data_shape[-1]}")
+                         f"{spec.dot.group}{in_groups}; got {spec.out_channels} and {spec.data_shape[-1]}")
     sch = s_tir.Schedule(te.create_prim_func(_compute(spec, epilogue)))
     sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's generic rules skip the function
     func = sch.mod["main"].without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
@@ -369,7 +405,7 @@ def pixels_outermost(spec: ConvSpec) -> bool:
     pixel rows of data, residual and output, and reads the weight from L2. Otherwise output-channel panels go
     outermost, so each thread streams only its share of the weight, which is then the larger read: a layer's
     weight arrives from memory, not from cache, at every inference."""
-    weight = spec.out_channels * math.prod(spec.kernel_size) * spec.data_shape[-1]
+    weight = spec.out_channels * math.prod(spec.kernel_size) * spec.depth
     weight_bytes = weight * tvm.DataType(spec.dot.b_dtype).itemsize
     image = spec.data_shape[1:] if spec.weight_batch else spec.data_shape
     return weight_bytes <= min(CACHE_BYTES, math.prod(image) * tvm.DataType(spec.data_dtype).itemsize)

@@ -11,9 +11,10 @@ widened, so a reshape of a bf16 tensor stays a free view. A value read
 twice may end a fused function and be stored: it reaches its readers rounded to bf16, so no tensor is stored
 in fp32 that was bf16 before.
 
-A grouped (depthwise) convolution of bf16 operands, which no dot-product kernel takes, gets an fp32 weight: TVM
-would widen the constant weight at every tap of every tile, on the ports the FMAs need. Its data stays bf16,
-read as it is stored.
+A grouped (depthwise) convolution of bf16 operands gets an fp32 weight: TVM would widen the constant weight at every
+tap of every tile, on the ports the FMAs need. Its data stays bf16, read as it is stored. (A grouped conv whose
+groups tile the kernels' 16 lanes is dispatched to a bf16 kernel after all, which reads the exact fp32 weight back
+as bf16: relay_amp.backend.cpu.dispatch.)
 
 `NormsReadNarrow` then gives a layer or RMS norm of a kernel's bf16 output one function that reads the bf16
 tensor and widens it as it loads: fusion would leave the widening cast a function of its own (nothing fuses

@@ -350,3 +350,60 @@ def test_built_runtime_matmul_matches_exact_products(dtype, feature, tolerance, 
     got = run_executable(build(module, "cpu-avx512-bf16"), [q, k])[0].astype("float64")
     exact = np.einsum("bhmk,bhnk->bhmn", q.astype("float64"), k.astype("float64"))
     assert np.abs(got - exact).max() <= tolerance * np.abs(exact).max()
+
+
+def _grouped_conv_module(weight_hwio: np.ndarray, groups: int, dtype: str = BF16, out_dtype: str = "float32"):
+    channels = weight_hwio.shape[2] * groups
+    return single_output_module(
+        lambda x: relax.op.nn.conv2d(x, relax.const(weight_hwio), padding=1, groups=groups, data_layout="NHWC",
+                                     kernel_layout="HWIO", out_dtype=out_dtype),
+        tensor("x", (1, 6, 6, channels), dtype))
+
+
+def test_grouped_conv_becomes_a_kernel_over_a_block_diagonal_weight():
+    """10 groups of 4 channels, the bf16 weight widened to fp32 as WidenArithmetic leaves it: 16-lane blocks of 4
+    groups, a last block of 2 reading 8 zero input channels and storing 8 zero outputs, sliced off."""
+    weight = _bf16_weight((3, 3, 4, 40)).astype("float32")
+    after = dispatch.UseDotKernels({BF16})(_grouped_conv_module(weight, 10))
+    relax.analysis.well_formed(after)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [call_op_name(c) for c in calls] == ["relax.nn.pad", "relax.call_tir", "relax.strided_slice"]
+    assert [int(p) for p in calls[0].attrs.pad_width] == [0, 0, 1, 1, 1, 1, 0, 8]
+    dense, blocks = kernels.grouped_weight(weight.transpose(3, 2, 0, 1), 10)
+    np.testing.assert_array_equal(calls[1].args[1].fields[1].value.numpy().astype("float32"),
+                                  kernels.pack_weight(dense, "OIHW", kernels.BF16_DOT).astype("float32"))
+    spec = kernels.fusable_spec(after["relay_amp_dot_kernel1"], kernels.FUSABLE_ATTR)
+    assert (spec.groups, spec.depth, spec.out_channels) == (blocks, 16, 48)
+    assert tensor_shape(calls[-1]) == (1, 6, 6, 40)
+
+
+@pytest.mark.parametrize("weight,groups", [
+    (np.full((3, 3, 4, 40), 0.1, "float32"), 10),  # not a bf16 value: the fp32 weight is not read back narrow
+    (np.ones((3, 3, 1, 40), "float32"), 40),  # depthwise: 15 zero products per useful one
+])
+def test_grouped_convs_the_kernels_should_not_take_are_left_alone(weight, groups):
+    def module():
+        return _grouped_conv_module(weight, groups)
+    assert_transforms(dispatch.UseDotKernels({BF16}), module(), relax.transform.FoldConstant()(module()))
+
+
+@pytest.mark.parametrize("dtype,feature,groups,width", [(BF16, "avx512_bf16", 10, 4), ("float32", "avx512f", 4, 8),
+                                                        ("int8", "avx512_vnni", 2, 32), ("uint8", "avx512_vnni", 6, 8)])
+def test_built_grouped_conv_matches_the_generic_build(dtype, feature, groups, width):
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}")
+    rng = np.random.default_rng(5)
+    if dtype in (BF16, "float32"):
+        weight = rng.standard_normal((3, 3, width, width * groups)).astype(ml_dtypes.bfloat16 if dtype == BF16 else dtype)
+        data = rng.standard_normal((1, 6, 6, width * groups)).astype(weight.dtype)
+        mod, tolerance = _grouped_conv_module(weight, groups, dtype), 1e-5  # fp32 sums in another order
+    else:  # a quantized conv's codes: uint8 data over fp32 integer weights (realize), or int8 over int8
+        weight = rng.integers(-127, 128, (3, 3, width, width * groups)).astype("int8" if dtype == "int8" else "float32")
+        data = rng.integers(-128 if dtype == "int8" else 0, 128 if dtype == "int8" else 256,
+                            (1, 6, 6, width * groups)).astype(dtype)
+        mod, tolerance = _grouped_conv_module(weight, groups, dtype, "int32" if dtype == "int8" else "float32"), 0
+    executable = build(mod, "cpu-avx512-bf16")
+    assert "relay_amp_dot_kernel" in executable.mod.imports[0].inspect_source("ll")
+    got = run_executable(executable, [data])[0].astype("float64")
+    expected = relay_amp.run(mod, [data])[0].astype("float64")
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()

@@ -21,6 +21,11 @@ CASES = {
     # pixel tiles outermost: a 4 KB weight over 14 KB of data (the cases above: panels, their weights outweigh it)
     "fp32_matmul_pixels_first": (kernels.ConvSpec((1, 8, 14, 32), (1, 1), 32, (1, 1), "float32", "float32"),
                                  "avx512f"),
+    # grouped: each 16-lane block reduces over its own 16 input channels; two 32-lane columns per group of 8 inputs
+    "bf16_grouped_conv": (kernels.ConvSpec((1, 8, 8, 64), (3, 3), 64, (1, 1), "bfloat16", "float32", groups=4),
+                          "avx512_bf16"),
+    "int8_grouped_conv": (kernels.ConvSpec((1, 7, 7, 16), (3, 3), 64, (2, 2), "int8", "int32", groups=2),
+                          "avx512_vnni"),
     # a 557 KB weight: output-channel panels outermost
     "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
                                  "avx512f"),
@@ -48,6 +53,20 @@ def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     lib["main"](*tensors)
     tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 sums in another order; integers are exact
     assert max_relative_error(tensors[-1].numpy(), reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_grouped_weights_are_block_diagonal_over_16_lane_blocks():
+    weight = np.random.default_rng(0).standard_normal((40, 3, 3, 3)).astype("float32")  # 10 groups of 4 channels
+    dense, blocks = kernels.grouped_weight(weight, 10)
+    assert blocks == 3 and dense.shape == (48, 12, 3, 3)  # 4 groups per block; a last block of 2, 8 zero outputs
+    for out in range(40):
+        slot = out // 4 % 4
+        np.testing.assert_array_equal(dense[out, 3 * slot:3 * slot + 3], weight[out])
+        assert not np.delete(dense[out], np.s_[3 * slot:3 * slot + 3], axis=0).any()
+    assert not dense[40:].any()
+    assert kernels.grouped_weight(np.ones((64, 2, 3, 3)), 2)[1] == 2  # groups of 32 outputs: no zeros
+    assert kernels.grouped_weight(np.ones((64, 1, 3, 3)), 64) is None  # depthwise: 15 zeros per product
+    assert kernels.grouped_weight(np.ones((48, 1, 3, 3)), 8) is None  # groups of 6 do not tile 16 lanes
 
 
 def test_pixel_tiles_go_outermost_only_when_the_weight_fits_in_cache_and_is_no_larger_than_the_data():
