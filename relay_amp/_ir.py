@@ -136,6 +136,27 @@ def cast_result(builder: relax.BlockBuilder, call: relax.Call, dtype: str) -> re
     return relax.op.astype(builder.emit(call), dtype)
 
 
+def fold_constant_subgraphs(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` with every value computed from constants alone folded to a constant, through tuples: a weight an
+    exporter standardizes in the graph (BiT's and timm's StdConv: a training-mode batch norm of the weight, whose
+    first output a TupleGetItem takes) reaches its conv as a constant, which AMP casts once and dispatch packs.
+    A QDQ model is left as it is: its weights' dequantizes of int8 codes are what realize_qdq reads."""
+    if _calls_op(mod, "relax.dequantize"):
+        return mod
+    return tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings(),
+                                     relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])(mod)
+
+
+def _calls_op(mod: tvm.IRModule, op_name: str) -> bool:
+    """Whether a Relax function of `mod` calls the op named `op_name`."""
+    found = []
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call)
+                                            and getattr(e.op, "name", None) == op_name else None)
+    return bool(found)
+
+
 def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every conv2d [-> bias add] -> inference batch_norm (constant weights and statistics) folded into
     the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), the new weights computed once."""

@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
+import tvm
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -108,6 +109,54 @@ def test_constant_subgraphs_are_folded_before_tvm_imports_them():
     x = np.arange(6, dtype="float32").reshape(2, 3)
     got = relay_amp.run(frontend.from_onnx(model), [x])[0]
     np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])  # exact: one fp32 add
+
+
+def standardized_conv_onnx(weight: np.ndarray, standardize: bool = True) -> onnx.ModelProto:
+    """Conv over a weight standardized in the graph, as the TorchScript exporter writes BiT's and timm's StdConv2d:
+    BatchNormalization in training mode over the weight reshaped to [1, O, I*KH*KW], its first output reshaped
+    back (or, `standardize` False, over the weight as it is)."""
+    out_ch = weight.shape[0]
+    consts = {"w": weight, "flat": np.array([1, out_ch, -1], "int64"), "shape": np.array(weight.shape, "int64"),
+              "one": np.ones(out_ch, "float32"), "zero": np.zeros(out_ch, "float32")}
+    nodes = [helper.make_node("Conv", ["x", "ws" if standardize else "w"], ["y"], pads=[1, 1, 1, 1])]
+    if standardize:
+        nodes[:0] = [helper.make_node("Reshape", ["w", "flat"], ["wf"]),
+                     helper.make_node("BatchNormalization", ["wf", "one", "zero", "zero", "one"], ["wn", "m", "v"],
+                                      epsilon=1e-6, training_mode=1),
+                     helper.make_node("Reshape", ["wn", "shape"], ["ws"])]
+    graph = helper.make_graph(nodes, "std_conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, weight.shape[1], 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out_ch, 6, 6])],
+                              [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_weight_standardized_in_the_graph_imports_as_a_constant():
+    weight = np.random.default_rng(4).standard_normal((8, 4, 3, 3)).astype("float32")
+    mod = frontend.from_onnx(standardized_conv_onnx(weight))
+    from relay_amp.passes.layers import layer_bindings
+    conv = layer_bindings(mod, ["relax.nn.conv2d"], "main")[0].value
+    assert isinstance(conv.args[1], tvm.ir.expr.Constant)  # AMP casts it once, dispatch packs it
+    flat = weight.reshape(8, -1).astype("float64")
+    standardized = ((flat - flat.mean(1, keepdims=True)) / np.sqrt(flat.var(1, keepdims=True) + 1e-6))
+    x = np.random.default_rng(5).standard_normal((1, 4, 6, 6)).astype("float32")
+    expected = ReferenceEvaluator(standardized_conv_onnx(standardized.reshape(weight.shape).astype("float32"),
+                                                         standardize=False)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(relay_amp.run(mod, [x])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_qdq_models_weight_dequantizes_are_not_folded():
+    """realize_qdq reads a QDQ model's int8 weight codes from their DequantizeLinear: folding stops short of them."""
+    codes = np.random.default_rng(6).integers(-127, 128, (8, 4, 3, 3)).astype("int8")
+    consts = {"codes": codes, "scale": np.float32(0.02), "zero": np.int8(0)}
+    nodes = [helper.make_node("DequantizeLinear", ["codes", "scale", "zero"], ["w"]),
+             helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "qdq_weight",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in consts.items()])
+    mod = frontend.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert "R.dequantize" in mod.script()
 
 
 def relu6_conv_onnx() -> onnx.ModelProto:
