@@ -380,6 +380,8 @@ class RowReductionRule(_CpuRule):
         reductions = [info for info in infos if not info.is_injective()]
         if not rows or not reductions or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions):
             return None
+        if any(not _same_rows(sch, info, infos[-1], rows) for info in reductions):
+            return _broadcast_reductions(sch, infos, reductions) if infos[-1].is_injective() else None
         try:
             factored = [_factor_reduction(sch, info.block_rv, rows) for info in reductions]
             row = _parallel_rows(sch, infos[-1].block_rv, rows, vectorize=infos[-1].is_injective())
@@ -483,6 +485,34 @@ def _store_from_producer(sch: s_tir.Schedule, infos: list) -> list:
 def _written_shape(sch: s_tir.Schedule, info) -> tuple:
     """The shape of the buffer `info`'s block writes, 0 for a symbolic extent."""
     return tuple(_const(extent) for extent in sch.get(info.block_rv).writes[0].source.shape)
+
+
+def _same_rows(sch: s_tir.Schedule, reduction, last, rows: int) -> bool:
+    """Whether `reduction`'s `rows` leading loops have the extents of the last block's: where the reduction keeps
+    a reduced axis as 1 and the last block runs over it (a group norm of one group over a whole image, its mean
+    broadcast back), those are not rows, and computing the reduction in them would redo it for every element (as
+    TVM's dl.cpu.Reduction does: seconds for PoolFormer's norms)."""
+    def extents(info) -> list:
+        return [_extent(sch, loop) for loop in sch.get_loops(info.block_rv)[:rows]]
+    return extents(reduction) == extents(last)
+
+
+def _broadcast_reductions(sch: s_tir.Schedule, infos: list, reductions: list) -> s_tir.Schedule | None:
+    """Reductions whose results the last (elementwise) block broadcasts over what they reduced: each runs once,
+    in partial-sum vectors, then the elementwise ops, inlined into the last block, run over the whole tensor."""
+    try:
+        for info in infos[:-1]:
+            if info.is_injective():
+                try_primitive(sch.compute_inline, info.block_rv)
+        for info in reductions:
+            factored = _factor_reduction(sch, info.block_rv, _leading_spatial(info))
+            *_, reduction, lanes = sch.get_loops(factored)
+            sch.vectorize(lanes)
+            sch.decompose_reduction(factored, reduction)
+        schedule_injective(sch, infos[-1].block_rv)
+    except s_tir.ScheduleError:
+        return None
+    return sch
 
 
 def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:

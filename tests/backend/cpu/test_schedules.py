@@ -462,6 +462,81 @@ def test_row_reduction_rule_runs_each_row_in_parallel_with_vector_partial_sums()
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _row_share_scheduled)
 
 
+@T.prim_func(private=True, s_tir=True)
+def _whole_share(x: T.Buffer((T.int64(1), T.int64(64)), "float32"),
+                 out: T.Buffer((T.int64(1), T.int64(64)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    total = T.sblock_alloc_buffer((T.int64(1), T.int64(1)))
+    for i, j, k in T.grid(T.int64(1), T.int64(1), T.int64(64)):
+        with T.sblock("total"):
+            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+            with T.init():
+                total[vi, vj] = T.float32(0)
+            total[vi, vj] = total[vi, vj] + x[vi, vk]
+    for i, j in T.grid(T.int64(1), T.int64(64)):
+        with T.sblock("share"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = x[vi, vj] / total[vi, T.int64(0)]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _whole_share_scheduled(x: T.Buffer((T.int64(1), T.int64(64)), "float32"),
+                           out: T.Buffer((T.int64(1), T.int64(64)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    total = T.sblock_alloc_buffer((T.int64(1), T.int64(1)))
+    total_rf = T.sblock_alloc_buffer((T.int64(1), T.int64(1), T.int64(16)))
+    for unit in range(T.int64(1)):
+        for lane_init in T.vectorized(T.int64(16)):
+            with T.sblock("total_rf_init"):
+                v_lane, v_unit = T.axis.remap("SS", [lane_init, unit])
+                T.reads()
+                T.writes(total_rf[T.int64(0), T.int64(0), v_lane])
+                total_rf[T.int64(0), T.int64(0), v_lane] = T.float32(0.0)
+        for step in range(T.int64(4)):
+            for lane in T.vectorized(T.int64(16)):
+                with T.sblock("total_rf_update"):
+                    v_lane, v_unit, v_step = T.axis.remap("SSR", [lane, unit, step])
+                    T.reads(total_rf[T.int64(0), T.int64(0), v_lane], x[T.int64(0), v_step * T.int64(16) + v_lane])
+                    T.writes(total_rf[T.int64(0), T.int64(0), v_lane])
+                    total_rf[T.int64(0), T.int64(0), v_lane] = (total_rf[T.int64(0), T.int64(0), v_lane]
+                                                                + x[T.int64(0), v_step * T.int64(16) + v_lane])
+    for unit, lane in T.grid(T.int64(1), T.int64(16)):
+        with T.sblock("total"):
+            v_lane, v_unit = T.axis.remap("RS", [lane, unit])
+            T.reads(total_rf[T.int64(0), T.int64(0), v_lane])
+            T.writes(total[T.int64(0), T.int64(0)])
+            with T.init():
+                total[T.int64(0), T.int64(0)] = T.float32(0.0)
+            total[T.int64(0), T.int64(0)] = total[T.int64(0), T.int64(0)] + total_rf[T.int64(0), T.int64(0), v_lane]
+    for column_block in T.parallel(T.int64(4)):
+        for column in T.vectorized(T.int64(16)):
+            with T.sblock("share"):
+                v_column = T.axis.spatial(T.int64(64), column_block * T.int64(16) + column)
+                T.reads(x[T.int64(0), v_column], total[T.int64(0), T.int64(0)])
+                T.writes(out[T.int64(0), v_column])
+                out[T.int64(0), v_column] = x[T.int64(0), v_column] / total[T.int64(0), T.int64(0)]
+
+
+def test_a_reduction_broadcast_over_what_it_reduced_runs_once_before_the_elementwise_tail():
+    """A sum over a whole row kept as [1, 1] and broadcast back over the row (a group norm of one group, as
+    PoolFormer's): its unit axes are not rows to compute it in, or it would be redone for each of the row's
+    elements (TVM's rule does so: seconds per PoolFormer inference). It runs once, in vector partial sums; the
+    division runs over the row, parallel and vectorized."""
+    scheduled = schedules.RowReductionRule().apply(_whole_share, targets.get_target("cpu"), False)
+    tvm.ir.assert_structural_equal(scheduled.mod["main"], _whole_share_scheduled)
+
+
+def test_a_one_group_norm_builds_and_matches_numpy():
+    def group_norm(x):
+        flat = relax.op.reshape(x, (1, 1, 512))
+        centered = relax.op.subtract(flat, relax.op.mean(flat, axis=[2], keepdims=True))
+        spread = relax.op.sqrt(relax.op.add(relax.op.variance(flat, axis=[2], keepdims=True), relax.const(1e-5)))
+        return relax.op.reshape(relax.op.divide(centered, spread), (1, 8, 8, 8))
+    x = np.random.default_rng(7).standard_normal((1, 8, 8, 8)).astype("float32")
+    got = run_executable(build(single_output_module(group_norm, tensor("x", (1, 8, 8, 8))), "cpu"), [x])[0]
+    np.testing.assert_allclose(got, (x - x.mean()) / np.sqrt(x.var() + 1e-5), rtol=1e-4, atol=1e-5)
+
+
 def test_row_reduction_rule_leaves_rows_off_whole_vectors_and_other_targets():
     """A layer norm over 33 columns (softmax rows are padded instead: relay_amp.backend.cpu.rows) would need the tail
     predicate that compute_at drops: TVM's rule takes it."""
