@@ -8,6 +8,7 @@ import sys
 import types
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax import dpl
@@ -136,15 +137,17 @@ def cast_result(builder: relax.BlockBuilder, call: relax.Call, dtype: str) -> re
     return relax.op.astype(builder.emit(call), dtype)
 
 
-def fold_constant_subgraphs(mod: tvm.IRModule) -> tvm.IRModule:
-    """`mod` with every value computed from constants alone folded to a constant, through tuples: a weight an
+def fold_weights(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` with every value computed from constants alone folded to a constant, through tuples, and inference
+    batch norms folded into the weights of the convs and matmuls before them (fold_batch_norm). So a weight an
     exporter standardizes in the graph (BiT's and timm's StdConv: a training-mode batch norm of the weight, whose
     first output a TupleGetItem takes) reaches its conv as a constant, which AMP casts once and dispatch packs.
     A QDQ model is left as it is: its weights' dequantizes of int8 codes are what realize_qdq reads."""
     if _calls_op(mod, "relax.dequantize"):
         return mod
-    return tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings(),
-                                     relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])(mod)
+    constants = tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings(),
+                                          relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])
+    return fold_batch_norm(constants(mod))
 
 
 def _calls_op(mod: tvm.IRModule, op_name: str) -> bool:
@@ -159,10 +162,42 @@ def _calls_op(mod: tvm.IRModule, op_name: str) -> bool:
 
 def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every conv2d [-> bias add] -> inference batch_norm (constant weights and statistics) folded into
-    the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), the new weights computed once."""
+    the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), and every matmul by a constant [-> reshape
+    keeping its columns] -> inference batch_norm over those columns into the matmul's weight and a bias add, the
+    new weights computed once."""
     fold = relax.transform.FoldConstant()  # biases arrive as reshapes of constants; shifted means, scaled weights
     return tvm.transform.Sequential([fold, _bias_into_statistics, fold, relax.transform.FoldBatchnormToConv2D(),
-                                     fold])(mod)
+                                     _batch_norm_into_matmul, fold, relax.transform.CanonicalizeBindings()])(mod)
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.BatchNormIntoMatmul")
+def _batch_norm_into_matmul(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+    """batch_norm(matmul(x, W) [reshaped], gamma, beta, mean, var) over W's columns (a BatchNorm1d after a linear
+    layer, as LeViT's; exporters fold only a conv's) as matmul(x, W * s) + beta - mean * s [reshaped], with
+    s = gamma / sqrt(var + eps); the tuple batch_norm returns keeps its statistics."""
+    weight = dpl.is_const()
+    product = dpl.is_op("relax.matmul")(dpl.wildcard(), weight)
+    shaped = dpl.is_op("relax.reshape")(product, dpl.wildcard())
+    gamma, beta, mean, var = dpl.is_const(), dpl.is_const(), dpl.is_const(), dpl.is_const()
+    norm = dpl.is_op("relax.nn.batch_norm")(shaped | product, gamma, beta, mean, var)
+
+    def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
+        normalized, attrs = call.args[0], call.attrs
+        columns = matches[weight].value.numpy()
+        out_shape = tensor_shape(normalized)
+        if (attrs.training or columns.ndim != 2 or str(columns.dtype) != "float32" or out_shape is None
+                or int(attrs.axis) % len(out_shape) != len(out_shape) - 1 or out_shape[-1] != columns.shape[1]):
+            return call
+        stats = [matches[name].value.numpy().astype("float64") for name in (gamma, beta, mean, var)]
+        scale = (stats[0] if attrs.scale else 1.0) / np.sqrt(stats[3] + float(attrs.epsilon))
+        shift = (stats[1] if attrs.center else 0.0) - stats[2] * scale
+        scaled = relax.const((columns * scale).astype("float32"))
+        value = relax.op.add(relax.op.matmul(matches[product].args[0], scaled), relax.const(shift.astype("float32")))
+        if shaped in matches:
+            value = relax.op.reshape(value, matches[shaped].args[1])
+        return relax.Tuple([value, matches[mean], matches[var]])
+
+    return dpl.rewrite_call(norm, rewrite, func)
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.BiasIntoBatchNormStatistics")

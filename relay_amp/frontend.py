@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import tvm
 
-from ._ir import checked_dims, clamps_as_max_min, fold_batch_norm, fold_constant_subgraphs
+from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq
 
@@ -88,9 +88,10 @@ def _with_dims(proto, dims: Mapping[str, int]):
 def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
               dims: Mapping[str, int] | None = None) -> tvm.IRModule:
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants
-    (and those the graph computes from constants folded: relay_amp._ir.fold_constant_subgraphs), clamps (ReLU6)
-    as maximum and minimum, QOperator and integer ops as QDQ pairs around float ops. `dims` sizes the inputs'
-    symbolic dims by name ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
+    (and those the graph computes from constants folded: relay_amp._ir.fold_weights), batch norms the
+    exporter left after convs and linear layers folded into their weights, clamps (ReLU6) as maximum and minimum,
+    QOperator and integer ops as QDQ pairs around float ops. `dims` sizes the inputs' symbolic dims by name
+    ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -103,7 +104,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
         imported = relax_from_onnx(_simplified(as_qdq(proto)), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
-    return clamps_as_max_min(fold_constant_subgraphs(imported))
+    return clamps_as_max_min(fold_weights(imported))
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
@@ -120,4 +121,4 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     with torch.no_grad():
         exported = torch.export.export(module.eval(), inputs)
     imported = from_exported_program(exported, unwrap_unit_return_tuple=True)
-    return clamps_as_max_min(fold_batch_norm(fold_constant_subgraphs(imported)))
+    return clamps_as_max_min(fold_weights(imported))

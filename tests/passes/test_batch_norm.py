@@ -84,3 +84,42 @@ class FoldedWithBias:
 
 def test_a_conv_bias_before_the_batch_norm_moves_into_its_statistics():
     assert_transforms(relay_amp.transform.FoldBatchNorm(), ConvBiasBatchNorm, FoldedWithBias)
+
+
+M = np.arange(6, dtype="float32").reshape(3, 2) / 4  # a linear layer's [in, out] weight: 2 columns
+SCALE64 = GAMMA.astype("float64") / np.sqrt(VAR.astype("float64") + EPS)  # the fold computes in float64
+
+
+@I.ir_module
+class MatmulBatchNorm:
+    @R.function
+    def main(x: R.Tensor((1, 4, 3), "float32")) -> R.Tensor((4, 2), "float32"):
+        with R.dataflow():
+            m = R.matmul(x, R.const(M))
+            flat = R.reshape(m, (4, 2))
+            bn = R.nn.batch_norm(flat, R.const(GAMMA), R.const(BETA), R.const(MEAN), R.const(VAR), axis=1,
+                                 epsilon=EPS, training=False)
+            gv = bn[0]
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class MatmulFolded:
+    @R.function
+    def main(x: R.Tensor((1, 4, 3), "float32")) -> R.Tensor((4, 2), "float32"):
+        with R.dataflow():
+            m = R.matmul(x, R.const((M * SCALE64).astype("float32")))
+            biased = R.add(m, R.const((BETA - MEAN * SCALE64).astype("float32")))
+            gv = R.reshape(biased, (4, 2))
+            R.output(gv)
+        return gv
+
+
+def test_a_batch_norm_after_a_linear_layer_folds_into_its_weight_columns_and_a_bias():
+    """BatchNorm1d over a linear layer's outputs (LeViT's; exporters fold only a conv's), through the reshape that
+    flattens its tokens."""
+    assert_transforms(relay_amp.transform.FoldBatchNorm(), MatmulBatchNorm, MatmulFolded)
+    x = np.random.default_rng(8).standard_normal((1, 4, 3)).astype("float32")
+    expected = relay_amp.run(MatmulBatchNorm, [x])[0]
+    np.testing.assert_allclose(relay_amp.run(MatmulFolded, [x])[0], expected, rtol=1e-5, atol=1e-5)
