@@ -5,7 +5,7 @@ size (what the benchmark times) and a tiny one (what the tests convert). `load` 
 (`torch.onnx.export` with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and
 imports it into Relax. torchvision and timm would need another torch build than the one these machines run
 (their wheels pin torch 2.14 with CUDA), so the CNNs come from transformers' ResNet, MobileNetV2,
-EfficientNet, ConvNeXt and RegNet, which are the same architectures. Needs the `zoo` extra (torch, transformers):
+EfficientNet, ConvNeXt, RegNet, BiT and LeViT, which are the same architectures. Needs the `zoo` extra (torch, transformers):
 import this module only where it is used.
 """
 
@@ -92,6 +92,21 @@ def _regnet_y(tiny: bool):
                            layer_type="y", num_labels=1000)  # RegNetY-400MF: grouped 3x3 convs, groups of 8
 
 
+def _bit_r50(tiny: bool):
+    if tiny:
+        return hf.BitConfig(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
+                            layer_type="bottleneck", num_groups=8, num_labels=10)
+    return hf.BitConfig(layer_type="bottleneck", depths=[3, 4, 6, 3], num_labels=1000)  # BiT-R50x1: weight
+    # standardized convs (a batch norm of each weight in the graph) and group norms
+
+
+def _levit_128s(tiny: bool):
+    if tiny:
+        return hf.LevitConfig(image_size=64, hidden_sizes=[32, 64, 96], num_attention_heads=[2, 2, 2],
+                              depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=10)
+    return hf.LevitConfig(num_labels=1000)  # the defaults are LeViT-128S: a batch norm after every linear layer
+
+
 def _vit_s16(tiny: bool):
     if tiny:
         return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -138,6 +153,10 @@ ZOO = {entry.name: entry for entry in [
              Shape(1, 224), Shape(1, 64)),
     ZooEntry("regnet_y", "cnn", _regnet_y, "RegNetForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
              batch_norm=True),
+    ZooEntry("bit_r50", "cnn", _bit_r50, "BitForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
+             batch_norm=True),
+    ZooEntry("levit_128s", "cnn", _levit_128s, "LevitForImageClassification", "logits", Shape(1, 224),
+             Shape(1, 64), batch_norm=True),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
