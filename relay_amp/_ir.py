@@ -15,6 +15,7 @@ from tvm.relax import dpl
 
 from .dtypes import cast_array
 from .errors import ModuleError, OptionError
+from .ops import call_op_name
 
 OPAQUE_PATTERN = 8  # relax's kOpaque op pattern: operator fusion leaves a call of the function alone
 
@@ -145,9 +146,9 @@ def fold_weights(mod: tvm.IRModule) -> tvm.IRModule:
     A QDQ model is left as it is: its weights' dequantizes of int8 codes are what realize_qdq reads."""
     if _calls_op(mod, "relax.dequantize"):
         return mod
-    constants = tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings(),
-                                          relax.transform.FoldConstant(), relax.transform.DeadCodeElimination()])
-    return fold_batch_norm(constants(mod))
+    # fold_batch_norm folds constants again first: what the TupleGetItems held is folded there
+    through_tuples = tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings()])
+    return relax.transform.DeadCodeElimination()(fold_batch_norm(through_tuples(mod)))
 
 
 def _calls_op(mod: tvm.IRModule, op_name: str) -> bool:
@@ -155,8 +156,7 @@ def _calls_op(mod: tvm.IRModule, op_name: str) -> bool:
     found = []
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call)
-                                            and getattr(e.op, "name", None) == op_name else None)
+            relax.analysis.post_order_visit(func, lambda e: found.append(e) if call_op_name(e) == op_name else None)
     return bool(found)
 
 
