@@ -105,6 +105,8 @@ def test_unsupported_dtype_and_channel_counts_are_dtype_errors():
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 3), (1, 1), 16))
     with pytest.raises(relay_amp.DTypeError, match="divisible by 16"):
         kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 8), (1, 1), 24))
+    with pytest.raises(relay_amp.DTypeError, match="by 2 in each of 4 groups; got 64 and 12"):
+        kernels.conv2d_nhwc(kernels.ConvSpec((1, 4, 4, 12), (1, 1), 64, groups=4))  # 3 input channels per group
 
 
 def _design_space(spec: kernels.ConvSpec) -> tuple:
