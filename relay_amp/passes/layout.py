@@ -6,7 +6,7 @@ from typing import ClassVar
 import tvm
 from tvm import relax
 
-from .._ir import clamps_as_max_min
+from .._ir import clamps_as_max_min, tensor_shape
 from ..errors import OptionError
 from ..ops import canonical_op
 from .layers import layer_bindings, list_layers, resolve_layers
@@ -94,10 +94,44 @@ class ClampsAsMaxMin:
         return clamps_as_max_min(mod, self.func)
 
 
+BINARY_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
+              "relax.power")
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.ConstantsAtFullRank")
+class ConstantsAtFullRank:
+    """Constant operands of elementwise arithmetic with fewer dims than the other operand (an exporter's [C, 1, 1]
+    per-channel scale of an [N, C, H, W] tensor) reshaped to its rank with leading 1s: ConvertLayout carries a layout
+    only through operands of equal rank, and leaves a transpose pair around any other."""
+
+    def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+        """`func` with its low-rank constant operands reshaped; the input module is left as it was."""
+        return _FullRankConstants(mod).visit_expr(func)
+
+
+@relax.expr_functor.mutator
+class _FullRankConstants(relax.PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not isinstance(call.op, tvm.ir.Op) or call.op.name not in BINARY_OPS:
+            return call
+        rank = max(len(tensor_shape(arg) or ()) for arg in call.args)
+        args = [self._at_rank(arg, rank) for arg in call.args]
+        if all(new.same_as(old) for new, old in zip(args, call.args)):
+            return call
+        return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+    def _at_rank(self, operand: relax.Expr, rank: int) -> relax.Expr:
+        shape = tensor_shape(operand)
+        if not isinstance(operand, tvm.ir.expr.Constant) or shape is None or not 0 < len(shape) < rank:
+            return operand
+        return self.builder_.emit(relax.op.reshape(operand, (1,) * (rank - len(shape)) + tuple(shape)))
+
+
 def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
     """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]), clamps first made
     maximum and minimum so that the layout carries through them; none for None."""
     if conv_layout is None:
         return []
     layouts = [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)
-    return [ClampsAsMaxMin(), ConvertLayout({CONV_OPS[0]: layouts})]
+    return [ClampsAsMaxMin(), ConstantsAtFullRank(), ConvertLayout({CONV_OPS[0]: layouts})]

@@ -9,7 +9,8 @@ from tvm.script import relax as R
 
 import relay_amp
 from relay_amp import models
-from relay_amp.passes.layout import ClampsAsMaxMin, ConvertLayout, LayoutConfig, convert_layout
+from relay_amp.passes.layout import (ClampsAsMaxMin, ConstantsAtFullRank, ConvertLayout, LayoutConfig,
+                                      conv_layout_passes, convert_layout)
 
 from pass_checks import assert_transforms
 
@@ -149,3 +150,44 @@ def test_a_te_scalar_clamp_becomes_maximum_and_its_function_goes():
     assert [gv.name_hint for gv in after.get_global_vars()] == ["main"]
     data = np.linspace(-1, 1, 16, dtype="float32").reshape(2, 8)
     np.testing.assert_array_equal(relay_amp.run(after, [data])[0], np.maximum(data, 0.5))
+
+
+def _scaled(scale: relax.Expr, full_rank: bool) -> tvm.IRModule:
+    """main(x) = x * scale, with `scale` reshaped to x's rank first where `full_rank`."""
+    x = relax.Var("x", relax.TensorType((1, 4, 2, 2), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            operand = bb.emit(relax.op.reshape(scale, (1, 4, 1, 1))) if full_rank else scale
+            out = bb.emit_output(relax.op.multiply(x, operand))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_lower_rank_constant_operand_gets_the_other_operands_rank():
+    scale = relax.const(np.arange(4, dtype="float32").reshape(4, 1, 1))
+    assert_transforms(ConstantsAtFullRank(), _scaled(scale, False), _scaled(scale, True))
+    scalar = _scaled(relax.const(2.0, "float32"), False)
+    tvm.ir.assert_structural_equal(ConstantsAtFullRank()(scalar), scalar)
+
+
+def test_an_exporters_per_channel_scale_between_convs_carries_the_layout():
+    """conv, x * scale[C, 1, 1], conv in NHWC: transposes only at the graph's edges (the constants' fold)."""
+    scale = relax.const(np.linspace(0.5, 2, 8, dtype="float32").reshape(8, 1, 1))
+    weights = [relax.const(np.random.default_rng(i).standard_normal(shape).astype("float32"))
+               for i, shape in enumerate([(8, 4, 3, 3), (8, 8, 1, 1)])]
+    x = relax.Var("x", relax.TensorType((1, 4, 6, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            first = bb.emit(relax.op.nn.conv2d(x, weights[0], padding=1))
+            scaled = bb.emit(relax.op.multiply(first, scale))
+            out = bb.emit_output(relax.op.nn.conv2d(scaled, weights[1]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    converted = tvm.transform.Sequential([*conv_layout_passes("NHWC"), relax.transform.FoldConstant()])(mod)
+    moves = [b.value for b in converted["main"].body.blocks[0].bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.permute_dims"]
+    assert len(moves) == 2 and moves[0].args[0].same_as(converted["main"].params[0])
+    data = np.random.default_rng(9).standard_normal((1, 4, 6, 6)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(converted, [data])[0], relay_amp.run(mod, [data])[0], rtol=1e-5, atol=1e-4)
