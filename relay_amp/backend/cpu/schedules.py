@@ -329,17 +329,18 @@ class ElementwiseRule(_CpuRule):
 
 
 def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:
-    """The blocks that write BROADCAST_RATIO times fewer values than the function's output and feed a block that
-    does not: inlined, they would be computed again for every value they broadcast to (EfficientNet's
-    squeeze-and-excite gate, a sigmoid of 144 values, for each of 56 x 56 pixels)."""
+    """The blocks that compute BROADCAST_RATIO times fewer values than the function's output and feed a block that
+    does not compute such values (a larger block, or a copy that may be inlined into one): inlined, they would be
+    computed again for every value they broadcast to (EfficientNet's squeeze-and-excite gate, a sigmoid of 144
+    values, for each of 56 x 56 pixels; a group norm's per-channel scale, reshaped from its groups)."""
     sizes = {sch.get(info.block_rv).name_hint: _written_values(sch, info.block_rv) for info in infos}
     output = max(sizes.values())
 
-    def small(block) -> bool:
-        return sizes.get(sch.get(block).name_hint, output) * BROADCAST_RATIO <= output
+    def small_computed(block) -> bool:
+        return sizes.get(sch.get(block).name_hint, output) * BROADCAST_RATIO <= output and _computes_floats(sch, block)
 
-    return [info for info in infos if small(info.block_rv) and _computes_floats(sch, info.block_rv)
-            and not all(small(consumer) for consumer in sch.get_consumers(info.block_rv))]
+    return [info for info in infos if small_computed(info.block_rv)
+            and not all(small_computed(consumer) for consumer in sch.get_consumers(info.block_rv))]
 
 
 def _computes_floats(sch: s_tir.Schedule, block) -> bool:

@@ -388,6 +388,39 @@ def test_elementwise_rule_computes_a_broadcast_operand_once():
     np.testing.assert_allclose(out.numpy(), x * np.exp(gate), rtol=1e-6)
 
 
+@T.prim_func(private=True, s_tir=True)
+def _grouped_scale(x: T.Buffer((T.int64(64), T.int64(16)), "float32"), s: T.Buffer((T.int64(4), T.int64(1)), "float32"),
+                   out: T.Buffer((T.int64(64), T.int64(16)), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    inverse = T.sblock_alloc_buffer((T.int64(4), T.int64(1)))
+    per_channel = T.sblock_alloc_buffer((T.int64(16),))
+    for g, k in T.grid(T.int64(4), T.int64(1)):
+        with T.sblock("inverse"):
+            vg, vk = T.axis.remap("SS", [g, k])
+            inverse[vg, vk] = T.rsqrt(s[vg, vk])
+    for j in range(T.int64(16)):
+        with T.sblock("per_channel"):
+            vj = T.axis.remap("S", [j])
+            per_channel[vj] = inverse[vj // T.int64(4), T.int64(0)]
+    for i, j in T.grid(T.int64(64), T.int64(16)):
+        with T.sblock("scaled"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = x[vi, vj] * per_channel[vj]
+
+
+def test_a_broadcast_operand_reached_through_a_copy_is_computed_once():
+    """A group norm's scale: an rsqrt per group, copied out to its channels, then broadcast over the rows. The
+    copy is inlined, the rsqrt is not (inlined, it would run again for each of the 64 rows)."""
+    target = targets.get_target("cpu")
+    sch = schedules.ElementwiseRule().apply(_grouped_scale, target, False)
+    assert [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))] == ["inverse", "scaled"]
+    x, scale = np.random.default_rng(0).standard_normal((64, 16)).astype("float32"), np.arange(1, 5, dtype="float32")
+    out = tvm.runtime.empty((64, 16), "float32")
+    tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=target)["main"](
+        tvm.runtime.tensor(x), tvm.runtime.tensor(scale.reshape(4, 1)), out)
+    np.testing.assert_allclose(out.numpy(), x * np.repeat(1 / np.sqrt(scale), 4), rtol=1e-6)
+
+
 def test_a_broadcast_bool_mask_builds_and_matches_numpy():
     """An attention mask (DistilBERT's): a reshaped row of bools and-ed with a column, then a where. The small
     bool block is inlined: kept apart, TVM's LLVM codegen mixed i1 and i8 lanes loading it back."""
