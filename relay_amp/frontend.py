@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import tvm
 
+from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq
@@ -89,8 +90,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
               dims: Mapping[str, int] | None = None) -> tvm.IRModule:
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants
     (and those the graph computes from constants folded: relay_amp._ir.fold_weights), batch norms the
-    exporter left after convs and linear layers folded into their weights, clamps (ReLU6) as maximum and minimum,
-    QOperator and integer ops as QDQ pairs around float ops. `dims` sizes the inputs' symbolic dims by name
+    exporter left after convs and linear layers folded into their weights, group norms as one op, clamps (ReLU6) as
+    maximum and minimum, QOperator and integer ops as QDQ pairs around float ops. `dims` sizes the inputs' symbolic dims by name
     ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
@@ -104,7 +105,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
         imported = relax_from_onnx(_simplified(as_qdq(proto)), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
-    return clamps_as_max_min(fold_weights(imported))
+    return _canonical(imported)
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
@@ -121,4 +122,10 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     with torch.no_grad():
         exported = torch.export.export(module.eval(), inputs)
     imported = from_exported_program(exported, unwrap_unit_return_tuple=True)
-    return clamps_as_max_min(fold_weights(imported))
+    return _canonical(imported)
+
+
+def _canonical(imported: tvm.IRModule) -> tvm.IRModule:
+    """An imported module in the form relay_amp's passes match: values computed from constants folded (batch norms
+    into weights), the exporters' group norm spellings as relax.nn.group_norm, clamps as maximum and minimum."""
+    return clamps_as_max_min(group_norms_as_ops(fold_weights(imported)))

@@ -9,6 +9,7 @@ from .backend.cpu.widen import WidenArithmetic
 from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
+from .passes.group_norm import GroupNormsAsOps
 from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
 from .passes.pooling import GlobalPoolWindows
@@ -18,5 +19,5 @@ from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
 __all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm",
-           "FuseKernelEpilogues", "GlobalPoolWindows", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ",
+           "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps", "HoistOverMoves", "Quantize", "QuantizeWeights", "RealizeQDQ",
            "Recast", "Specialize", "ToMixedPrecision", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]

@@ -203,3 +203,21 @@ def test_from_onnx_sizes_dynamic_axes_by_name_before_shapes_fold():
 def test_from_onnx_rejects_dims_the_file_does_not_have():
     with pytest.raises(relay_amp.OptionError, match="no symbolic input dim 'sequence'; its symbolic dims: batch, seq"):
         frontend.from_onnx(positions_onnx(), dims={"sequence": 5})
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_an_exported_group_norm_imports_as_one_op_and_matches_torch(tmp_path, dynamo):
+    """Both ONNX exporters write GroupNorm as Reshape, InstanceNormalization, Reshape, Mul, Add."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.GroupNorm(4, 16), torch.nn.ReLU())
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5), model[1].bias.uniform_(-1, 1)
+    x = torch.randn(1, 3, 8, 8)
+    path = tmp_path / "group_norm.onnx"
+    torch.onnx.export(model.eval(), (x,), path, opset_version=18 if dynamo else 17, dynamo=dynamo)
+    mod = frontend.from_onnx(path)
+    ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings]
+    assert ops.count("relax.nn.group_norm") == 1 and "relax.variance" not in ops
+    with torch.no_grad():
+        np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], model(x).numpy(), rtol=1e-4, atol=1e-4)

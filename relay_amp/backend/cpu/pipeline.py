@@ -17,6 +17,7 @@ from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
+from .norms import GroupNormsOverChannels
 from .rows import PadSoftmaxRows
 from .schedules import default_schedule, default_schedules
 from .widen import NormsReadNarrow, WidenArithmetic
@@ -33,7 +34,8 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
-    (`conv_layout` overrides; None keeps the model's), bf16 chains widened, runs of scales, biases and clamps
+    (`conv_layout` overrides; None keeps the model's), channels-last group norms as per-channel sums
+    (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and clamps
     folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
     dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
     math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel that reads
@@ -49,6 +51,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         *deduplication_passes(),
         HoldSubByteInBytes(),
         *layout_passes(conv_layout),
+        GroupNormsOverChannels(),
         WidenArithmetic(),
         FoldAffineClamps(),
         PadSoftmaxRows(),
