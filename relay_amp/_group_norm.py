@@ -11,9 +11,9 @@ from ._ir import tensor_dtype, tensor_shape
 
 
 def group_norms_as_ops(mod: tvm.IRModule) -> tvm.IRModule:
-    """`mod` with every group norm spelled as ONNX's InstanceNormalization over a reshape (the TorchScript exporter's
+    """`mod` with every group norm spelled as ONNX's InstanceNormalization over a reshape (the ONNX exporters'
     GroupNorm: x [N, C, *spatial] reshaped to [N, G, C/G * spatial], normalized over its last axis, scaled and
-    shifted per group, reshaped back) as one relax.nn.group_norm over x's channel axis 1."""
+    shifted per group, reshaped back unless that shape is x's) as one relax.nn.group_norm over x's channel axis 1."""
     return _group_norms_in_function(mod)
 
 
@@ -27,7 +27,9 @@ def _group_norms_in_function(func: relax.Function, mod: tvm.IRModule, ctx) -> re
     normalized = dpl.is_op("relax.divide")(dpl.is_op("relax.subtract")(grouped, mean), deviation)
     scale, shift = dpl.is_const(), dpl.is_const()
     affine = dpl.is_op("relax.add")(dpl.is_op("relax.multiply")(normalized, scale), shift)
-    restored = dpl.is_op("relax.reshape")(affine | normalized, dpl.wildcard())
+    grouped_result = affine | normalized
+    # an exporter's reshape back is left out where the grouping kept the shape (GroupNorm(C, C) of [N, C, W])
+    restored = dpl.is_op("relax.reshape")(grouped_result, dpl.wildcard()) | grouped_result
 
     def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
         data = matches[grouped].args[0]

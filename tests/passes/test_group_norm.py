@@ -69,3 +69,22 @@ def test_the_group_norm_computes_what_the_exporters_spelling_did(affine):
     data = np.random.default_rng(0).standard_normal((1, 8, 2, 2)).astype("float32") * 3 + 1
     np.testing.assert_allclose(relay_amp.run(GroupNormsAsOps()(before), [data])[0], relay_amp.run(before, [data])[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_per_channel_of_a_sequence_needs_no_reshape_back():
+    """GroupNorm(C, C) of [N, C, W] (wav2vec2's first conv): the grouping keeps the shape, and the exporter's
+    simplified graph has no reshape back."""
+    x = relax.Var("x", relax.TensorType((1, 4, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            grouped = bb.emit(relax.op.reshape(x, (1, 4, 6)))
+            mean = bb.emit(relax.op.mean(grouped, axis=[2], keepdims=True))
+            variance = bb.emit(relax.op.variance(grouped, axis=[2], keepdims=True))
+            deviation = bb.emit(relax.op.sqrt(bb.emit(relax.op.add(variance, relax.const(1e-5, "float32")))))
+            out = bb.emit_output(relax.op.divide(bb.emit(relax.op.subtract(grouped, mean)), deviation))
+        bb.emit_func_output(out)
+    after = GroupNormsAsOps()(bb.get())
+    assert [b.value.op.name for b in after["main"].body.blocks[0].bindings] == ["relax.nn.group_norm"]
+    data = np.random.default_rng(0).standard_normal((1, 4, 6)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(after, [data])[0], relay_amp.run(bb.get(), [data])[0], rtol=1e-5, atol=1e-5)
