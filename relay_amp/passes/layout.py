@@ -11,13 +11,13 @@ from ..errors import OptionError
 from ..ops import canonical_op
 from .layers import layer_bindings, list_layers, resolve_layers
 
-CONV_OPS = ("relax.nn.conv2d",)
+CONV_OPS = ("relax.nn.conv2d", "relax.nn.conv1d")  # the layers LayoutConfig's skip_layers index
 # data layout -> the kernel layout "default" stands for (the channel roles of the data layout)
 DEFAULT_KERNEL_LAYOUTS = {"NCHW": "OIHW", "NHWC": "OHWI", "HWNC": "HWOI", "HWCN": "HWIO"}
 
 
 class LayoutConfig:
-    """A scope whose skip_layers (indices into list_layers over conv2d) ConvertLayout leaves alone."""
+    """A scope whose skip_layers (indices into list_layers over conv2d and conv1d) ConvertLayout leaves alone."""
 
     _stack: ClassVar[list["LayoutConfig"]] = []
 
@@ -129,9 +129,16 @@ class _FullRankConstants(relax.PyExprMutator):
 
 
 def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
-    """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]), clamps first made
-    maximum and minimum so that the layout carries through them; none for None."""
+    """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]) and conv1d into the same
+    layout without its H (NHWC: NWC), clamps first made maximum and minimum and low-rank constants given their
+    tensors' rank, so that the layout carries through them; none for None."""
     if conv_layout is None:
         return []
-    layouts = [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)
-    return [ClampsAsMaxMin(), ConstantsAtFullRank(), ConvertLayout({CONV_OPS[0]: layouts})]
+    layouts = _resolve_layouts({CONV_OPS[0]: [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)})
+    return [ClampsAsMaxMin(), ConstantsAtFullRank(), ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]])})]
+
+
+def _one_dimensional(layouts: list[str]) -> dict[str, list[str]]:
+    """conv1d's desired layouts for conv2d's `layouts`, their H left out; none where that leaves no 1-D layout."""
+    data, kernel = (layout.replace("H", "") for layout in layouts)
+    return {CONV_OPS[1]: [data, kernel]} if data in ("NCW", "NWC") and sorted(kernel) == ["I", "O", "W"] else {}

@@ -191,3 +191,28 @@ def test_an_exporters_per_channel_scale_between_convs_carries_the_layout():
     assert len(moves) == 2 and moves[0].args[0].same_as(converted["main"].params[0])
     data = np.random.default_rng(9).standard_normal((1, 4, 6, 6)).astype("float32")
     np.testing.assert_allclose(relay_amp.run(converted, [data])[0], relay_amp.run(mod, [data])[0], rtol=1e-5, atol=1e-4)
+
+
+def test_conv1ds_take_the_conv2d_layout_without_its_height():
+    """NHWC for conv2d is NWC for conv1d: a stack of conv1ds transposes only at the graph's edges."""
+    rng = np.random.default_rng(0)
+    weights = [relax.const(rng.standard_normal(shape).astype("float32")) for shape in [(8, 2, 3), (4, 8, 3)]]
+    x = relax.Var("x", relax.TensorType((1, 2, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            first = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv1d(x, weights[0], padding=1))))
+            out = bb.emit_output(relax.op.nn.conv1d(first, weights[1]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    converted = tvm.transform.Sequential([*conv_layout_passes(["NHWC", "HWIO"]), relax.transform.FoldConstant()])(mod)
+    calls = [b.value for b in converted["main"].body.blocks[0].bindings]
+    assert [(c.attrs.data_layout, c.attrs.kernel_layout) for c in calls if c.op.name == "relax.nn.conv1d"] == [
+        ("NWC", "WIO"), ("NWC", "WIO")]
+    assert sum(c.op.name == "relax.permute_dims" for c in calls) == 2
+    data = rng.standard_normal((1, 2, 16)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(converted, [data])[0], relay_amp.run(mod, [data])[0], rtol=1e-5, atol=1e-4)
+    with LayoutConfig(skip_layers=[1]):
+        kept = tvm.transform.Sequential(conv_layout_passes(["NHWC", "HWIO"]))(mod)
+    assert [c.attrs.data_layout for b in kept["main"].body.blocks[0].bindings
+            if (c := b.value).op.name == "relax.nn.conv1d"] == ["NWC", "NCW"]

@@ -12,6 +12,7 @@ from ..fusion import AUTO, deduplication_passes, fusion_passes
 from . import amx
 from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
+from .conv1d import Conv1dAsConv2d
 from .dispatch import UseDotKernels, target_dtypes
 from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
@@ -34,9 +35,9 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
-    (`conv_layout` overrides; None keeps the model's), channels-last group norms as per-channel sums
-    (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and clamps
-    folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
+    (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1), channels-last
+    group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
+    clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
     dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
     math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel that reads
     it; merged earlier, two casts of one output would join an epilogue and store it wide), fast math
@@ -51,6 +52,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         *deduplication_passes(),
         HoldSubByteInBytes(),
         *layout_passes(conv_layout),
+        Conv1dAsConv2d(),
         GroupNormsOverChannels(),
         WidenArithmetic(),
         FoldAffineClamps(),
