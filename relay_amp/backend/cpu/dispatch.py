@@ -214,11 +214,17 @@ class _Dispatcher(relax.PyExprMutator):
         kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
         spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
                                 _out_dtype(call, dtype), groups=groups)
+        width = spec.out_shape[2]
+        extra_width = 0 if self._on_amx(spec) else kernels.padded_width(width, out_ch) - width
+        right += extra_width * spec.strides[1]  # zero pixels complete the last register tile (an audio conv's 799
+        spec = dataclasses.replace(spec, data_shape=(*padded_shape[:2], shape[2] + left + right, in_ch))  # outputs)
         pad_width = [0, 0, top, bottom, left, right, 0, extra]
         if any(pad_width):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
-        return self._first_channels(self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot)), 3,
-                                    channels, out_ch)
+        result = self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
+        if extra_width:
+            result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[width]))
+        return self._first_channels(result, 3, channels, out_ch)
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr") -> relax.Expr:
         """The kernel call on a weight packed here (a constant) or by Relax ops at run time."""

@@ -157,6 +157,33 @@ def test_built_model_with_padded_rows_matches_the_generic_build():
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # the same products in another order
 
 
+def _audio_conv_module(dtype: str = "int8"):
+    """A stride-2, width-3 conv over 1 x 1600 pixels (wav2vec2's second conv): 799 outputs, 17 x 47."""
+    weight = np.random.default_rng(5).integers(-8, 8, (1, 3, 16, 32)).astype("int8")
+    return single_output_module(
+        lambda x: relax.op.nn.conv2d(x, relax.const(weight), strides=(1, 2), data_layout="NHWC", kernel_layout="HWIO",
+                                     out_dtype="int32"),
+        tensor("x", (1, 1, 1600, 16), dtype))
+
+
+def test_conv_outputs_that_tile_badly_get_zero_pixels_in_and_a_slice_out():
+    after = dispatch.UseDotKernels({"int8"})(_audio_conv_module())
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [c.op.name for c in calls] == ["relax.nn.pad", "relax.call_tir", "relax.strided_slice"]
+    assert [int(p) for p in calls[0].attrs.pad_width] == [0, 0, 0, 0, 0, 12, 0, 0]  # 799 -> 805 outputs: 7-pixel
+    assert tensor_shape(calls[1]) == (1, 1, 805, 32) and tensor_shape(calls[2]) == (1, 1, 799, 32)  # tiles, stride 2
+    relax.analysis.well_formed(after)
+
+
+def test_built_conv_with_padded_pixels_matches_the_generic_build():
+    if not targets.host_supports("avx512_vnni"):
+        pytest.skip("host CPU lacks avx512_vnni")
+    mod = _audio_conv_module()
+    inputs = [np.random.default_rng(6).integers(-128, 128, (1, 1, 1600, 16)).astype("int8")]
+    np.testing.assert_array_equal(run_executable(build(mod, "cpu-avx512-bf16"), inputs)[0],
+                                  relay_amp.run(mod, inputs)[0])  # integer arithmetic is exact
+
+
 def test_target_dtypes_follow_the_cpu_features():
     assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
     assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}
