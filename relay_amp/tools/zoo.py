@@ -26,12 +26,16 @@ from .pytorch import avoid_broken_onednn_amx
 EXPORTERS = ("torchscript", "dynamo", "torch.export")
 avoid_broken_onednn_amx()  # before any torch op of this process: PyTorch's AMX dies on some VMs
 OPSET = 17
-DYNAMIC_AXES = {"cnn": {0: "batch"}, "transformer": {0: "batch", 1: "sequence"}}  # per kind of model
+DYNAMIC_AXES = {"cnn": {0: "batch"}, "transformer": {0: "batch", 1: "sequence"},
+                "audio": {0: "batch", 1: "samples"}}  # per kind of model
+INPUT_NAMES = {"cnn": ["pixel_values"], "transformer": ["input_ids", "attention_mask"],
+               "audio": ["input_values"]}  # the transformers models' keyword per positional input
 
 
 @dataclass(frozen=True)
 class Shape:
-    """The input of a zoo model: images (batch, 3, size, size) or token ids (batch, length)."""
+    """The input of a zoo model: images (batch, 3, size, size), token ids (batch, length) or audio samples (batch,
+    length)."""
 
     batch: int
     size: int
@@ -42,7 +46,7 @@ class ZooEntry:
     """One architecture: how to build it at full and tiny size, and what it takes as input."""
 
     name: str
-    kind: str  # "cnn" or "transformer": CNNs take images, transformers token ids and an attention mask
+    kind: str  # "cnn", "transformer" or "audio": images; token ids and an attention mask; a waveform
     config: Callable[[bool], object]  # tiny -> a transformers config
     model_class: str  # the transformers class that the config builds
     output: str  # the attribute of the model's output returned as the zoo model's one output
@@ -140,6 +144,15 @@ def _t5_encoder(tiny: bool):
     return hf.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8)  # t5-small's encoder
 
 
+def _wav2vec2(tiny: bool):
+    if tiny:
+        return hf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+                                 num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
+    return hf.Wav2Vec2Config(num_hidden_layers=4)  # wav2vec2-base: its conv1d feature encoder (a group norm after
+    # the first), a grouped positional conv, 4 of its 12 transformer layers
+
+
 ZOO = {entry.name: entry for entry in [
     ZooEntry("resnet50", "cnn", _resnet50, "ResNetForImageClassification", "logits", Shape(1, 224), Shape(1, 64),
              batch_norm=True),
@@ -164,6 +177,7 @@ ZOO = {entry.name: entry for entry in [
     ZooEntry("gpt2", "transformer", _gpt2, "GPT2Model", "last_hidden_state", Shape(1, 64), Shape(2, 16)),
     ZooEntry("t5_encoder", "transformer", _t5_encoder, "T5EncoderModel", "last_hidden_state",
              Shape(1, 128), Shape(2, 16)),
+    ZooEntry("wav2vec2", "audio", _wav2vec2, "Wav2Vec2Model", "last_hidden_state", Shape(1, 16000), Shape(1, 800)),
 ]}
 
 
@@ -203,12 +217,15 @@ def _trained_looking(model: torch.nn.Module) -> None:
 
 
 def example_inputs(name: str, tiny: bool = False, seed: int = 0) -> list[np.ndarray]:
-    """Seeded inputs: normalized images for CNNs; token ids (and an all-ones attention mask) for transformers."""
+    """Seeded inputs: normalized images for CNNs; token ids (and an all-ones attention mask) for transformers; a
+    normalized waveform for audio models."""
     spec = entry(name)
     shape = spec.tiny if tiny else spec.full
     rng = np.random.default_rng(seed)
     if spec.kind == "cnn":
         return [rng.standard_normal((shape.batch, 3, shape.size, shape.size)).astype("float32")]
+    if spec.kind == "audio":
+        return [rng.standard_normal((shape.batch, shape.size)).astype("float32")]
     ids = rng.integers(0, spec.config(tiny).vocab_size, (shape.batch, shape.size)).astype("int64")
     return [ids, np.ones_like(ids)]
 
@@ -219,11 +236,11 @@ class SingleOutput(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, spec: ZooEntry):
         super().__init__()
         self.model = model
-        self.input_names = ["pixel_values"] if spec.kind == "cnn" else ["input_ids", "attention_mask"]
+        self.input_names = INPUT_NAMES[spec.kind]
         self.output = spec.output
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """The model's chosen output for positional inputs (images, or token ids and a mask)."""
+        """The model's chosen output for positional inputs (images; token ids and a mask; a waveform)."""
         return getattr(self.model(**dict(zip(self.input_names, inputs))), self.output)
 
 

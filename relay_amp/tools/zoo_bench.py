@@ -129,12 +129,12 @@ def _ort_runner_on(session: onnxruntime.InferenceSession) -> Callable[[list[np.n
 
 def _ort_quantized(name: str, path: Path, calibration: list[list[np.ndarray]]) -> Path:
     """ONNX Runtime's int8 model of the same file, as its docs recommend: static QDQ (per-channel int8 weights,
-    uint8 activations) calibrated on the same inputs for CNNs, dynamic int8 for transformers."""
+    uint8 activations) calibrated on the same inputs for CNNs, dynamic int8 for transformers and audio models."""
     from onnxruntime import quantization
 
     prepared, quantized = path.with_suffix(".pre.onnx"), path.with_suffix(".int8.onnx")
     quantization.quant_pre_process(str(path), str(prepared))
-    if zoo.entry(name).kind == "transformer":
+    if zoo.entry(name).kind != "cnn":
         quantization.quantize_dynamic(str(prepared), str(quantized), weight_type=quantization.QuantType.QInt8)
         return quantized
     names = [i.name for i in _ort_session(prepared).get_inputs()]
@@ -153,14 +153,14 @@ def _ort_quantized(name: str, path: Path, calibration: list[list[np.ndarray]]) -
 def _int8_agreement(name: str, tiny: bool, fp32: relax.VMExecutable,
                     int8_runners: dict[str, Callable[[list[np.ndarray]], np.ndarray]]) -> dict[str, float]:
     """Per int8 runner, against relay_amp fp32 on AGREEMENT_INPUTS inputs the calibration never saw: the share of
-    equal top-1 classes for CNNs, the smallest output cosine for transformers."""
+    equal top-1 classes for CNNs, the smallest output cosine for transformers and audio models."""
     reference = _relay_runner_on(fp32)
     inputs = [zoo.example_inputs(name, tiny, seed) for seed in range(100, 100 + AGREEMENT_INPUTS)]
     expected = [reference(x) for x in inputs]
     agreement = {}
     for runner, run in int8_runners.items():
         outputs = [run(x) for x in inputs]
-        if zoo.entry(name).kind == "transformer":
+        if zoo.entry(name).kind != "cnn":
             agreement[runner] = min(cosine_similarity(o, e) for o, e in zip(outputs, expected))
         else:
             agreement[runner] = float(np.mean([top1_agreement(o, e) for o, e in zip(outputs, expected)]))

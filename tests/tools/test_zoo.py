@@ -124,6 +124,17 @@ def test_regnets_grouped_convs_get_kernels_like_its_other_convs(dtype):
     assert sum("dot_kernel" in name for name in functions) >= len(groups)
 
 
+def test_wav2vec2s_conv1ds_and_group_norm_run_channels_last_on_the_kernels():
+    """wav2vec2's feature encoder (conv1d, GroupNorm(C, C), conv1ds) and its grouped positional conv1d: every conv
+    becomes a dot-product kernel, and the group norm imports as one op and is computed over the channels."""
+    mod = zoo.load("wav2vec2", tiny=True)
+    ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings if hasattr(b.value, "op")]
+    assert ops.count("relax.nn.conv1d") == 4 and ops.count("relax.nn.group_norm") == 1
+    functions = _prepared_functions(relay_amp.to_mixed_precision(mod, "bfloat16"))
+    assert not [name for name in functions if "conv" in name or "group_norm" in name]
+    assert sum("dot_kernel" in name for name in functions) >= 4
+
+
 @pytest.mark.parametrize("name", ["resnet50", "bert"])
 def test_dynamic_axes_sized_at_import_reach_the_kernels_and_match_pytorch(name, tmp_path):
     """An export with dynamic batch (and sequence) axes, as exports for serving are: sized at import, it gets as
