@@ -10,6 +10,7 @@ import tvm
 
 from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
+from ._pads import pads_as_ops
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq
 
@@ -127,5 +128,6 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
 
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:
     """An imported module in the form relay_amp's passes match: values computed from constants folded (batch norms
-    into weights), the exporters' group norm spellings as relax.nn.group_norm, clamps as maximum and minimum."""
-    return clamps_as_max_min(group_norms_as_ops(fold_weights(imported)))
+    into weights), the exporters' group norm spellings as relax.nn.group_norm, clamps as maximum and minimum, ONNX
+    pads as relax.nn.pad."""
+    return pads_as_ops(clamps_as_max_min(group_norms_as_ops(fold_weights(imported))))

@@ -221,3 +221,34 @@ def test_an_exported_group_norm_imports_as_one_op_and_matches_torch(tmp_path, dy
     assert ops.count("relax.nn.group_norm") == 1 and "relax.variance" not in ops
     with torch.no_grad():
         np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], model(x).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_exported_pad_imports_as_relax_pad_and_an_nhwc_build_keeps_no_transposes_around_it(tmp_path):
+    """BiT's stem: conv, F.pad, GroupNorm, ReLU, max pool, conv. TVM's importer writes Pad as a TE function, and
+    Relax's pad has no layout rule: the transposes around it move down past the norm and the pool and cancel."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+
+    class Stem(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = torch.nn.Conv2d(3, 16, 3, 2, 1), torch.nn.GroupNorm(4, 16)
+            self.head = torch.nn.Conv2d(16, 8, 1)
+
+        def forward(self, x):
+            padded = torch.nn.functional.pad(self.conv(x), (1, 1, 1, 1))
+            return self.head(torch.nn.functional.max_pool2d(torch.relu(self.norm(padded)), 3, 2))
+
+    model, x = Stem().eval(), torch.randn(1, 3, 16, 16)
+    path = tmp_path / "stem.onnx"
+    torch.onnx.export(model, (x,), path, opset_version=17, dynamo=False)
+    mod = frontend.from_onnx(path)
+    assert "relax.nn.pad" in [b.value.op.name for b in mod["main"].body.blocks[0].bindings]
+    nhwc = tvm.transform.Sequential(relay_amp.passes.layout.conv_layout_passes(["NHWC", "HWIO"]))(mod)
+    moves = [b for b in nhwc["main"].body.blocks[0].bindings if b.value.op.name == "relax.permute_dims"]
+    assert len(moves) == 2  # the input and the output
+    with torch.no_grad():
+        expected = model(x).numpy()
+    executable = relay_amp.build(mod, relay_amp.targets.host_preset())
+    np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, [x.numpy()])[0], expected,
+                               rtol=1e-4, atol=1e-4)

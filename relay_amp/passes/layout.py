@@ -10,6 +10,7 @@ from .._ir import clamps_as_max_min, tensor_shape
 from ..errors import OptionError
 from ..ops import canonical_op
 from .layers import layer_bindings, list_layers, resolve_layers
+from .transposes import SinkTransposes
 
 CONV_OPS = ("relax.nn.conv2d", "relax.nn.conv1d")  # the layers LayoutConfig's skip_layers index
 # data layout -> the kernel layout "default" stands for (the channel roles of the data layout)
@@ -131,11 +132,15 @@ class _FullRankConstants(relax.PyExprMutator):
 def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
     """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]) and conv1d into the same
     layout without its H (NHWC: NWC), clamps first made maximum and minimum and low-rank constants given their
-    tensors' rank, so that the layout carries through them; none for None."""
+    tensors' rank, so that the layout carries through them, then the transposes left around ops without a layout
+    rule (pads) sunk until they cancel (relay_amp.passes.transposes); none for None."""
     if conv_layout is None:
         return []
     layouts = _resolve_layouts({CONV_OPS[0]: [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)})
-    return [ClampsAsMaxMin(), ConstantsAtFullRank(), ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]])})]
+    convert = ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]])})
+    fold = relax.transform.FoldConstant()  # transposes of constants: sinking moves past constant operands only
+    return [ClampsAsMaxMin(), ConstantsAtFullRank(), convert, fold, SinkTransposes(), fold,
+            relax.transform.CanonicalizeBindings()]
 
 
 def _one_dimensional(layouts: list[str]) -> dict[str, list[str]]:

@@ -1,0 +1,127 @@
+"""SinkTransposes: transposes moved past the ops that have no layout rule, until they cancel.
+
+Relax's ConvertLayout carries a layout only through ops with a layout rule; around any other (relax.nn.pad: the
+ONNX Pad of BiT's stem and of TF-ported "same" convs) it transposes back to the model's layout, and the ops after
+it run in that layout until the next convolution transposes again. This pass moves a transpose below each op
+that computes the same values on the untransposed tensor with its axes renamed (elementwise ops, pads, group
+norms, pools), so that the transpose back and the next one forward meet and cancel.
+"""
+
+import tvm
+from tvm import relax
+
+from .._ir import tensor_shape, with_attr
+from ..ops import call_op_name
+
+UNARY = frozenset(f"relax.{name}" for name in (
+    "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "sigmoid", "tanh", "exp", "erf", "sqrt", "rsqrt", "negative",
+    "abs", "astype", "floor", "round", "clip"))
+BINARY = frozenset(f"relax.{name}" for name in (
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power"))
+POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
+class SinkTransposes:
+    """Every transpose (permute_dims) read by an op that computes the same on the untransposed tensor moved past
+    it; two transposes in a row that undo each other dropped. Fold constants first: a constant operand of a
+    binary op is transposed the other way."""
+
+    def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+        """`func` with its transposes sunk; the input module is left as it was."""
+        sunk = _Sinker(mod).visit_expr(func)
+        return relax.analysis.remove_all_unused(sunk)
+
+
+@relax.expr_functor.mutator
+class _Sinker(relax.PyExprMutator):
+    in_dataflow = False  # only dataflow blocks: a graph output's transpose stays where the block hands it out
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        self.in_dataflow = True
+        visited = super().visit_dataflow_block_(block)
+        self.in_dataflow = False
+        return visited
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not self.in_dataflow:
+            return call
+        name = call_op_name(call)
+        if name == "relax.permute_dims":
+            return self._cancelled(call)
+        sources = [self._transposed(arg) for arg in call.args]
+        found = [source for source in sources if source is not None]
+        if not found or any(source[1] != found[0][1] for source in found):
+            return call
+        perm = found[0][1]
+        moved = _moved(call, name, sources, perm)
+        if moved is None:
+            return call
+        return relax.op.permute_dims(self.builder_.emit(moved), perm)
+
+    def _transposed(self, expr: relax.Expr) -> "tuple[relax.Expr, list[int]] | None":
+        """(x, axes) where `expr` is bound to permute_dims(x, axes) with its axes given, else None."""
+        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        if call_op_name(value) != "relax.permute_dims" or value.attrs.axes is None:
+            return None
+        return value.args[0], [int(axis) for axis in value.attrs.axes]
+
+    def _cancelled(self, call: relax.Call) -> relax.Expr:
+        """x for permute_dims(permute_dims(x, p), q) where q undoes p, else the call."""
+        inner = self._transposed(call.args[0])
+        if inner is None or call.attrs.axes is None:
+            return call
+        source, first = inner
+        second = [int(axis) for axis in call.attrs.axes]
+        return source if [first[axis] for axis in second] == list(range(len(second))) else call
+
+
+def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax.Expr | None:
+    """`call` on the untransposed tensors (`sources`: (x, perm) per transposed argument, None for the others), its
+    axes renamed, or None where it cannot move."""
+    data = sources[0][0] if sources[0] is not None else None
+    if name in UNARY and data is not None:
+        return relax.Call(call.op, [data, *call.args[1:]], call.attrs, call.ty_args)
+    if name in BINARY:
+        args = [source[0] if source is not None else _untransposed_constant(arg, perm)
+                for arg, source in zip(call.args, sources)]
+        return None if any(arg is None for arg in args) else relax.Call(call.op, args, call.attrs, call.ty_args)
+    if data is None or any(source is not None for source in sources[1:]):
+        return None
+    if name == "relax.nn.pad":
+        widths = [int(width) for width in call.attrs.pad_width]
+        moved = [0] * len(widths)
+        for axis, source_axis in enumerate(perm):
+            moved[2 * source_axis:2 * source_axis + 2] = widths[2 * axis:2 * axis + 2]
+        return relax.Call(call.op, [data, *call.args[1:]], with_attr(call.attrs, pad_width=moved), call.ty_args)
+    if name == "relax.nn.group_norm":
+        attrs = with_attr(call.attrs, channel_axis=perm[int(call.attrs.channel_axis)],
+                          axes=[perm[int(axis)] for axis in call.attrs.axes])
+        return relax.Call(call.op, [data, *call.args[1:]], attrs, call.ty_args)
+    if name in POOLS:
+        attrs = with_attr(call.attrs, layout=_renamed(call.attrs.layout, perm),
+                          out_layout=_renamed(call.attrs.out_layout, perm))
+        return relax.Call(call.op, [data], attrs, call.ty_args)
+    return None
+
+
+def _renamed(layout: str, perm: list[int]) -> str:
+    """The layout of the untransposed tensor, for `layout` of its transpose by `perm`."""
+    letters = [""] * len(perm)
+    for axis, source_axis in enumerate(perm):
+        letters[source_axis] = str(layout)[axis]
+    return "".join(letters)
+
+
+def _untransposed_constant(arg: relax.Expr, perm: list[int]) -> relax.Expr | None:
+    """A constant operand for the untransposed tensor: a scalar as it is, a full-rank one transposed back."""
+    shape = tensor_shape(arg)
+    if not isinstance(arg, tvm.ir.expr.Constant) or shape is None:
+        return None
+    if len(shape) == 0:
+        return arg
+    if len(shape) != len(perm):
+        return None
+    inverse = [perm.index(axis) for axis in range(len(perm))]
+    return relax.op.permute_dims(arg, inverse)

@@ -1,0 +1,130 @@
+"""SinkTransposes, and ONNX's constant Pad as relax.nn.pad: transposes move past the ops without a layout rule
+until they cancel."""
+
+import numpy as np
+import tvm
+from tvm import relax, topi
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relay_amp
+from relay_amp._pads import constant_pad, pads_as_ops
+from relay_amp.passes.transposes import SinkTransposes
+
+from pass_checks import assert_transforms
+
+
+def test_a_transpose_moves_past_pad_norm_activation_and_pool_and_cancels_the_next_one():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32"), gamma: R.Tensor((8,), "float32"),
+                 beta: R.Tensor((8,), "float32")) -> R.Tensor((1, 2, 2, 8), "float32"):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                padded = R.nn.pad(nchw, pad_width=[0, 0, 0, 0, 1, 1, 1, 1], pad_value=0.0)
+                norm = R.nn.group_norm(padded, gamma, beta, num_groups=2, channel_axis=1, axes=[2, 3])
+                shifted = R.add(norm, R.const(0.5, "float32"))
+                active = R.nn.relu(shifted)
+                pooled = R.nn.max_pool2d(active, pool_size=[3, 3], strides=[2, 2], layout="NCHW")
+                gv = R.permute_dims(pooled, axes=[0, 2, 3, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32"), gamma: R.Tensor((8,), "float32"),
+                 beta: R.Tensor((8,), "float32")) -> R.Tensor((1, 2, 2, 8), "float32"):
+            with R.dataflow():
+                padded = R.nn.pad(x, pad_width=[0, 0, 1, 1, 1, 1, 0, 0], pad_value=0.0)
+                norm = R.nn.group_norm(padded, gamma, beta, num_groups=2, channel_axis=3, axes=[1, 2])
+                shifted = R.add(norm, R.const(0.5, "float32"))
+                active = R.nn.relu(shifted)
+                pooled = R.nn.max_pool2d(active, pool_size=[3, 3], strides=[2, 2], layout="NHWC", out_layout="NHWC")
+                gv = pooled
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    data = np.random.default_rng(0).standard_normal((1, 4, 4, 8)).astype("float32")
+    gamma, beta = np.linspace(0.5, 1.5, 8, dtype="float32"), np.linspace(-1, 1, 8, dtype="float32")
+    np.testing.assert_allclose(relay_amp.run(after, [data, gamma, beta])[0],
+                               relay_amp.run(Before, [data, gamma, beta])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_constant_operand_is_transposed_back_and_a_tensor_operand_stops_the_transpose():
+    scale = np.arange(8, dtype="float32").reshape(1, 8, 1, 1)
+
+    def module(sunk: bool) -> tvm.IRModule:
+        x = relax.Var("x", relax.TensorType((1, 2, 2, 8), "float32"))
+        y = relax.Var("y", relax.TensorType((1, 8, 2, 2), "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [x, y]):
+            with bb.dataflow():
+                if sunk:
+                    back = bb.emit(relax.op.permute_dims(relax.const(scale), [0, 2, 3, 1]))
+                    scaled = bb.emit(relax.op.permute_dims(bb.emit(relax.op.multiply(x, back)), [0, 3, 1, 2]))
+                else:
+                    scaled = bb.emit(relax.op.multiply(bb.emit(relax.op.permute_dims(x, [0, 3, 1, 2])),
+                                                       relax.const(scale)))
+                out = bb.emit_output(relax.op.add(scaled, y))  # y is in the transposed layout: stays
+            bb.emit_func_output(out)
+        return bb.get()
+
+    after = SinkTransposes()(module(False))
+    relax.analysis.well_formed(after)
+    calls = [b.value.op.name for b in after["main"].body.blocks[0].bindings]
+    assert calls == ["relax.permute_dims", "relax.multiply", "relax.permute_dims", "relax.add"]
+    tvm.ir.assert_structural_equal(after, module(True))
+
+
+def test_a_graph_outputs_transpose_stays_inside_its_dataflow_block():
+    """A transpose the block hands out, then cast outside it (AMP's output cast): nothing moves out of the block."""
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((1, 2, 2, 8), "bfloat16")) -> R.Tensor((1, 8, 2, 2), "float32"):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                R.output(nchw)
+            gv = R.astype(nchw, "float32")
+            return gv
+
+    tvm.ir.assert_structural_equal(SinkTransposes()(Module), Module)
+
+
+def _te_pad_module(value: float = -1.0) -> tvm.IRModule:
+    x = relax.Var("x", relax.TensorType((1, 3, 4, 5), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit_te(topi.nn.pad, x, [0, 0, 1, 2], [0, 0, 3, 0], value))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_an_imported_te_pad_becomes_relax_pad_and_its_function_goes():
+    """TVM's ONNX importer writes Pad as a call of topi.nn.pad's TE function."""
+    mod = _te_pad_module()
+    after = pads_as_ops(mod)
+    relax.analysis.well_formed(after)
+    pad = after["main"].body.blocks[0].bindings[0].value
+    assert pad.op.name == "relax.nn.pad" and float(pad.attrs.pad_value) == -1.0
+    assert [int(w) for w in pad.attrs.pad_width] == [0, 0, 0, 0, 1, 3, 2, 0]
+    assert [gv.name_hint for gv in after.get_global_vars()] == ["main"]
+    data = np.random.default_rng(1).standard_normal((1, 3, 4, 5)).astype("float32")
+    np.testing.assert_array_equal(relay_amp.run(after, [data])[0], relay_amp.run(mod, [data])[0])
+
+
+def test_other_te_functions_are_no_pads():
+    x = relax.Var("x", relax.TensorType((2, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit_te(topi.nn.mirror_pad, x, [0, 1], [0, 1], "REFLECT"))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    functions = [f for gv, f in mod.functions_items() if gv.name_hint != "main"]
+    assert [constant_pad(f) for f in functions] == [None]
+    tvm.ir.assert_structural_equal(pads_as_ops(mod), mod)
