@@ -39,7 +39,7 @@ ARITHMETIC = frozenset(f"relax.{name}" for name in (
     "min", "floor"))  # floor: a quantize's rounding, floor(x / step + 0.5), in AMP's fallback
 GROUPED_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
 LAYOUT = frozenset(f"relax.{name}" for name in (
-    "reshape", "permute_dims", "expand_dims", "squeeze", "strided_slice", "concat", "broadcast_to", "flatten"))
+    "reshape", "permute_dims", "expand_dims", "squeeze", "strided_slice", "concat", "broadcast_to", "flatten", "nn.pad"))
 
 
 def _is_narrow_grouped_conv(call: relax.Expr) -> bool:

@@ -100,6 +100,42 @@ def test_layout_ops_of_bf16_inputs_stay_views_and_other_dtypes_are_left_alone():
     assert_transforms(WidenArithmetic(), Before, Before)
 
 
+def test_a_pad_of_a_widened_value_pads_it_in_fp32_for_the_norm_after_it():
+    """BiT's stem: a kernel's accumulator, its bias in bf16, a pad, then a group norm AMP keeps in fp32. The pad
+    joins the chain as the layout ops do; the round trip left before the norm falls away in its fused function
+    (bf16_round.DropRegisterRoundTrips), so the norm reads unrounded values (bf16 deviations from a large mean
+    lose their digits)."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 2, 2, 4), "float32"), gamma: R.Tensor((4,), "float32"),
+                 beta: R.Tensor((4,), "float32")) -> R.Tensor((1, 4, 4, 4), "float32"):
+            with R.dataflow():
+                narrow = R.astype(x, "bfloat16")
+                biased = R.add(narrow, R.const(1.5, "bfloat16"))
+                padded = R.nn.pad(biased, pad_width=[0, 0, 1, 1, 1, 1, 0, 0], pad_value=0.0)
+                wide = R.astype(padded, "float32")
+                gv = R.nn.group_norm(wide, gamma, beta, num_groups=2, channel_axis=3, axes=[1, 2])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 2, 2, 4), "float32"), gamma: R.Tensor((4,), "float32"),
+                 beta: R.Tensor((4,), "float32")) -> R.Tensor((1, 4, 4, 4), "float32"):
+            with R.dataflow():
+                biased = R.add(x, R.const(1.5, "float32"))
+                padded = R.nn.pad(biased, pad_width=[0, 0, 1, 1, 1, 1, 0, 0], pad_value=0.0)
+                rounded = R.astype(padded, "bfloat16")
+                wide = R.astype(rounded, "float32")
+                gv = R.nn.group_norm(wide, gamma, beta, num_groups=2, channel_axis=3, axes=[1, 2])
+                R.output(gv)
+            return gv
+
+    assert_transforms(WidenArithmetic(), Before, Expected)
+
+
 def test_a_value_read_twice_reaches_its_readers_rounded_as_before_through_one_cast():
     @I.ir_module
     class Before:
