@@ -5,7 +5,7 @@ size (what the benchmark times) and a tiny one (what the tests convert). `load` 
 (`torch.onnx.export` with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and
 imports it into Relax. torchvision and timm would need another torch build than the one these machines run
 (their wheels pin torch 2.14 with CUDA), so the CNNs come from transformers' ResNet, MobileNetV2,
-EfficientNet, ConvNeXt, RegNet, BiT and LeViT, which are the same architectures. Needs the `zoo` extra (torch, transformers):
+EfficientNet, ConvNeXt, RegNet, BiT and LeViT, which are the same architectures; wav2vec2 is the audio model. Needs the `zoo` extra (torch, transformers):
 import this module only where it is used.
 """
 
