@@ -5,8 +5,8 @@ size (what the benchmark times) and a tiny one (what the tests convert). `load` 
 (`torch.onnx.export` with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and
 imports it into Relax. torchvision and timm would need another torch build than the one these machines run
 (their wheels pin torch 2.14 with CUDA), so the CNNs come from transformers' ResNet, MobileNetV2,
-EfficientNet, ConvNeXt, RegNet, BiT and LeViT, which are the same architectures; wav2vec2 is the audio model. Needs the `zoo` extra (torch, transformers):
-import this module only where it is used.
+EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer, which are the same architectures; wav2vec2 is the
+audio model. Needs the `zoo` extra (torch, transformers): import this module only where it is used.
 """
 
 import tempfile
@@ -111,6 +111,13 @@ def _levit_128s(tiny: bool):
     return hf.LevitConfig(num_labels=1000)  # the defaults are LeViT-128S: a batch norm after every linear layer
 
 
+def _poolformer_s12(tiny: bool):
+    if tiny:
+        return hf.PoolFormerConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=64, num_labels=10)
+    return hf.PoolFormerConfig(num_labels=1000)  # the defaults are PoolFormer-S12: pooling token mixers between
+    # one-group norms (GroupNorm(1, C))
+
+
 def _vit_s16(tiny: bool):
     if tiny:
         return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -170,6 +177,8 @@ ZOO = {entry.name: entry for entry in [
              batch_norm=True),
     ZooEntry("levit_128s", "cnn", _levit_128s, "LevitForImageClassification", "logits", Shape(1, 224),
              Shape(1, 64), batch_norm=True),
+    ZooEntry("poolformer_s12", "cnn", _poolformer_s12, "PoolFormerForImageClassification", "logits",
+             Shape(1, 224), Shape(1, 64), batch_norm=True),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
