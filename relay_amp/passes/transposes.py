@@ -10,7 +10,7 @@ norms, pools), so that the transpose back and the next one forward meet and canc
 import tvm
 from tvm import relax
 
-from .._ir import tensor_shape, with_attr
+from .._ir import read_counts, tensor_shape, with_attr
 from ..ops import call_op_name
 
 UNARY = frozenset(f"relax.{name}" for name in (
@@ -23,19 +23,24 @@ POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
 class SinkTransposes:
-    """Every transpose (permute_dims) read by an op that computes the same on the untransposed tensor moved past
-    it; two transposes in a row that undo each other dropped. Fold constants first: a constant operand of a
+    """Every transpose (permute_dims) read once, by an op that computes the same on the untransposed tensor, moved
+    past it (one read at a time: a transpose with another reader would stay for it, and the tensor be transposed
+    twice); two transposes in a row that undo each other dropped. Fold constants first: a constant operand of a
     binary op is transposed the other way."""
 
     def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
         """`func` with its transposes sunk; the input module is left as it was."""
-        sunk = _Sinker(mod).visit_expr(func)
+        sunk = _Sinker(mod, read_counts(func)).visit_expr(func)
         return relax.analysis.remove_all_unused(sunk)
 
 
 @relax.expr_functor.mutator
 class _Sinker(relax.PyExprMutator):
     in_dataflow = False  # only dataflow blocks: a graph output's transpose stays where the block hands it out
+
+    def __init__(self, mod: tvm.IRModule, reads: dict[relax.Var, int]):
+        super().__init__(mod)
+        self.reads = reads  # of the function's vars, which keep their names where a transpose moves past them
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         self.in_dataflow = True
@@ -50,7 +55,7 @@ class _Sinker(relax.PyExprMutator):
         name = call_op_name(call)
         if name == "relax.permute_dims":
             return self._cancelled(call)
-        sources = [self._transposed(arg) for arg in call.args]
+        sources = [self._transposed(arg) if self.reads.get(arg) == 1 else None for arg in call.args]
         found = [source for source in sources if source is not None]
         if not found or any(source[1] != found[0][1] for source in found):
             return call

@@ -128,3 +128,20 @@ def test_other_te_functions_are_no_pads():
     functions = [f for gv, f in mod.functions_items() if gv.name_hint != "main"]
     assert [constant_pad(f) for f in functions] == [None]
     tvm.ir.assert_structural_equal(pads_as_ops(mod), mod)
+
+
+def test_a_transpose_read_twice_stays_so_the_tensor_is_not_transposed_twice():
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((1, 2, 2, 8), "float32")) -> R.Tuple(R.Tensor((1, 8, 2, 2), "float32"),
+                                                                   R.Tensor((1, 8, 4), "float32")):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                active = R.nn.relu(nchw)
+                flat = R.reshape(nchw, (1, 8, 4))  # no rule moves a transpose past a reshape
+                gv = (active, flat)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(SinkTransposes()(Module), Module)
