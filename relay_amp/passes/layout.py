@@ -7,6 +7,7 @@ import tvm
 from tvm import relax
 
 from .._ir import clamps_as_max_min, tensor_shape
+from .._pads import pads_as_ops
 from ..errors import OptionError
 from ..ops import canonical_op
 from .layers import layer_bindings, list_layers, resolve_layers
@@ -95,6 +96,19 @@ class ClampsAsMaxMin:
         return clamps_as_max_min(mod, self.func)
 
 
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.PadsAsOps")
+class PadsAsOps:
+    """ONNX's constant Pads, as TVM's importer writes them (TE function calls), as relax.nn.pad, which
+    SinkTransposes moves transposes past (see relay_amp._pads; relay_amp's frontends do it at import)."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod`; the input module is left as it was."""
+        return pads_as_ops(mod, self.func)
+
+
 BINARY_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
               "relax.power")
 
@@ -131,15 +145,15 @@ class _FullRankConstants(relax.PyExprMutator):
 
 def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
     """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]) and conv1d into the same
-    layout without its H (NHWC: NWC), clamps first made maximum and minimum and low-rank constants given their
-    tensors' rank, so that the layout carries through them, then the transposes left around ops without a layout
-    rule (pads) sunk until they cancel (relay_amp.passes.transposes); none for None."""
+    layout without its H (NHWC: NWC), clamps first made maximum and minimum, TE pads relax pads and low-rank
+    constants given their tensors' rank, so that the layout carries through them, then the transposes left around
+    ops without a layout rule (pads) sunk until they cancel (relay_amp.passes.transposes); none for None."""
     if conv_layout is None:
         return []
     layouts = _resolve_layouts({CONV_OPS[0]: [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)})
     convert = ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]])})
     fold = relax.transform.FoldConstant()  # transposes of constants: sinking moves past constant operands only
-    return [ClampsAsMaxMin(), ConstantsAtFullRank(), convert, fold, SinkTransposes(), fold,
+    return [ClampsAsMaxMin(), PadsAsOps(), ConstantsAtFullRank(), convert, fold, SinkTransposes(), fold,
             relax.transform.CanonicalizeBindings()]
 
 

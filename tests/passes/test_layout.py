@@ -216,3 +216,24 @@ def test_conv1ds_take_the_conv2d_layout_without_its_height():
         kept = tvm.transform.Sequential(conv_layout_passes(["NHWC", "HWIO"]))(mod)
     assert [c.attrs.data_layout for b in kept["main"].body.blocks[0].bindings
             if (c := b.value).op.name == "relax.nn.conv1d"] == ["NWC", "NCW"]
+
+
+def test_a_te_pad_from_tvms_own_importer_gets_no_transposes_in_an_nhwc_build():
+    """A module imported without relay_amp's frontend keeps ONNX Pad as a TE call: the layout passes lift it to
+    relax.nn.pad and sink the transposes around it, so conv, pad, ReLU, conv transposes only at the edges."""
+    rng = np.random.default_rng(0)
+    weights = [relax.const(rng.standard_normal(shape).astype("float32")) for shape in [(8, 4, 3, 3), (4, 8, 3, 3)]]
+    x = relax.Var("x", relax.TensorType((1, 4, 6, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            first = bb.emit(relax.op.nn.conv2d(x, weights[0]))
+            padded = bb.emit_te(topi.nn.pad, first, [0, 0, 1, 1], [0, 0, 1, 1], 0.0)
+            out = bb.emit_output(relax.op.nn.conv2d(bb.emit(relax.op.nn.relu(padded)), weights[1]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    converted = tvm.transform.Sequential(conv_layout_passes(["NHWC", "HWIO"]))(mod)
+    ops = [b.value.op.name for b in converted["main"].body.blocks[0].bindings]
+    assert ops.count("relax.permute_dims") == 2 and "relax.nn.pad" in ops and "relax.call_tir" not in ops
+    data = rng.standard_normal((1, 4, 6, 6)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(converted, [data])[0], relay_amp.run(mod, [data])[0], rtol=1e-5, atol=1e-4)
