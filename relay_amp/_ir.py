@@ -279,11 +279,10 @@ class _ClampLifter(relax.PyExprMutator):
         new_call = super().visit_call_(call)
         if new_call.op.same_as(tvm.ir.Op.get("relax.clip")):
             return self._clip(new_call)
-        if new_call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and isinstance(new_call.args[0], relax.GlobalVar):
-            op = _scalar_clamp(self.mod[new_call.args[0]])
-            if op is not None:
-                self.te_calls += 1
-                return op(*new_call.args[1].fields)
+        op = _scalar_clamp(called_prim_func(self.mod, new_call))
+        if op is not None:
+            self.te_calls += 1
+            return op(*new_call.args[1].fields)
         return new_call
 
     def _clip(self, call: relax.Call) -> relax.Expr:
@@ -314,15 +313,30 @@ def _constant_float(bound: relax.Expr) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _scalar_clamp(func) -> "Callable | None":
-    """relax.op.maximum or minimum for a PrimFunc whose one store is out[i] = max or min(x[i], bound[()]), else
-    None."""
-    if not isinstance(func, tvm.tirx.PrimFunc) or len(func.params) != 3:
+def called_prim_func(mod: tvm.IRModule, call: relax.Call) -> "tvm.tirx.PrimFunc | None":
+    """The PrimFunc of `mod` that `call` calls through call_tir (a TE function TVM's importer emitted), else None."""
+    if not call.op.same_as(tvm.ir.Op.get("relax.call_tir")) or not isinstance(call.args[0], relax.GlobalVar):
+        return None
+    func = mod[call.args[0]]
+    return func if isinstance(func, tvm.tirx.PrimFunc) else None
+
+
+def only_store(func: "tvm.tirx.PrimFunc | None") -> "tvm.tirx.BufferStore | None":
+    """The store of a PrimFunc whose body is one loop nest around one block storing one value (a TE function of
+    one op), else None."""
+    if func is None:
         return None
     node = func.body
     while hasattr(node, "block") or hasattr(node, "body"):
         node = node.block if hasattr(node, "block") else node.body
-    if not isinstance(node, tvm.tirx.BufferStore) or type(node.value) not in CLAMP_OPS:
+    return node if isinstance(node, tvm.tirx.BufferStore) else None
+
+
+def _scalar_clamp(func) -> "Callable | None":
+    """relax.op.maximum or minimum for a PrimFunc whose one store is out[i] = max or min(x[i], bound[()]), else
+    None."""
+    node = only_store(func)
+    if node is None or len(func.params) != 3 or type(node.value) not in CLAMP_OPS:
         return None
     data, bound = node.value.a, node.value.b
     if not (isinstance(data, tvm.ir.expr.TensorLoad) and isinstance(bound, tvm.ir.expr.TensorLoad)):

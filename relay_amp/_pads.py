@@ -3,7 +3,7 @@
 import tvm
 from tvm import relax
 
-from ._ir import rewrite_function
+from ._ir import called_prim_func, only_store, rewrite_function
 
 
 def pads_as_ops(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
@@ -21,27 +21,20 @@ class _PadLifter(relax.PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not call.op.same_as(tvm.ir.Op.get("relax.call_tir")) or not isinstance(call.args[0], relax.GlobalVar):
-            return call
-        pad = constant_pad(self.mod[call.args[0]])
+        pad = constant_pad(called_prim_func(self.mod, call))
         if pad is None or len(call.args[1].fields) != 1:
             return call
         widths, value = pad
         return relax.op.nn.pad(call.args[1].fields[0], widths, pad_value=value)
 
 
-def constant_pad(func) -> "tuple[list[int], float] | None":
+def constant_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], float] | None":
     """(pad_width as [before0, after0, before1, ...], value) of a PrimFunc whose one store is
     out[i...] = if_then_else(cond, x[i0 - before0, ...], value), else None."""
-    if not isinstance(func, tvm.tirx.PrimFunc) or len(func.params) != 2:
+    node = only_store(func)
+    if node is None or len(func.params) != 2 or not _is_if_then_else(node.value):
         return None
-    node = func.body
-    while hasattr(node, "block") or hasattr(node, "body"):
-        node = node.block if hasattr(node, "block") else node.body
-    value = getattr(node, "value", None)
-    if not isinstance(node, tvm.tirx.BufferStore) or not _is_if_then_else(value):
-        return None
-    load, fill = value.args[1], value.args[2]
+    load, fill = node.value.args[1], node.value.args[2]
     if not isinstance(load, tvm.ir.expr.TensorLoad) or not isinstance(fill, tvm.tirx.FloatImm | tvm.tirx.IntImm):
         return None
     befores = [_offset(index, var) for index, var in zip(load.indices, node.indices)]

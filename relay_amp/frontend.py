@@ -92,8 +92,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants
     (and those the graph computes from constants folded: relay_amp._ir.fold_weights), batch norms the
     exporter left after convs and linear layers folded into their weights, group norms as one op, clamps (ReLU6) as
-    maximum and minimum, QOperator and integer ops as QDQ pairs around float ops. `dims` sizes the inputs' symbolic dims by name
-    ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
+    maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops. `dims` sizes
+    the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -111,7 +111,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     """Import a torch.nn.Module through torch.export, weights bound as constants (and those computed from constants
-    folded), batch norms folded into convs, clamps (ReLU6, hardtanh) as maximum and minimum."""
+    folded), batch norms folded into convs and linear layers, clamps (ReLU6, hardtanh) as maximum and minimum."""
     try:
         import torch
         from tvm.relax.frontend.torch import from_exported_program

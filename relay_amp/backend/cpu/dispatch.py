@@ -216,8 +216,9 @@ class _Dispatcher(relax.PyExprMutator):
                                 _out_dtype(call, dtype), groups=groups)
         width = spec.out_shape[2]
         extra_width = 0 if self._on_amx(spec) else kernels.padded_width(width, out_ch) - width
-        right += extra_width * spec.strides[1]  # zero pixels complete the last register tile (an audio conv's 799
-        spec = dataclasses.replace(spec, data_shape=(*padded_shape[:2], shape[2] + left + right, in_ch))  # outputs)
+        # zero pixels on the right complete the last register tile (an audio conv's 799 outputs); sliced off after
+        right += extra_width * spec.strides[1]
+        spec = dataclasses.replace(spec, data_shape=(*padded_shape[:2], shape[2] + left + right, in_ch))
         pad_width = [0, 0, top, bottom, left, right, 0, extra]
         if any(pad_width):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
