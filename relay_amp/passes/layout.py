@@ -9,9 +9,9 @@ from tvm import relax
 from .._ir import clamps_as_max_min, tensor_shape
 from .._pads import pads_as_ops
 from ..errors import OptionError
-from ..ops import canonical_op
+from ..ops import call_op_name, canonical_op
 from .layers import layer_bindings, list_layers, resolve_layers
-from .transposes import SinkTransposes
+from .transposes import BINARY, SinkTransposes
 
 CONV_OPS = ("relax.nn.conv2d", "relax.nn.conv1d")  # the layers LayoutConfig's skip_layers index
 # data layout -> the kernel layout "default" stands for (the channel roles of the data layout)
@@ -109,10 +109,6 @@ class PadsAsOps:
         return pads_as_ops(mod, self.func)
 
 
-BINARY_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
-              "relax.power")
-
-
 @relax.transform.function_pass(opt_level=0, name="relay_amp.ConstantsAtFullRank")
 class ConstantsAtFullRank:
     """Constant operands of elementwise arithmetic with fewer dims than the other operand (an exporter's [C, 1, 1]
@@ -128,7 +124,7 @@ class ConstantsAtFullRank:
 class _FullRankConstants(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or call.op.name not in BINARY_OPS:
+        if call_op_name(call) not in BINARY:
             return call
         rank = max(len(tensor_shape(arg) or ()) for arg in call.args)
         args = [self._at_rank(arg, rank) for arg in call.args]

@@ -16,7 +16,7 @@ from ..ops import call_op_name
 UNARY = frozenset(f"relax.{name}" for name in (
     "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "sigmoid", "tanh", "exp", "erf", "sqrt", "rsqrt", "negative",
     "abs", "astype", "floor", "round", "clip"))
-BINARY = frozenset(f"relax.{name}" for name in (
+BINARY = frozenset(f"relax.{name}" for name in (  # elementwise arithmetic of two broadcast operands
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power"))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
 
