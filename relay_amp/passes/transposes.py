@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 
 from .._ir import read_counts, tensor_shape, with_attr
-from ..ops import call_op_name
+from ..ops import bound_call, call_op_name
 
 UNARY = frozenset(f"relax.{name}" for name in (
     "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "sigmoid", "tanh", "exp", "erf", "sqrt", "rsqrt", "negative",
@@ -67,8 +67,8 @@ class _Sinker(relax.PyExprMutator):
 
     def _transposed(self, expr: relax.Expr) -> "tuple[relax.Expr, list[int]] | None":
         """(x, axes) where `expr` is bound to permute_dims(x, axes) with its axes given, else None."""
-        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-        if call_op_name(value) != "relax.permute_dims" or value.attrs.axes is None:
+        value = bound_call(self, expr, "relax.permute_dims")
+        if value is None or value.attrs.axes is None:
             return None
         return value.args[0], [int(axis) for axis in value.attrs.axes]
 
