@@ -81,8 +81,12 @@ def test_quantize_calibrates_on_a_npz_prints_the_plan_and_writes_plan_and_module
     assert "2 of 3 layers in int8 (percentile observer" in out and "excluded" in out
     plan = QuantPlan.load(plan_path)
     assert quant_plan(load(module_path)) == plan and plan.fallback_dtype == "float32"
+    assert plan.quantized_residuals and "residual adds read uint8 codes" in out
     assert main(["quantize", "small_cnn", "--apply-plan", str(plan_path)]) == 0
     assert "2 of 3 layers in int8" in capsys.readouterr().out
+    assert main(["quantize", "small_cnn", "--float-residuals", "--plan", str(plan_path)]) == 0
+    assert "residual adds read floating point" in capsys.readouterr().out
+    assert not QuantPlan.load(plan_path).quantized_residuals
 
 
 def test_quantize_errors_are_one_line(tmp_path, capsys):

@@ -4,7 +4,8 @@ A kernel accumulates in fp32 (int32 for int8) and used to store that, so a convo
 add, ReLU and cast back to bf16 ran as a separate function that read the whole fp32 output again: in ResNet-50
 the 56x56x256 fp32 outputs took more time to write and read back than their products took to compute.
 `FuseKernelEpilogues` follows each kernel's result through the ops that read it alone, as long as they are
-per-channel constant adds and multiplies, one add of a tensor of the output's shape, ReLU or clip, casts to float
+per-channel constant adds and multiplies, one add of a tensor of the output's shape (read as 8-bit codes
+where it is codes widened and times a scalar step: a quantized residual), ReLU or clip, casts to float
 dtypes, a last cast to int8/uint8 (a quantized model's requantize: scale, floor(x + 0.5), clamp, cast) and
 reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
 (`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype. Ops the
@@ -208,9 +209,31 @@ class _ChainFinder:
         if (chain.residual_dtype or not isinstance(other, relax.Var) or other in self.absorbed
                 or tensor_shape(other) != tensor_shape(current) or tensor_dtype(other) not in MODEL_FLOAT_DTYPES):
             return None
+        codes = self._codes_source(other)
+        if codes is not None:
+            chain.residual_dtype = tensor_dtype(codes[0])
+            return self._record(chain, kernels.Step(kernels.RESIDUAL, scale=codes[1]), codes[0])
         other = self._narrow_source(other)
         chain.residual_dtype = tensor_dtype(other)
         return self._record(chain, kernels.Step(kernels.RESIDUAL), other)
+
+    def _bound_value(self, var: relax.Var) -> "relax.Expr | None":
+        block, at = self.position.get(var, (None, None))
+        return None if block is None else self.blocks[block][at].value
+
+    def _codes_source(self, var: relax.Var) -> "tuple[relax.Var, float] | None":
+        """(codes, step) where `var` is 8-bit integer codes widened and multiplied by a scalar step: the kernel
+        reads the codes (a quarter of fp32's bytes) and scales them in registers."""
+        value = self._bound_value(var)
+        if call_op_name(value) != "relax.multiply" or not isinstance(value.args[0], relax.Var):
+            return None
+        step, widened = formula.scalar(value.args[1]), self._bound_value(value.args[0])
+        if step is None or call_op_name(widened) != "relax.astype" or not isinstance(widened.args[0], relax.Var):
+            return None
+        codes = widened.args[0]
+        if tensor_dtype(codes) not in QUANTIZED_DTYPES or codes in self.absorbed:
+            return None
+        return codes, step
 
     def _narrow_source(self, var: relax.Var) -> relax.Var:
         """The bf16 (or fp16) var that `var` is a cast of to fp32, else `var`: the kernel reads the narrow tensor

@@ -107,6 +107,7 @@ class Step:
     low: float = -math.inf
     high: float = math.inf
     formula: tuple = ()
+    scale: float = 1.0  # a RESIDUAL operand's step: it holds integer codes of the values it adds
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ class Epilogue:
                 value = formula.expression(formula.narrowed(step.formula) if narrow else step.formula, value)
                 continue
             operand = tvm.tirx.Cast(WIDE, operand_at(taken, step))
+            if step.scale != 1.0:
+                operand = operand * tvm.tirx.FloatImm(WIDE, step.scale)
             taken += 1
             value = value * operand if step.kind == SCALE else value + operand
         return tvm.tirx.Cast(out_dtype, value)

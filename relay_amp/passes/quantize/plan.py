@@ -54,6 +54,7 @@ class QuantPlan(StoredPlan):
     fallback_dtype: str
     func: str = "main"
     entries: list[QuantEntry] = field(default_factory=list)
+    quantized_residuals: bool = False  # residual adds read their uint8 operand's codes (False in plans made before)
 
     def summary(self) -> str:
         """A readable table: layers per dtype and reason, then the count of int8 layers."""
@@ -61,8 +62,10 @@ class QuantPlan(StoredPlan):
         rows = sorted((dtype, reason, n) for (dtype, reason), n in counts.items())
         table = tabulate(rows, headers=("dtype", "reason", "layers"))
         quantized = sum(entry.quantized for entry in self.entries)
+        residuals = "uint8 codes" if self.quantized_residuals else "floating point"
         return (f"{table}\n\n{quantized} of {len(self.entries)} layers in int8 ({self.observer} observer, "
-                f"{self.weight_granularity} weights); the rest in {self.fallback_dtype}")
+                f"{self.weight_granularity} weights); the rest in {self.fallback_dtype}; residual adds read "
+                f"{residuals}")
 
 
 def quant_plan(mod: tvm.IRModule) -> QuantPlan:

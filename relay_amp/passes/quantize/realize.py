@@ -12,6 +12,12 @@ one byte instead of the fallback's two. `quantize` makes one int8 only where its
 or ReLU6: MobileNetV2 int8q 1.87 -> 1.71 ms on Zen 4, top-1 agreement unchanged); after a SiLU the symmetric
 codes spend half their levels on a side it barely reaches (EfficientNet-B0 lost 4-5 of 32 top-1 agreements, and
 its expansion kernels' int8 stores cost more than the bf16 depthwise saved), so there it stays in the fallback.
+
+With `quantized_residuals` (the default), an add of two tensors reads the value of an operand's uint8 codes where
+a layer quantizes that operand (after a ReLU: a ResNet block's input, added back at its end), as ONNX Runtime's
+QDQ models do. The tensor then has no fp32 reader left, so the kernel that computes it stores only its codes, and
+the add's kernel reads them (a quarter of fp32's bytes): ResNet-50 int8q on Zen 4 11.05 -> 10.73 ms, its 18
+separate requantize functions gone; top-1 agreement with fp32 unchanged (32/32), largest error 0.022 -> 0.023.
 """
 
 from collections.abc import Iterable
@@ -56,6 +62,12 @@ def _grouped_conv(call: relax.Call) -> bool:
     return call.op.name == "relax.nn.conv2d" and int(call.attrs.groups) != 1
 
 
+def _residual_add(call: relax.Call) -> bool:
+    """Whether `call` adds two tensors that are not constants (a residual connection's add)."""
+    return (call.op.same_as(tvm.ir.Op.get("relax.add"))
+            and not any(isinstance(arg, tvm.ir.expr.Constant) for arg in call.args))
+
+
 def quantizable_ops(ops: Iterable[str], caller: str) -> tuple[str, ...]:
     """`ops` canonicalized, or an OptionError naming the first one `caller` cannot make int8."""
     ops = canonical_ops(ops)
@@ -86,13 +98,22 @@ def _channel_axes(call: relax.Call) -> tuple[int, int]:
 class _Realizer(relax.PyExprMutator):
     """Rewrites the chosen calls into int8 calls between activation codes and one dequantizing multiply."""
 
-    def __init__(self, mod: tvm.IRModule, entries: dict[relax.Call, QuantEntry], per_channel: bool):
+    def __init__(self, mod: tvm.IRModule, entries: dict[relax.Call, QuantEntry], per_channel: bool,
+                 quantized_residuals: bool):
         super().__init__(mod)
         self.entries = entries
         self.per_channel = per_channel
+        self.quantized_residuals = quantized_residuals
+        self.unsigned_codes: dict[relax.Var, tuple[relax.Var, float]] = {}  # in this block: var -> (codes, step)
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.DataflowBlock:
+        self.unsigned_codes.clear()  # another block's dataflow vars are out of scope
+        return super().visit_dataflow_block_(block)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
+        if _residual_add(new_call):
+            return relax.Call(new_call.op, [self._dequantized(arg) for arg in new_call.args], new_call.attrs)
         entry = self.entries.get(call)
         if entry is None or not entry.quantized:
             return new_call
@@ -107,12 +128,22 @@ class _Realizer(relax.PyExprMutator):
         else:
             step = entry.threshold / CODE_LEVELS[entry.dtype] if entry.threshold > 0 else 1.0
             activations = self._codes(relax.op.multiply(data, relax.const(1.0 / step)), entry.dtype)
+            if self.quantized_residuals and entry.dtype == "uint8" and isinstance(data, relax.Var):
+                self.unsigned_codes[data] = (activations, step)
             weight_scales, scale = weight_scales * step, None
         shape = [1] * len(tensor_shape(call))
         shape[out_axis] = -1 if self.per_channel else 1
         real = relax.op.multiply(self._accumulated(new_call, activations, codes),
                                  relax.const(weight_scales.reshape(shape).astype("float32")))
         return real if scale is None else relax.op.multiply(self.builder_.emit(real), scale)
+
+    def _dequantized(self, operand: relax.Expr) -> relax.Expr:
+        """A residual add's operand: the value of its uint8 codes where a layer quantized it, else itself."""
+        if operand not in self.unsigned_codes:
+            return operand
+        codes, step = self.unsigned_codes[operand]
+        real = self.builder_.emit(relax.op.astype(codes, "float32"))
+        return self.builder_.emit(relax.op.multiply(real, relax.const(step, "float32")))
 
     def _accumulated(self, call: relax.Call, activations: relax.Expr, codes: np.ndarray) -> relax.Expr:
         """The layer over activation and weight codes, as fp32: int32 sums cast, or a grouped conv's fp32 sums."""
@@ -159,7 +190,8 @@ def realize_prepared(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
             raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: {reason}")
         chosen[call] = entry
     _one_of(plan.weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
-    realized = rewrite_function(_Realizer(mod, chosen, plan.weight_granularity == "per_channel"), mod, plan.func)
+    realizer = _Realizer(mod, chosen, plan.weight_granularity == "per_channel", plan.quantized_residuals)
+    realized = rewrite_function(realizer, mod, plan.func)
     if plan.fallback_dtype != "float32":
         realized = to_mixed_precision(realized, check_choice(plan.fallback_dtype, FALLBACK_DTYPES, "fallback_dtype"),
                                       func=plan.func)
@@ -173,7 +205,8 @@ class Quantize:
     def __init__(self, dataset: Iterable, *, ops: Iterable[str] = QUANTIZABLE_OPS, observer: str = "minmax",
                  percentile: float = DEFAULT_PERCENTILE, weight_granularity: str = "per_channel",
                  activation_dtype: str = "auto", excluded_layers: Iterable[int | str] | None = None,
-                 fallback_dtype: str = "bfloat16", dynamic_matmuls: bool = False, func: str = "main"):
+                 fallback_dtype: str = "bfloat16", dynamic_matmuls: bool = False, quantized_residuals: bool = True,
+                 func: str = "main"):
         self.ops = quantizable_ops(ops, "quantize")
         self.observer = _one_of(observer, OBSERVERS, "observer")
         self.percentile = float(percentile)
@@ -184,6 +217,7 @@ class Quantize:
         self.excluded_layers = list(excluded_layers or ())
         self.fallback_dtype = check_choice(fallback_dtype, FALLBACK_DTYPES, "fallback_dtype")
         self.dynamic_matmuls = bool(dynamic_matmuls)
+        self.quantized_residuals = bool(quantized_residuals)
         self.func = func
         self.dataset = list(dataset)
 
@@ -201,7 +235,7 @@ class Quantize:
         entries = [self._decide(layer, binding.value, histogram, layer.index in excluded)
                    for layer, binding, histogram in zip(layers, bindings, histograms)]
         return QuantPlan(list(self.ops), self.observer, self.weight_granularity, self.fallback_dtype, self.func,
-                         entries)
+                         entries, self.quantized_residuals)
 
     def _calibrate(self, mod: tvm.IRModule, layers: list) -> list[Histogram]:
         histograms = [Histogram() for _ in layers]

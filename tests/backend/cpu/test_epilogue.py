@@ -464,3 +464,45 @@ def test_a_spatial_pad_after_an_fp32_kernel_ends_its_chain():
     after = FuseKernelEpilogues()(dispatch.UseDotKernels({F32})(bb.get()))
     relax.analysis.well_formed(after)
     assert call_op_name(after["main"].body.blocks[0].bindings[-1].value) == "relax.nn.pad"
+
+
+def _codes_residual_module() -> tvm.IRModule:
+    """main(x, c): a bf16 conv plus uint8 codes `c` times their step (a residual quantize left in codes), ReLU."""
+    x, codes = tensor("x", SHAPE, BF16), tensor("c", SHAPE, "uint8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, codes]):
+        with bb.dataflow():
+            real = bb.emit(relax.op.multiply(bb.emit(relax.op.astype(codes, F32)), relax.const(0.125)))
+            value = bb.emit(relax.op.add(bb.emit(_conv(x)), real))
+            out = bb.emit_output(relax.op.nn.relu(value))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_residual_of_uint8_codes_is_read_in_bytes_and_scaled_in_the_epilogue():
+    steps = (kernels.Step(kernels.RESIDUAL, scale=0.125), kernels.Step(kernels.CLIP, low=0.0))
+    x, codes = tensor("x", SHAPE, BF16), tensor("c", SHAPE, "uint8")
+    spec = _spec()
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, codes]):
+        with bb.dataflow():
+            padded = bb.emit(relax.op.nn.pad(x, [0, 0, 1, 1, 1, 1, 0, 0]))
+            gvar = bb.add_func(amx.conv2d_nhwc(spec, kernels.Epilogue(steps, "uint8", F32)), "relay_amp_dot_kernel")
+            packed = relax.const(kernels.pack_weight(WEIGHT, "HWIO", kernels.BF16_DOT))
+            out = bb.emit_output(relax.call_tir(gvar, [padded, packed, codes], relax.TensorType(spec.out_shape, F32)))
+        bb.emit_func_output(out)
+    assert_transforms(FuseKernelEpilogues(), _dispatched(_codes_residual_module()), bb.get())
+
+
+def test_a_codes_residual_matches_the_unfused_ops():
+    if not targets.host_supports("avx512_bf16"):
+        pytest.skip("host CPU has no avx512_bf16")
+    before = _codes_residual_module()
+    fused = FuseKernelEpilogues()(dispatch.UseDotKernels({BF16})(before))
+    (kernel,) = [b.value for b in fused["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"]
+    assert [str(arg.ty.dtype) for arg in kernel.args[1].fields][-1] == "uint8"
+    x = RNG.standard_normal(SHAPE).astype(ml_dtypes.bfloat16)
+    codes = RNG.integers(0, 256, SHAPE).astype("uint8")
+    got = run_executable(build(before, "cpu-avx512-bf16"), [x, codes])[0]
+    expected = relay_amp.run(before, [x, codes])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
