@@ -11,7 +11,10 @@ instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V 
 channels added to both operands; a weight whose output channels are off the 16-lane blocks (a 1000-class head)
 gets zero output channels, sliced off the result. A pad of that slice back to the whole result (a softmax's rows
 padded with its lowest value) becomes an add of the pad value on the zero channels, which the kernel's epilogue
-takes (relay_amp.backend.cpu.epilogue).
+takes (relay_amp.backend.cpu.epilogue). A conv whose input channels get zeros for its kernel (a grouped conv of
+8-channel groups over 104 channels reads 112) and whose input is such a slice through elementwise ops (bias,
+ReLU, cast) reads those ops recomputed on the whole result instead: the kernel computed the zero channels already,
+so nothing slices and pads (RegNetY-400MF in bf16 on Zen 4: 4.10 -> 3.68 ms).
 """
 
 import dataclasses
@@ -24,6 +27,7 @@ from tvm import relax
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from ...ops import call_op_name, sliced_by_binding
+from ...passes.transposes import UNARY
 from . import amx, kernels
 
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -219,6 +223,9 @@ class _Dispatcher(relax.PyExprMutator):
         # zero pixels on the right complete the last register tile (an audio conv's 799 outputs); sliced off after
         right += extra_width * spec.strides[1]
         spec = dataclasses.replace(spec, data_shape=(*padded_shape[:2], shape[2] + left + right, in_ch))
+        widened = self._unsliced(data, extra) if extra else None
+        if widened is not None:  # the zero channels come from the producing kernel: nothing to pad
+            data, extra = widened, 0
         pad_width = [0, 0, top, bottom, left, right, 0, extra]
         if any(pad_width):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
@@ -226,6 +233,29 @@ class _Dispatcher(relax.PyExprMutator):
         if extra_width:
             result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[width]))
         return self._first_channels(result, 3, channels, out_ch)
+
+    def _unsliced(self, data: relax.Expr, extra: int) -> "relax.Expr | None":
+        """`data` computed on the whole kernel result it was sliced from, where that result has exactly `extra`
+        channels more (the zero ones `_first_channels` sliced off) and only elementwise ops with constant operands
+        lie between: the ops recomputed on all channels, their per-channel constants padded with a neutral value.
+        The conv reading it gives those channels zero weights, and the ops keep zeros finite, so its result is
+        unchanged; the producing kernel's epilogue can then take the ops, and no function slices and pads."""
+        chain, current = [], data
+        while (whole := sliced_by_binding(self, current)) is None:
+            bound = self.lookup_binding(current) if isinstance(current, relax.Var) else None
+            operand = _widenable_operand(bound)
+            if operand is None:
+                return None
+            chain.append(bound)
+            current = bound.args[operand]
+        channels = tensor_shape(current)[-1]
+        if whole not in self.zero_tailed or tensor_shape(whole)[-1] != channels + extra:
+            return None
+        for call in reversed(chain):
+            tensor = _widenable_operand(call)
+            args = [whole if i == tensor else _padded_constant(call, arg, extra) for i, arg in enumerate(call.args)]
+            whole = self.builder_.emit(relax.Call(call.op, args, call.attrs))
+        return whole
 
     def _emit_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr") -> relax.Expr:
         """The kernel call on a weight packed here (a constant) or by Relax ops at run time."""
@@ -252,6 +282,36 @@ class _Dispatcher(relax.PyExprMutator):
         gvar = self.builder_.add_func(amx.conv2d_nhwc(spec), name)
         out_type = relax.TensorType(spec.out_shape, spec.out_dtype)
         return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))
+
+
+# elementwise ops that keep every finite value finite (no exp, sqrt or rsqrt), with their constant operands'
+# neutral padding (None: unary)
+WIDENABLE = {**{op: None for op in UNARY - {"relax.exp", "relax.sqrt", "relax.rsqrt"}}, "relax.add": 0.0,
+             "relax.subtract": 0.0, "relax.multiply": 1.0, "relax.divide": 1.0, "relax.maximum": 0.0,
+             "relax.minimum": 0.0}
+
+
+def _widenable_operand(call: "relax.Expr | None") -> "int | None":
+    """The index of the tensor operand of an elementwise op in WIDENABLE (the other one a constant), else None."""
+    name = call_op_name(call)
+    if name not in WIDENABLE:
+        return None
+    if WIDENABLE[name] is None:
+        return 0
+    constants = [isinstance(arg, tvm.ir.expr.Constant) for arg in call.args]
+    return constants.index(False) if constants.count(False) == 1 else None
+
+
+def _padded_constant(call: relax.Call, constant: relax.Expr, extra: int) -> relax.Expr:
+    """A binary op's constant operand with `extra` more channels of the op's neutral value where it has one per
+    channel; a scalar or an attribute-like operand as it is."""
+    if not isinstance(constant, tvm.ir.expr.Constant):
+        return constant
+    values = constant.value.numpy()
+    if values.ndim == 0 or values.shape[-1] == 1:
+        return constant
+    widths = [(0, 0)] * (values.ndim - 1) + [(0, extra)]
+    return relax.const(np.pad(values, widths, constant_values=WIDENABLE[call.op.name]), tensor_dtype(constant))
 
 
 def _run_time_weight_sums(packed: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:

@@ -434,3 +434,67 @@ def test_built_grouped_conv_matches_the_generic_build(dtype, feature, groups, wi
     got = run_executable(executable, [data])[0].astype("float64")
     expected = relay_amp.run(mod, [data])[0].astype("float64")
     assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
+
+
+def _widened_pair_module(between) -> tvm.IRModule:
+    """A bf16 1x1 conv to 40 channels (sliced off 48) through `between` (a function of the value), then 10 groups of
+    4 (which read 48 channels: 8 zero ones), as a RegNet stage with widths off the 16 lanes reaches dispatch."""
+    first, second = _bf16_weight((1, 1, 16, 40), 1), _bf16_weight((3, 3, 4, 40), 2)
+
+    def layers(x):
+        value = relax.op.nn.conv2d(x, relax.const(first), data_layout="NHWC", kernel_layout="HWIO",
+                                   out_dtype="float32")
+        return relax.op.nn.conv2d(between(value), relax.const(second), padding=1, groups=10, data_layout="NHWC",
+                                  kernel_layout="HWIO", out_dtype="float32")
+    return relax.transform.Normalize()(single_output_module(layers, tensor("x", (1, 6, 6, 16), BF16)))
+
+
+BIAS40 = np.linspace(-1.0, 1.0, 40, dtype="float32").reshape(1, 1, 1, 40)
+
+
+def _bias_relu_cast(value: relax.Expr) -> relax.Expr:
+    return relax.op.astype(relax.op.nn.relu(relax.op.add(value, relax.const(BIAS40))), BF16)
+
+
+def _bound(mod: tvm.IRModule) -> list[relax.Call]:
+    """The calls main binds, in order (aliases left out)."""
+    return [b.value for b in mod["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+
+
+def test_a_grouped_conv_reads_the_whole_result_its_producer_sliced_through_elementwise_ops():
+    """Its 8 zero input channels come from the first kernel's zero outputs: the bias (padded with zeros), ReLU and
+    cast run on all 48 channels, the pad adds no channel, and the first kernel's epilogue takes the three ops."""
+    after = relax.transform.DeadCodeElimination()(dispatch.UseDotKernels({BF16})(_widened_pair_module(
+        _bias_relu_cast)))
+    relax.analysis.well_formed(after)
+    ops = [call_op_name(value) for value in _bound(after)]
+    assert ops == ["relax.call_tir", "relax.add", "relax.nn.relu", "relax.astype", "relax.nn.pad", "relax.call_tir",
+                   "relax.strided_slice"]
+    bias = _bound(after)[1].args[1].value.numpy()
+    np.testing.assert_array_equal(bias.reshape(-1), np.concatenate([BIAS40.reshape(-1), np.zeros(8, "float32")]))
+    assert [int(p) for p in _bound(after)[4].attrs.pad_width] == [0, 0, 1, 1, 1, 1, 0, 0]
+    fused = FuseKernelEpilogues()(after)
+    assert [call_op_name(value) for value in _bound(fused)] == ["relax.call_tir", "relax.nn.pad", "relax.call_tir",
+                                                                "relax.strided_slice"]
+    assert _bound(fused)[0].ty.dtype == BF16
+
+
+@pytest.mark.parametrize("between, reason", [
+    (lambda value: relax.op.astype(relax.op.sqrt(relax.op.nn.relu(value)), BF16), "sqrt: not in WIDENABLE"),
+    (lambda value: relax.op.astype(relax.op.add(value, value), BF16), "no constant operand"),
+])
+def test_a_grouped_conv_after_other_ops_pads_the_sliced_channels(between, reason):
+    after = dispatch.UseDotKernels({BF16})(_widened_pair_module(between))
+    pads = [value for value in _bound(after) if call_op_name(value) == "relax.nn.pad"]
+    assert [int(p) for p in pads[-1].attrs.pad_width][-1] == 8, reason
+
+
+def test_built_widened_pair_matches_the_generic_build():
+    if not targets.host_supports("avx512_bf16"):
+        pytest.skip("host CPU lacks avx512_bf16")
+    mod = _widened_pair_module(_bias_relu_cast)
+    data = np.random.default_rng(8).standard_normal((1, 6, 6, 16)).astype(ml_dtypes.bfloat16)
+    got = run_executable(build(mod, "cpu-avx512-bf16"), [data])[0].astype("float64")
+    expected = relay_amp.run(mod, [data])[0].astype("float64")
+    # fp32 sums in another order, and the bf16 rounding of the first layer's output they may move across
+    assert np.abs(got - expected).max() <= 2 ** -7 * np.abs(expected).max()
