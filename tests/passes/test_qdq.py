@@ -11,6 +11,7 @@ from relay_amp import DTypeError, ModuleError, OptionError, digits, metrics
 from relay_amp.passes.quantize import QuantEntry, QuantPlan
 from relay_amp.passes.quantize.plan import DYNAMIC
 from relay_amp.passes.quantize.qdq import code_range, strip_qdq
+from relay_amp.passes.quantize.realize import QUANTIZABLE_OPS
 
 from builders import tensor
 from pass_checks import assert_transforms
@@ -81,7 +82,7 @@ def test_a_pair_whose_scale_is_computed_at_run_time_makes_a_dynamic_matmul():
     realized = relay_amp.realize_qdq(dynamic_qdq_linear(), fallback_dtype="float32")
     [entry] = relay_amp.quant_plan(realized).entries
     assert entry.dtype == DYNAMIC
-    plan = QuantPlan(["relax.nn.conv2d", "relax.matmul"], "qdq", "per_channel", "float32", entries=[entry])
+    plan = QuantPlan(list(QUANTIZABLE_OPS), "qdq", "per_channel", "float32", entries=[entry])
     tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(), plan))
 
 
@@ -95,7 +96,7 @@ def test_the_plan_holds_each_layer_range_from_the_model(scale, zero, dtype, plan
     [entry] = relay_amp.quant_plan(realized).entries
     assert (entry.dtype, entry.threshold) == (planned, pytest.approx(threshold))
     assert relay_amp.quant_plan(realized).observer == "qdq"
-    plan = QuantPlan(["relax.nn.conv2d", "relax.matmul"], "qdq", "per_channel", "float32", entries=[entry])
+    plan = QuantPlan(list(QUANTIZABLE_OPS), "qdq", "per_channel", "float32", entries=[entry])
     tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(clamp), plan))
 
 

@@ -7,11 +7,13 @@ import tvm
 from tvm import relax
 
 import relay_amp
-from relay_amp import ModelLoadError, OptionError, digits, metrics, models
+from relay_amp import ModelLoadError, OptionError, digits, metrics, models, targets
+from relay_amp.compile.build import build
 from relay_amp.passes.quantize import QuantEntry, QuantPlan
 from relay_amp.passes.quantize.observers import BINS, Histogram, threshold
 from relay_amp.ops import call_op_name
 from relay_amp.passes.quantize.realize import quantize_weight
+from relay_amp.runtime import run_executable
 from relay_amp.tools.models import example_inputs
 
 from builders import single_output_module, tensor
@@ -31,8 +33,8 @@ def linear_module() -> tvm.IRModule:
     return bb.get()
 
 
-def expected_linear(dtype: str, step: float) -> tvm.IRModule:
-    """What quantization makes of linear_module with activations in `dtype` codes of `step`."""
+def expected_linear(dtype: str, step: float, zero_point: int = 0) -> tvm.IRModule:
+    """What quantization makes of linear_module with activations in `dtype` codes of `step` around `zero_point`."""
     codes = np.array([[127, -127, 127], [-64, 64, 64]], "int8")  # WEIGHT / its column max |w| * 127
     scales = np.abs(WEIGHT).max(axis=0) / 127 * step
     bb = relax.BlockBuilder()
@@ -40,21 +42,25 @@ def expected_linear(dtype: str, step: float) -> tvm.IRModule:
     with bb.function("main", [x]):
         with bb.dataflow():
             scaled = bb.emit(relax.op.multiply(x, relax.const(1 / step)))
-            rounded = bb.emit(relax.op.floor(bb.emit(relax.op.add(scaled, relax.const(0.5)))))
+            rounded = bb.emit(relax.op.floor(bb.emit(relax.op.add(scaled, relax.const(zero_point + 0.5)))))
             floored = bb.emit(relax.op.maximum(rounded, relax.const(0.0 if dtype == "uint8" else -127.0)))
             clipped = bb.emit(relax.op.minimum(floored, relax.const(255.0 if dtype == "uint8" else 127.0)))
             activations = bb.emit(relax.op.astype(clipped, dtype))
             accumulated = bb.emit(relax.op.matmul(activations, relax.const(codes), out_dtype="int32"))
-            out = bb.emit_output(relax.op.multiply(relax.op.astype(accumulated, "float32"),
-                                                   relax.const(scales.reshape(1, -1).astype("float32"))))
+            real = relax.op.multiply(relax.op.astype(accumulated, "float32"),
+                                     relax.const(scales.reshape(1, -1).astype("float32")))
+            if zero_point:  # minus the zero point's products: zero_point x each column's code sum
+                correction = -zero_point * codes.astype("int64").sum(axis=0) * scales
+                real = relax.op.add(bb.emit(real), relax.const(correction.reshape(1, -1).astype("float32")))
+            out = bb.emit_output(real)
         bb.emit_func_output(out)
     return bb.get()
 
 
-def linear_plan(dtype: str, limit: float, fallback: str = "float32") -> QuantPlan:
+def linear_plan(dtype: str, limit: float, fallback: str = "float32", zero_point: int = 0) -> QuantPlan:
     layer = relay_amp.list_layers(linear_module(), ["matmul"])[0]
     return QuantPlan(["relax.matmul"], "minmax", "per_channel", fallback,
-                     entries=[QuantEntry(0, layer.op, layer.name, dtype, limit, "test")])
+                     entries=[QuantEntry(0, layer.op, layer.name, dtype, limit, "test", zero_point)])
 
 
 DEPTHWISE_WEIGHT = np.random.default_rng(3).normal(size=(4, 1, 3, 3)).astype("float32")
@@ -212,6 +218,62 @@ def test_quantized_residuals_keep_a_resnet_close_to_fp32(source, adds_reading_co
     assert relay_amp.quant_plan(codes).quantized_residuals and not relay_amp.quant_plan(floats).quantized_residuals
     assert codes_error < max(1.5 * floats_error, 0.01) and codes_error < 0.05, (codes_error, floats_error)
     relax.analysis.well_formed(codes)
+
+
+def test_a_zero_point_shifts_the_codes_and_its_products_come_off_each_column():
+    """uint8 codes z + x / step for x down to -z * step: threshold 2.0 over 255 - 15 codes above z = 15."""
+    plan = linear_plan("uint8", 2.0, zero_point=15)
+    assert plan.entries[0].step == pytest.approx(2.0 / 240)
+    assert_transforms(lambda mod: relay_amp.apply_quant_plan(mod, plan).without_attr(QuantPlan.ATTR),
+                      linear_module(), expected_linear("uint8", 2.0 / 240, 15))
+    x = np.array([[-0.1, 1.0], [2.0, -0.125], [0.25, 1.5], [0.0, 0.0]], "float32")
+    got = relay_amp.run(relay_amp.apply_quant_plan(linear_module(), plan), [x])[0]
+    np.testing.assert_allclose(got, x @ WEIGHT, atol=1.5 * 2.0 / 240)  # rounding of codes and weight codes
+
+
+def _skewed_module(layer) -> tvm.IRModule:
+    """main(x) = layer(gelu(x)): a layer reading an activation whose negative side is short (down to -0.17)."""
+    return single_output_module(lambda x: layer(relax.op.nn.gelu(x)), tensor("x", (1, 32, 8, 8)))
+
+
+def _padded_conv(data: relax.Expr) -> relax.Expr:
+    weight = np.random.default_rng(11).normal(size=(16, 32, 3, 3)).astype("float32")
+    return relax.op.nn.conv2d(data, relax.const(weight), padding=1)
+
+
+def _unpadded_conv1d(data: relax.Expr) -> relax.Expr:
+    weight = np.random.default_rng(12).normal(size=(16, 32, 3)).astype("float32")
+    return relax.op.nn.conv1d(relax.op.reshape(data, (1, 32, 64)), relax.const(weight), strides=2)
+
+
+@pytest.mark.parametrize("layer", [_padded_conv, _unpadded_conv1d])
+def test_layers_after_a_gelu_get_a_zero_point_and_a_smaller_error_than_symmetric_int8(layer):
+    """A padded conv's codes are padded with the zero point (the code of 0.0) and the conv has no padding left;
+    conv1d (audio front ends) quantizes as conv2d does."""
+    rng = np.random.default_rng(13)
+    calib = [rng.normal(size=(1, 32, 8, 8)).astype("float32") * 2 for _ in range(4)]
+    inputs = [rng.normal(size=(1, 32, 8, 8)).astype("float32") * 2]
+    expected = relay_amp.run(_skewed_module(layer), inputs)[0]
+    errors, scripts = {}, {}
+    for activations in ("auto", "symmetric"):
+        quantized = relay_amp.quantize(_skewed_module(layer), calib, activation_dtype=activations,
+                                       fallback_dtype="float32")
+        [entry] = relay_amp.quant_plan(quantized).entries
+        assert (entry.dtype, entry.zero_point > 0) == (("uint8", True) if activations == "auto" else ("int8", False))
+        difference = relay_amp.run(quantized, inputs)[0] - expected
+        errors[activations] = np.sqrt(np.mean(difference ** 2) / np.mean(expected ** 2))  # relative RMS
+        scripts[activations] = quantized["main"].script()
+        relax.analysis.well_formed(quantized)
+    assert errors["auto"] < 0.75 * errors["symmetric"] and errors["auto"] < 0.02, errors
+    if targets.host_supports("avx512_vnni"):  # relay_amp's build: NHWC, the VNNI kernels, the pad of codes
+        quantized = relay_amp.quantize(_skewed_module(layer), calib, fallback_dtype="float32")
+        built = run_executable(build(quantized, "cpu-avx512-bf16"), inputs)[0]
+        generic = relay_amp.run(quantized, inputs)[0]
+        assert np.abs(built - generic).max() <= 1e-3 * np.abs(generic).max()  # a code apart at most, at a tie
+    if layer is _padded_conv:
+        zero_point = float(relay_amp.quant_plan(relay_amp.quantize(_skewed_module(layer), calib)).entries[0].zero_point)
+        assert f"pad_value={zero_point}" in scripts["auto"] and "padding=[0, 0, 0, 0]" in scripts["auto"]
+        assert "R.nn.pad(" not in scripts["symmetric"]
 
 
 def test_quantize_picks_uint8_for_non_negative_inputs_and_the_observed_maximum():

@@ -24,7 +24,8 @@ class QuantEntry:
     """One layer (the shared layer index over the plan's ops): its activation dtype, threshold and reason.
 
     dtype is one of QUANTIZED_DTYPES, or "fallback" for a layer left to the plan's fallback dtype; threshold is
-    the |x| that the largest code stands for (0 where the layer is dynamic or not quantized)."""
+    the |x| that the largest code stands for (0 where the layer is dynamic or not quantized). A uint8 entry with a
+    zero point z codes x as z + x / step, so codes below z stand for negative values."""
 
     index: int
     op: str
@@ -32,11 +33,17 @@ class QuantEntry:
     dtype: str
     threshold: float
     reason: str
+    zero_point: int = 0  # the uint8 code of 0.0 (0: symmetric codes)
 
     @property
     def quantized(self) -> bool:
         """Whether the layer runs in int8."""
         return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def step(self) -> float:
+        """The value of one code of a static entry: its threshold over the codes above the zero point."""
+        return self.threshold / (CODE_LEVELS[self.dtype] - self.zero_point) if self.threshold > 0 else 1.0
 
 
 @dataclass
