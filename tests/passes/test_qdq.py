@@ -10,7 +10,7 @@ import relay_amp
 from relay_amp import DTypeError, ModuleError, OptionError, digits, metrics
 from relay_amp.passes.quantize import QuantEntry, QuantPlan
 from relay_amp.passes.quantize.plan import DYNAMIC
-from relay_amp.passes.quantize.qdq import code_range, strip_qdq
+from relay_amp.passes.quantize.qdq import _zero_point, code_range, strip_qdq
 from relay_amp.passes.quantize.realize import QUANTIZABLE_OPS
 
 from builders import tensor
@@ -86,18 +86,25 @@ def test_a_pair_whose_scale_is_computed_at_run_time_makes_a_dynamic_matmul():
     tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(), plan))
 
 
-@pytest.mark.parametrize("scale, zero, dtype, planned, threshold, clamp", [
-    (2 / 255, 0, "uint8", "uint8", 2.0, (0.0, 2.0)),  # no negative part: the model's own codes
-    (0.5, 0, "int8", "int8", 64.0, (-64.0, 63.5)),  # symmetric over the larger side
-    (0.5, 128, "uint8", "int8", 64.0, (-64.0, 63.5)),  # ONNX Runtime's asymmetric uint8 around a signed range
+@pytest.mark.parametrize("scale, zero, dtype, planned, threshold, zero_point, clamp", [
+    (2 / 255, 0, "uint8", "uint8", 2.0, 0, (0.0, 2.0)),  # no negative part: the model's own codes
+    (0.5, 0, "int8", "uint8", 63.5, 128, (-64.0, 63.5)),  # int8 codes, shifted by 128: the same values
+    (0.5, 128, "uint8", "uint8", 63.5, 128, (-64.0, 63.5)),  # ONNX Runtime's uint8 around a signed range
+    (0.5, 100, "uint8", "uint8", 77.5, 100, (-50.0, 77.5)),
 ])
-def test_the_plan_holds_each_layer_range_from_the_model(scale, zero, dtype, planned, threshold, clamp):
+def test_the_plan_holds_each_layer_range_from_the_model(scale, zero, dtype, planned, threshold, zero_point, clamp):
     realized = relay_amp.realize_qdq(qdq_linear(scale, zero, dtype), fallback_dtype="float32")
     [entry] = relay_amp.quant_plan(realized).entries
-    assert (entry.dtype, entry.threshold) == (planned, pytest.approx(threshold))
+    assert (entry.dtype, entry.threshold, entry.zero_point) == (planned, pytest.approx(threshold), zero_point)
+    assert entry.step == pytest.approx(scale)  # the model's own codes
     assert relay_amp.quant_plan(realized).observer == "qdq"
     plan = QuantPlan(list(QUANTIZABLE_OPS), "qdq", "per_channel", "float32", entries=[entry])
     tvm.ir.assert_structural_equal(realized, relay_amp.apply_quant_plan(float_linear(clamp), plan))
+
+
+def test_a_range_that_is_not_255_steps_of_one_scale_has_no_zero_point():
+    assert _zero_point(-1.0, 2.2) is None  # 1 / 3.2 * 255 = 79.69: not the 255 steps of one scale
+    assert _zero_point(-64.0, 63.5) == 128 and _zero_point(0.0, 2.0) is None
 
 
 def test_code_range_is_what_the_extreme_codes_stand_for():

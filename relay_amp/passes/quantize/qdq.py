@@ -4,8 +4,9 @@ quantizer and PyTorch's exporters write them) compiled on relay_amp's int8 convo
 TVM's ONNX importer turns QDQ into `relax.quantize` / `relax.dequantize`. The range of each quantize -> dequantize
 pair in front of a conv or matmul becomes that layer's activation threshold; every pair is then removed, and
 the dequantizes of constant weights and biases fold into fp32 constants. What is left is the QuantPlan quantize
-would have made from those ranges, realized by apply_quant_plan: uint8 codes where the range has no negative
-part (the same codes as the model's when its zero point is 0), else symmetric int8 over the larger side, and
+would have made from those ranges, realized by apply_quant_plan: the model's own codes, as uint8 around its zero
+point (a signed int8 range shifted by 128), where the range is 8-bit codes of one scale, else symmetric int8 over
+the larger side, and
 symmetric per-channel weights re-derived from the model's (the same codes where its weights are symmetric per
 channel, as ONNX Runtime writes them). A pair whose scale the model computes at run time (DynamicQuantizeLinear,
 ONNX Runtime's dynamic quantization) makes its matmul a dynamic one, with per-row scales at run time.
@@ -21,7 +22,7 @@ from ..._ir import clamped, get_function, rewrite_function, tensor_dtype
 from ...dtypes import MODEL_FLOAT_DTYPES, check_choice
 from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
-from .plan import DYNAMIC, QuantEntry, QuantPlan
+from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan
 from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, prepared, quantizable_ops, realize_prepared,
                       unquantizable)
 
@@ -118,8 +119,20 @@ def _entry(layer, call: relax.Call, value_range: tuple[float, float] | None) -> 
                               "its input's scale is computed at run time: dynamic int8 covers matmuls")
         return QuantEntry(layer.index, layer.op, layer.name, DYNAMIC, 0.0, "dynamic: per-row scales at run time")
     low, high = value_range
-    dtype, threshold = ("uint8", high) if low >= 0 else ("int8", max(-low, high))
-    return QuantEntry(layer.index, layer.op, layer.name, dtype, threshold, "from the model's QuantizeLinear")
+    zero_point = _zero_point(low, high)
+    if low >= 0 or zero_point is not None:
+        return QuantEntry(layer.index, layer.op, layer.name, "uint8", high, "from the model's QuantizeLinear",
+                          zero_point or 0)
+    return QuantEntry(layer.index, layer.op, layer.name, "int8", max(-low, high), "from the model's QuantizeLinear")
+
+
+def _zero_point(low: float, high: float) -> int | None:
+    """The uint8 code of 0.0 where [low, high] (low < 0 < high) is what 255 steps of 8-bit codes stand for (the
+    model's own uint8 codes around a zero point, or int8 ones shifted by 128), else None."""
+    if not low < 0 < high:
+        return None
+    position = -low / (high - low) * CODE_LEVELS["uint8"]
+    return int(np.rint(position)) if abs(position - np.rint(position)) < 1e-3 else None
 
 
 def realize_qdq(mod: tvm.IRModule, ops: Iterable[str] = QUANTIZABLE_OPS, fallback_dtype: str = "bfloat16",
