@@ -12,7 +12,7 @@ from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from ._pads import pads_as_ops
 from .errors import MissingDependencyError, ModelLoadError
-from .onnx_quantized import as_qdq
+from .onnx_quantized import as_qdq, constant_dequantizes_folded
 
 
 def _load_onnx(model):
@@ -92,8 +92,9 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants
     (and those the graph computes from constants folded: relay_amp._ir.fold_weights), batch norms the
     exporter left after convs and linear layers folded into their weights, group norms as one op, clamps (ReLU6) as
-    maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops. `dims` sizes
-    the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
+    maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
+    constants as float constants. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
+    axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -103,7 +104,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
         import onnx
 
         onnx.checker.check_model(proto)
-        imported = relax_from_onnx(_simplified(as_qdq(proto)), shape_dict=shape_dict, keep_params_in_input=False)
+        quantized = constant_dequantizes_folded(as_qdq(proto))
+        imported = relax_from_onnx(_simplified(quantized), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
     return _canonical(imported)

@@ -10,7 +10,9 @@ float ops, which TVM imports) or as QOperator (QLinearConv, QLinearMatMul, and M
   parameters;
 - the dynamic pattern becomes the float conv or matmul of dequantize(DynamicQuantizeLinear(x)) and the
   dequantized weight: a QDQ pair whose scale is computed at run time, which realize_qdq makes a dynamic matmul.
-Constant weights and biases are dequantized here, with numpy.
+Constant weights and biases are dequantized here, with numpy. `constant_dequantizes_folded` does the same for a QDQ
+file's DequantizeLinear of a constant: TVM's importer reads some inputs only as constants (a Pad's value, which
+ONNX Runtime's quantizer dequantizes too: EfficientNet-B0's same-padding pads).
 """
 
 import itertools
@@ -263,4 +265,30 @@ def as_qdq(proto):
         kept = [opset for opset in rewritten.opset_import if opset.domain != "com.microsoft"]
         del rewritten.opset_import[:]
         rewritten.opset_import.extend(kept)
+    return rewritten
+
+
+def constant_dequantizes_folded(proto):
+    """A copy of `proto` whose DequantizeLinear nodes of constants (scale, zero point and codes all initializers,
+    no block size) are float initializers (the model unchanged where it has none)."""
+    from onnx import numpy_helper
+
+    constants = {init.name: init for init in proto.graph.initializer}
+    outputs = {output.name for output in proto.graph.output}
+    folded = [node for node in proto.graph.node if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx")
+              and all(name in constants for name in node.input if name) and node.output[0] not in outputs
+              and not any(attribute.name == "block_size" for attribute in node.attribute)]
+    if not folded:
+        return proto
+    rewritten = type(proto)()
+    rewritten.CopyFrom(proto)
+    for node in folded:
+        codes, scale, *zero = (numpy_helper.to_array(constants[name]) if name else None for name in node.input)
+        axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 1)
+        values = _dequantized(codes, scale, zero[0] if zero else None, axis)
+        rewritten.graph.initializer.append(numpy_helper.from_array(values, node.output[0]))
+    removed = {id(node) for node in folded}
+    kept = [node for node in proto.graph.node if id(node) not in removed]
+    del rewritten.graph.node[:]
+    rewritten.graph.node.extend(kept)
     return rewritten
