@@ -93,7 +93,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     (and those the graph computes from constants folded: relay_amp._ir.fold_weights), batch norms the
     exporter left after convs and linear layers folded into their weights, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
-    constants as float constants. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
+    scalar constants as float constants. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
     axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 

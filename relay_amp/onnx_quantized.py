@@ -11,11 +11,12 @@ float ops, which TVM imports) or as QOperator (QLinearConv, QLinearMatMul, and M
 - the dynamic pattern becomes the float conv or matmul of dequantize(DynamicQuantizeLinear(x)) and the
   dequantized weight: a QDQ pair whose scale is computed at run time, which realize_qdq makes a dynamic matmul.
 Constant weights and biases are dequantized here, with numpy. `constant_dequantizes_folded` does the same for a QDQ
-file's DequantizeLinear of a constant: TVM's importer reads some inputs only as constants (a Pad's value, which
+file's DequantizeLinear of a scalar constant: TVM's importer reads some inputs only as constants (a Pad's value, which
 ONNX Runtime's quantizer dequantizes too: EfficientNet-B0's same-padding pads).
 """
 
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -269,15 +270,16 @@ def as_qdq(proto):
 
 
 def constant_dequantizes_folded(proto):
-    """A copy of `proto` whose DequantizeLinear nodes of constants (scale, zero point and codes all initializers,
-    no block size) are float initializers (the model unchanged where it has none)."""
+    """A copy of `proto` whose DequantizeLinear nodes of scalar constants (one code; scale, zero point and code all
+    initializers) are float initializers (the model unchanged where it has none). Weights keep theirs: realize_qdq
+    reads a weight's int8 codes from its DequantizeLinear."""
     from onnx import numpy_helper
 
     constants = {init.name: init for init in proto.graph.initializer}
     outputs = {output.name for output in proto.graph.output}
     folded = [node for node in proto.graph.node if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx")
               and all(name in constants for name in node.input if name) and node.output[0] not in outputs
-              and not any(attribute.name == "block_size" for attribute in node.attribute)]
+              and math.prod(constants[node.input[0]].dims) == 1]
     if not folded:
         return proto
     rewritten = type(proto)()
