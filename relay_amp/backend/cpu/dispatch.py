@@ -246,13 +246,12 @@ class _Dispatcher(relax.PyExprMutator):
             operand = _widenable_operand(bound)
             if operand is None:
                 return None
-            chain.append(bound)
+            chain.append((bound, operand))
             current = bound.args[operand]
         channels = tensor_shape(current)[-1]
         if whole not in self.zero_tailed or tensor_shape(whole)[-1] != channels + extra:
             return None
-        for call in reversed(chain):
-            tensor = _widenable_operand(call)
+        for call, tensor in reversed(chain):
             args = [whole if i == tensor else _padded_constant(call, arg, extra) for i, arg in enumerate(call.args)]
             whole = self.builder_.emit(relax.Call(call.op, args, call.attrs))
         return whole

@@ -218,6 +218,7 @@ class _ChainFinder:
         return self._record(chain, kernels.Step(kernels.RESIDUAL), other)
 
     def _bound_value(self, var: relax.Var) -> "relax.Expr | None":
+        """The value bound to `var` in the function's blocks, None for a parameter."""
         block, at = self.position.get(var, (None, None))
         return None if block is None else self.blocks[block][at].value
 
@@ -239,8 +240,7 @@ class _ChainFinder:
         """The bf16 (or fp16) var that `var` is a cast of to fp32, else `var`: the kernel reads the narrow tensor
         and widens it in registers (a residual stream kept in bf16 is read at half the bytes). Not a var an
         earlier chain absorbs: its binding is gone."""
-        block, at = self.position.get(var, (None, None))
-        value = None if block is None else self.blocks[block][at].value
+        value = self._bound_value(var)
         if call_op_name(value) != "relax.astype" or not isinstance(value.args[0], relax.Var):
             return var
         source = value.args[0]

@@ -19,6 +19,11 @@ QUANTIZED_DTYPES = (*STATIC_DTYPES, DYNAMIC)
 CODE_LEVELS = {"int8": 127, "uint8": 255}  # steps above zero: symmetric int8 uses [-127, 127]
 
 
+def zero_point_position(low: float, high: float) -> float:
+    """Where 0.0 falls among the uint8 codes that span [low, high] (low < 0 < high): the zero point, unrounded."""
+    return -low / (high - low) * CODE_LEVELS["uint8"]
+
+
 @dataclass(frozen=True)
 class QuantEntry:
     """One layer (the shared layer index over the plan's ops): its activation dtype, threshold and reason.

@@ -22,7 +22,7 @@ from ..._ir import clamped, get_function, rewrite_function, tensor_dtype
 from ...dtypes import MODEL_FLOAT_DTYPES, check_choice
 from ...errors import ModuleError
 from ..layers import layer_bindings, list_layers, op_bindings
-from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan
+from .plan import DYNAMIC, QuantEntry, QuantPlan, zero_point_position
 from .realize import (FALLBACK, FALLBACK_DTYPES, QUANTIZABLE_OPS, prepared, quantizable_ops, realize_prepared,
                       unquantizable)
 
@@ -131,7 +131,7 @@ def _zero_point(low: float, high: float) -> int | None:
     model's own uint8 codes around a zero point, or int8 ones shifted by 128), else None."""
     if not low < 0 < high:
         return None
-    position = -low / (high - low) * CODE_LEVELS["uint8"]
+    position = zero_point_position(low, high)
     return int(np.rint(position)) if abs(position - np.rint(position)) < 1e-3 else None
 
 

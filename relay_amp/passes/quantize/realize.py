@@ -28,7 +28,6 @@ the add's kernel reads them (a quarter of fp32's bytes): ResNet-50 int8q on Zen 
 separate requantize functions gone; top-1 agreement with fp32 unchanged (32/32), largest error 0.022 -> 0.023.
 """
 
-import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
@@ -44,7 +43,7 @@ from ..batch_norm import FoldBatchNorm
 from ..layers import layer_bindings, list_layers, resolve_layers
 from ..ranges import layer_input, observe
 from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, threshold
-from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan
+from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan, zero_point_position
 
 CONVOLUTIONS = ("relax.nn.conv2d", "relax.nn.conv1d")  # conv1d: audio front ends (the CPU backend runs it as conv2d)
 QUANTIZABLE_OPS = (*CONVOLUTIONS, "relax.matmul")
@@ -161,9 +160,9 @@ class _Realizer(relax.PyExprMutator):
     def _padded_with_zero_point(self, call: relax.Call, activations: relax.Expr, zero_point: int):
         """A conv's codes padded with its zero point (the code of 0.0) by a pad op, and the conv without padding;
         a matmul or an unpadded conv as they are."""
-        if call.op.name not in CONVOLUTIONS or not any(int(p) for p in call.attrs.padding):
+        padding = [int(p) for p in call.attrs.padding] if call.op.name in CONVOLUTIONS else []
+        if not any(padding):
             return activations, call
-        padding = [int(p) for p in call.attrs.padding]
         spatial = len(padding) // 2  # conv2d: [top, left, bottom, right]; conv1d: [left, right]
         sides = {axis: (padding[i], padding[i + spatial]) for i, axis in enumerate("HW"[-spatial:])}
         widths = [width for axis in str(call.attrs.data_layout) for width in sides.get(axis, (0, 0))]
@@ -283,8 +282,8 @@ class Quantize:
         return histograms
 
     def _decide(self, layer, call: relax.Call, histogram: Histogram, excluded: bool) -> QuantEntry:
-        def entry(dtype: str, limit: float, reason: str) -> QuantEntry:
-            return QuantEntry(layer.index, layer.op, layer.name, dtype, float(limit), reason)
+        def entry(dtype: str, limit: float, reason: str, zero_point: int = 0) -> QuantEntry:
+            return QuantEntry(layer.index, layer.op, layer.name, dtype, float(limit), reason, zero_point)
 
         reason = unquantizable(call)
         if reason:
@@ -297,21 +296,22 @@ class Quantize:
             return entry(FALLBACK, 0.0, "grouped convolution of a signed input (kept in the fallback, see realize)")
         dtype = "uint8" if self.activation_dtype != "int8" and not histogram.signed else "int8"
         limit = threshold(histogram, self.observer, CODE_LEVELS[dtype], self.percentile)
-        shifted = _zero_pointed(histogram, self.observer, self.percentile) if self.activation_dtype == "auto" else None
-        if dtype == "int8" and shifted is not None and shifted.step < SKEWED * limit / INT8_MAX:
-            return dataclasses.replace(shifted, index=layer.index, op=layer.op, name=layer.name,
-                                       reason=f"calibrated: {self.observer}, zero point {shifted.zero_point}")
-        return entry(dtype, limit, f"calibrated: {self.observer}")
+        symmetric = entry(dtype, limit, f"calibrated: {self.observer}")
+        shifted = self._zero_pointed(histogram) if dtype == "int8" and self.activation_dtype == "auto" else None
+        if shifted is None:
+            return symmetric
+        shifted_limit, zero_point = shifted
+        candidate = entry("uint8", shifted_limit, f"calibrated: {self.observer}, zero point {zero_point}", zero_point)
+        return candidate if candidate.step < SKEWED * symmetric.step else symmetric
 
-
-def _zero_pointed(histogram: Histogram, observer: str, percentile: float) -> QuantEntry | None:
-    """uint8 codes with a zero point over [lowest value seen, the observer's threshold] (layer fields blank)."""
-    limit = threshold(histogram, observer, CODE_LEVELS["uint8"], percentile)
-    low = max(histogram.minimum, -limit)
-    if limit <= 0 or low >= 0:
-        return None
-    zero_point = min(int(np.rint(-low / (limit - low) * CODE_LEVELS["uint8"])), CODE_LEVELS["uint8"] - 1)
-    return QuantEntry(0, "", "", "uint8", float(limit), "", zero_point)
+    def _zero_pointed(self, histogram: Histogram) -> "tuple[float, int] | None":
+        """(threshold, zero point) of uint8 codes over [lowest value seen, the observer's threshold], None where
+        that range has no negative side."""
+        limit = threshold(histogram, self.observer, CODE_LEVELS["uint8"], self.percentile)
+        low = max(histogram.minimum, -limit)
+        if limit <= 0 or low >= 0:
+            return None
+        return limit, min(int(np.rint(zero_point_position(low, limit))), CODE_LEVELS["uint8"] - 1)
 
 
 def _one_of(value: str, allowed: tuple[str, ...], option: str) -> str:
