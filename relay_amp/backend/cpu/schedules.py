@@ -414,16 +414,17 @@ class ColumnReductionRule(_CpuRule):
         at = infos.index(reductions[0])
         if not all(try_primitive(sch.compute_inline, info.block_rv) for info in infos[:at]):
             return None
-        items = _vector_columns(sch, reductions[0], kept)
+        items = _vector_columns(sch, reductions[0], *kept)
         for consumer in (info.block_rv for info in infos[at + 1:]):
             sch.reverse_compute_at(consumer, items)
             sch.vectorize(sch.get_loops(consumer)[-1])
         return sch
 
 
-def _kept_axis(sch: s_tir.Schedule, info) -> "int | None":
-    """The position among `info`'s loops of the spatial loop indexing its reduced input's innermost axis, where
-    that axis is not reduced and is whole vectors long; else None."""
+def _kept_axis(sch: s_tir.Schedule, info) -> "tuple[int, int] | None":
+    """(position among `info`'s loops, vector lanes) of the spatial loop indexing its reduced input's innermost
+    axis, where that axis is not reduced and is whole vectors long (of 16 lanes, else of MIN_LANES: RegNetY's 104
+    channels); else None."""
     kinds = info.dom_kind()
     loops = sch.get_loops(info.block_rv)
     reduced = [it.var for it in info.iters if it.kind == "R"]
@@ -434,17 +435,18 @@ def _kept_axis(sch: s_tir.Schedule, info) -> "int | None":
     innermost = vars_in(reads[0].region[-1].min)
     for position, it in enumerate(info.iters):
         if it.kind == "S" and any(v.same_as(it.var) for v in innermost):
-            extent = _extent(sch, loops[position])
-            return position if extent and extent % ACCUMULATOR_LANES == 0 else None
+            extent = _extent(sch, loops[position]) or 0
+            lanes = next((lanes for lanes in (ACCUMULATOR_LANES, MIN_LANES) if extent % lanes == 0), 0)
+            return (position, lanes) if extent and lanes else None
     return None
 
 
-def _vector_columns(sch: s_tir.Schedule, info, kept: int):
-    """The reduction `info` as (parallel vectors of its loop `kept`, reduced loops, vectorized lanes): the parallel
-    loop."""
+def _vector_columns(sch: s_tir.Schedule, info, kept: int, lanes: int):
+    """The reduction `info` as (parallel vectors of `lanes` of its loop `kept`, reduced loops, vectorized lanes):
+    the parallel loop."""
     block = info.block_rv
     kinds, loops = info.dom_kind(), sch.get_loops(block)
-    vectors, lanes = sch.split(loops[kept], [None, ACCUMULATOR_LANES])
+    vectors, lanes = sch.split(loops[kept], [None, lanes])
     spatial = [loop for position, loop in enumerate(loops) if kinds[position] == "S" and position != kept]
     reduced = [loop for position, loop in enumerate(loops) if kinds[position] == "R"]
     sch.reorder(*spatial, vectors, *reduced, lanes)
