@@ -312,6 +312,23 @@ def test_a_pad_of_the_sliced_result_back_to_its_width_is_an_add_on_the_zero_colu
     relax.analysis.well_formed(fused)
 
 
+@pytest.mark.parametrize("between, joins", [
+    (lambda scores: relax.op.multiply(scores, relax.const(0.125)), True),  # attention's scale keeps zeros zero
+    (lambda scores: relax.op.add(scores, relax.const(1.0)), False),  # the extra columns would hold ones
+])
+def test_a_pad_after_a_sunk_slice_joins_the_epilogue_only_where_the_ops_keep_zeros(between, joins):
+    lowest = float(np.finfo("float32").min)
+    mod = single_output_module(
+        lambda q, k: relax.op.nn.pad(between(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]),
+                                                             out_dtype="float32")),
+                                     [0, 0, 0, 0, 0, 0, 0, 15], pad_value=lowest),
+        tensor("q", (1, 2, 17, 32), BF16), tensor("k", (1, 2, 17, 32), BF16))
+    after = relax.transform.DeadCodeElimination()(dispatch.UseDotKernels({BF16})(mod))
+    masks = [b.value for b in after["main"].body.blocks[0].bindings
+             if call_op_name(b.value) == "relax.nn.pad" and float(b.value.attrs.pad_value) == lowest]
+    assert (not masks) == joins
+
+
 def test_built_masked_scores_match_numpy():
     if not targets.host_runs_amx():
         pytest.skip("host CPU (or kernel) has no AMX")
@@ -481,7 +498,8 @@ def test_a_grouped_conv_reads_the_whole_result_its_producer_sliced_through_eleme
 
 @pytest.mark.parametrize("between, reason", [
     (lambda value: relax.op.astype(relax.op.sqrt(relax.op.nn.relu(value)), BF16), "sqrt: not in WIDENABLE"),
-    (lambda value: relax.op.astype(relax.op.add(value, value), BF16), "no constant operand"),
+    (lambda value: relax.op.astype(relax.op.divide(relax.const(1.0), relax.op.nn.relu(value)), BF16),
+     "a tensor divisor: its zero channels would become infinities"),
 ])
 def test_a_grouped_conv_after_other_ops_pads_the_sliced_channels(between, reason):
     after = dispatch.UseDotKernels({BF16})(_widened_pair_module(between))
@@ -498,3 +516,40 @@ def test_built_widened_pair_matches_the_generic_build():
     expected = relay_amp.run(mod, [data])[0].astype("float64")
     # fp32 sums in another order, and the bf16 rounding of the first layer's output they may move across
     assert np.abs(got - expected).max() <= 2 ** -7 * np.abs(expected).max()
+
+
+def _residual_block_module(dtype: str) -> tvm.IRModule:
+    """Two 1x1 convs to 40 channels (each sliced off 48), the first's bias, the sum of both and a ReLU: a RegNet or
+    EfficientNet block whose width is off the 16 lanes, ending in its residual add."""
+    first, second = (np.random.default_rng(seed).standard_normal((1, 1, 16, 40)).astype(dtype) for seed in (3, 4))
+
+    def layers(x):
+        convs = [relax.op.nn.conv2d(x, relax.const(weight), data_layout="NHWC", kernel_layout="HWIO",
+                                    out_dtype="float32") for weight in (first, second)]
+        return relax.op.nn.relu(relax.op.add(relax.op.add(convs[0], relax.const(BIAS40)), convs[1]))
+    return relax.transform.Normalize()(single_output_module(layers, tensor("x", (1, 6, 6, 16), dtype)))
+
+
+def test_elementwise_ops_of_sliced_results_run_on_the_whole_results_and_the_slice_comes_after():
+    """The bias (padded with zeros), the residual add of the two slices and the ReLU move before the one slice
+    left, so a kernel's epilogue takes all three (the other kernel's result as its residual) and nothing but that
+    slice reads 40 of 48 channels."""
+    after = relax.transform.DeadCodeElimination()(dispatch.UseDotKernels({"float32"})(
+        _residual_block_module("float32")))
+    relax.analysis.well_formed(after)
+    assert [call_op_name(value) for value in _bound(after)] == [
+        "relax.call_tir", "relax.add", "relax.call_tir", "relax.add", "relax.nn.relu", "relax.strided_slice"]
+    assert all(tensor_shape(value)[-1] == 48 for value in _bound(after)[:-1])
+    fused = FuseKernelEpilogues()(after)
+    assert [call_op_name(value) for value in _bound(fused)] == ["relax.call_tir", "relax.call_tir",
+                                                                "relax.strided_slice"]
+
+
+def test_built_residual_block_of_sliced_results_matches_the_generic_build():
+    if not targets.host_supports("avx512f"):
+        pytest.skip("host CPU lacks avx512f")
+    mod = _residual_block_module("float32")
+    data = np.random.default_rng(9).standard_normal((1, 6, 6, 16)).astype("float32")
+    got = run_executable(build(mod, targets.host_preset()), [data])[0]
+    expected = relay_amp.run(mod, [data])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())  # fp32 sums reordered
