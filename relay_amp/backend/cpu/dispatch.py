@@ -81,6 +81,8 @@ def _packed_at_run_time(operand: relax.Expr, shape: tuple[int, ...], dot: kernel
 class _Dispatcher(relax.PyExprMutator):
     """Rewrites eligible matmul/conv2d calls into kernel calls."""
 
+    in_dataflow = False  # slices sink only inside dataflow blocks, where kernels' epilogues are fused
+
     def __init__(self, mod: tvm.IRModule, dtypes: frozenset[str], amx_dtypes: frozenset[str]):
         super().__init__(mod)
         self.dtypes = dtypes
@@ -88,8 +90,6 @@ class _Dispatcher(relax.PyExprMutator):
         self.kernel_count = 0
         self.zero_tailed: set[relax.Var] = set()  # kernel results whose channels past the sliced ones are zeros
         self.finite_tailed: set[relax.Var] = set()  # ... are finite: zero-tailed, or elementwise ops of those
-
-    in_dataflow = False  # slices sink only inside dataflow blocks, where kernels' epilogues are fused
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         self.in_dataflow = True
@@ -146,10 +146,8 @@ class _Dispatcher(relax.PyExprMutator):
         whose epilogue takes it, and the slice moves on to the next op; a conv reading it takes the whole result
         (`_unsliced`). None where the op is not such an op."""
         name, shape = call_op_name(call), tensor_shape(call)
-        if name not in WIDENABLE or not shape or not isinstance(shape[-1], int):
+        if name not in WIDENABLE or not shape or not isinstance(shape[-1], int) or _divides_by_a_tensor(call):
             return None
-        if name == "relax.divide" and not isinstance(call.args[1], tvm.ir.expr.Constant):
-            return None  # a tensor divisor's extra channels may hold zeros
         wholes = {i: sliced_by_binding(self, arg) for i, arg in enumerate(call.args)
                   if not isinstance(arg, tvm.ir.expr.Constant)}
         widths = {tensor_shape(whole)[-1] if whole in self.finite_tailed else None for whole in wholes.values()}
@@ -338,9 +336,14 @@ def _widenable_operand(call: "relax.Expr | None") -> "int | None":
     if WIDENABLE[name] is None:
         return 0
     constants = [isinstance(arg, tvm.ir.expr.Constant) for arg in call.args]
-    if constants.count(False) != 1 or (name == "relax.divide" and not constants[1]):
-        return None  # a tensor divisor's extra channels would divide by their zeros
+    if constants.count(False) != 1 or _divides_by_a_tensor(call):
+        return None
     return constants.index(False)
+
+
+def _divides_by_a_tensor(call: relax.Call) -> bool:
+    """Whether `call` divides by a tensor, whose extra channels may hold zeros (not a widenable op)."""
+    return call.op.name == "relax.divide" and not isinstance(call.args[1], tvm.ir.expr.Constant)
 
 
 ZERO_AT_ZERO = frozenset(UNARY - {"relax.sigmoid", "relax.clip", "relax.exp", "relax.sqrt", "relax.rsqrt"})
