@@ -255,8 +255,8 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     """Vectorize a spatial block's innermost axis by whole registers (or halves, see `_row_lanes`), the rest in a
     serial loop where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index
     would straddle rows there, and TVM computes each lane's address apart (a gather). A block with an innermost
-    axis narrower than a register, or no other loop, is fused whole and vectorized where the lanes divide it, if
-    it reads its operands in its own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded
+    axis narrower than a register, or no other loop, has its trailing axes fused and vectorized by 16 or 8 lanes
+    where no vector crosses a row of the axes inside (`_aligned_suffix`), if it reads its operands in its own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded
     to 4: a model's input) runs its rows in parallel, each row's pixels in a serial loop and its narrow axis
     unrolled, since a flat vector would gather every lane."""
     loops = sch.get_loops(block)
@@ -271,14 +271,32 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
         sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
         sch.unroll(loops[-1])
         return
-    fused = sch.fuse(*loops)
-    extent = _extent(sch, fused)
-    if extent is None or extent % ACCUMULATOR_LANES:
-        sch.parallel(fused)
+    extents = [_extent(sch, loop) or 0 for loop in loops]
+    lanes, start = next(((lanes, start) for lanes in (ACCUMULATOR_LANES, MIN_LANES)
+                         if (start := _aligned_suffix(extents, lanes)) is not None), (0, None))
+    if start is None:
+        sch.parallel(sch.fuse(*loops))
         return
-    outer, inner = sch.split(fused, [None, ACCUMULATOR_LANES])
-    sch.parallel(outer)
+    outer, inner = sch.split(sch.fuse(*loops[start:]), [None, lanes])
+    sch.parallel(sch.fuse(*loops[:start], outer))
     sch.vectorize(inner)
+
+
+def _aligned_suffix(extents: list[int], lanes: int) -> "int | None":
+    """The first of the trailing loops whose fused extent splits into vectors of `lanes` that no row boundary of an
+    axis inside them crosses, else None. A vector across such a boundary (a 230x230x4 image's rows of 920 values, in
+    vectors of 16) makes TVM compute each lane's address apart: 0.17 ms against 0.009 for a 224x224x4 image."""
+    inner = 1
+    for start in range(len(extents) - 1, -1, -1):
+        if not extents[start]:
+            return None
+        crossed = inner % lanes and lanes % inner  # this axis's rows (`inner` values) straddle vectors
+        inner *= extents[start]
+        if crossed:
+            return None
+        if inner % lanes == 0:
+            return start
+    return None
 
 
 def _vectorize_whole_vectors(sch: s_tir.Schedule, loop, row: int) -> None:
