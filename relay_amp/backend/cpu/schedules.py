@@ -256,9 +256,10 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     serial loop where the axis is off them (197 tokens), and run its other loops in parallel. Vectors of a flat index
     would straddle rows there, and TVM computes each lane's address apart (a gather). A block with an innermost
     axis narrower than a register, or no other loop, has its trailing axes fused and vectorized by 16 or 8 lanes
-    where no vector crosses a row of the axes inside (`_aligned_suffix`), if it reads its operands in its own layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded
-    to 4: a model's input) runs its rows in parallel, each row's pixels in a serial loop and its narrow axis
-    unrolled, since a flat vector would gather every lane."""
+    where no vector crosses a row of the axes inside (`_aligned_suffix`), if it reads its operands in its own
+    layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded to 4: a model's input) runs its
+    rows in parallel, each row's pixels in a serial loop and its narrow axis unrolled, since a flat vector would
+    gather every lane."""
     loops = sch.get_loops(block)
     if not loops:
         return  # a scalar (a size computed from a symbolic shape)
