@@ -359,9 +359,14 @@ def _keeps_zeros(call: relax.Call) -> bool:
     name = call.op.name
     if name not in ZERO_WITH_SCALAR:
         return name in ZERO_AT_ZERO
-    unpadded = [arg.value.numpy() for arg in call.args if isinstance(arg, tvm.ir.expr.Constant)
-                and (arg.value.numpy().ndim == 0 or arg.value.numpy().shape[-1] == 1)]  # the same on every channel
+    constants = [arg.value.numpy() for arg in call.args if isinstance(arg, tvm.ir.expr.Constant)]
+    unpadded = [values for values in constants if _same_on_every_channel(values)]
     return all(ZERO_WITH_SCALAR[name](float(value)) for values in unpadded for value in values.reshape(-1))
+
+
+def _same_on_every_channel(values: np.ndarray) -> bool:
+    """Whether constant `values` broadcast along the channel (last) axis: `_padded_constant` leaves them as they are."""
+    return values.ndim == 0 or values.shape[-1] == 1
 
 
 def _padded_constant(call: relax.Call, constant: relax.Expr, extra: int) -> relax.Expr:
@@ -370,7 +375,7 @@ def _padded_constant(call: relax.Call, constant: relax.Expr, extra: int) -> rela
     if not isinstance(constant, tvm.ir.expr.Constant):
         return constant
     values = constant.value.numpy()
-    if values.ndim == 0 or values.shape[-1] == 1:
+    if _same_on_every_channel(values):
         return constant
     widths = [(0, 0)] * (values.ndim - 1) + [(0, extra)]
     return relax.const(np.pad(values, widths, constant_values=WIDENABLE[call.op.name]), tensor_dtype(constant))

@@ -442,7 +442,7 @@ class ColumnReductionRule(_CpuRule):
 
 def _kept_axis(sch: s_tir.Schedule, info) -> "tuple[int, int] | None":
     """(position among `info`'s loops, vector lanes) of the spatial loop indexing its reduced input's innermost
-    axis, where that axis is not reduced and is whole vectors long (of 16 lanes, else of MIN_LANES: RegNetY's 104
+    axis, where that axis is not reduced and is whole vectors long (of `_row_lanes`: 16, else 8 for RegNetY's 104
     channels); else None."""
     kinds = info.dom_kind()
     loops = sch.get_loops(info.block_rv)
@@ -455,8 +455,8 @@ def _kept_axis(sch: s_tir.Schedule, info) -> "tuple[int, int] | None":
     for position, it in enumerate(info.iters):
         if it.kind == "S" and any(v.same_as(it.var) for v in innermost):
             extent = _extent(sch, loops[position]) or 0
-            lanes = next((lanes for lanes in (ACCUMULATOR_LANES, MIN_LANES) if extent % lanes == 0), 0)
-            return (position, lanes) if extent and lanes else None
+            lanes = _row_lanes(extent)
+            return (position, lanes) if extent and extent % lanes == 0 else None
     return None
 
 
