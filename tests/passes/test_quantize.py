@@ -11,6 +11,7 @@ from relay_amp import ModelLoadError, OptionError, digits, metrics, models, targ
 from relay_amp.compile.build import build
 from relay_amp.passes.quantize import QuantEntry, QuantPlan
 from relay_amp.passes.quantize.observers import BINS, Histogram, threshold
+from relay_amp.passes.quantize.plan import zero_point_position
 from relay_amp.ops import call_op_name
 from relay_amp.passes.quantize.realize import quantize_weight
 from relay_amp.runtime import run_executable
@@ -426,3 +427,9 @@ def test_quantize_never_mutates_its_input_and_its_output_is_well_formed():
     quantized = relay_amp.transform.Quantize([example_inputs(mod, 1)])(mod)
     assert mod.script() == text
     relax.analysis.well_formed(quantized)
+
+
+@pytest.mark.parametrize("low, high, position", [(-1.0, 1.0, 127.5), (-0.5, 2.0, 51.0), (-2.0, 0.5, 204.0)])
+def test_zero_point_position_is_where_zero_falls_among_the_uint8_codes(low, high, position):
+    """Codes 0..255 span [low, high]: 0.0 sits -low / (high - low) of the way up (quantize and realize_qdq read it)."""
+    assert zero_point_position(low, high) == pytest.approx(position)
