@@ -418,4 +418,7 @@ class UseDotKernels:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
         mod = relax.transform.FoldConstant()(mod)
-        return rewrite_function(_Dispatcher(mod, self.dtypes, self.amx_dtypes), mod, self.func)
+        rewritten = rewrite_function(_Dispatcher(mod, self.dtypes, self.amx_dtypes), mod, self.func)
+        # the slices that sank below their ops are dead, but would still count as readers of the kernels' results
+        # and keep the kernels' epilogues from taking those ops
+        return relax.transform.DeadCodeElimination([self.func])(rewritten)
