@@ -1,12 +1,12 @@
-"""The model zoo: real architectures from Hugging Face transformers' configs, random weights, exported as users do.
+"""The model zoo: real architectures from transformers' configs and torchvision's builders, random weights,
+exported as users do.
 
-Nothing is downloaded: each entry builds its architecture from a config with seeded random weights, in a full
-size (what the benchmark times) and a tiny one (what the tests convert). `load` exports it the way users do
-(`torch.onnx.export` with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and
-imports it into Relax. torchvision and timm would need another torch build than the one these machines run
-(their wheels pin torch 2.14 with CUDA), so the CNNs come from transformers' ResNet, MobileNetV2,
-EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer, which are the same architectures; wav2vec2 is the
-audio model. Needs the `zoo` extra (torch, transformers): import this module only where it is used.
+Nothing is downloaded: each entry builds its architecture with seeded random weights, in a full size (what the
+benchmark times) and a tiny one (what the tests convert). `load` exports it the way users do (`torch.onnx.export`
+with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and imports it into Relax. The
+CNNs are transformers' ResNet, MobileNetV2, EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer and
+torchvision's MobileNetV3 (which transformers lacks); wav2vec2 is the audio model. Needs the `zoo` extra (torch,
+torchvision, transformers): import this module only where it is used.
 """
 
 import tempfile
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torchvision
 import transformers as hf
 import tvm
 
@@ -47,12 +48,14 @@ class ZooEntry:
 
     name: str
     kind: str  # "cnn", "transformer" or "audio": images; token ids and an attention mask; a waveform
-    config: Callable[[bool], object]  # tiny -> a transformers config
-    model_class: str  # the transformers class that the config builds
-    output: str  # the attribute of the model's output returned as the zoo model's one output
+    config: Callable[[bool], object]  # tiny -> a transformers config, or a torchvision builder's keyword arguments
+    model_class: str  # the transformers class that the config builds, or a torchvision model's name
+    output: str | None  # the attribute of the model's output returned as the zoo model's one output; None: the
+    # model returns one tensor (torchvision)
     full: Shape
     tiny: Shape
-    batch_norm: bool = False  # a CNN with batch norms: trained-looking statistics instead of HF's init
+    batch_norm: bool = False  # a CNN with batch norms: trained-looking statistics instead of the library's init
+    library: str = "transformers"  # or "torchvision"
 
 
 def _resnet50(tiny: bool):
@@ -118,6 +121,11 @@ def _poolformer_s12(tiny: bool):
     # one-group norms (GroupNorm(1, C))
 
 
+def _mobilenet_v3_large(tiny: bool):
+    return {"width_mult": 0.25 if tiny else 1.0, "num_classes": 10 if tiny else 1000}  # hardswish, squeeze-excite
+    # with hardsigmoid gates, depthwise 3x3 and 5x5 convs
+
+
 def _vit_s16(tiny: bool):
     if tiny:
         return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -179,6 +187,8 @@ ZOO = {entry.name: entry for entry in [
              Shape(1, 64), batch_norm=True),
     ZooEntry("poolformer_s12", "cnn", _poolformer_s12, "PoolFormerForImageClassification", "logits",
              Shape(1, 224), Shape(1, 64), batch_norm=True),
+    ZooEntry("mobilenet_v3_large", "cnn", _mobilenet_v3_large, "mobilenet_v3_large", None, Shape(1, 224),
+             Shape(1, 64), batch_norm=True, library="torchvision"),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
@@ -201,7 +211,10 @@ def torch_module(name: str, tiny: bool = False, seed: int = 0):
     """The zoo model as an eval-mode torch.nn.Module taking example_inputs' arrays and returning one tensor."""
     spec = entry(name)
     torch.manual_seed(seed)
-    model = getattr(hf, spec.model_class)(spec.config(tiny))
+    if spec.library == "torchvision":
+        model = torchvision.models.get_model(spec.model_class, **spec.config(tiny))
+    else:
+        model = getattr(hf, spec.model_class)(spec.config(tiny))
     if spec.batch_norm:
         _trained_looking(model)
     return SingleOutput(model, spec).eval()
@@ -240,7 +253,7 @@ def example_inputs(name: str, tiny: bool = False, seed: int = 0) -> list[np.ndar
 
 
 class SingleOutput(torch.nn.Module):
-    """A transformers model called with positional arrays, returning its one chosen output."""
+    """A zoo model called with positional arrays, returning its one chosen output."""
 
     def __init__(self, model: torch.nn.Module, spec: ZooEntry):
         super().__init__()
@@ -250,6 +263,8 @@ class SingleOutput(torch.nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The model's chosen output for positional inputs (images; token ids and a mask; a waveform)."""
+        if self.output is None:
+            return self.model(*inputs)
         return getattr(self.model(**dict(zip(self.input_names, inputs))), self.output)
 
 
