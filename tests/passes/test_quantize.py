@@ -404,8 +404,22 @@ def test_histogram_widening_keeps_every_count_and_the_top():
     histogram = Histogram()
     histogram.add(np.linspace(0, 1, 1000))
     histogram.add(np.linspace(-4, 0, 1000))
-    assert histogram.counts.sum() == 2000 and histogram.top == 4.0 and histogram.signed
+    assert histogram.counts.sum() == 1998 and histogram.zeros == 2  # each linspace's 0.0 counted apart
+    assert histogram.top == 4.0 and histogram.signed
     assert threshold(histogram, "minmax", 127) == 4.0
+
+
+@pytest.mark.parametrize("observer", ["entropy", "mse"])
+def test_a_relus_spike_of_zeros_does_not_pull_the_threshold_down(observer):
+    """Half the values exactly zero, as after a ReLU: the observers pick what they pick for the positive values
+    alone (in the first bin with the zeros, entropy kept an eighth of the range, the least it can)."""
+    positives = np.abs(np.random.default_rng(1).normal(size=50_000))
+    relu, alone = Histogram(), Histogram()
+    relu.add(np.concatenate([positives, np.zeros(50_000)]))
+    alone.add(positives)
+    assert relu.zeros == 50_000 and not relu.signed
+    assert threshold(relu, observer, 255) == threshold(alone, observer, 255) > 0.25 * relu.top
+    assert threshold(relu, "percentile", 255, 50.0) < threshold(alone, "percentile", 255, 50.0)  # zeros count there
 
 
 def test_observers_clip_outliers_that_minmax_keeps():
