@@ -266,7 +266,8 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     row = _extent(sch, loops[-1]) or 0
     if len(loops) > 1 and row >= ACCUMULATOR_LANES:
         sch.parallel(sch.fuse(*loops[:-1]))
-        _vectorize_whole_vectors(sch, loops[-1], row)
+        if not _vectorize_by_inputs(sch, loops[-1], _input_segments(sch, block, row)):
+            _vectorize_whole_vectors(sch, loops[-1], row)
         return
     if len(loops) > 1 and not _reads_in_own_layout(sch, block):
         sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
@@ -281,6 +282,42 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     outer, inner = sch.split(sch.fuse(*loops[start:]), [None, lanes])
     sch.parallel(sch.fuse(*loops[:start], outer))
     sch.vectorize(inner)
+
+
+def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
+    """The lengths of the runs of the innermost axis over which `block` reads one input of a concatenation along it
+    (topi's if_then_else(start <= c, next input, ...) chain), else [row]. Each run is a loop of its own, where the
+    conditions fold away: vectorized over the whole row, every lane evaluated the chain and loaded its input apart
+    (DenseNet-121's concatenations of 13-32 inputs, each fused with a batch norm and a ReLU: 13 of 45 ms)."""
+    stmt = sch.get(block)
+    if not isinstance(stmt.body, tvm.tirx.BufferStore):
+        return [row]
+    axis, starts, pending = stmt.iter_vars[-1].var, set(), [stmt.body.value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, tvm.ir.expr.Call) and node.op.name == "prim.if_then_else":
+            condition = node.args[0]
+            if (isinstance(condition, tirx.LE) and isinstance(condition.a, tirx.IntImm)
+                    and condition.b.same_as(axis) and 0 < condition.a.value < row):
+                starts.add(int(condition.a.value))
+        pending.extend(node.args if isinstance(node, tvm.ir.expr.Call) else
+                       [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
+                        if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
+    edges = [0, *sorted(starts), row]
+    return [end - start for start, end in zip(edges, edges[1:])]
+
+
+def _vectorize_by_inputs(sch: s_tir.Schedule, loop, segments: list[int]) -> bool:
+    """Vectorize a row loop whose runs of `segments` read one input each (`_input_segments`) by vectors of 16 lanes
+    (else 8) that no run boundary crosses, the vectors of each run in a loop of their own; False where there is one
+    run, or the runs are off such vectors (the row then takes `_vectorize_whole_vectors`)."""
+    lanes = next((lanes for lanes in (ACCUMULATOR_LANES, MIN_LANES) if not any(n % lanes for n in segments)), None)
+    if len(segments) < 2 or lanes is None:
+        return False
+    vectors = sch.split(loop, [None, lanes])[0]
+    for run in sch.loop_partition(vectors, [*(n // lanes for n in segments[:-1]), None]):
+        sch.vectorize(sch.get_loops(sch.get_child_blocks(run)[0])[-1])
+    return True
 
 
 def _aligned_suffix(extents: list[int], lanes: int) -> "int | None":

@@ -64,6 +64,13 @@ CASES = {
     "channels_last_mean_by_8": (lambda x: relax.op.mean(x, axis=[1, 2], keepdims=True), ("x", (1, 7, 5, 104))),
     # a function ending in its reduction (a dynamic int8 matmul's row scales): no elementwise block after it
     "row_abs_max": (lambda x: relax.op.max(relax.op.abs(x), axis=[-1], keepdims=True), ("x", (2, 5, 64))),
+    # concatenations along the channels with a batch norm's scale and a ReLU: runs of 32 and 16 channels (vector
+    # loops of their own), and runs of 12 (off 8 lanes: the whole row's vectors)
+    "concat_scale_relu": (lambda a, b, c: relax.op.nn.relu(relax.op.multiply(
+        relax.op.concat([a, b, c], axis=3), relax.const(np.linspace(-1, 1, 80).astype("float32")))),
+        ("a", (1, 3, 5, 32)), ("b", (1, 3, 5, 16)), ("c", (1, 3, 5, 32))),
+    "concat_off_lanes_relu": (lambda a, b: relax.op.nn.relu(relax.op.concat([a, b], axis=3)),
+                              ("a", (1, 3, 5, 12)), ("b", (1, 3, 5, 12))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
                                                                                 keepdims=True))),
                       ("x", (6, 48))),
@@ -319,6 +326,60 @@ def test_elementwise_rule_takes_half_registers_where_they_divide_a_row_and_whole
     tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(bias), out)
     expected = (x[:, :24] + bias).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(out.numpy().view("uint16"), expected.view("uint16"))
+
+
+@T.prim_func(private=True, s_tir=True)
+def _concat_relu(x0: T.Buffer((4, 32), "float32"), x1: T.Buffer((4, 16), "float32"), out: T.Buffer((4, 48), "float32")):
+    for i, j in T.grid(4, 48):
+        with T.sblock("relu"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = T.max(T.if_then_else(32 <= vj, x1[vi, vj - 32], x0[vi, vj]), T.float32(0.0))
+
+
+@T.prim_func(private=True, s_tir=True)
+def _concat_relu_scheduled(x0: T.Buffer((4, 32), "float32"), x1: T.Buffer((4, 16), "float32"),
+                           out: T.Buffer((4, 48), "float32")):
+    for ax0_fused in T.parallel(4):
+        with T.sblock("relu_ax1_0_common"):
+            T.reads()
+            T.writes()
+            with T.sblock("relu_ax1_00_partition"):
+                T.reads()
+                T.writes()
+                for ax1_00 in range(2):
+                    for ax1_1 in T.vectorized(16):
+                        with T.sblock("relu_ax1_00"):
+                            v0 = T.axis.spatial(4, ax0_fused)
+                            v1 = T.axis.spatial(48, ax1_00 * 16 + ax1_1)
+                            T.reads(x1[v0, v1 + -32], x0[v0, v1])
+                            T.writes(out[v0, v1])
+                            out[v0, v1] = T.max(T.if_then_else(32 <= v1, x1[v0, v1 - 32], x0[v0, v1]), T.float32(0.0))
+            with T.sblock("relu_ax1_01_partition"):
+                T.reads()
+                T.writes()
+                for ax1_01 in range(2, 3):
+                    for ax1_1 in T.vectorized(16):
+                        with T.sblock("relu_ax1_01"):
+                            v0 = T.axis.spatial(4, ax0_fused)
+                            v1 = T.axis.spatial(48, ax1_01 * 16 + ax1_1)
+                            T.reads(x1[v0, v1 + -32], x0[v0, v1])
+                            T.writes(out[v0, v1])
+                            out[v0, v1] = T.max(T.if_then_else(32 <= v1, x1[v0, v1 - 32], x0[v0, v1]), T.float32(0.0))
+
+
+def test_a_concatenation_along_the_row_reads_each_input_in_a_vector_loop_of_its_own():
+    """A ReLU of two inputs concatenated along the innermost axis (DenseNet's concat, batch norm, ReLU): the row's
+    vectors are partitioned where the input changes, so each loop's if_then_else folds away when lowered; over the
+    whole row, every lane evaluated the chain of conditions and loaded its input apart."""
+    scheduled = schedules.ElementwiseRule().apply(_concat_relu, targets.get_target("cpu"), False)
+    # as printed: loop_partition's two blocks share their iter vars, which assert_structural_equal cannot map
+    assert scheduled.mod["main"].script() == _concat_relu_scheduled.script()
+    rng = np.random.default_rng(5)
+    x0, x1 = rng.standard_normal((4, 32)).astype("float32"), rng.standard_normal((4, 16)).astype("float32")
+    out = tvm.runtime.empty((4, 48), "float32", tvm.cpu())
+    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
+    tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x0), tvm.runtime.tensor(x1), out)
+    np.testing.assert_array_equal(out.numpy(), np.maximum(np.concatenate([x0, x1], axis=1), 0))
 
 
 @T.prim_func(private=True, s_tir=True)
