@@ -14,6 +14,8 @@ from ._pads import pads_as_ops
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 
+FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an ONNX import runs at most
+
 
 def _load_onnx(model):
     """A ModelProto from a ModelProto or a path, or ModelLoadError."""
@@ -46,15 +48,22 @@ def simplify_onnx(proto):
     """`proto` with its constant subgraphs folded by onnxscript's optimizer, ConstantOfShape included.
 
     Exporters compute masks and shapes from constants (the TorchScript exporter writes ConstantOfShape of an
-    empty shape for a scalar, which TVM's importer cannot take); folding them leaves TVM plain constants.
+    empty shape for a scalar, which TVM's importer cannot take); folding them leaves TVM plain constants. The
+    passes repeat until the graph stops shrinking (at most FOLD_ROUNDS): one round left a ConstantOfShape whose
+    shape the optimizer folded after it, so Swin's window pads stayed computed ("Dynamic pads are not supported").
     """
     from onnxscript import ir
     from onnxscript.optimizer import fold_constants_ir, optimize_ir
 
     model = ir.serde.deserialize_model(proto)
+    nodes = None
     with _quiet("onnxscript"):
-        fold_constants_ir(model, should_fold=lambda node: True if node.op_type == "ConstantOfShape" else None)
-        optimize_ir(model)
+        for _ in range(FOLD_ROUNDS):
+            fold_constants_ir(model, should_fold=lambda node: True if node.op_type == "ConstantOfShape" else None)
+            optimize_ir(model)
+            nodes, before = len(list(model.graph)), nodes
+            if nodes == before:
+                break
     return ir.serde.serialize_model(model)
 
 

@@ -252,3 +252,25 @@ def test_an_exported_pad_imports_as_relax_pad_and_an_nhwc_build_keeps_no_transpo
     executable = relay_amp.build(mod, relay_amp.targets.host_preset())
     np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, [x.numpy()])[0], expected,
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_swin_transformers_window_pads_fold_to_constants_and_it_matches_torch(tmp_path):
+    """torchvision's Swin pads each stage to whole windows with pads computed from shapes, through a
+    ConstantOfShape whose shape onnxscript folds only after its first round: the folding repeats until the graph
+    stops shrinking, or TVM's importer refused the model ("Dynamic pads are not supported yet")."""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                                               window_size=[3, 3], num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)  # 8x8 patches in windows of 3: padded to 9x9
+    path = tmp_path / "swin.onnx"
+    torch.onnx.export(model, (x,), path, opset_version=17, dynamo=False)
+    folded = frontend.simplify_onnx(onnx.load(path))
+    constants = {init.name for init in folded.graph.initializer}
+    pads = [node for node in folded.graph.node if node.op_type == "Pad"]
+    assert pads and all(node.input[1] in constants for node in pads)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    got = relay_amp.runtime.run_executable(relay_amp.build(frontend.from_onnx(path), "cpu"), [x.numpy()])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # fp32, sums in another order
