@@ -249,16 +249,16 @@ def _measured_statistics(module: torch.nn.Module, shape: Shape, seed: int, batch
     With spread random statistics, MobileNetV3's activations grow to 2e3 through its hardswish blocks and 0.1% of
     input noise moves its logits by 24% (bf16 by 40%): no precision could be judged on it. Measured, 0.7%.
     """
-    norms = [each for each in module.modules() if isinstance(each, torch.nn.BatchNorm2d)]
-    for norm in norms:
+    momenta = {norm: norm.momentum for norm in module.modules() if isinstance(norm, torch.nn.BatchNorm2d)}
+    for norm in momenta:
         norm.reset_running_stats()
         norm.momentum = None  # a cumulative average over the batches
     generator = torch.Generator().manual_seed(seed + 1)
     module.train()
     for _ in range(batches):
         module(torch.randn(8, 3, shape.size, shape.size, generator=generator))
-    for norm in norms:
-        norm.momentum = 0.1  # torch's default
+    for norm, momentum in momenta.items():
+        norm.momentum = momentum
 
 
 def example_inputs(name: str, tiny: bool = False, seed: int = 0) -> list[np.ndarray]:
