@@ -9,6 +9,8 @@ vector partial sums; `ColumnReductionRule` runs reductions over outer axes (NHWC
 kept innermost axis.
 """
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -308,16 +310,34 @@ def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
 
 
 def _vectorize_by_inputs(sch: s_tir.Schedule, loop, segments: list[int]) -> bool:
-    """Vectorize a row loop whose runs of `segments` read one input each (`_input_segments`) by vectors of 16 lanes
-    (else 8) that no run boundary crosses, the vectors of each run in a loop of their own; False where there is one
-    run, or the runs are off such vectors (the row then takes `_vectorize_whole_vectors`)."""
-    lanes = next((lanes for lanes in (ACCUMULATOR_LANES, MIN_LANES) if not any(n % lanes for n in segments)), None)
-    if len(segments) < 2 or lanes is None:
+    """Vectorize a row loop whose runs of `segments` read one input each (`_input_segments`): the vectors of each
+    run in a loop of their own, where the conditions fold. Vectors of 16 lanes where every run is made of them,
+    else of 8; runs off those (90 channels) leave the vectors that cross from one run to the next serial. False
+    where there is one run, or the row is off 8-lane vectors (the row then takes `_vectorize_whole_vectors`)."""
+    row = sum(segments)
+    lanes = next((lanes for lanes in (ACCUMULATOR_LANES, MIN_LANES) if not any(n % lanes for n in segments)),
+                 MIN_LANES)
+    if len(segments) < 2 or row % lanes:
         return False
+    pieces = _vector_pieces(segments, lanes)
     vectors = sch.split(loop, [None, lanes])[0]
-    for run in sch.loop_partition(vectors, [*(n // lanes for n in segments[:-1]), None]):
-        sch.vectorize(sch.get_loops(sch.get_child_blocks(run)[0])[-1])
+    runs = sch.loop_partition(vectors, [*(count for count, _ in pieces[:-1]), None]) if len(pieces) > 1 else [vectors]
+    for run, (_, within_one_input) in zip(runs, pieces):
+        if within_one_input:
+            sch.vectorize(sch.get_loops(sch.get_child_blocks(run)[0])[-1])
     return True
+
+
+def _vector_pieces(segments: list[int], lanes: int) -> list[tuple[int, bool]]:
+    """The row's vectors of `lanes` in consecutive pieces: (how many vectors, whether they read one input each), a
+    piece for each run of `segments`' whole vectors and one for each stretch of vectors that cross runs."""
+    edges = list(itertools.accumulate(segments))[:-1]
+
+    def input_read(start: int) -> "int | None":  # the run a vector lies in, None where it crosses an edge
+        return None if any(start < edge < start + lanes for edge in edges) else bisect.bisect_right(edges, start)
+
+    return [(len(list(vectors)), run is not None)
+            for run, vectors in itertools.groupby(map(input_read, range(0, sum(segments), lanes)))]
 
 
 def _aligned_suffix(extents: list[int], lanes: int) -> "int | None":
