@@ -4,9 +4,9 @@ exported as users do.
 Nothing is downloaded: each entry builds its architecture with seeded random weights, in a full size (what the
 benchmark times) and a tiny one (what the tests convert). `load` exports it the way users do (`torch.onnx.export`
 with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and imports it into Relax. The
-CNNs are transformers' ResNet, MobileNetV2, EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer and
-torchvision's MobileNetV3 (which transformers lacks); wav2vec2 is the audio model. Needs the `zoo` extra (torch,
-torchvision, transformers): import this module only where it is used.
+CNNs are transformers' ResNet, MobileNetV2, EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer,
+torchvision's MobileNetV3 (which transformers lacks) and timm's MixNet-S; wav2vec2 is the audio model. Needs the
+`zoo` extra (torch, torchvision, timm, transformers): import this module only where it is used.
 """
 
 import tempfile
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import timm
 import torch
 import torchvision
 import transformers as hf
@@ -48,15 +49,15 @@ class ZooEntry:
 
     name: str
     kind: str  # "cnn", "transformer" or "audio": images; token ids and an attention mask; a waveform
-    config: Callable[[bool], object]  # tiny -> a transformers config, or a torchvision builder's keyword arguments
-    model_class: str  # the transformers class that the config builds, or a torchvision model's name
+    config: Callable[[bool], object]  # tiny -> a transformers config, or a torchvision or timm builder's keywords
+    model_class: str  # the transformers class that the config builds, or a torchvision or timm model's name
     output: str | None  # the attribute of the model's output returned as the zoo model's one output; None: the
     # model returns one tensor (torchvision)
     full: Shape
     tiny: Shape
     batch_norm: str = ""  # a CNN with batch norms, given trained-looking weights instead of the library's init and
     # "spread" statistics (random, spread out) or "measured" ones (over random images: see _measured_statistics)
-    library: str = "transformers"  # or "torchvision"
+    library: str = "transformers"  # or "torchvision" or "timm"
 
 
 def _resnet50(tiny: bool):
@@ -127,6 +128,11 @@ def _mobilenet_v3_large(tiny: bool):
     # with hardsigmoid gates, depthwise 3x3 and 5x5 convs
 
 
+def _mixnet_s(tiny: bool):
+    return {"num_classes": 10 if tiny else 1000}  # timm's MixNet-S: depthwise convs of 3-9 taps over channel
+    # groups (split, convs, concatenation), grouped pointwise convs, squeeze-excite, SiLU and ReLU
+
+
 def _vit_s16(tiny: bool):
     if tiny:
         return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -190,6 +196,8 @@ ZOO = {entry.name: entry for entry in [
              Shape(1, 224), Shape(1, 64), batch_norm="spread"),
     ZooEntry("mobilenet_v3_large", "cnn", _mobilenet_v3_large, "mobilenet_v3_large", None, Shape(1, 224),
              Shape(1, 64), batch_norm="measured", library="torchvision"),
+    ZooEntry("mixnet_s", "cnn", _mixnet_s, "mixnet_s", None, Shape(1, 224), Shape(1, 32), batch_norm="measured",
+             library="timm"),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
@@ -214,6 +222,8 @@ def torch_module(name: str, tiny: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     if spec.library == "torchvision":
         model = torchvision.models.get_model(spec.model_class, **spec.config(tiny))
+    elif spec.library == "timm":
+        model = timm.create_model(spec.model_class, pretrained=False, **spec.config(tiny))
     else:
         model = getattr(hf, spec.model_class)(spec.config(tiny))
     if spec.batch_norm:
