@@ -1,4 +1,5 @@
-"""HoistOverMoves: narrowing casts and ops by a scalar constant move before the reshapes and transposes they follow.
+"""HoistOverMoves: narrowing casts and ops by a scalar constant move before the reshapes and transposes they follow,
+and narrowing casts of every output of a split before the split.
 
 Attention splits a projection's output into heads (reshape, permute_dims), and only then does AMP's cast to
 bf16 come, with the query's or key's scale: the projection stores fp32, the transposes move fp32, and the cast
@@ -6,6 +7,11 @@ is a function of its own. Both commute exactly with moves of data, so `HoistOver
 kernel before them takes the cast and the scale into its epilogue (relay_amp.backend.cpu.epilogue), and the moves
 carry half the bytes. Only narrowing casts and scalar ops move (a widening cast would make the moves carry
 more), and only over a move that nothing else reads.
+
+A mixed conv (MixNet) splits its input into channel groups, each for a conv of its own, and AMP casts each group
+to bf16: a function of its own for each cast, after the split's. Where every output of a split is cast to one
+dtype, the split takes the cast source's cast instead: the cast joins the split's function (or the producer's
+epilogue), and the split moves half the bytes.
 """
 
 import tvm
@@ -16,6 +22,7 @@ from ..dtypes import MODEL_FLOAT_DTYPES, numpy_dtype
 from ..ops import call_op_name
 
 MOVES = ("relax.reshape", "relax.permute_dims")
+SPLIT = "relax.split"
 SCALAR_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
 
 
@@ -49,6 +56,12 @@ class _Hoister(relax.PyExprMutator):
         super().__init__(mod)
         self.uses = read_counts(func)
         self.value_of = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
+        self.cast_dtypes = _narrowing_casts_reading(self.value_of)
+        self.items_of: dict[relax.Var, list[relax.Var]] = {}
+        for var, value in self.value_of.items():
+            if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
+                self.items_of.setdefault(value.tuple_value, []).append(var)
+        self.narrow_splits: dict[relax.Var, relax.Var] = {}  # a split whose outputs are all cast -> its cast source's
         self.changed = False
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -66,6 +79,8 @@ class _Hoister(relax.PyExprMutator):
         index = _movable_operand(call)
         if index is None:
             return None
+        if call_op_name(call) == "relax.astype" and (split_item := self._over_split(call)) is not None:
+            return split_item
         moves, source = [], call.args[index]
         while isinstance(source, relax.Var) and self.uses.get(source, 0) == 1 and \
                 call_op_name(self.value_of.get(source)) in MOVES:
@@ -79,6 +94,33 @@ class _Hoister(relax.PyExprMutator):
         for move in reversed(moves):
             result = relax.Call(move.op, [self.builder_.emit(result), *move.args[1:]], move.attrs)
         return result
+
+    def _over_split(self, cast: relax.Call) -> "relax.Expr | None":
+        """The output of a split of the cast source that `cast` reads, where every output of the split is read only
+        by casts to its dtype (a mixed conv's channel groups, each cast by AMP for its own conv); else None."""
+        item = self.value_of.get(cast.args[0])
+        split_var = item.tuple_value if isinstance(item, relax.TupleGetItem) else None
+        split = self.value_of.get(split_var)
+        if call_op_name(split) != SPLIT or not self._read_only_by_casts(split_var, tensor_dtype(cast)):
+            return None
+        if split_var not in self.narrow_splits:
+            narrow = self.builder_.emit(relax.op.astype(self.visit_expr(split.args[0]), tensor_dtype(cast)))
+            self.narrow_splits[split_var] = self.builder_.emit(relax.Call(split.op, [narrow], split.attrs))
+        return relax.TupleGetItem(self.narrow_splits[split_var], item.index)
+
+    def _read_only_by_casts(self, split_var: relax.Var, dtype: str) -> bool:
+        items = self.items_of.get(split_var, [])
+        return self.uses.get(split_var, 0) == len(items) and all(
+            self.cast_dtypes.get(item, []) == [dtype] * self.uses.get(item, 0) for item in items)
+
+
+def _narrowing_casts_reading(value_of: dict[relax.Var, relax.Expr]) -> dict[relax.Var, list[str]]:
+    """For each var, the dtypes of the narrowing casts that read it, one per cast."""
+    dtypes: dict[relax.Var, list[str]] = {}
+    for value in value_of.values():
+        if call_op_name(value) == "relax.astype" and _narrowing_cast(value) and isinstance(value.args[0], relax.Var):
+            dtypes.setdefault(value.args[0], []).append(tensor_dtype(value))
+    return dtypes
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.HoistOverMoves")

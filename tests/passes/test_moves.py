@@ -81,3 +81,61 @@ def test_the_cpu_pipeline_hoists_before_epilogue_fusion():
     names = [p.info.name for p in relay_amp.backend.cpu.pipeline.prepare_passes(
         relay_amp.targets.get_target("cpu-avx512-bf16")).passes]
     assert names.index("relay_amp.HoistOverMoves") < names.index("relay_amp.FuseKernelEpilogues")
+
+
+@I.ir_module
+class Groups:  # a mixed conv's channel groups (MixNet), each cast by AMP for its own bf16 conv
+    @R.function
+    def main(x: R.Tensor((1, 4, 4, 24), "float32")):
+        with R.dataflow():
+            parts = R.split(x, indices_or_sections=[8], axis=3)
+            first = parts[0]
+            second = parts[1]
+            a = R.astype(first, "bfloat16")
+            b = R.astype(second, "bfloat16")
+            gv = (a, b)
+            R.output(gv)
+        return gv
+
+
+def test_casts_of_every_output_of_a_split_become_one_cast_before_it():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 24), "float32")):
+            with R.dataflow():
+                narrow = R.astype(x, "bfloat16")
+                parts = R.split(narrow, indices_or_sections=[8], axis=3)
+                a = parts[0]
+                b = parts[1]
+                gv = (a, b)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Groups, Expected)
+    x = np.random.default_rng(1).standard_normal((1, 4, 4, 24)).astype("float32")
+    for before, after in zip(relay_amp.run(Groups, [x]), relay_amp.run(HoistOverMoves()(Groups), [x])):
+        np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))
+
+
+@pytest.mark.parametrize("reason,second_use", [
+    ("an output read by an fp32 op keeps the split as it was", lambda t: R.add(t, t)),
+    ("an output cast to another dtype too", lambda t: R.astype(t, "float16")),
+])
+def test_splits_with_an_output_read_otherwise_stay(reason, second_use):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 24), "float32")):
+            with R.dataflow():
+                parts = R.split(x, indices_or_sections=[8], axis=3)
+                first = parts[0]
+                second = parts[1]
+                a = R.astype(first, "bfloat16")
+                b = R.astype(second, "bfloat16")
+                c = second_use(second)
+                gv = (a, b, c)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
