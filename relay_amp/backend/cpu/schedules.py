@@ -442,7 +442,8 @@ class RowReductionRule(_CpuRule):
     """Row reductions (softmax, layer norm, RMS norm, a dynamic int8 matmul's row scales): blocks sharing leading
     spatial axes (the rows), reducing over the rest in whole vectors, ending in an elementwise block or in a
     reduction. Each row runs all the blocks in one parallel iteration; each reduction keeps ACCUMULATOR_LANES
-    partial results in one vector (rfactor) and adds them up at the end of the row.
+    partial results in one vector (rfactor; 8 where the row is made of those: a layer norm over ConvNeXt-atto's
+    40 channels) and adds them up at the end of the row.
 
     TVM's dl.cpu.Reduction reduces one scalar at a time (a chain of dependent adds, 4 cycles each) and takes the
     rows this rule leaves: reductions whose length is not a whole number of vectors (a layer norm over 197), since
@@ -603,15 +604,15 @@ def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:
     reads = [read for read in sch.get(info.block_rv).reads
              if any(v.same_as(r) for v in index_vars(read) for r in reduced)]
     return (kinds[rows:] and set(kinds[rows:]) == {"R"} and all(extents) and len(reads) == 1
-            and math.prod(extents) % ACCUMULATOR_LANES == 0)
+            and math.prod(extents) % _row_lanes(math.prod(extents)) == 0)
 
 
 def _factor_reduction(sch: s_tir.Schedule, block, rows: int):
-    """Split `block`'s reduction into ACCUMULATOR_LANES partial results (the rfactor block, returned) and
-    their sum into the original output."""
+    """Split `block`'s reduction into a vector of partial results (the rfactor block, returned; `_row_lanes` of
+    them: 8 over a layer norm's 40 channels) and their sum into the original output."""
     loops = sch.get_loops(block)[rows:]
     reduction = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    _, lanes = sch.split(reduction, [None, ACCUMULATOR_LANES])
+    _, lanes = sch.split(reduction, [None, _row_lanes(_extent(sch, reduction))])
     return sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].source.shape))
 
 
@@ -627,14 +628,15 @@ def _parallel_rows(sch: s_tir.Schedule, block, rows: int, vectorize: bool):
 
 
 def _vectorize_row(sch: s_tir.Schedule, block) -> None:
-    """Fuse the loops of `block` inside its row loop and vectorize them by whole registers where they divide."""
+    """Fuse the loops of `block` inside its row loop and vectorize them by whole registers, or halves, where they
+    divide (`_row_lanes`)."""
     inner = sch.get_loops(block)[1:]
     if not inner:
         return
     fused = sch.fuse(*inner) if len(inner) > 1 else inner[0]
     extent = _extent(sch, fused)
-    if extent and extent % ACCUMULATOR_LANES == 0:
-        sch.vectorize(sch.split(fused, [None, ACCUMULATOR_LANES])[1])
+    if extent and extent % _row_lanes(extent) == 0:
+        sch.vectorize(sch.split(fused, [None, _row_lanes(extent)])[1])
 
 
 def _vectorize_partial_sums(sch: s_tir.Schedule, block) -> None:
