@@ -83,19 +83,27 @@ def test_the_cpu_pipeline_hoists_before_epilogue_fusion():
     assert names.index("relay_amp.HoistOverMoves") < names.index("relay_amp.FuseKernelEpilogues")
 
 
-@I.ir_module
-class Groups:  # a mixed conv's channel groups (MixNet), each cast by AMP for its own bf16 conv
-    @R.function
-    def main(x: R.Tensor((1, 4, 4, 24), "float32")):
-        with R.dataflow():
-            parts = R.split(x, indices_or_sections=[8], axis=3)
-            first = parts[0]
-            second = parts[1]
-            a = R.astype(first, "bfloat16")
-            b = R.astype(second, "bfloat16")
-            gv = (a, b)
-            R.output(gv)
-        return gv
+def _groups(outputs):
+    """A mixed conv's channel groups (MixNet), each cast by AMP for its own bf16 conv; `outputs(a, b, second)` makes
+    the function's result from the two casts and the second group."""
+    @I.ir_module
+    class Groups:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 24), "float32")):
+            with R.dataflow():
+                parts = R.split(x, indices_or_sections=[8], axis=3)
+                first = parts[0]
+                second = parts[1]
+                a = R.astype(first, "bfloat16")
+                b = R.astype(second, "bfloat16")
+                gv = outputs(a, b, second)
+                R.output(gv)
+            return gv
+
+    return Groups
+
+
+Groups = _groups(lambda a, b, second: (a, b))
 
 
 def test_casts_of_every_output_of_a_split_become_one_cast_before_it():
@@ -123,19 +131,5 @@ def test_casts_of_every_output_of_a_split_become_one_cast_before_it():
     ("an output cast to another dtype too", lambda t: R.astype(t, "float16")),
 ])
 def test_splits_with_an_output_read_otherwise_stay(reason, second_use):
-    @I.ir_module
-    class Before:
-        @R.function
-        def main(x: R.Tensor((1, 4, 4, 24), "float32")):
-            with R.dataflow():
-                parts = R.split(x, indices_or_sections=[8], axis=3)
-                first = parts[0]
-                second = parts[1]
-                a = R.astype(first, "bfloat16")
-                b = R.astype(second, "bfloat16")
-                c = second_use(second)
-                gv = (a, b, c)
-                R.output(gv)
-            return gv
-
+    Before = _groups(lambda a, b, second: (a, b, second_use(second)))
     assert_transforms(HoistOverMoves(), Before, Before)
