@@ -52,7 +52,7 @@ class ZooEntry:
     config: Callable[[bool], object]  # tiny -> a transformers config, or a torchvision or timm builder's keywords
     model_class: str  # the transformers class that the config builds, or a torchvision or timm model's name
     output: str | None  # the attribute of the model's output returned as the zoo model's one output; None: the
-    # model returns one tensor (torchvision)
+    # model returns one tensor (torchvision, timm)
     full: Shape
     tiny: Shape
     batch_norm: str = ""  # a CNN with batch norms, given trained-looking weights instead of the library's init and
