@@ -259,9 +259,10 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     would straddle rows there, and TVM computes each lane's address apart (a gather). A block with an innermost
     axis narrower than a register, or no other loop, has its trailing axes fused and vectorized by 16 or 8 lanes
     where no vector crosses a row of the axes inside (`_aligned_suffix`), if it reads its operands in its own
-    layout; one that transposes or pads them (NCHW to NHWC with 3 channels padded to 4: a model's input) runs its
-    rows in parallel, each row's pixels in a serial loop and its narrow axis unrolled, since a flat vector would
-    gather every lane."""
+    layout. One that transposes them is vectorized across its narrow axis where it loads an operand at a stride
+    along the axis before it (`_vectorize_across_narrow_axis`: a run-time K packing); otherwise (NCHW to NHWC with 3
+    channels padded to 4: a model's input) it runs its rows in parallel, each row's pixels in a serial loop and its
+    narrow axis unrolled, since a flat vector would gather every lane."""
     loops = sch.get_loops(block)
     if not loops:
         return  # a scalar (a size computed from a symbolic shape)
@@ -272,8 +273,9 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
             _vectorize_whole_vectors(sch, loops[-1], row)
         return
     if len(loops) > 1 and not _reads_in_own_layout(sch, block):
-        sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
-        sch.unroll(loops[-1])
+        if not _vectorize_across_narrow_axis(sch, block, loops):
+            sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
+            sch.unroll(loops[-1])
         return
     extents = [_extent(sch, loop) or 0 for loop in loops]
     lanes, start = next(((lanes, start) for lanes in (ACCUMULATOR_LANES, MIN_LANES)
@@ -286,6 +288,111 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     sch.vectorize(inner)
 
 
+def _vectorize_across_narrow_axis(sch: s_tir.Schedule, block, loops: list) -> bool:
+    """Vectorize a transposing block with a narrow innermost axis along the axis before it, the narrow one unrolled
+    outside: a run-time K packing for Q·Kᵀ in bf16 (pairs of channels innermost, 16 tokens before them) loads each
+    vector's 16 tokens gathered, and adds, scales and rounds them as one vector. The outer iterations where a
+    padding condition holds for every lane run apart from those where it does not (the padded last tokens), since
+    TVM computes each lane of a vector loop apart under a condition that varies across it. False (nothing done)
+    where the axis is off 8-lane vectors, or a condition across the lanes does not fold on one outer axis (an
+    image's spatial padding)."""
+    stmt = sch.get(block)
+    extent = _extent(sch, loops[-2]) or 0
+    if len(loops) < 3 or len(stmt.iter_vars) != len(loops) or extent % MIN_LANES:
+        return False
+    gathered = _gathered_along(stmt, stmt.iter_vars[-2].var)
+    if not gathered or any(buffer.dtype == "bfloat16" for buffer in gathered):
+        return False  # contiguous loads: LLVM vectorizes the serial loop; TVM cannot store gathered bf16 vectors
+    folding = _lane_uniform_range(sch, stmt, loops)
+    if folding is None:
+        return False
+    axis, start, stop = folding
+    order = [loops[axis], *(loop for i, loop in enumerate(loops[:-2]) if i != axis), loops[-1], loops[-2]]
+    inner = math.prod(_extent(sch, loop) or 1 for loop in order[1:-2])  # iterations of the outer loops per axis value
+    edges = [edge * inner for edge in (start, stop) if 0 < edge < (_extent(sch, loops[axis]) or 0)]
+    sch.reorder(*order)
+    outer = sch.fuse(*order[:-2])
+    sch.split(loops[-2], [None, ACCUMULATOR_LANES if extent % ACCUMULATOR_LANES == 0 else MIN_LANES])
+    for piece in sch.loop_partition(outer, [*edges, None]) if edges else [outer]:
+        piece_loops = sch.get_loops(sch.get_child_blocks(piece)[0]) if edges else sch.get_loops(block)
+        sch.parallel(piece_loops[0])
+        sch.unroll(piece_loops[-3])
+        sch.vectorize(piece_loops[-1])
+    return True
+
+
+def _gathered_along(stmt, lane: tirx.Var) -> list:
+    """The buffers the block loads at a stride other than one element along `lane` (or at a stride it cannot
+    tell), not the same value or neighbouring ones."""
+    return [access.source for access in stmt.reads if _strided_along([dim.min for dim in access.region], lane)]
+
+
+def _strided_along(indices: list, lane: tirx.Var) -> bool:
+    """Whether buffer `indices` step by other than one element as `lane` steps by one."""
+    if any(any(v.same_as(lane) for v in vars_in(index)) for index in indices[:-1]):
+        return True
+    if not indices or not any(v.same_as(lane) for v in vars_in(indices[-1])):
+        return False
+    coefficients = tvm.sym.detect_linear_equation(indices[-1], [lane])
+    return len(coefficients) != 2 or not isinstance(coefficients[0], tirx.IntImm) or coefficients[0].value != 1
+
+
+def _lane_uniform_range(sch: s_tir.Schedule, stmt, loops: list) -> "tuple[int, int, int] | None":
+    """(outer axis, first, last + 1): the values of the one outer axis for which the block's padding condition
+    holds across the whole second-to-last (lane) axis, all of them where no condition involves that axis (axis
+    0). None where the conditions on the lanes involve no outer axis or several, or the values are not one run."""
+    lane = stmt.iter_vars[-2].var
+    terms = [term for term in _condition_terms(stmt.body) if any(v.same_as(lane) for v in vars_in(term))]
+    if not terms:
+        return 0, 0, _extent(sch, loops[0]) or 0
+    others = [v for term in terms for v in vars_in(term) if not v.same_as(lane)]
+    axes = [i for i, iv in enumerate(stmt.iter_vars[:-2]) if any(iv.var.same_as(v) for v in others)]
+    if len(axes) != 1 or not all(v.same_as(stmt.iter_vars[axes[0]].var) for v in others):
+        return None
+    axis = axes[0]
+    holding = [value for value in range(_extent(sch, loops[axis]) or 0)
+               if _holds_across(tirx.all(*terms), lane, _extent(sch, loops[-2]), stmt.iter_vars[axis].var, value)]
+    if not holding or holding != list(range(holding[0], holding[-1] + 1)):
+        return None
+    return axis, holding[0], holding[-1] + 1
+
+
+def _holds_across(condition, lane: tirx.Var, lanes: int, axis: tirx.Var, value: int) -> bool:
+    """Whether `condition` holds for every `lane` below `lanes` where `axis` is `value`."""
+    analyzer = tvm.sym.Analyzer()
+    analyzer.bind(lane, tvm.ir.Range(0, lanes))
+    analyzer.bind(axis, tirx.const(value, str(axis.ty)))
+    return analyzer.can_prove(condition)
+
+
+def _condition_terms(store) -> list:
+    """The conjuncts of every if_then_else condition in a block's stored value (topi's padding conditions)."""
+    terms = []
+    for node in _subexpressions(store.value if isinstance(store, tirx.BufferStore) else None):
+        if isinstance(node, tvm.ir.expr.Call) and node.op.name == "prim.if_then_else":
+            terms.extend(_conjuncts(node.args[0]))
+    return terms
+
+
+def _conjuncts(condition) -> list:
+    """`condition` split at its ands."""
+    if isinstance(condition, tirx.And):
+        return [*_conjuncts(condition.a), *_conjuncts(condition.b)]
+    return [condition]
+
+
+def _subexpressions(expr) -> list:
+    """`expr` and every expression in it (through calls, arithmetic, casts and selects)."""
+    found, pending = [], [expr] if expr is not None else []
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        pending.extend(node.args if isinstance(node, tvm.ir.expr.Call) else
+                       [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
+                        if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
+    return found
+
+
 def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
     """The lengths of the runs of the innermost axis over which `block` reads one input of a concatenation along it
     (topi's if_then_else(start <= c, next input, ...) chain), else [row]. Each run is a loop of its own, where the
@@ -294,17 +401,13 @@ def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
     stmt = sch.get(block)
     if not isinstance(stmt.body, tvm.tirx.BufferStore):
         return [row]
-    axis, starts, pending = stmt.iter_vars[-1].var, set(), [stmt.body.value]
-    while pending:
-        node = pending.pop()
+    axis, starts = stmt.iter_vars[-1].var, set()
+    for node in _subexpressions(stmt.body.value):
         if isinstance(node, tvm.ir.expr.Call) and node.op.name == "prim.if_then_else":
             condition = node.args[0]
             if (isinstance(condition, tirx.LE) and isinstance(condition.a, tirx.IntImm)
                     and condition.b.same_as(axis) and 0 < condition.a.value < row):
                 starts.add(int(condition.a.value))
-        pending.extend(node.args if isinstance(node, tvm.ir.expr.Call) else
-                       [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
-                        if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
     edges = [0, *sorted(starts), row]
     return [end - start for start, end in zip(edges, edges[1:])]
 
