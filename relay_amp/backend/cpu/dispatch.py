@@ -162,18 +162,25 @@ class _Dispatcher(relax.PyExprMutator):
         return relax.op.strided_slice(whole, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
 
     def _pad_of_zero_tail(self, pad: relax.Call) -> relax.Expr:
-        """`pad` of a kernel result's first channels back to all of them (a softmax's rows padded with its lowest
-        value, relay_amp.backend.cpu.rows) as the whole result plus the pad value on the zero channels: a
-        per-channel constant that joins the kernel's epilogue, so no function slices and pads the result."""
+        """`pad` of a kernel result's first channels back to all of them or fewer (a softmax's rows padded with its
+        lowest value, relay_amp.backend.cpu.rows) as the whole result plus the pad value on the zero channels: a
+        per-channel constant that joins the kernel's epilogue, so no function slices and pads the result. Padded to
+        fewer (rows to 208, the bf16 kernel's two-column blocks to 224) the sum is sliced to them, a slice the
+        softmax reads in place."""
         whole = sliced_by_binding(self, pad.args[0])
         if whole not in self.zero_tailed:  # its one slice is `_first_channels`': the leading channels
             return pad
         shape, channels = tensor_shape(whole), tensor_shape(pad.args[0])[-1]
-        if [int(width) for width in pad.attrs.pad_width] != [0] * (2 * len(shape) - 1) + [shape[-1] - channels]:
+        widths = [int(width) for width in pad.attrs.pad_width]
+        if widths[:-1] != [0] * (2 * len(shape) - 1) or channels + widths[-1] > shape[-1]:
             return pad
         tail = np.full(shape[-1], float(pad.attrs.pad_value), numpy_dtype(tensor_dtype(whole)))
         tail[:channels] = 0
-        return relax.op.add(whole, relax.const(tail))
+        masked = relax.op.add(whole, relax.const(tail))
+        if channels + widths[-1] == shape[-1]:
+            return masked
+        return relax.op.strided_slice(self.builder_.emit(masked), axes=[len(shape) - 1], begin=[0],
+                                      end=[channels + widths[-1]])
 
     def _runtime_matmul(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
         """A matmul of two runtime tensors (attention's Q.K^T and P.V): its second operand packed by Relax ops

@@ -312,6 +312,21 @@ def test_a_pad_of_the_sliced_result_back_to_its_width_is_an_add_on_the_zero_colu
     relax.analysis.well_formed(fused)
 
 
+def test_a_pad_of_the_sliced_result_to_fewer_columns_is_an_add_on_the_zero_columns_then_a_slice():
+    """40 tokens: the softmax's rows padded to 48, the bf16 kernel's two-column blocks (off AMX) to 64. The mask
+    covers columns 40-63 and joins the epilogue; the softmax reads the first 48 columns of the kernel's result."""
+    dispatched = dispatch.UseDotKernels({BF16})(_masked_softmax_input(40))
+    after = relax.transform.DeadCodeElimination()(dispatched)
+    bindings = after["main"].body.blocks[0].bindings
+    lowest = float(np.finfo("float32").min)
+    assert not [b for b in bindings if call_op_name(b.value) == "relax.nn.pad" and float(b.value.attrs.pad_value) == lowest]
+    assert [call_op_name(b.value) for b in bindings[-2:]] == ["relax.add", "relax.strided_slice"]
+    np.testing.assert_array_equal(bindings[-2].value.args[1].value.numpy(),
+                                  [0.0] * 40 + [lowest] * 24)
+    assert tensor_shape(bindings[-1].value) == (1, 2, 40, 48)
+    relax.analysis.well_formed(after)
+
+
 @pytest.mark.parametrize("between, joins", [
     (lambda scores: relax.op.multiply(scores, relax.const(0.125)), True),  # attention's scale keeps zeros zero
     (lambda scores: relax.op.add(scores, relax.const(1.0)), False),  # the extra columns would hold ones
@@ -329,12 +344,17 @@ def test_a_pad_after_a_sunk_slice_joins_the_epilogue_only_where_the_ops_keep_zer
     assert (not masks) == joins
 
 
-def test_built_masked_scores_match_numpy():
-    if not targets.host_runs_amx():
-        pytest.skip("host CPU (or kernel) has no AMX")
+@pytest.mark.parametrize("target, runs", [
+    ("cpu-amx", targets.host_runs_amx),  # 16-column blocks: the mask covers the kernel's padded columns
+    ("cpu-avx512-bf16", lambda: targets.host_supports("avx512_bf16")),  # 64 columns, sliced to the rows' 48
+])
+def test_built_masked_scores_match_numpy(target, runs):
+    if not runs():
+        pytest.skip(f"host CPU cannot run {target}")
     rng = np.random.default_rng(6)
     q, k = (rng.standard_normal((1, 2, 40, 32)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    got = run_executable(build(_masked_softmax_input(40), "cpu-amx"), [q, k])[0]
+    got = run_executable(build(_masked_softmax_input(40), target), [q, k])[0]
+    assert got.shape == (1, 2, 40, 48)
     scores = np.einsum("bhmk,bhnk->bhmn", q.astype("float64"), k.astype("float64"))
     assert np.abs(got[..., :40] - scores).max() <= 1e-5 * np.abs(scores).max()  # fp32 sums of bf16 products
     assert np.all(got[..., 40:] == np.finfo("float32").min)
