@@ -293,7 +293,8 @@ def _vectorize_across_narrow_axis(sch: s_tir.Schedule, block, loops: list) -> bo
     outside: a run-time K packing for Q·Kᵀ in bf16 (pairs of channels innermost, 16 tokens before them) loads each
     vector's 16 tokens gathered, and adds, scales and rounds them as one vector. The outer iterations where a
     padding condition holds for every lane run apart from those where it does not (the padded last tokens), since
-    TVM computes each lane of a vector loop apart under a condition that varies across it. False (nothing done)
+    TVM computes each lane of a vector loop apart under a condition that varies across it (the padded ones run
+    serially: TVM's bf16 legalization also fails on their all-padding vectors). False (nothing done)
     where the axis is off 8-lane vectors, or a condition across the lanes does not fold on one outer axis (an
     image's spatial padding)."""
     stmt = sch.get(block)
@@ -313,11 +314,14 @@ def _vectorize_across_narrow_axis(sch: s_tir.Schedule, block, loops: list) -> bo
     sch.reorder(*order)
     outer = sch.fuse(*order[:-2])
     sch.split(loops[-2], [None, ACCUMULATOR_LANES if extent % ACCUMULATOR_LANES == 0 else MIN_LANES])
-    for piece in sch.loop_partition(outer, [*edges, None]) if edges else [outer]:
+    pieces = sch.loop_partition(outer, [*edges, None]) if edges else [outer]
+    holding = pieces[1 if start > 0 else 0]
+    for piece in pieces:
         piece_loops = sch.get_loops(sch.get_child_blocks(piece)[0]) if edges else sch.get_loops(block)
         sch.parallel(piece_loops[0])
         sch.unroll(piece_loops[-3])
-        sch.vectorize(piece_loops[-1])
+        if piece.same_as(holding):  # the padded pieces stay serial: their vectors would be computed lane by lane
+            sch.vectorize(piece_loops[-1])
     return True
 
 
