@@ -165,8 +165,8 @@ class _Dispatcher(relax.PyExprMutator):
         """`pad` of a kernel result's first channels back to all of them or fewer (a softmax's rows padded with its
         lowest value, relay_amp.backend.cpu.rows) as the whole result plus the pad value on the zero channels: a
         per-channel constant that joins the kernel's epilogue, so no function slices and pads the result. Padded to
-        fewer (rows to 208, the bf16 kernel's two-column blocks to 224) the sum is sliced to them, a slice the
-        softmax reads in place."""
+        fewer (rows to 208, the bf16 kernel's two-column blocks to 224) the sum is sliced to them: a copy of its
+        own still (FuseOps fuses no slice into the softmax after it), but no pad."""
         whole = sliced_by_binding(self, pad.args[0])
         if whole not in self.zero_tailed:  # its one slice is `_first_channels`': the leading channels
             return pad
