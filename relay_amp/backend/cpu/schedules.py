@@ -333,9 +333,9 @@ def _gathered_along(stmt, lane: tirx.Var) -> list:
 
 def _strided_along(indices: list, lane: tirx.Var) -> bool:
     """Whether buffer `indices` step by other than one element as `lane` steps by one."""
-    if any(any(v.same_as(lane) for v in vars_in(index)) for index in indices[:-1]):
+    if any(_reads_var(index, lane) for index in indices[:-1]):
         return True
-    if not indices or not any(v.same_as(lane) for v in vars_in(indices[-1])):
+    if not indices or not _reads_var(indices[-1], lane):
         return False
     coefficients = tvm.sym.detect_linear_equation(indices[-1], [lane])
     return len(coefficients) != 2 or not isinstance(coefficients[0], tirx.IntImm) or coefficients[0].value != 1
@@ -346,19 +346,24 @@ def _lane_uniform_range(sch: s_tir.Schedule, stmt, loops: list) -> "tuple[int, i
     holds across the whole second-to-last (lane) axis, all of them where no condition involves that axis (axis
     0). None where the conditions on the lanes involve no outer axis or several, or the values are not one run."""
     lane = stmt.iter_vars[-2].var
-    terms = [term for term in _condition_terms(stmt.body) if any(v.same_as(lane) for v in vars_in(term))]
+    terms = [term for term in _condition_terms(stmt.body) if _reads_var(term, lane)]
     if not terms:
         return 0, 0, _extent(sch, loops[0]) or 0
     others = [v for term in terms for v in vars_in(term) if not v.same_as(lane)]
     axes = [i for i, iv in enumerate(stmt.iter_vars[:-2]) if any(iv.var.same_as(v) for v in others)]
     if len(axes) != 1 or not all(v.same_as(stmt.iter_vars[axes[0]].var) for v in others):
         return None
-    axis = axes[0]
+    axis, condition, lanes = axes[0], tirx.all(*terms), _extent(sch, loops[-2])
     holding = [value for value in range(_extent(sch, loops[axis]) or 0)
-               if _holds_across(tirx.all(*terms), lane, _extent(sch, loops[-2]), stmt.iter_vars[axis].var, value)]
+               if _holds_across(condition, lane, lanes, stmt.iter_vars[axis].var, value)]
     if not holding or holding != list(range(holding[0], holding[-1] + 1)):
         return None
     return axis, holding[0], holding[-1] + 1
+
+
+def _reads_var(expr, var: tirx.Var) -> bool:
+    """Whether the TIR expression `expr` reads `var`."""
+    return any(v.same_as(var) for v in vars_in(expr))
 
 
 def _holds_across(condition, lane: tirx.Var, lanes: int, axis: tirx.Var, value: int) -> bool:
