@@ -20,6 +20,23 @@ def test_every_variant_builds_for_tensor_cores(name):
     assert sum(kernels.values()) >= 7  # the convs with 16+ output pixels on wmma; the fp32 stem on dlight
 
 
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_a_transformer_builds_for_tensor_cores_with_every_matmul_recast(name):
+    mod = models.bert_encoder(seq_len=16, hidden=64, heads=2, layers=1)
+    variant_mod = gpu_check.variant(mod, name)
+    dtypes = {str(b.value.args[1].ty.dtype) for b in relay_amp.passes.layers.layer_bindings(variant_mod, ["relax.matmul"])}
+    assert dtypes == {"float32" if name == "float32" else "int8"}
+    kernels = tensor_core_kernels(cuda_source(build(variant_mod, gpu_check.TARGET)))
+    assert (sum(kernels.values()) > 0) == (name == "int8")
+
+
+def test_the_target_follows_the_gpus_compute_capability():
+    assert gpu_check.target_for("8.6") == "cuda-tensorcore"
+    assert gpu_check.target_for("9.0") == "cuda-tensorcore-sm90"
+    with pytest.raises(relay_amp.TargetError, match="7.5"):
+        gpu_check.target_for("7.5")
+
+
 def test_int_variants_lay_convolutions_out_in_hwnc_except_the_stem():
     mod = gpu_check.variant(models.small_cnn(), "int4")
     convs = [binding.value for binding in relay_amp.passes.layers.layer_bindings(mod, ["relax.nn.conv2d"])]
@@ -33,10 +50,11 @@ def test_unknown_variant_is_an_option_error():
 
 
 def test_rows_format_as_a_markdown_table():
-    rows = [gpu_check.GpuRow("resnet18", "int8", 1.5, 0.2, None, 3.0),
-            gpu_check.GpuRow("bert", "float16", 2.0, 0.001, True, None)]
+    rows = [gpu_check.GpuRow("resnet18", "int8", "NVIDIA H200", 1.5, 0.2, 3e-3, False, 3.0),
+            gpu_check.GpuRow("bert", "float16", "NVIDIA H200", 2.0, 0.001, None, True, None)]
     table = gpu_check.format_rows(rows)
-    assert table.startswith("| model") and "2.00x" in table and "| yes" in table
+    assert table.startswith("| model") and "2.00x" in table and "| yes" in table and "| NO" in table
+    assert "H200" in table and "3.00e-03" in table
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")

@@ -136,10 +136,9 @@ def _inline_consumers(sch: s_tir.Schedule, block) -> None:
 
     Intermediate epilogue blocks are first inlined into their consumers (GELU reads its input three times),
     then the one left reading `block` is inlined into it backwards; raises ScheduleError if one remains."""
-    while sch.get_consumers(block):
-        inlined = sum(try_primitive(sch.compute_inline, consumer) for consumer in _all_consumers(sch, block))
-        inlined += sum(try_primitive(sch.reverse_compute_inline, consumer) for consumer in sch.get_consumers(block))
-        if not inlined:
+    while sch.get_consumers(block):  # one block at a time: a block reached along two paths is listed twice
+        if not (any(try_primitive(sch.compute_inline, consumer) for consumer in _all_consumers(sch, block))
+                or any(try_primitive(sch.reverse_compute_inline, consumer) for consumer in sch.get_consumers(block))):
             sch.reverse_compute_inline(sch.get_consumers(block)[0])  # raises the reason it cannot be inlined
 
 
