@@ -1,7 +1,7 @@
 """gpu-check: the CUDA path end to end on this machine's NVIDIA GPU (build, run, compare with the CPU, time).
 
 For each built-in model: float16 AMP, int8 recast and int4 recast (convolutions in HWNC, the stem left in fp32,
-as the seed workflow lays them out) built for the tensor-core preset of the GPU's compute capability
+as the seed workflow lays them out) and calibrated int8 (`quantize`, int8 x int8 with float16 between) built for the tensor-core preset of the GPU's compute capability
 (`cuda-tensorcore` for sm_80 and sm_8x, `cuda-tensorcore-sm90` for Hopper), run there through TVM's CUDA runtime,
 checked against the fp32 model run on the CPU, and timed next to the PyTorch twin in float16 on the same GPU.
 Without a GPU it is one TargetError, before anything is built.
@@ -22,6 +22,7 @@ from ..errors import OptionError, TargetError
 from ..passes.amp import to_mixed_precision
 from ..passes.layers import count_layers
 from ..passes.layout import LayoutConfig, convert_layout
+from ..passes.quantize import quantize
 from ..passes.recast import recast
 from ..runtime import flatten_outputs, run_executable, virtual_machine
 from ..serialization import atomic_write_text
@@ -29,13 +30,14 @@ from . import pytorch
 from .models import example_inputs, get_model
 
 MODELS = ("resnet18", "bert")
-VARIANTS = ("float16", "int8", "int4")
+VARIANTS = ("float16", "int8", "int4", "int8q")
 BASELINE = "float32"  # the unconverted model on the GPU (dlight's schedules): what float16 and int8 should beat
 TARGET = "cuda-tensorcore"  # sm_80: what the variants are checked against without a GPU
 HOPPER_TARGET = "cuda-tensorcore-sm90"
 FLOAT_TOLERANCE = {"float32": 1e-4, "float16": 0.05}  # against the fp32 model on the CPU
 INTEGER_TOLERANCE = 0.01  # an int recast against the same recast built for the CPU: the same integer arithmetic
 STEM = 0  # the layer recast leaves in fp32 (its 3 input channels fill no tensor-core tile)
+CALIBRATION_INPUTS = 16  # random inputs int8q is calibrated on
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class GpuRow:
     gpu: str
     median_ms: float
     max_rel_error: float  # against the fp32 model on the CPU (an uncalibrated int recast is far off: reported only)
-    cpu_twin_error: float | None  # an int recast against the same recast on the CPU; None for float variants
+    cpu_twin_error: float | None  # an int variant against the same module built for the CPU; None for float ones
     passed: bool
     torch_fp16_ms: float | None
 
@@ -71,12 +73,15 @@ def target_for(compute_version: str) -> str:
 
 
 def variant(mod: tvm.IRModule, name: str) -> tvm.IRModule:
-    """The module gpu-check builds for variant `name`: as is (float32), float16 AMP, or int8/int4 recast with HWNC
-    convolutions."""
+    """The module gpu-check builds for variant `name`: as is (float32), float16 AMP, int8/int4 recast with HWNC
+    convolutions, or calibrated int8 (int8q)."""
     if name == BASELINE:
         return mod
     if name == "float16":
         return to_mixed_precision(mod, "float16")
+    if name == "int8q":  # wmma multiplies int8 by int8 (no uint8 x int8 as VNNI); float16 is the GPU's fallback
+        calibration = [example_inputs(mod, seed) for seed in range(1, CALIBRATION_INPUTS + 1)]
+        return quantize(mod, calibration, activation_dtype="int8", fallback_dtype="float16")
     if name not in VARIANTS:
         raise OptionError(f"unknown gpu-check variant {name!r}; choose from {[BASELINE, *VARIANTS]}")
     if not count_layers(mod, ["relax.nn.conv2d"]):  # a transformer: every matmul recast, no layout to change
@@ -164,6 +169,6 @@ def format_rows(rows: Sequence[GpuRow]) -> str:
               "" if r.torch_fp16_ms is None else f"{r.torch_fp16_ms:.3f}",
               "" if r.torch_fp16_ms is None else f"{r.torch_fp16_ms / r.median_ms:.2f}x"] for r in rows]
     headers = ["model", "variant", "GPU", "GPU ms", "max rel error vs CPU fp32",
-               "vs the same recast on CPU", "within tolerance", "torch fp16 ms",
+               "vs the same module on CPU", "within tolerance", "torch fp16 ms",
                "speed-up vs torch fp16"]
     return tabulate(table, headers=headers, tablefmt="github", disable_numparse=True)

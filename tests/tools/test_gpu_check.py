@@ -13,7 +13,7 @@ from relay_amp.tools.cli import main
 NO_GPU = not tvm.cuda(0).exist
 
 
-@pytest.mark.parametrize("name", ["float16", "int8", "int4"])  # 64x64: float16's 16-pixel convs once failed to lower
+@pytest.mark.parametrize("name", ["float16", "int8", "int4", "int8q"])  # 64x64: float16's 16-pixel convs once failed to lower
 def test_every_variant_builds_for_tensor_cores(name):
     mod = gpu_check.variant(models.resnet18(image_size=64, classes=7), name)
     kernels = tensor_core_kernels(cuda_source(build(mod, gpu_check.TARGET)))
