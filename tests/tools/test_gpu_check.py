@@ -64,3 +64,19 @@ def test_without_a_gpu_the_command_prints_one_line_and_exits_1(capsys, tmp_path)
     assert err.count("\n") == 1 and "no NVIDIA GPU" in err and not list(tmp_path.iterdir())
     with pytest.raises(relay_amp.TargetError):
         gpu_check.check_model("resnet18")
+
+
+def test_rows_judge_float_variants_and_int8q_against_fp32_and_recasts_against_the_cpu(monkeypatch):
+    # the GPU replaced by the CPU: every variant then equals its CPU twin, and the judgement is what is tested
+    real_build = build
+    monkeypatch.setattr(gpu_check, "require_gpu", lambda: type("Gpu", (), {"compute_version": "9.0",
+                                                                          "device_name": "a CPU"})())
+    monkeypatch.setattr(gpu_check, "build", lambda mod, target: real_build(mod, "cpu"))
+    monkeypatch.setattr(gpu_check, "_run_on_gpu", lambda executable, inputs, device, repeat: (
+        gpu_check.run_executable(executable, inputs)[0].astype("float64"), 1.0))
+    monkeypatch.setattr(gpu_check, "_torch_fp16_ms", lambda name, repeat: None)
+    monkeypatch.setattr(gpu_check, "get_model", lambda name: models.resnet18(image_size=32, classes=7))
+    rows = {row.variant: row for row in gpu_check.check_model("resnet18", ["float32", "int8", "int8q"])}
+    assert rows["float32"].cpu_twin_error is None and rows["float32"].max_rel_error == 0 and rows["float32"].passed
+    assert rows["int8"].cpu_twin_error == 0 and rows["int8"].max_rel_error > 0.5 and rows["int8"].passed
+    assert rows["int8q"].cpu_twin_error == 0 and 0 < rows["int8q"].max_rel_error < 0.05 and rows["int8q"].passed
