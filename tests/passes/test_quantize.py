@@ -331,6 +331,42 @@ def test_the_digits_cnn_keeps_its_accuracy_in_int8():
     relax.analysis.well_formed(quantized)
 
 
+def two_linears(first: np.ndarray, second: np.ndarray) -> tvm.IRModule:
+    """main(x) = (x @ first) @ second."""
+    bb = relax.BlockBuilder()
+    x = tensor("x", (16, first.shape[0]))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            hidden = bb.emit(relax.op.matmul(x, relax.const(first)))
+            out = bb.emit_output(relax.op.matmul(hidden, relax.const(second)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_codes_of_an_input_in_the_bf16_fallback_are_computed_in_fp32():
+    """The first matmul stays in the fallback (AMP runs it in bf16); the uint8 codes of its output for the second
+    must be floor(x / s + z + 0.5) in fp32. In bf16 the constant z + 0.5 = 200.5 would round to 200 (bf16 steps
+    by 1 from 128 to 256), so half the codes would come out one lower, and 1 / s would lose its low bits."""
+    rng = np.random.default_rng(5)
+    first, second = (rng.integers(-3, 4, shape).astype("float32") for shape in ((8, 8), (8, 4)))
+    mod = two_linears(first, second)
+    layers = relay_amp.list_layers(mod, ["matmul"])
+    step, zero_point = 0.3, 200
+    plan = QuantPlan(["relax.matmul"], "minmax", "per_channel", "bfloat16", entries=[
+        QuantEntry(0, layers[0].op, layers[0].name, "fallback", 0.0, "excluded"),
+        QuantEntry(1, layers[1].op, layers[1].name, "uint8", (255 - zero_point) * step, "test", zero_point)])
+    quantized = relay_amp.apply_quant_plan(mod, plan)
+    calls = [b.value for b in relay_amp.passes.layers.op_bindings(quantized)]
+    assert {str(c.ty.dtype) for c in calls if call_op_name(c) == "relax.floor"} == {"float32"}
+    assert any(call_op_name(c) == "relax.matmul" and str(c.args[0].ty.dtype) == "bfloat16" for c in calls)
+    x = rng.integers(-3, 4, (16, 8)).astype("float32")
+    hidden = x @ first  # small integers: exact in bf16 too
+    codes = np.clip(np.floor(hidden / np.float32(step) + zero_point + 0.5), 0, 255)
+    weight_codes, scales = quantize_weight(second, 1)
+    expected = ((codes - zero_point) @ weight_codes.astype("float64")) * scales * step
+    np.testing.assert_allclose(relay_amp.run(quantized, [x])[0], expected, rtol=1e-5, atol=1e-4)
+
+
 def test_fallback_dtype_runs_the_rest_through_amp():
     mod = models.small_cnn(batch=2)
     calib = [example_inputs(mod, 1)]

@@ -40,6 +40,7 @@ from ...errors import LayerIndexError, OptionError
 from ...ops import canonical_ops
 from ..amp import to_mixed_precision
 from ..batch_norm import FoldBatchNorm
+from ..casts import eliminate_redundant_casts
 from ..layers import layer_bindings, list_layers, resolve_layers
 from ..ranges import layer_input, observe
 from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, threshold
@@ -132,14 +133,15 @@ class _Realizer(relax.PyExprMutator):
         data, weight = new_call.args
         weight_axis, out_axis = _channel_axes(call)
         codes, weight_scales = quantize_weight(weight.value.numpy(), weight_axis if self.per_channel else None)
+        exact = self.builder_.emit(relax.op.astype(data, "float32"))  # see _codes
         if entry.dtype == DYNAMIC:
             row_scale = self.builder_.emit(relax.op.divide(
-                relax.op.max(relax.op.abs(data), axis=-1, keepdims=True), relax.const(float(INT8_MAX))))
+                relax.op.max(relax.op.abs(exact), axis=-1, keepdims=True), relax.const(float(INT8_MAX))))
             row_scale = self.builder_.emit(relax.op.maximum(row_scale, relax.const(np.finfo("float32").tiny)))
-            activations, scale = self._codes(relax.op.divide(data, row_scale), "int8"), row_scale
+            activations, scale = self._codes(relax.op.divide(exact, row_scale), "int8"), row_scale
         else:
             step = entry.step
-            activations = self._codes(relax.op.multiply(data, relax.const(1.0 / step)), entry.dtype, entry.zero_point)
+            activations = self._codes(relax.op.multiply(exact, relax.const(1.0 / step)), entry.dtype, entry.zero_point)
             if self.quantized_residuals and entry.dtype == "uint8" and not entry.zero_point and isinstance(
                     data, relax.Var):
                 self.unsigned_codes[data] = (activations, step)
@@ -190,6 +192,10 @@ class _Realizer(relax.PyExprMutator):
         """Activations already divided by their step, shifted by the zero point, rounded and clipped to `dtype`'s
         codes.
 
+        The activations are cast to float32 first, a cast that is a no-op here: AMP, which runs after, computes an op
+        in the fallback dtype where its input is in it, and bf16's 8 significant bits would round x / s to whole
+        codes above 128 (a half-code step above 64) before floor(x + 0.5) does, up to a whole code off.
+
         floor(x + 0.5) rounds as a vector instruction (round's half-away-from-zero is a libm call per element);
         maximum and minimum clip with layout inference (clip has none: an NHWC build would transpose around it)."""
         low = -INT8_MAX if dtype == "int8" else 0
@@ -229,7 +235,7 @@ def realize_prepared(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
     if plan.fallback_dtype != "float32":
         realized = to_mixed_precision(realized, check_choice(plan.fallback_dtype, FALLBACK_DTYPES, "fallback_dtype"),
                                       func=plan.func)
-    return plan.attach(realized)
+    return plan.attach(eliminate_redundant_casts(realized))  # the codes' float32 casts where nothing was lowered
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.Quantize")
