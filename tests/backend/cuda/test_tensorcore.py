@@ -188,6 +188,20 @@ def test_int8_conv_in_every_layout_runs_on_tensor_cores(layout):
         assert S8_MMA in _ptx_instructions(source)
 
 
+@pytest.mark.parametrize("layout", ["NHWC", "HWNC"])
+def test_an_int8_output_requantized_in_fp32_stores_vectors_cuda_has_a_type_for(layout):
+    """Calibrated int8 in a channels-last layout: each conv's epilogue dequantizes, adds the bias and the residual,
+    and rounds the next layer's int8 codes in fp32. Its store of 16 int8 channels made float32x16 values, which
+    TVM's CUDA codegen cannot print; the stores now take 8 lanes."""
+    mod = models.resnet18(image_size=32, classes=7)
+    quantized = relay_amp.quantize(mod, [models.example_inputs(mod)], activation_dtype="int8")
+    with relay_amp.LayoutConfig(skip_layers=[0]):
+        laid_out = convert_layout(quantized, {"relax.nn.conv2d": [layout, "default"]})
+    source = cuda_source(build(laid_out, "cuda-tensorcore"))
+    convs = {name: wmma for name, wmma in tensor_core_kernels(source).items() if "conv2d" in name}
+    assert sum(convs.values()) >= 10
+
+
 @pytest.mark.parametrize("size", [256, 200])  # 200: the GEMM is padded to whole 64x64 tiles
 @needs_nvcc
 def test_int8_matmul_compiles_to_s8_wmma(size):
