@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gc = commands.add_parser("gpu-check", help="build, run and time the CUDA path on this machine's NVIDIA GPU")
     gc.add_argument("--models", type=_op_list, default=list(GPU_MODELS), help="built-in models, e.g. resnet18,bert")
-    gc.add_argument("--variants", type=_op_list, default=list(GPU_VARIANTS), help="e.g. float16,int8,int4")
+    gc.add_argument("--variants", type=_op_list, default=list(GPU_VARIANTS), help="of float32,float16,int8,int4,int8q")
     gc.add_argument("--repeat", type=int, default=20, help="timed runs per variant")
     gc.add_argument("--results", help="write gpu_check.json and gpu_check.md into this directory")
     gc.set_defaults(run=_cmd_gpu_check)

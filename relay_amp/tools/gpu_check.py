@@ -1,9 +1,10 @@
 """gpu-check: the CUDA path end to end on this machine's NVIDIA GPU (build, run, compare with the CPU, time).
 
 For each built-in model: float16 AMP, int8 recast and int4 recast (convolutions in HWNC, the stem left in fp32,
-as the seed workflow lays them out) and calibrated int8 (`quantize`, int8 x int8 with float16 between) built for the tensor-core preset of the GPU's compute capability
-(`cuda-tensorcore` for sm_80 and sm_8x, `cuda-tensorcore-sm90` for Hopper), run there through TVM's CUDA runtime,
-checked against the fp32 model run on the CPU, and timed next to the PyTorch twin in float16 on the same GPU.
+as the seed workflow lays them out) and calibrated int8 (`quantize`, int8 x int8 codes, float16 between), built
+for the tensor-core preset of the GPU's compute capability (`cuda-tensorcore` for sm_8x, `cuda-tensorcore-sm90`
+for Hopper), run there through TVM's CUDA runtime, checked against the fp32 model run on the CPU (an int variant
+also against the same module built for the CPU), and timed next to the PyTorch twin in float16 on the same GPU.
 Without a GPU it is one TargetError, before anything is built.
 """
 
