@@ -77,8 +77,8 @@ def test_rows_judge_float_variants_and_int8q_against_fp32_and_recasts_against_th
     monkeypatch.setattr(gpu_check, "_run_on_gpu", lambda executable, inputs, device, repeat: (
         gpu_check.run_executable(executable, inputs)[0].astype("float64"), 1.0))
     monkeypatch.setattr(gpu_check, "_torch_fp16_ms", lambda name, repeat: None)
-    monkeypatch.setattr(gpu_check, "get_model", lambda name: models.resnet18(image_size=32, classes=7))
-    rows = {row.variant: row for row in gpu_check.check_model("resnet18", ["float32", "int8", "int8q"])}
+    monkeypatch.setattr(gpu_check, "get_model", lambda name: models.small_cnn())
+    rows = {row.variant: row for row in gpu_check.check_model("small_cnn", ["float32", "int8", "int8q"])}
     assert rows["float32"].cpu_twin_error is None and rows["float32"].max_rel_error == 0 and rows["float32"].passed
     assert rows["int8"].cpu_twin_error == 0 and rows["int8"].max_rel_error > 0.5 and rows["int8"].passed
     assert rows["int8q"].cpu_twin_error == 0 and 0 < rows["int8q"].max_rel_error < 0.05 and rows["int8q"].passed
