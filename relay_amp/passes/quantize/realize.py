@@ -232,10 +232,10 @@ def realize_prepared(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
     _one_of(plan.weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
     realizer = _Realizer(mod, chosen, plan.weight_granularity == "per_channel", plan.quantized_residuals)
     realized = rewrite_function(realizer, mod, plan.func)
-    if plan.fallback_dtype != "float32":
-        realized = to_mixed_precision(realized, check_choice(plan.fallback_dtype, FALLBACK_DTYPES, "fallback_dtype"),
-                                      func=plan.func)
-    return plan.attach(eliminate_redundant_casts(realized))  # the codes' float32 casts where nothing was lowered
+    if plan.fallback_dtype == "float32":  # the codes' float32 casts are of float32 values: removed
+        return plan.attach(eliminate_redundant_casts(realized))
+    fallback = check_choice(plan.fallback_dtype, FALLBACK_DTYPES, "fallback_dtype")
+    return plan.attach(to_mixed_precision(realized, fallback, func=plan.func))  # AMP removes them where it can
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.Quantize")
