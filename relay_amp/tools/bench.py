@@ -46,6 +46,11 @@ class BenchRow:
     torch_ms: float | None = None
 
 
+def max_relative_error(output: np.ndarray, reference: np.ndarray) -> float:
+    """The largest absolute difference of `output` from `reference`, relative to the largest |reference|."""
+    return float(np.abs(output - reference).max()) / max(float(np.abs(reference).max()), 1e-12)
+
+
 def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) -> tvm.IRModule:
     """The module to benchmark for `dtype`: fp32 as is, float16/bfloat16 through AMP's defaults, int8 by recast,
     int8q by quantize on `calibration` (input batches; random ones by default), with per-row activation scales
@@ -106,9 +111,8 @@ def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16")
         outputs = run_executable(executable, inputs)
         measured[dtype] = (_median_ms(executable, inputs, repeat), outputs[0].astype("float64"), logs is not None)
     base_ms, reference, _ = measured[BASELINE]
-    scale = max(float(np.abs(reference).max()), 1e-12)
     return [
-        BenchRow(dtype, ms, base_ms / ms, float(np.abs(out - reference).max()) / scale, tuned,
+        BenchRow(dtype, ms, base_ms / ms, max_relative_error(out, reference), tuned,
                  _torch_ms(torch_twin, dtype, repeat))
         for dtype, (ms, out, tuned) in measured.items()
     ]

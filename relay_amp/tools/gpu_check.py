@@ -28,6 +28,7 @@ from ..passes.recast import recast
 from ..runtime import flatten_outputs, run_executable, virtual_machine
 from ..serialization import atomic_write_text
 from . import pytorch
+from .bench import max_relative_error
 from .models import example_inputs, get_model
 
 MODELS = ("resnet18", "bert")
@@ -123,10 +124,6 @@ def _torch_fp16_ms(name: str, repeat: int) -> float | None:
     return float(np.median([start.elapsed_time(end) for start, end in events]))
 
 
-def _relative_error(output: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(output - reference).max()) / max(float(np.abs(reference).max()), 1e-12)
-
-
 def check_model(name: str, variants: Sequence[str] = VARIANTS, repeat: int = 20) -> list[GpuRow]:
     """Every variant of built-in model `name` on the GPU, against the fp32 model on the CPU and, for int variants,
     against the same module built for the CPU (which an int recast's tensor-core kernels must match)."""
@@ -140,10 +137,11 @@ def check_model(name: str, variants: Sequence[str] = VARIANTS, repeat: int = 20)
     for variant_name in variants:
         variant_mod = variant(mod, variant_name)
         output, median = _run_on_gpu(build(variant_mod, target), inputs, device, repeat)
-        error = _relative_error(output, reference)
+        error = max_relative_error(output, reference)
         twin_error = None
         if variant_name.startswith("int"):
-            twin_error = _relative_error(output, run_executable(build(variant_mod, "cpu"), inputs)[0].astype("float64"))
+            cpu_output = run_executable(build(variant_mod, "cpu"), inputs)[0].astype("float64")
+            twin_error = max_relative_error(output, cpu_output)
         passed = twin_error <= RECAST_TOLERANCE if variant_name in RECASTS else error <= TOLERANCE[variant_name]
         rows.append(GpuRow(name, variant_name, device.device_name, median, error, twin_error, passed, torch_ms))
     return rows

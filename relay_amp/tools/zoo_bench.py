@@ -31,7 +31,7 @@ from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
 from ..targets import host_cores
 from . import zoo
-from .bench import BASELINE, QUANTIZED, variant
+from .bench import BASELINE, QUANTIZED, max_relative_error, variant
 from .metrics import cosine_similarity, top1_agreement
 from .profile import ProfileRow, call_times, profile_rows
 from .pytorch import channels_last
@@ -199,8 +199,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
             runners[ORT_FILE_INT8] = _relay_runner(on_ort_file, inputs)
         result.ms = rotating_medians(runners, rounds, repeat)
         reference = _output(runners["torch fp32"]())
-        result.error = {runner: float(np.abs(_output(run()) - reference).max() / np.abs(reference).max())
-                        for runner, run in runners.items()}
+        result.error = {runner: max_relative_error(_output(run()), reference) for runner, run in runners.items()}
         if QUANTIZED in dtypes:
             result.agreement = _int8_agreement(name, tiny, executables[BASELINE], {
                 f"relay_amp {QUANTIZED}": _relay_runner_on(executables[QUANTIZED]), ORT_INT8: _ort_runner_on(ort_int8),

@@ -2,11 +2,12 @@
 
 import json
 
+import numpy as np
 import pytest
 
 import relay_amp
 from relay_amp import models
-from relay_amp.tools.bench import benchmark, format_rows, rows_to_json, variant
+from relay_amp.tools.bench import benchmark, format_rows, max_relative_error, rows_to_json, variant
 from relay_amp.tools.cli import main
 
 
@@ -77,3 +78,10 @@ def test_int4w_packs_the_weights_of_bf16_matmuls_and_keeps_int4_error():
     assert "relay_amp_int4_matmul" in variant(mod, "int4w").script()
     (_, row) = benchmark(mod, ["int4w"], "cpu", repeat=2)
     assert row.dtype == "int4w" and 0.01 < row.max_rel_error < 0.3  # int4 rounding of Gaussian weights
+
+
+def test_max_relative_error_is_the_largest_difference_over_the_largest_reference_value():
+    reference = np.array([[2.0, -4.0], [1.0, 0.0]])
+    assert max_relative_error(reference + [[0.5, 0.0], [0.0, -1.0]], reference) == 0.25
+    assert max_relative_error(reference, reference) == 0.0
+    assert max_relative_error(np.ones(2), np.zeros(2)) == 1e12  # an all-zero reference: no division by zero
