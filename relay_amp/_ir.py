@@ -166,8 +166,42 @@ def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
     keeping its columns] -> inference batch_norm over those columns into the matmul's weight and a bias add, the
     new weights computed once."""
     fold = relax.transform.FoldConstant()  # biases arrive as reshapes of constants; shifted means, scaled weights
-    return tvm.transform.Sequential([fold, _bias_into_statistics, fold, relax.transform.FoldBatchnormToConv2D(),
-                                     _batch_norm_into_matmul, fold, relax.transform.CanonicalizeBindings()])(mod)
+    return tvm.transform.Sequential([fold, _shared_conv_batch_norms_as_affine, _bias_into_statistics, fold,
+                                     relax.transform.FoldBatchnormToConv2D(), _batch_norm_into_matmul, fold,
+                                     relax.transform.CanonicalizeBindings()])(mod)
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.SharedConvBatchNormsAsAffine")
+def _shared_conv_batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+    """batch_norm(v) over axis 1 of a conv's output v (bias added or not) that other ops read too, as v * s + t with
+    s = gamma / sqrt(var + eps), t = beta - mean * s: FoldBatchnormToConv2D would fold it into a second conv of the
+    conv's input (RepGhost's fusion batch norms: 16 extra convs), where a scale and shift costs one pass."""
+    reads, values = read_counts(func), relax.analysis.get_var2val(func)
+    gamma, beta, mean, var = dpl.is_const(), dpl.is_const(), dpl.is_const(), dpl.is_const()
+    norm = dpl.is_op("relax.nn.batch_norm")(dpl.wildcard(), gamma, beta, mean, var)
+
+    def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
+        data, attrs = call.args[0], call.attrs
+        shape = tensor_shape(data)
+        if (attrs.training or shape is None or len(shape) != 4 or int(attrs.axis) % 4 != 1
+                or reads.get(data, 0) < 2 or not _is_conv_output(data, values)):
+            return call
+        stats = [matches[name].value.numpy().astype("float64") for name in (gamma, beta, mean, var)]
+        scale = (stats[0] if attrs.scale else 1.0) / np.sqrt(stats[3] + float(attrs.epsilon))
+        shift = (stats[1] if attrs.center else 0.0) - stats[2] * scale
+        per_channel = [relax.const(v.reshape(1, -1, 1, 1).astype("float32")) for v in (scale, shift)]
+        return relax.Tuple([relax.op.add(relax.op.multiply(data, per_channel[0]), per_channel[1]), matches[mean],
+                            matches[var]])
+
+    return dpl.rewrite_call(norm, rewrite, func)
+
+
+def _is_conv_output(data: relax.Expr, values: Mapping) -> bool:
+    """Whether `data` is bound to a conv2d, or to a conv2d's output plus a constant (its bias)."""
+    value = values.get(data)
+    if call_op_name(value) == "relax.add" and isinstance(value.args[1], tvm.ir.expr.Constant):
+        value = values.get(value.args[0])
+    return call_op_name(value) == "relax.nn.conv2d"
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.BatchNormIntoMatmul")

@@ -11,6 +11,7 @@ import tvm
 from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from ._pads import pads_as_ops
+from ._parallel_convs import merge_parallel_convs
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 
@@ -100,7 +101,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
               dims: Mapping[str, int] | None = None) -> tvm.IRModule:
     """Import an ONNX model (a path or a ModelProto) into Relax, constant shapes folded, weights bound as constants
     (and those the graph computes from constants folded: relay_amp._ir.fold_weights), batch norms the
-    exporter left after convs and linear layers folded into their weights, group norms as one op, clamps (ReLU6) as
+    exporter left after convs and linear layers folded into their weights, parallel conv branches of one input
+    summed (RepVGG, MobileOne) as one conv, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
     scalar constants as float constants. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
     axes), before shapes are folded."""
@@ -122,7 +124,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     """Import a torch.nn.Module through torch.export, weights bound as constants (and those computed from constants
-    folded), batch norms folded into convs and linear layers, clamps (ReLU6, hardtanh) as maximum and minimum."""
+    folded), batch norms folded into convs and linear layers, parallel conv branches as one conv, clamps (ReLU6,
+    hardtanh) as maximum and minimum."""
     try:
         import torch
         from tvm.relax.frontend.torch import from_exported_program
@@ -139,6 +142,6 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
 
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:
     """An imported module in the form relay_amp's passes match: values computed from constants folded (batch norms
-    into weights), the exporters' group norm spellings as relax.nn.group_norm, clamps as maximum and minimum, ONNX
-    pads as relax.nn.pad."""
-    return pads_as_ops(clamps_as_max_min(group_norms_as_ops(fold_weights(imported))))
+    into weights), parallel conv branches merged, the exporters' group norm spellings as relax.nn.group_norm, clamps
+    as maximum and minimum, ONNX pads as relax.nn.pad."""
+    return pads_as_ops(clamps_as_max_min(group_norms_as_ops(merge_parallel_convs(fold_weights(imported)))))

@@ -123,3 +123,38 @@ def test_a_batch_norm_after_a_linear_layer_folds_into_its_weight_columns_and_a_b
     x = np.random.default_rng(8).standard_normal((1, 4, 3)).astype("float32")
     expected = relay_amp.run(MatmulBatchNorm, [x])[0]
     np.testing.assert_allclose(relay_amp.run(MatmulFolded, [x])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@I.ir_module
+class SharedConvBatchNorm:
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            c = R.nn.conv2d(x, R.const(W))
+            bn = R.nn.batch_norm(c, R.const(GAMMA), R.const(BETA), R.const(MEAN), R.const(VAR), axis=1,
+                                 epsilon=EPS, training=False)
+            gv = R.add(bn[0], R.nn.relu(c))
+            R.output(gv)
+        return gv
+
+
+SHIFT = (BETA.astype("float64") - MEAN * (GAMMA / np.sqrt(VAR.astype("float64") + EPS))).astype("float32")
+SCALE64 = (GAMMA / np.sqrt(VAR.astype("float64") + EPS)).astype("float32")
+
+
+@I.ir_module
+class SharedConvScaled:
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            c = R.nn.conv2d(x, R.const(W))
+            scaled = R.multiply(c, R.const(SCALE64.reshape(1, 2, 1, 1)))
+            gv = R.add(R.add(scaled, R.const(SHIFT.reshape(1, 2, 1, 1))), R.nn.relu(c))
+            R.output(gv)
+        return gv
+
+
+def test_a_batch_norm_of_a_conv_output_read_elsewhere_becomes_a_scale_and_shift_not_a_second_conv():
+    """RepGhost's fusion batch norm reads the conv output its cheap depthwise conv reads: folded, it was a copy
+    of the conv with scaled weights."""
+    assert_transforms(relay_amp.transform.FoldBatchNorm(), SharedConvBatchNorm, SharedConvScaled)
