@@ -138,8 +138,7 @@ class SharedConvBatchNorm:
         return gv
 
 
-SHIFT = (BETA.astype("float64") - MEAN * (GAMMA / np.sqrt(VAR.astype("float64") + EPS))).astype("float32")
-SCALE64 = (GAMMA / np.sqrt(VAR.astype("float64") + EPS)).astype("float32")
+AFFINE_SCALE, AFFINE_SHIFT = SCALE64.astype("float32"), (BETA - MEAN * SCALE64).astype("float32")
 
 
 @I.ir_module
@@ -148,8 +147,8 @@ class SharedConvScaled:
     def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
         with R.dataflow():
             c = R.nn.conv2d(x, R.const(W))
-            scaled = R.multiply(c, R.const(SCALE64.reshape(1, 2, 1, 1)))
-            gv = R.add(R.add(scaled, R.const(SHIFT.reshape(1, 2, 1, 1))), R.nn.relu(c))
+            scaled = R.multiply(c, R.const(AFFINE_SCALE.reshape(1, 2, 1, 1)))
+            gv = R.add(R.add(scaled, R.const(AFFINE_SHIFT.reshape(1, 2, 1, 1))), R.nn.relu(c))
             R.output(gv)
         return gv
 
