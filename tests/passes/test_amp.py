@@ -310,3 +310,26 @@ def test_a_moved_constant_beyond_float16s_range_keeps_the_add_in_fp32():
         bb.emit_func_output(out)
     plan = precision_plan(relay_amp.to_mixed_precision(bb.get(), "float16"))
     assert [e.dtype for e in plan.entries if e.op == "relax.add"] == ["float32"]
+
+
+def test_a_resize_after_a_low_op_yields_the_low_dtype_and_builds():
+    """resize2d has an out_dtype, which AMP had set to the fp32 accumulator as for a conv; TVM's legalization
+    ignores it and computes in the input's dtype, so GhostNetV2 and EfficientFormerV2 failed to build in bf16."""
+    @I.ir_module
+    class Upsampled:
+        @R.function
+        def main(x: R.Tensor((1, 4, 2, 2), "float32"), w: R.Tensor((4, 4, 1, 1), "float32")):
+            with R.dataflow():
+                conv = R.nn.conv2d(x, w)
+                up = R.image.resize2d(conv, R.shape([4, 4]), method="nearest_neighbor")
+                gv = R.multiply(up, R.const(2.0, "float32"))
+                R.output(gv)
+            return gv
+
+    after = convert(Upsampled, "bfloat16")
+    resized = [b.value for b in after["main"].body.blocks[0].bindings if b.value.op.name == "relax.image.resize2d"]
+    assert [relay_amp._ir.tensor_dtype(call) for call in resized] == ["bfloat16"]
+    data = [np.random.default_rng(0).standard_normal(shape).astype("float32") for shape in ((1, 4, 2, 2), (4, 4, 1, 1))]
+    executable = relay_amp.build(after, relay_amp.targets.host_preset())
+    np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Upsampled, data)[0],
+                               rtol=2e-2, atol=2e-2)  # bf16's 8 bits of mantissa, twice

@@ -96,8 +96,9 @@ class _AmpMutator(relax.PyExprMutator):
 
     def _lowered(self, call: relax.Call, args: list[relax.Expr]) -> relax.Expr:
         attrs = call.attrs
-        if has_attr_field(attrs, "out_dtype"):
-            attrs = with_attr(attrs, out_dtype=self.config.accumulation_dtype)
+        if has_attr_field(attrs, "out_dtype"):  # a sum accumulates wide; a follow op (a resize) yields the low dtype
+            accumulates = self.config.lists.category(call.op.name) == "target"
+            attrs = with_attr(attrs, out_dtype=self.config.accumulation_dtype if accumulates else self.low)
         new_call = self.builder_.normalize(relax.Call(call.op, args, attrs, call.ty_args))
         if tensor_dtype(new_call) in (None, self.low) or not is_float(tensor_dtype(new_call)):
             return new_call
