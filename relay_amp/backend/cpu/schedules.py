@@ -595,8 +595,11 @@ class ColumnReductionRule(_CpuRule):
     ones after it run on that vector too."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
-        """Schedule a function of one such reduction and elementwise ops, else None."""
+        """Schedule a function of one such reduction and elementwise ops, or of reductions over a middle axis
+        keeping the innermost and the elementwise ops between them, else None."""
         reductions = [info for info in infos if not info.is_injective()]
+        if len(reductions) > 1 or (reductions and _middle_rows(sch, infos, reductions)):
+            return _column_rows(sch, infos, reductions)
         kept = _kept_axis(sch, reductions[0]) if len(reductions) == 1 else None
         if kept is None:
             return None
@@ -608,6 +611,46 @@ class ColumnReductionRule(_CpuRule):
             sch.reverse_compute_at(consumer, items)
             sch.vectorize(sch.get_loops(consumer)[-1])
         return sch
+
+
+def _middle_rows(sch: s_tir.Schedule, infos: list, reductions: list) -> int:
+    """The count of leading loops (the rows) outside a middle axis that every reduction of `reductions` reduces
+    over, keeping its innermost spatial loop (a softmax over W of NHWC data, as attention's softmax over the keys
+    becomes where heads are channels), where the last block runs over those rows too; else 0."""
+    kept = [_kept_axis(sch, info) for info in reductions]
+    if None in kept or len({lanes for _, lanes in kept}) != 1 or not infos[-1].is_injective():
+        return 0
+    row = kept[0][0]
+    if any(position != row for position, _ in kept) or any(info.dom_kind() != "S" * row + "SR" for info in reductions):
+        return 0
+    extents = [[_extent(sch, loop) for loop in sch.get_loops(info.block_rv)[:row]] for info in (*reductions, infos[-1])]
+    return row if row and all(e == extents[0] for e in extents) else 0
+
+
+def _column_rows(sch: s_tir.Schedule, infos: list, reductions: list) -> s_tir.Schedule | None:
+    """Reductions over a middle axis (see `_middle_rows`) and the elementwise ops around them, all in one parallel
+    row loop: each reduction adds whole vectors of the kept innermost axis across the reduced positions, each
+    elementwise block runs in vectors of its row."""
+    infos = _store_from_producer(sch, infos)
+    reductions = [info for info in infos if not info.is_injective()]
+    rows = _middle_rows(sch, infos, reductions)
+    if not rows:
+        return None
+    try:
+        row = _parallel_rows(sch, infos[-1].block_rv, rows, vectorize=True)
+        for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
+            sch.compute_at(block, row, preserve_unit_loops=False)
+        for info in infos[:-1]:
+            if info.is_injective():
+                _vectorize_row(sch, info.block_rv)
+        for info in reductions:
+            lanes, reduced = sch.get_loops(info.block_rv)[-2:]
+            sch.reorder(reduced, lanes)
+            sch.vectorize(lanes)
+            sch.vectorize(sch.get_loops(sch.decompose_reduction(info.block_rv, reduced))[-1])
+    except s_tir.ScheduleError:
+        return None
+    return sch
 
 
 def _kept_axis(sch: s_tir.Schedule, info) -> "tuple[int, int] | None":

@@ -87,6 +87,8 @@ CASES = {
     "token_pairs_packed": (lambda x: relax.op.permute_dims(relax.op.reshape(
         relax.op.nn.pad(relax.op.multiply(x, relax.const(0.5, "float32")), [0, 3, 0, 0]), (2, 8, 4, 2)),
         [0, 2, 1, 3]), ("x", (13, 8))),
+    # a softmax over NHWC's W (attention's keys where the heads are channels: EfficientFormerV2's talking heads)
+    "softmax_middle_axis": (lambda x: relax.op.nn.softmax(x, axis=2), ("x", (1, 5, 7, 16))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
                                                                                 keepdims=True))),
                       ("x", (6, 48))),
@@ -947,6 +949,19 @@ def test_column_reduction_rule_leaves_row_reductions_and_other_targets():
     assert schedules.ColumnReductionRule().apply(_row_share, targets.get_target("cpu"), False) is None
     assert schedules.ColumnReductionRule().apply(_column_mean, targets.get_target("cuda-tensorcore"), False) is None
     assert schedules.ColumnReductionRule().apply(_matmul_bias, targets.get_target("cpu"), False) is None
+
+
+def test_column_reduction_rule_runs_a_softmax_over_a_middle_axis_in_vectors_of_the_innermost():
+    """A softmax over axis 2 of [1, 49, 49, 8] (EfficientFormerV2 in NHWC) fell to TVM's rule, one scalar at a time:
+    257 us in fp32 and 1056 us with a bf16 cast, 20 us now (Zen 4). Each row's max and sum add vectors of the
+    kept channels across the reduced positions; the elementwise blocks run in the same parallel row."""
+    x = te.placeholder((1, 5, 7, 16), name="x")
+    func = te.create_prim_func([x, topi.nn.softmax(x, axis=2)])
+    scheduled = schedules.ColumnReductionRule().apply(func, targets.get_target("cpu"), False)
+    for reduction in ("T_softmax_maxelem_update", "T_softmax_expsum_update"):
+        loops = [scheduled.get(loop) for loop in scheduled.get_loops(scheduled.get_sblock(reduction))]
+        assert [(loop.kind, int(loop.extent)) for loop in loops] == [
+            (tvm.tirx.ForKind.PARALLEL, 5), (tvm.tirx.ForKind.SERIAL, 7), (tvm.tirx.ForKind.VECTORIZED, 16)]
 
 
 def _row_reduction_blocks(case: str) -> list[str]:
