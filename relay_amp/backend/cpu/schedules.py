@@ -5,8 +5,8 @@ scalar, single-threaded loop nests. `ContractionRule` schedules every contractio
 block reading two or more tensors: matmul, batch matmul, dense, conv; and pooling windows) as a register-blocked,
 vectorized, parallel loop nest; `ElementwiseRule` parallelizes and vectorizes elementwise functions within
 their rows; `RowReductionRule` runs row reductions (softmax, layer norm, RMS norm) one parallel row at a time with
-vector partial sums; `ColumnReductionRule` runs reductions over outer axes (NHWC global pooling) by vectors of the
-kept innermost axis.
+vector partial sums; `ColumnReductionRule` runs reductions over outer or middle axes (NHWC global pooling, a softmax
+over NHWC's W) by vectors of the kept innermost axis.
 """
 
 import bisect
@@ -592,7 +592,8 @@ class ColumnReductionRule(_CpuRule):
     of NHWC data, as squeeze-excite blocks and classifier heads pool): a row reduction would sum one channel at a
     time, its elements a channel count apart (a gather per vector). Here each whole vector of channels is added
     across the reduced positions, one parallel item per vector of channels; the ops before it are inlined, the
-    ones after it run on that vector too."""
+    ones after it run on that vector too. Reductions over a middle axis (a softmax over W of NHWC data) run the
+    same way inside parallel rows (`_column_rows`)."""
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
         """Schedule a function of one such reduction and elementwise ops, or of reductions over a middle axis
