@@ -574,12 +574,7 @@ class RowReductionRule(_CpuRule):
             return _broadcast_reductions(sch, infos, reductions) if infos[-1].is_injective() else None
         try:
             factored = [_factor_reduction(sch, info.block_rv, rows) for info in reductions]
-            row = _parallel_rows(sch, infos[-1].block_rv, rows, vectorize=infos[-1].is_injective())
-            for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
-                sch.compute_at(block, row, preserve_unit_loops=False)
-            for info in infos[:-1]:
-                if info.is_injective():
-                    _vectorize_row(sch, info.block_rv)
+            _in_parallel_rows(sch, infos, rows, vectorize=infos[-1].is_injective())
             for block in factored:
                 _vectorize_partial_sums(sch, block)
         except s_tir.ScheduleError:
@@ -638,12 +633,7 @@ def _column_rows(sch: s_tir.Schedule, infos: list, reductions: list) -> s_tir.Sc
     if not rows:
         return None
     try:
-        row = _parallel_rows(sch, infos[-1].block_rv, rows, vectorize=True)
-        for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
-            sch.compute_at(block, row, preserve_unit_loops=False)
-        for info in infos[:-1]:
-            if info.is_injective():
-                _vectorize_row(sch, info.block_rv)
+        _in_parallel_rows(sch, infos, rows, vectorize=True)
         for info in reductions:
             lanes, reduced = sch.get_loops(info.block_rv)[-2:]
             sch.reorder(reduced, lanes)
@@ -770,6 +760,17 @@ def _factor_reduction(sch: s_tir.Schedule, block, rows: int):
     reduction = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     _, lanes = sch.split(reduction, [None, _row_lanes(_extent(sch, reduction))])
     return sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].source.shape))
+
+
+def _in_parallel_rows(sch: s_tir.Schedule, infos: list, rows: int, vectorize: bool) -> None:
+    """The last block's `rows` leading loops as one parallel loop (`_parallel_rows`), every other block computed
+    inside it and the elementwise ones vectorized along their row."""
+    row = _parallel_rows(sch, infos[-1].block_rv, rows, vectorize)
+    for block in reversed(sch.get_child_blocks(sch.get_sblock("root"))[:-1]):
+        sch.compute_at(block, row, preserve_unit_loops=False)
+    for info in infos[:-1]:
+        if info.is_injective():
+            _vectorize_row(sch, info.block_rv)
 
 
 def _parallel_rows(sch: s_tir.Schedule, block, rows: int, vectorize: bool):
