@@ -171,10 +171,18 @@ def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
                                      relax.transform.CanonicalizeBindings()])(mod)
 
 
+def batch_norm_scale_shift(attrs: tvm.ir.Attrs, gamma, beta, mean, var) -> tuple[np.ndarray, np.ndarray]:
+    """An inference batch norm (`attrs`, its statistics as arrays) as the per-channel float64 (scale, shift) with
+    which it computes x * scale + shift: scale = gamma / sqrt(var + eps), shift = beta - mean * scale."""
+    gamma, beta, mean, var = (np.asarray(v, "float64") for v in (gamma, beta, mean, var))
+    scale = (gamma if attrs.scale else 1.0) / np.sqrt(var + float(attrs.epsilon))
+    return scale, (beta if attrs.center else 0.0) - mean * scale
+
+
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SharedConvBatchNormsAsAffine")
 def _shared_conv_batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
-    """batch_norm(v) over axis 1 of a conv's output v (bias added or not) that other ops read too, as v * s + t with
-    s = gamma / sqrt(var + eps), t = beta - mean * s: FoldBatchnormToConv2D would fold it into a second conv of the
+    """batch_norm(v) over axis 1 of a conv's output v (bias added or not) that other ops read too, as v * scale +
+    shift (batch_norm_scale_shift): FoldBatchnormToConv2D would fold it into a second conv of the
     conv's input (RepGhost's fusion batch norms: 16 extra convs), where a scale and shift costs one pass."""
     reads, values = read_counts(func), relax.analysis.get_var2val(func)
     gamma, beta, mean, var = dpl.is_const(), dpl.is_const(), dpl.is_const(), dpl.is_const()
@@ -186,9 +194,8 @@ def _shared_conv_batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, 
         if (attrs.training or shape is None or len(shape) != 4 or int(attrs.axis) % 4 != 1
                 or reads.get(data, 0) < 2 or not _is_conv_output(data, values)):
             return call
-        stats = [matches[name].value.numpy().astype("float64") for name in (gamma, beta, mean, var)]
-        scale = (stats[0] if attrs.scale else 1.0) / np.sqrt(stats[3] + float(attrs.epsilon))
-        shift = (stats[1] if attrs.center else 0.0) - stats[2] * scale
+        stats = (matches[name].value.numpy() for name in (gamma, beta, mean, var))
+        scale, shift = batch_norm_scale_shift(attrs, *stats)
         per_channel = [relax.const(v.reshape(1, -1, 1, 1).astype("float32")) for v in (scale, shift)]
         return relax.Tuple([relax.op.add(relax.op.multiply(data, per_channel[0]), per_channel[1]), matches[mean],
                             matches[var]])
@@ -222,9 +229,8 @@ def _batch_norm_into_matmul(func: relax.Function, mod: tvm.IRModule, ctx) -> rel
         if (attrs.training or columns.ndim != 2 or str(columns.dtype) != "float32" or out_shape is None
                 or int(attrs.axis) % len(out_shape) != len(out_shape) - 1 or out_shape[-1] != columns.shape[1]):
             return call
-        stats = [matches[name].value.numpy().astype("float64") for name in (gamma, beta, mean, var)]
-        scale = (stats[0] if attrs.scale else 1.0) / np.sqrt(stats[3] + float(attrs.epsilon))
-        shift = (stats[1] if attrs.center else 0.0) - stats[2] * scale
+        stats = (matches[name].value.numpy() for name in (gamma, beta, mean, var))
+        scale, shift = batch_norm_scale_shift(attrs, *stats)
         scaled = relax.const((columns * scale).astype("float32"))
         value = relax.op.add(relax.op.matmul(matches[product].args[0], scaled), relax.const(shift.astype("float32")))
         if shaped in matches:

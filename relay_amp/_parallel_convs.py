@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ._ir import read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ._ir import batch_norm_scale_shift, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from .ops import call_op_name
 
 
@@ -76,11 +76,10 @@ class _BranchMerger(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         super().__init__(mod)
         self.reads = read_counts(func)
-        self.value_of: dict[relax.Var, relax.Expr] = {}
+        self.value_of = relax.analysis.get_var2val(func)
         self.readings: dict[relax.Var, list[Branches]] = {}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        self.value_of[binding.var] = binding.value
         readings = []
         if tensor_dtype(binding.var) == "float32" and tensor_shape(binding.var) is not None:
             readings = _readings_of(binding.value, self._operand, self.value_of)
@@ -99,10 +98,8 @@ class _BranchMerger(relax.PyExprMutator):
         if not isinstance(expr, relax.Var):
             return []
         own = [b for b in self.readings.get(expr, []) if self.reads.get(expr, 0) == 1 or b.weight is None]
-        shape = tensor_shape(expr)
-        if tensor_dtype(expr) != "float32" or shape is None or len(shape) != 4 or not isinstance(shape[1], int):
-            return own
-        return own + [Branches(expr, None, np.ones(shape[1]), np.zeros(shape[1]))]
+        channels = _channels(expr)
+        return own if channels is None else own + [Branches(expr, None, np.ones(channels), np.zeros(channels))]
 
     def _merged(self, branches: Branches) -> relax.Expr:
         """One conv of the branches' source and its bias add, emitted but the add."""
@@ -158,9 +155,7 @@ def _batch_norm_readings(item: relax.TupleGetItem, operand, value_of: dict) -> l
     stats = [_constant(arg) for arg in norm.args[1:]]
     if any(stat is None or stat.ndim != 1 for stat in stats):
         return []
-    gamma, beta, mean, var = stats
-    scale = (gamma if norm.attrs.scale else 1.0) / np.sqrt(var + float(norm.attrs.epsilon))
-    shift = (beta if norm.attrs.center else 0.0) - mean * scale
+    scale, shift = batch_norm_scale_shift(norm.attrs, *stats)
     return [data.scaled(scale).shifted(shift) for data in operand(norm.args[0])]
 
 
@@ -268,10 +263,10 @@ def _sum_or_none(first: "np.ndarray | None", second: "np.ndarray | None") -> "np
     return first + second
 
 
-def _channels(call: relax.Call) -> "int | None":
-    """The channel count of a call's 4-d fp32 NCHW result, None for any other."""
-    shape = tensor_shape(call)
-    if tensor_dtype(call) != "float32" or shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+def _channels(expr: relax.Expr) -> "int | None":
+    """The channel count of a 4-d fp32 NCHW tensor expression, None for any other."""
+    shape = tensor_shape(expr)
+    if tensor_dtype(expr) != "float32" or shape is None or len(shape) != 4 or not isinstance(shape[1], int):
         return None
     return shape[1]
 
