@@ -146,6 +146,7 @@ class ContractionRule(_CpuRule):
             if found is None:
                 return None
         producers = _unless_inlined_window_padding(sch, found.block)
+        _inline_epilogue_operands(sch, found.block)
         _inline_epilogue(sch, found.block)
         consumer_names = {sch.get(block).name_hint for block in sch.get_consumers(found.block)}  # a pad of the output
         _tile(sch, found)  # which inlines what it can of them into its write-back
@@ -194,6 +195,23 @@ def _slides_small_window(block: s_tir.SBlock) -> bool:
     kinds = {iv.var: iv.iter_type for iv in block.iter_vars}
     both = {tirx.IterVar.DataPar, tirx.IterVar.CommReduce}
     return any({kinds.get(var) for var in vars_in(index.min)} >= both for read in block.reads for index in read.region)
+
+
+def _inline_epilogue_operands(sch: s_tir.Schedule, block) -> None:
+    """Inline into their readers the spatial blocks that compute an epilogue's other operand apart from the
+    contraction (a bf16 residual widened, then sliced to the channels a padded kernel result holds): computed after
+    the contraction, they keep the epilogue's add out of its write-back, and run as whole passes of their own."""
+    root = sch.get_sblock("root")
+    own_inputs = {sch.get(producer).name_hint for producer in sch.get_producers(block)}
+    reached = {region.source for region in sch.get(block).writes}  # buffers computed from the contraction's result
+    for other in sch.get_child_blocks(root):
+        stmt = sch.get(other)
+        if stmt.same_as(sch.get(block)) or stmt.name_hint in own_inputs:
+            continue
+        if any(region.source in reached for region in stmt.reads):
+            reached.update(region.source for region in stmt.writes)
+        elif _is_spatial(stmt):
+            try_primitive(sch.compute_inline, other)
 
 
 def _inline_epilogue(sch: s_tir.Schedule, block) -> None:

@@ -41,6 +41,11 @@ CASES = {
     "depthwise_conv_nhwc": (lambda x, w: relax.op.nn.conv2d(x, w, padding=2, groups=32, data_layout="NHWC",
                                                              kernel_layout="HWOI"),
                             ("x", (1, 14, 14, 32)), ("w", (5, 5, 32, 1))),
+    # a residual add of a kernel result's first channels (StarNet's 24 of a padded 32): the slice is inlined into
+    # the add, which then joins the conv's write-back
+    "depthwise_conv_sliced_residual": (lambda x, w, r: relax.op.add(relax.op.nn.conv2d(
+        x, w, padding=1, groups=24, data_layout="NHWC", kernel_layout="HWOI"), relax.op.strided_slice(
+        r, axes=[3], begin=[0], end=[24])), ("x", (1, 9, 9, 24)), ("w", (3, 3, 24, 1)), ("r", (1, 9, 9, 32))),
     "max_pool": (lambda x: relax.op.nn.max_pool2d(x, pool_size=3, strides=2, padding=1), ("x", (1, 4, 15, 15))),
     # dispatch pads a depthwise conv's output rows for an AMX matmul: a pad that cannot inline into the write-back
     "depthwise_conv_padded_rows": (lambda x, w: relax.op.nn.pad(
@@ -1018,6 +1023,14 @@ def test_a_window_reads_its_input_through_the_padding_condition_not_a_padded_cop
     assert not [name for name in _scheduled_blocks("depthwise_conv_nhwc", schedules.ContractionRule())
                 if "pad" in name]
     assert [name for name in _scheduled_blocks("conv_nchw_stride2", schedules.ContractionRule()) if "pad" in name]
+
+
+def test_an_epilogue_operand_computed_apart_is_inlined_into_the_write_back():
+    """A residual sliced from a wider tensor (case built and checked against the reference above) is read through
+    the slice by the conv's write-back: no block computes the slice, or the add, apart (before: both ran as whole
+    scalar passes after the conv, 0.095 of StarNet-S1's 3.2 ms in bf16 on Zen 4)."""
+    names = _scheduled_blocks("depthwise_conv_sliced_residual", schedules.ContractionRule())
+    assert not [name for name in names if "strided_slice" in name or "add" in name]
 
 
 @T.prim_func(private=True, s_tir=True)
