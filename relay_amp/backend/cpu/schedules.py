@@ -700,17 +700,31 @@ def _vector_columns(sch: s_tir.Schedule, info, kept: int, lanes: int):
 
 
 def _inline_widened_loads(sch: s_tir.Schedule, infos: list) -> list:
-    """`infos` with each block that only casts a loaded value (a bf16 input widened to fp32) inlined into its
-    readers: a layer norm's three passes then widen in registers as they load (two instructions a vector), which
-    is faster than storing an fp32 copy of the row and loading it back."""
-    casts = [info.block_rv for info in infos[:-1] if _casts_a_load(sch.get(info.block_rv))]
-    inlined = [block for block in casts if try_primitive(sch.compute_inline, block)]
+    """`infos` with each block that only casts or copies a loaded value (a bf16 input widened to fp32, the slice of
+    a wider tensor it is read through) inlined into its readers: a layer norm's three passes then widen in
+    registers as they load (two instructions a vector), which is faster than storing an fp32 copy of the row and
+    loading it back."""
+    moves = [info.block_rv for info in infos[:-1] if _moves_a_load(sch.get(info.block_rv))]
+    inlined = [block for block in moves if try_primitive(sch.compute_inline, block)]
     return normalize_prim_func(sch) if inlined else infos
 
 
-def _casts_a_load(block: s_tir.SBlock) -> bool:
+def _moves_a_load(block: s_tir.SBlock) -> bool:
+    """Whether `block` stores a loaded value cast, or a loaded value as it is from a window of its input (each
+    index a constant or its own axis plus one, the axes in order: a slice, whose loads stay contiguous, unlike a
+    transpose's)."""
     value = block.body.value if isinstance(block.body, tirx.BufferStore) else None
-    return isinstance(value, tirx.Cast) and isinstance(value.value, tvm.ir.expr.TensorLoad)
+    if isinstance(value, tirx.Cast):
+        return isinstance(value.value, tvm.ir.expr.TensorLoad)
+    if not isinstance(value, tvm.ir.expr.TensorLoad):
+        return False
+    analyzer, axes = tvm.sym.Analyzer(), []
+    for index in value.indices:
+        used = list(vars_in(index))
+        if len(used) > 1 or not isinstance(analyzer.simplify(index - used[0] if used else index), tirx.IntImm):
+            return False
+        axes.extend(used)
+    return len(axes) == len(block.iter_vars) and all(a.same_as(iv.var) for a, iv in zip(axes, block.iter_vars))
 
 
 def _store_from_producer(sch: s_tir.Schedule, infos: list) -> list:

@@ -18,7 +18,9 @@ as bf16: relay_amp.backend.cpu.dispatch.)
 
 `NormsReadNarrow` then gives a layer or RMS norm of a kernel's bf16 output one function that reads the bf16
 tensor and widens it as it loads: fusion would leave the widening cast a function of its own (nothing fuses
-after a kernel or into a norm), which stores an fp32 copy of the tensor for the norm to read back.
+after a kernel or into a norm), which stores an fp32 copy of the tensor for the norm to read back. A norm of a
+slice of a kernel's output (gMLP's gate normalizes half the channels) reads the slice's window of the whole
+output the same way, in either dtype, instead of a sliced copy.
 """
 
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax, te, topi
 
-from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype
+from ..._ir import cast_constant, get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
 
@@ -152,10 +154,13 @@ class WidenArithmetic:
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")
 
 
-def _norm_of_narrow(op_name: str, attrs) -> Callable[..., te.Tensor]:
-    """A TE function: the norm `op_name` (with `attrs`) of a bf16 input, widened as it is read."""
+def _norm_of_narrow(op_name: str, attrs, window: "tuple[list, list] | None") -> Callable[..., te.Tensor]:
+    """A TE function: the norm `op_name` (with `attrs`) of its input widened to fp32 as it is read (a bf16 one),
+    and sliced first to `window` (begin and end on every axis) where one is given."""
     def compute(narrow: te.Tensor, *params: te.Tensor) -> te.Tensor:
-        wide = topi.cast(narrow, WIDE)
+        if window is not None:
+            narrow = topi.strided_slice(narrow, *window)
+        wide = topi.cast(narrow, WIDE) if narrow.dtype != WIDE else narrow
         if op_name == "relax.nn.layer_norm":
             return topi.nn.layer_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
         return topi.nn.rms_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
@@ -164,36 +169,64 @@ def _norm_of_narrow(op_name: str, attrs) -> Callable[..., te.Tensor]:
 
 @relax.expr_functor.mutator
 class _NarrowNormInputs(relax.PyExprMutator):
-    """Replaces each norm of a widened bf16 tensor by one TE function that reads the bf16 tensor."""
+    """Replaces each norm of a widened bf16 tensor, or of a slice of a tensor, by one TE function that reads the
+    tensor itself."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
         name = call_op_name(new_call)
-        narrow = self._narrow_source(new_call.args[0]) if name in NORMS else None
-        if narrow is None:
+        source = self._stored_source(new_call.args[0]) if name in NORMS else None
+        if source is None:
             return new_call
-        compute = _norm_of_narrow(name, new_call.attrs)
-        return self.builder_.call_te(compute, narrow, *new_call.args[1:], primfunc_name_hint=name.rpartition(".")[2])
+        compute = _norm_of_narrow(name, new_call.attrs, source[1])
+        return self.builder_.call_te(compute, source[0], *new_call.args[1:],
+                                     primfunc_name_hint=name.rpartition(".")[2])
 
-    def _narrow_source(self, data: relax.Expr) -> relax.Expr | None:
-        """The bf16 tensor `data` is an fp32 cast of, where fusion would leave that cast a function of its own
-        (the tensor is a kernel's output or a parameter, seen through reshapes), else None."""
-        bound = bound_call(self, data, "relax.astype")
-        if bound is None or tensor_dtype(bound.args[0]) != NARROW or tensor_dtype(data) != WIDE:
+    def _stored_source(self, data: relax.Expr) -> "tuple[relax.Expr, tuple[list, list] | None] | None":
+        """The tensor the norm's input `data` reads and the window it slices of it, where fusion would compute
+        `data` in a function of its own that stores it: an fp32 cast of a bf16 tensor, a slice (gMLP's gate: half
+        a kernel's channels), or a cast of a slice, of a kernel's output or a parameter (seen through reshapes).
+        None where `data` is none of those, or the cast fuses into the op producing its input."""
+        cast = bound_call(self, data, "relax.astype")
+        if cast is not None and (tensor_dtype(cast.args[0]) != NARROW or tensor_dtype(data) != WIDE):
             return None
-        origin = bound.args[0]
+        read = data if cast is None else cast.args[0]
+        sliced = bound_call(self, read, "relax.strided_slice")
+        window = None if sliced is None else _slice_window(sliced)
+        if window is not None:
+            read = sliced.args[0]
+        elif cast is None:
+            return None  # an fp32 input read as it is: nothing to save
+        origin = read
         while (reshape := bound_call(self, origin, "relax.reshape")) is not None:
             origin = reshape.args[0]
         producer = self.lookup_binding(origin) if isinstance(origin, relax.Var) else None
-        fuses_casts = producer is not None and call_op_name(producer) != "relax.call_tir"  # a kernel fuses none
-        return None if fuses_casts else bound.args[0]
+        stored = producer is None or call_op_name(producer) == "relax.call_tir"  # a kernel fuses nothing after it
+        return (read, window) if stored else None
+
+
+def _slice_window(call: relax.Call) -> "tuple[list, list] | None":
+    """A strided_slice's begin and end on every axis of its static input, where it takes unit steps within the
+    bounds (as exporters' Split and Slice do), else None."""
+    shape = tensor_shape(call.args[0])
+    steps = call.args[4].fields if len(call.args) > 4 else []
+    if not shape or not all(isinstance(extent, int) for extent in shape) or any(int(step) != 1 for step in steps):
+        return None
+    begin, end = [0] * len(shape), list(shape)
+    for axis, start, stop in zip(*(arg.fields for arg in call.args[1:4])):
+        axis, start, stop = int(axis) % len(shape), int(start), int(stop)
+        if not 0 <= start < stop <= shape[axis]:
+            return None
+        begin[axis], end[axis] = start, stop
+    return begin, end
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.NormsReadNarrow")
 class NormsReadNarrow:
     """Layer and RMS norms of a kernel's bf16 output (or a parameter) cast to fp32 read the bf16 tensor and widen
     it as they load it: fusion puts a cast neither after a kernel nor into a norm, so the cast would be a function
-    of its own that stores an fp32 copy. A cast that fuses into the op producing its input is left there."""
+    of its own that stores an fp32 copy. A cast that fuses into the op producing its input is left there. Norms of
+    a slice of such a tensor (cast or not) read the slice's window of it, for the same reason."""
 
     def __init__(self, func: str = "main"):
         self.func = func

@@ -59,6 +59,9 @@ CASES = {
     # rows of whole 8-lane vectors (ConvNeXt-atto's 40 channels): partial sums in 8 lanes
     "layer_norm_rows_by_8": (lambda x, g, b: relax.op.nn.layer_norm(x, g, b, axes=[-1]),
                              ("x", (1, 3, 5, 40)), ("g", (40,)), ("b", (40,))),
+    # a layer norm of half a tensor's channels (gMLP's gate), which reads the window of the whole tensor
+    "layer_norm_of_a_slice": (lambda x, g, b: relax.op.nn.layer_norm(relax.op.strided_slice(
+        x, axes=[2], begin=[32], end=[64]), g, b, axes=[-1]), ("x", (1, 5, 64)), ("g", (32,)), ("b", (32,))),
     # the layer norm's result read by one elementwise block, the output: stored by the layer norm's block
     "layer_norm_scaled_rows": (lambda x, g, b: relax.op.multiply(relax.op.nn.layer_norm(x, g, b, axes=[-1]),
                                                                  relax.const(2.0, "float32")),
@@ -1006,6 +1009,15 @@ def test_row_reduction_rule_widens_a_bf16_input_as_each_pass_loads_it():
     names = [scheduled.get(block).name_hint for block in scheduled.get_child_blocks(scheduled.get_sblock("root"))]
     assert names[0] != "compute" and "compute" not in names  # the cast block
     assert scheduled.mod["main"].script().count('T.Cast("float32", x[') == 4  # sum, variance (x - mean twice), output
+
+
+def test_row_reduction_rule_reads_a_slice_in_place():
+    """The window a layer norm reads of a wider tensor (case built and checked against the reference above) is
+    read in each pass's loads: no function (before: one storing the slice) or block copies the slice first."""
+    prepared = tuning.prepare(_module(*CASES["layer_norm_of_a_slice"]), targets.get_target("cpu"))
+    assert [gv.name_hint for gv, f in prepared.functions_items() if isinstance(f, tvm.tirx.PrimFunc)] == ["layer_norm"]
+    names = _scheduled_blocks("layer_norm_of_a_slice", schedules.RowReductionRule())
+    assert "T_strided_slice" not in names and "T_layer_norm" in names
 
 
 def _scheduled_blocks(case: str, rule: "schedules._CpuRule") -> list[str]:

@@ -265,8 +265,8 @@ def test_a_missing_function_is_a_module_error():
         WidenArithmetic(func="encoder")(Module)
 
 
-def _norm_reading_bf16(x: relax.Var, params: list[relax.Var], compute) -> tvm.IRModule:
-    """main(x, *params) = one TE function `compute` of the bf16 `x` and fp32 `params`."""
+def _norm_reading(x: relax.Var, params: list[relax.Var], compute) -> tvm.IRModule:
+    """main(x, *params) = one TE function `compute` of `x` (bf16 or fp32) and fp32 `params`."""
     builder = relax.BlockBuilder()
     with builder.function("main", [x, *params]):
         with builder.dataflow():
@@ -291,7 +291,7 @@ def test_a_layer_norm_of_a_widened_parameter_reads_it_in_bf16():
         return topi.nn.layer_norm(topi.cast(x, "float32"), gamma, beta, axis=[1], epsilon=1e-5)
 
     x, gamma, beta = Before["main"].params
-    after = assert_transforms(NormsReadNarrow(), Before, _norm_reading_bf16(x, [gamma, beta], layer_norm))
+    after = assert_transforms(NormsReadNarrow(), Before, _norm_reading(x, [gamma, beta], layer_norm))
     inputs = [np.random.default_rng(1).standard_normal(shape).astype(dtype) for shape, dtype in
               [((4, 32), ml_dtypes.bfloat16), ((32,), "float32"), ((32,), "float32")]]
     np.testing.assert_allclose(run_executable(build(after, "cpu"), inputs)[0], relay_amp.run(Before, inputs)[0],
@@ -324,6 +324,69 @@ def test_an_rms_norm_of_a_widened_kernel_output_reads_it_in_bf16():
     assert [call.op.name for call in calls] == ["relax.call_tir", "relax.reshape", "relax.call_tir"]
     assert calls[2].args[0].name_hint == "rms_norm"
     assert calls[2].args[1][0].same_as(after["main"].body.blocks[0].bindings[1].var)  # the bf16 tensor itself
+
+
+def test_a_layer_norm_of_a_widened_slice_reads_the_whole_bf16_tensor_through_the_window():
+    """gMLP's gate normalizes half a kernel's channels: the slice and the cast would be a function of their own,
+    storing an fp32 copy of the half; the norm reads the slice's window of the bf16 tensor instead."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 64), "bfloat16"), gamma: R.Tensor((32,), "float32"),
+                 beta: R.Tensor((32,), "float32")) -> R.Tensor((4, 32), "float32"):
+            with R.dataflow():
+                half = R.strided_slice(x, axes=[1], begin=[32], end=[64])
+                wide = R.astype(half, "float32")
+                out = R.nn.layer_norm(wide, gamma, beta, axes=[1], epsilon=1e-5)
+                R.output(out)
+            return out
+
+    def layer_norm(x, gamma, beta):
+        half = topi.strided_slice(x, [0, 32], [4, 64])
+        return topi.nn.layer_norm(topi.cast(half, "float32"), gamma, beta, axis=[1], epsilon=1e-5)
+
+    x, gamma, beta = Before["main"].params
+    after = assert_transforms(NormsReadNarrow(), Before, _norm_reading(x, [gamma, beta], layer_norm))
+    inputs = [np.random.default_rng(2).standard_normal(shape).astype(dtype) for shape, dtype in
+              [((4, 64), ml_dtypes.bfloat16), ((32,), "float32"), ((32,), "float32")]]
+    np.testing.assert_allclose(run_executable(build(after, "cpu"), inputs)[0], relay_amp.run(Before, inputs)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp32_norm_of_a_slice_reads_the_window_and_a_strided_slice_stays():
+    """In fp32 too, a norm of a slice of a stored tensor reads the window (no sliced copy); a slice taking every
+    other channel is left to fusion, as is a slice of an elementwise op's result (it joins that op's function)."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 64), "float32"), weight: R.Tensor((32,), "float32")) -> R.Tensor((4, 32), "float32"):
+            with R.dataflow():
+                half = R.strided_slice(x, axes=[1], begin=[0], end=[32])
+                out = R.nn.rms_norm(half, weight, axes=[1], epsilon=1e-5)
+                R.output(out)
+            return out
+
+    def rms_norm(x, weight):
+        return topi.nn.rms_norm(topi.strided_slice(x, [0, 0], [4, 32]), weight, axis=[1], epsilon=1e-5)
+
+    x, weight = Before["main"].params
+    assert_transforms(NormsReadNarrow(), Before, _norm_reading(x, [weight], rms_norm))
+
+    @I.ir_module
+    class Kept:
+        @R.function
+        def main(x: R.Tensor((4, 64), "float32"), weight: R.Tensor((32,), "float32")) -> R.Tensor((4, 32), "float32"):
+            with R.dataflow():
+                odd = R.strided_slice(x, axes=[1], begin=[1], end=[64], strides=[2])
+                doubled = R.add(x, x)
+                half = R.strided_slice(doubled, axes=[1], begin=[0], end=[32])
+                first = R.nn.rms_norm(odd, weight, axes=[1], epsilon=1e-5)
+                second = R.nn.rms_norm(half, weight, axes=[1], epsilon=1e-5)
+                out = R.add(first, second)
+                R.output(out)
+            return out
+
+    assert_transforms(NormsReadNarrow(), Kept, Kept)
 
 
 def test_a_cast_that_fuses_into_its_producer_stays_there():
