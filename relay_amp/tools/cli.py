@@ -154,7 +154,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 def _cmd_profile(args: argparse.Namespace) -> None:
     rows = profile(load_model(args.model, args.batch, args.dim), args.dtypes, args.target, args.repeat,
-                   conv_layout=LAYOUTS[args.layout])
+                   conv_layout=LAYOUTS[args.layout], by_shape=args.by_shape)
     if args.json:
         print(profile_to_json(rows, model=args.model, batch=args.batch, target=args.target, dtypes=args.dtypes))
     else:
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--top", type=int, default=20, help="rows to print")
     pf.add_argument("--layout", choices=list(LAYOUTS), default="auto", help="conv layout, as for bench")
     pf.add_argument("--json", action="store_true", help="print JSON (every row) instead of a table")
+    pf.add_argument("--by-shape", action="store_true",
+                    help="one row per output shape of each call group (which of the kernels is slow)")
 
     gc = commands.add_parser("gpu-check", help="build, run and time the CUDA path on this machine's NVIDIA GPU")
     gc.add_argument("--models", type=_op_list, default=list(GPU_MODELS), help="built-in models, e.g. resnet18,bert")

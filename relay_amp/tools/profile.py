@@ -1,10 +1,11 @@
 """profile: the time of every fused function and kernel call of a build, dtype variants side by side.
 
 The Relax VM calls a hook before and after each call (`VirtualMachine.set_instrument`); the time between the
-two is the call's. Calls are grouped by the ops their function computes, with casts, pads and TVM's numbering
-dropped (`fused_reshape7_cast4_add5_erf` and `fused_reshape3_add1_erf` are both `reshape_add_erf`; a bf16
+two is the call's. Calls are grouped by the ops their function computes, with casts, pads, reshapes and TVM's
+numbering dropped (`fused_reshape7_cast4_add5_erf` and `fused_add1_erf_reshape3` are both `add_erf`; a bf16
 build's `conv2d_add_pad`, whose pad for the next AMX kernel fusion put there, lines up with fp32's `conv2d_add`,
-its time included), so the same work lines up across dtypes; rows are sorted by how much slower the last
+its time included; GPT-2's query-key-value split, `reshape_reshape_split` in fp32 and `reshape_split` in bf16, is
+`split` in both), so the same work lines up across dtypes; rows are sorted by how much slower the last
 variant is than the first. The variants' runs alternate in one process, as the benchmarks' runners do.
 That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
 """
@@ -28,24 +29,35 @@ from ..runtime import virtual_machine
 from .bench import BASELINE, variant
 from .models import example_inputs
 
-DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", ""})  # casts and a backend's padding join the ops
+# casts, a backend's padding and reshapes (free views that fusion puts on either side of a function) join the ops
+DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", "reshape", ""})
 KEEP_GOING = 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 
 
 def call_group(symbol: str) -> str:
-    """The ops a VM call computes, without casts, pads and numbering: the key that lines variants up."""
+    """The ops a VM call computes, without casts, pads, reshapes and numbering: the key that lines variants up."""
     tokens = [token.rstrip("0123456789") for token in symbol.split("_")]
     kept = "_".join(token for token in tokens if token not in DROPPED_TOKENS)
-    return kept or ("pad" if "pad" in tokens else "cast")  # a call that only pads or only casts
+    return kept or next((op for op in ("pad", "reshape") if op in tokens), "cast")  # only pads, reshapes or casts
+
+
+def call_key(symbol: str, call_args: Sequence) -> str:
+    """A compiled function's call group and the shape of the result it writes (its last argument: the kernels of a
+    model, one group, split by their output shapes, which both dtypes share); a VM builtin's group alone."""
+    shapes = [tuple(int(extent) for extent in arg.shape) for arg in call_args if hasattr(arg, "shape")]
+    if symbol.startswith("vm.") or not shapes:
+        return call_group(symbol)
+    return f"{call_group(symbol)} -> {shapes[-1]}"
 
 
 def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.ndarray], repeat: int = 5,
-               warmup: int = 2) -> dict[str, dict[str, tuple[int, float]]]:
+               warmup: int = 2, by_shape: bool = False) -> dict[str, dict[str, tuple[int, float]]]:
     """Per variant, per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`.
     The variants run in turn, one run each, the first of each round rotating, so that the machine's drift (20-50%
-    within minutes on a shared VM) falls on all of them alike rather than on whichever ran last."""
+    within minutes on a shared VM) falls on all of them alike rather than on whichever ran last. `by_shape` splits
+    each group of compiled functions by the shape of the result they write (`call_key`)."""
     _check_repeat(repeat)
-    timers = {name: _CallTimer(executable, inputs, warmup) for name, executable in executables.items()}
+    timers = {name: _CallTimer(executable, inputs, warmup, by_shape) for name, executable in executables.items()}
     order = list(timers)
     for round_index in range(repeat):
         shift = round_index % len(order)
@@ -62,7 +74,8 @@ def _check_repeat(repeat: int) -> None:
 class _CallTimer:
     """One executable's VM, warmed up, with a hook that records each call's time under its call group."""
 
-    def __init__(self, executable: relax.VMExecutable, inputs: Sequence[np.ndarray], warmup: int):
+    def __init__(self, executable: relax.VMExecutable, inputs: Sequence[np.ndarray], warmup: int, by_shape: bool):
+        self.by_shape = by_shape
         self.vm = virtual_machine(executable)
         self.args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
         for _ in range(warmup):
@@ -75,7 +88,8 @@ class _CallTimer:
         if before_run:
             self.started.append(time.perf_counter())
         else:
-            self.runs[-1][call_group(symbol)].append(time.perf_counter() - self.started.pop())
+            key = call_key(symbol, call_args) if self.by_shape else call_group(symbol)
+            self.runs[-1][key].append(time.perf_counter() - self.started.pop())
         return KEEP_GOING
 
     def run(self) -> None:
@@ -104,15 +118,16 @@ class ProfileRow:
 
 
 def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), target: str = "cpu",
-            repeat: int = 5, *, conv_layout: "str | list[str] | None" = AUTO,
-            fast_math: bool = True) -> list[ProfileRow]:
-    """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group, worst penalty first."""
+            repeat: int = 5, *, conv_layout: "str | list[str] | None" = AUTO, fast_math: bool = True,
+            by_shape: bool = False) -> list[ProfileRow]:
+    """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group (split by output
+    shape with `by_shape`), worst penalty first."""
     if not dtypes:
         raise OptionError("profile needs at least one dtype")
     _check_repeat(repeat)  # before anything is built
     executables = {dtype: build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout)
                    for dtype in dtypes}
-    return profile_rows(call_times(executables, example_inputs(mod), repeat))
+    return profile_rows(call_times(executables, example_inputs(mod), repeat, by_shape=by_shape))
 
 
 def profile_rows(measured: dict[str, dict[str, tuple[int, float]]]) -> list[ProfileRow]:
@@ -130,11 +145,17 @@ def format_profile(rows: Sequence[ProfileRow], dtypes: Sequence[str], top: int |
     table = []
     for row in rows[:top]:
         ratio = row.ms.get(last, 0.0) / row.ms[first] if row.ms.get(first) else float("inf")
-        table.append([row.group[:70], *(f"{row.ms[d]:.3f} ({row.calls[d]})" if d in row.ms else "-" for d in dtypes),
+        table.append([_label(row.group), *(f"{row.ms[d]:.3f} ({row.calls[d]})" if d in row.ms else "-" for d in dtypes),
                       f"{ratio:.2f}x"])
     totals = ["total", *(f"{sum(r.ms.get(d, 0.0) for r in rows):.3f}" for d in dtypes), ""]
     headers = ["call group", *(f"{d} ms (calls)" for d in dtypes), f"{last} / {first}"]
     return tabulate([*table, totals], headers=headers)
+
+
+def _label(group: str, width: int = 70) -> str:
+    """`group` cut to `width` characters, an output shape (`call_key`) kept whole."""
+    ops, arrow, shape = group.partition(" -> ")
+    return f"{ops[:max(width - len(arrow + shape), 20)]}{arrow}{shape}"
 
 
 def profile_to_json(rows: Sequence[ProfileRow], **context) -> str:

@@ -8,19 +8,21 @@ from relay_amp import OptionError, models
 from relay_amp.tools.cli import main
 from relay_amp.compile.build import build
 from relay_amp.tools import profile as profile_module
-from relay_amp.tools.profile import call_group, call_times, format_profile, profile, profile_to_json
+from relay_amp.tools.profile import call_group, call_key, call_times, format_profile, profile, profile_to_json
 
 
 @pytest.mark.parametrize("symbol, group", [
-    ("fused_reshape7_cast4_add5_divide_erf_add6_multiply1_reshape8", "reshape_add_divide_erf_add_multiply_reshape"),
-    ("fused_reshape3_add1_divide_erf_add_multiply_reshape2", "reshape_add_divide_erf_add_multiply_reshape"),
+    ("fused_reshape7_cast4_add5_divide_erf_add6_multiply1_reshape8", "add_divide_erf_add_multiply"),
+    ("fused_add1_divide_erf_add_multiply_reshape2", "add_divide_erf_add_multiply"),
+    ("fused_reshape4_reshape5_split2", "split"),  # GPT-2's fp32 QKV split; bf16 fuses one reshape elsewhere
+    ("reshape3", "reshape"),
     ("relay_amp_dot_kernel12", "relay_amp_dot_kernel"),
     ("fused_astype3", "cast"),
     ("fused_conv2d3_add2_maximum_minimum_pad1", "conv2d_add_maximum_minimum"),  # the pad a bf16 build adds
     ("pad4", "pad"),
     ("vm.builtin.alloc_storage", "vm.builtin.alloc_storage"),
 ])
-def test_call_groups_drop_casts_pads_and_numbering(symbol, group):
+def test_call_groups_drop_casts_pads_reshapes_and_numbering(symbol, group):
     assert call_group(symbol) == group
 
 
@@ -35,6 +37,24 @@ def test_profile_lines_up_dtype_variants_worst_penalty_first():
     table = format_profile(rows, ["float32", "bfloat16"], top=3)
     assert "bfloat16 / float32" in table and table.splitlines()[-1].startswith("total")
     assert json.loads(profile_to_json(rows, model="small_cnn"))["rows"][0]["group"] == rows[0].group
+
+
+def test_by_shape_splits_the_kernels_by_the_result_each_writes():
+    """The kernels of a model are one call group; by shape, each output shape is a row of its own, lined up across
+    the dtypes (the fp32 and bf16 kernels of a conv write the same shape), and a shape longer than the table's
+    column is kept whole."""
+    class Tensor:
+        def __init__(self, shape):
+            self.shape = shape
+
+    assert call_key("relay_amp_dot_kernel7", [Tensor((1, 8, 8, 16)), Tensor((2, 3)), Tensor((1, 8, 8, 32))]) \
+        == "relay_amp_dot_kernel -> (1, 8, 8, 32)"
+    assert call_key("vm.builtin.alloc_tensor", [Tensor((4,))]) == "vm.builtin.alloc_tensor"
+    rows = profile(models.small_cnn(), ["float32", "bfloat16"], "cpu", repeat=1, by_shape=True)
+    convs = [row for row in rows if " -> (" in row.group and ("conv2d" in row.group or "dot_kernel" in row.group)]
+    assert len({row.group for row in convs}) >= 2 and any(set(row.ms) == {"float32", "bfloat16"} for row in convs)
+    long = profile_module.ProfileRow("x" * 90 + " -> (1, 56, 56, 144)", {"float32": 1}, {"float32": 0.1})
+    assert "(1, 56, 56, 144)" in format_profile([long], ["float32"])
 
 
 def test_call_times_run_the_variants_in_turn_rotating_the_first(monkeypatch):
@@ -59,5 +79,7 @@ def test_profile_needs_a_dtype_and_a_positive_repeat():
 def test_cli_profile_prints_the_table_and_one_line_errors(capsys):
     assert main(["profile", "small_cnn", "--dtypes", "fp32,bf16", "--repeat", "1", "--top", "3"]) == 0
     assert "call group" in capsys.readouterr().out
+    assert main(["profile", "small_cnn", "--repeat", "1", "--by-shape", "--json"]) == 0
+    assert any(" -> (" in row["group"] for row in json.loads(capsys.readouterr().out)["rows"])
     assert main(["profile", "small_cnn", "--repeat", "0"]) == 1
     assert capsys.readouterr().err.strip() == "relay-amp: error: repeat must be at least 1, got 0"
