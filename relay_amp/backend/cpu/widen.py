@@ -154,13 +154,13 @@ class WidenArithmetic:
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")
 
 
-def _norm_of_narrow(op_name: str, attrs, window: "tuple[list, list] | None") -> Callable[..., te.Tensor]:
+def _norm_of_stored(op_name: str, attrs, window: "tuple[list, list] | None") -> Callable[..., te.Tensor]:
     """A TE function: the norm `op_name` (with `attrs`) of its input widened to fp32 as it is read (a bf16 one),
     and sliced first to `window` (begin and end on every axis) where one is given."""
-    def compute(narrow: te.Tensor, *params: te.Tensor) -> te.Tensor:
+    def compute(stored: te.Tensor, *params: te.Tensor) -> te.Tensor:
         if window is not None:
-            narrow = topi.strided_slice(narrow, *window)
-        wide = topi.cast(narrow, WIDE) if narrow.dtype != WIDE else narrow
+            stored = topi.strided_slice(stored, *window)
+        wide = topi.cast(stored, WIDE) if stored.dtype != WIDE else stored
         if op_name == "relax.nn.layer_norm":
             return topi.nn.layer_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
         return topi.nn.rms_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
@@ -178,7 +178,7 @@ class _NarrowNormInputs(relax.PyExprMutator):
         source = self._stored_source(new_call.args[0]) if name in NORMS else None
         if source is None:
             return new_call
-        compute = _norm_of_narrow(name, new_call.attrs, source[1])
+        compute = _norm_of_stored(name, new_call.attrs, source[1])
         return self.builder_.call_te(compute, source[0], *new_call.args[1:],
                                      primfunc_name_hint=name.rpartition(".")[2])
 
