@@ -65,11 +65,21 @@ class DotIntrin:
     llvm_intrinsic: str = ""  # empty: no instruction to tensorize with, the lane loop is vectorized (fp32 FMA)
     llvm_acc: str = ""
     llvm_operand: str = ""
+    # the instruction's products commute (bf16 x bf16): the broadcast group goes in its last source, the only one
+    # that may be a memory operand, so LLVM folds the broadcast load into it ({1to16}) instead of issuing a
+    # broadcast of its own for every product; vpdpbusd's unsigned operand must stay first
+    commutes: bool = False
 
     @property
     def symbol(self) -> str:
         """The name of the LLVM IR function the intrinsic's body calls."""
         return "relay_amp_" + self.name.replace(".", "_")
+
+    @property
+    def _operands(self) -> str:
+        """The instruction's two sources in LLVM IR: the broadcast group last where the products commute."""
+        first, second = ("%bv", "%av") if self.commutes else ("%av", "%bv")
+        return f"{self.llvm_operand} {first}, {self.llvm_operand} {second}"
 
     def llvm_ir(self) -> str:
         """LLVM IR of the inlined function: acc[16] = instruction(acc, broadcast(a group), b[16 x group])."""
@@ -83,7 +93,7 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
   %all = shufflevector <16 x i32> %one, <16 x i32> poison, <16 x i32> zeroinitializer
   %av = bitcast <16 x i32> %all to {self.llvm_operand}
   %bv = load {self.llvm_operand}, ptr %b, align 1
-  %r = call <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}> %acc, {self.llvm_operand} %av, {self.llvm_operand} %bv)
+  %r = call <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}> %acc, {self._operands})
   store <16 x {self.llvm_acc}> %r, ptr %c, align 4
   ret void
 }}
@@ -91,7 +101,7 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
 
 
 BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512bf16",
-                     "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>")
+                     "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>", commutes=True)
 INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "avx512f")

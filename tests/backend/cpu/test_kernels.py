@@ -44,6 +44,18 @@ def test_kernel_uses_the_instruction_and_matches_numpy(case):
     _assert_matches_numpy(lib, spec)
 
 
+def test_a_bf16_kernel_reads_its_broadcast_operand_in_the_product_instruction():
+    """Each vdpbf16ps takes its input pair as an embedded-broadcast memory operand ({1to16}): with one column of
+    output channels (208 = 13 blocks), a broadcast of its own before every product doubled the instructions the
+    products took (RegNetY-400MF's 1x1 and grouped convs over 112 and 208 channels ran 1.24-1.30x over fp32)."""
+    spec = kernels.ConvSpec((1, 14, 14, 208), (1, 1), 208, (1, 1), "bfloat16", "float32")
+    func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
+    asm = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-avx512-bf16")).mod.inspect_source("asm")
+    products = [line for line in asm.splitlines() if "vdpbf16ps" in line]
+    assert products and all("{1to16}" in line for line in products)
+    assert "vbroadcastss" not in asm and "vpbroadcastd" not in asm
+
+
 def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     """Run a compiled kernel on random operands (packed weight, + weight sums for int8) and compare with numpy."""
     data, weight = random_operands(spec, np.random.default_rng(0))
