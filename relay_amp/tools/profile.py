@@ -44,10 +44,10 @@ def call_group(symbol: str) -> str:
 def call_key(symbol: str, call_args: Sequence) -> str:
     """A compiled function's call group and the shape of the result it writes (its last argument: the kernels of a
     model, one group, split by their output shapes, which both dtypes share); a VM builtin's group alone."""
-    shapes = [tuple(int(extent) for extent in arg.shape) for arg in call_args if hasattr(arg, "shape")]
-    if symbol.startswith("vm.") or not shapes:
+    result = next((arg for arg in reversed(call_args) if hasattr(arg, "shape")), None)
+    if symbol.startswith("vm.") or result is None:
         return call_group(symbol)
-    return f"{call_group(symbol)} -> {shapes[-1]}"
+    return f"{call_group(symbol)} -> {tuple(int(extent) for extent in result.shape)}"
 
 
 def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.ndarray], repeat: int = 5,
@@ -88,8 +88,9 @@ class _CallTimer:
         if before_run:
             self.started.append(time.perf_counter())
         else:
+            elapsed = time.perf_counter() - self.started.pop()  # before the key, which is not the call's time
             key = call_key(symbol, call_args) if self.by_shape else call_group(symbol)
-            self.runs[-1][key].append(time.perf_counter() - self.started.pop())
+            self.runs[-1][key].append(elapsed)
         return KEEP_GOING
 
     def run(self) -> None:
