@@ -1,12 +1,13 @@
 """Small Relax helpers shared by the passes: function lookup, dtypes of expressions, casts."""
 
+import contextlib
 import importlib
 import inspect
 import linecache
 import math
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import tvm
@@ -272,15 +273,23 @@ def _frames_without_source_scan(context: int = 1) -> list:
     return frames
 
 
+@contextlib.contextmanager
+def fast_script_parsing() -> Iterator[None]:
+    """Within it, TVMScript decorators (`@T.prim_func`) parse without `inspect.stack`'s scan of every loaded module,
+    which costs about 0.2 s per function once torch is imported."""
+    original, inspect.stack = inspect.stack, _frames_without_source_scan
+    try:
+        yield
+    finally:
+        inspect.stack = original
+
+
 def import_tensor_intrinsics(module: str = "tvm.s_tir.tensor_intrin") -> types.ModuleType:
     """Import TVM's tensor intrinsics `module`, parsing their TVMScript in seconds rather than about a minute."""
     if module in sys.modules:
         return sys.modules[module]
-    original, inspect.stack = inspect.stack, _frames_without_source_scan
-    try:
+    with fast_script_parsing():
         return importlib.import_module(module)
-    finally:
-        inspect.stack = original
 
 
 def pad_after(expr: relax.Expr, ndim: int, axis: int, extra: int, value: float = 0.0) -> relax.Expr:

@@ -23,6 +23,26 @@ def test_tensor_intrinsics_import_registers_them_and_restores_inspect():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_tvmscript_parsed_under_fast_script_parsing_reads_the_callers_variables_and_inspect_is_restored():
+    import inspect
+
+    from tvm.script import tirx as T
+
+    from relay_amp._ir import fast_script_parsing
+
+    stack, scale = inspect.stack, 3.5
+    with fast_script_parsing():
+        assert inspect.stack is not stack
+
+        @T.prim_func(s_tir=True)
+        def scaled(a: T.Buffer((4,), "float32")):
+            for i in range(4):
+                a[i] = a[i] * T.float32(scale)  # a local of this test, found through the frames it is given
+
+    assert inspect.stack is stack
+    assert "3.5" in scaled.script()
+
+
 def test_clamped_emits_maximum_then_minimum_by_constants_leaving_out_infinite_bounds():
     import math
 

@@ -32,7 +32,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
-from ..._ir import OPAQUE_PATTERN
+from ..._ir import OPAQUE_PATTERN, fast_script_parsing
 from ...dtypes import LOW_FLOAT_DTYPES
 from ...errors import DTypeError
 from ...serialization import dataclass_from_json
@@ -197,8 +197,9 @@ def _implementation(dot: DotIntrin):
     return impl
 
 
-for _dot in INTRINSICS:
-    s_tir.TensorIntrin.register(_dot.name, _description(_dot), _implementation(_dot), override=True)
+with fast_script_parsing():  # 1.5 s of every `import relay_amp` otherwise
+    for _dot in INTRINSICS:
+        s_tir.TensorIntrin.register(_dot.name, _description(_dot), _implementation(_dot), override=True)
 
 
 def intrinsic_for(dtype: str) -> DotIntrin:

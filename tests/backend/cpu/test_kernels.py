@@ -8,6 +8,7 @@ from tvm.s_tir import meta_schedule as ms
 
 import relay_amp
 from relay_amp import targets
+from relay_amp._ir import import_tensor_intrinsics
 from relay_amp.backend.cpu import formula, kernels
 
 from conv_cases import max_relative_error, random_operands, reference_conv
@@ -122,6 +123,7 @@ def test_unsupported_dtype_and_channel_counts_are_dtype_errors():
 
 
 def _design_space(spec: kernels.ConvSpec) -> tuple:
+    import_tensor_intrinsics()  # a TuneContext imports them otherwise, with TVMScript's slow frame scan
     mod = tvm.IRModule({"main": kernels.conv2d_nhwc_compute(spec).with_attr("global_symbol", "main")})
     context = ms.TuneContext(mod=mod, target=targets.get_target("cpu-avx512-bf16"), space_generator="post-order-apply",
                              task_name="kernel")
