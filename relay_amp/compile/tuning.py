@@ -5,6 +5,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import tvm
@@ -14,7 +15,8 @@ from tvm.driver import build as tvm_build
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-from tvm.support.popen_pool import PopenPoolExecutor
+from tvm.s_tir.meta_schedule.builder.local_builder import default_export
+from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from .._ir import import_tensor_intrinsics
 from ..backend import pipeline_for
@@ -27,6 +29,7 @@ MANIFEST = "relay_amp.json"
 FAILED_RUN_SECS = 1e9  # MetaSchedule stores a failed build or run as 1e10 seconds
 COST_MODELS = ("xgb", "random")
 BUILDER_TIMEOUT_S = 300
+BUILDS_PER_WORKER = 64  # candidates a builder worker compiles before a fresh one replaces it
 RUNNER_TIMEOUT_S = 60
 RPC_WAIT_S = 60.0  # how long a tune waits for a server of its key to register with the tracker
 RPC_POLL_S = 1.0
@@ -51,6 +54,38 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: dict 
     backend's `candidate_passes` first, so that the candidate is the code a build would run."""
     scheduled = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm_build(pipeline_for(target).candidate_passes(target)(scheduled), target=target)
+
+
+def _build_and_export(candidate: tuple) -> str:
+    """Build one (build function, module, target) candidate in a builder worker; its exported library's path."""
+    build, mod, target = candidate
+    return default_export(build(mod, target, None))
+
+
+@derived_object
+class _PooledBuilder(ms.builder.PyBuilder):
+    """MetaSchedule's local builder with its worker processes kept for the whole tune: TVM's starts new ones for
+    every batch of candidates, and each new worker imports TVM and relay_amp (seconds per batch on two cores).
+    A worker is replaced after BUILDS_PER_WORKER candidates (TVM restarts them for memory they leak) or a timeout;
+    `workers` defaults to one per CPU."""
+
+    def __init__(self, build: Callable, timeout_s: float, workers: int | None = None):
+        super().__init__()
+        self.build_function, self.timeout_s = build, timeout_s
+        self.pool = PopenPoolExecutor(workers, timeout=timeout_s, maximum_process_uses=BUILDS_PER_WORKER)
+
+    def build(self, build_inputs: list) -> list:
+        """Build every candidate in the pool's workers; a failure or timeout becomes that candidate's error."""
+        results = self.pool.map_with_error_catching(
+            _build_and_export, [(self.build_function, candidate.mod, candidate.target) for candidate in build_inputs])
+        return [self._result(result) for result in results]
+
+    def _result(self, result) -> ms.builder.BuilderResult:
+        if result.status == StatusKind.COMPLETE:
+            return ms.builder.BuilderResult(result.value, None)
+        if result.status == StatusKind.TIMEOUT:
+            return ms.builder.BuilderResult(None, f"relay_amp builder: timed out after {self.timeout_s} s")
+        return ms.builder.BuilderResult(None, f"relay_amp builder: {result.value}")
 
 
 @derived_object
@@ -203,6 +238,7 @@ def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_t
     quiet.setLevel(logging.WARNING)  # the console handler takes this level; the log files keep DEBUG
     for handler in foreign:  # MetaSchedule's logger setup crashes on unnamed handlers (pytest's, a user's)
         quiet.removeHandler(handler)
+    builder = _PooledBuilder(build_candidate, builder_timeout_s)
     try:
         import_tensor_intrinsics()  # MetaSchedule's tune contexts import them, about a minute slower
         tasks, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
@@ -210,7 +246,7 @@ def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_t
         return ms.tune_tasks(
             tasks=tasks, task_weights=weights, work_dir=str(work_dir), max_trials_global=trials,
             max_trials_per_task=trials_per_task, num_trials_per_iter=trials_per_iter, cost_model=cost_model,
-            builder=ms.builder.LocalBuilder(timeout_sec=builder_timeout_s, f_build=build_candidate), runner=runner,
+            builder=builder, runner=runner,
             database=database,
             # round-robin commits each task's measurements as soon as they are done; the gradient scheduler holds
             # every result of its first round until all tasks were sent once (a kill then lost them all)
@@ -218,6 +254,7 @@ def _run_tuner(extracted, database, work_dir: Path, target, trials, trials_per_t
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [counter],
         )
     finally:
+        builder.pool.shutdown()
         quiet.setLevel(level)
         for handler in foreign:
             quiet.addHandler(handler)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax, te
+from tvm.s_tir import meta_schedule as ms
 
 import relay_amp
 from relay_amp import models, targets
@@ -174,6 +175,32 @@ def test_a_killed_tune_resumes_keeping_its_records_and_measuring_nothing_twice(t
     after = _schedules(work_dir)
     assert after[:len(kept)] == kept and len(after) > len(kept)
     assert len(set(after)) == len(after)  # nothing measured twice
+
+
+def test_the_builder_keeps_its_worker_from_batch_to_batch_and_reports_a_failed_build(tmp_path):
+    """MetaSchedule's LocalBuilder starts new workers for every batch of candidates, and each imports TVM and
+    relay_amp; relay_amp's builder keeps them for the whole tune."""
+    a = te.placeholder((64,), "float32", name="a")
+    module = tvm.IRModule({"main": te.create_prim_func([a, te.compute((64,), lambda i: a[i] * 2, name="b")])})
+    candidate = ms.builder.BuilderInput(module, targets.get_target("cpu"))
+    pids = tmp_path / "pids"
+
+    def build_noting_the_worker(mod, target, params):  # a local function travels to the worker by value
+        with open(pids, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return tuning.build_candidate(mod, target, params)
+
+    builder = tuning._PooledBuilder(build_noting_the_worker, timeout_s=60, workers=1)
+    failing = tuning._PooledBuilder(lambda *_: 1 / 0, timeout_s=60, workers=1)
+    try:
+        results = [builder.build([candidate])[0] for _ in range(3)]
+        (failed,) = failing.build([candidate])
+    finally:
+        builder.pool.shutdown()
+        failing.pool.shutdown()
+    assert all(result.error_msg is None and os.path.isfile(result.artifact_path) for result in results)
+    assert len(pids.read_text().split()) == 3 and len(set(pids.read_text().split())) == 1
+    assert failed.artifact_path is None and "division by zero" in failed.error_msg
 
 
 def test_a_measured_candidate_rounds_to_bf16_as_a_built_function_does():
