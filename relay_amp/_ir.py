@@ -14,7 +14,8 @@ import tvm
 from tvm import relax
 from tvm.relax import dpl
 
-from .dtypes import cast_array
+from ._folding import FoldConstants
+from .dtypes import can_cast_offline, cast_array
 from .errors import ModuleError, OptionError
 from .ops import call_op_name
 
@@ -92,16 +93,6 @@ def cast_constant(const: tvm.ir.expr.Constant, dtype: str) -> tvm.ir.expr.Consta
     return relax.const(cast_array(const.value.numpy(), dtype), dtype)
 
 
-def is_sub_byte(dtype: str) -> bool:
-    """Whether `dtype` packs several values per byte (int4, uint4): TVM 0.27 can neither store nor compile it."""
-    return tvm.DataType(dtype).bits < 8
-
-
-def can_cast_offline(dtype: str) -> bool:
-    """Whether a constant can be stored in `dtype` (TVM 0.27 cannot build sub-byte constants)."""
-    return not is_sub_byte(dtype)
-
-
 def vars_in(expr) -> list:
     """The variables a TIR expression reads."""
     return list(tvm.tirx.analysis.undefined_vars(expr))
@@ -148,7 +139,7 @@ def fold_weights(mod: tvm.IRModule) -> tvm.IRModule:
     if _calls_op(mod, "relax.dequantize"):
         return mod
     # fold_batch_norm folds constants again first: what the TupleGetItems held is folded there
-    through_tuples = tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings()])
+    through_tuples = tvm.transform.Sequential([FoldConstants, relax.transform.CanonicalizeBindings()])
     return relax.transform.DeadCodeElimination()(fold_batch_norm(through_tuples(mod)))
 
 
@@ -166,7 +157,7 @@ def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
     the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), and every matmul by a constant [-> reshape
     keeping its columns] -> inference batch_norm over those columns into the matmul's weight and a bias add, the
     new weights computed once."""
-    fold = relax.transform.FoldConstant()  # biases arrive as reshapes of constants; shifted means, scaled weights
+    fold = FoldConstants  # biases arrive as reshapes of constants; shifted means, scaled weights
     return tvm.transform.Sequential([fold, _shared_conv_batch_norms_as_affine, _bias_into_statistics, fold,
                                      relax.transform.FoldBatchnormToConv2D(), _batch_norm_into_matmul, fold,
                                      relax.transform.CanonicalizeBindings()])(mod)
@@ -311,7 +302,7 @@ def clamps_as_max_min(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     if not lifter.te_calls:
         return lifted
     # a TE clamp's bound comes through the importer's NaN check; its PrimFunc is left without a caller
-    return tvm.transform.Sequential([relax.transform.FoldConstant(), relax.transform.DeadCodeElimination([func])])(
+    return tvm.transform.Sequential([FoldConstants, relax.transform.DeadCodeElimination([func])])(
         lifted)
 
 

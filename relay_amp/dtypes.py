@@ -62,3 +62,13 @@ def cast_array(array: np.ndarray, dtype: str) -> np.ndarray:
         warnings.warn(f"a constant with max |x| {float(np.abs(array).max()):.3g} overflows {dtype}: "
                       "its cast values become inf", stacklevel=3)
     return result
+
+
+def is_sub_byte(dtype: str) -> bool:
+    """Whether `dtype` packs several values per byte (int4, uint4): TVM 0.27 can neither store nor compile it."""
+    return tvm.DataType(dtype).bits < 8
+
+
+def can_cast_offline(dtype: str) -> bool:
+    """Whether a constant can be stored in `dtype` (TVM 0.27 cannot build sub-byte constants)."""
+    return not is_sub_byte(dtype)

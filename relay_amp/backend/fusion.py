@@ -5,6 +5,7 @@ tasks."""
 import tvm
 from tvm import relax
 
+from .._folding import FoldConstants
 from ..passes.pooling import GlobalPoolWindows
 
 AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
@@ -25,7 +26,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
+        FoldConstants,
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
     ]

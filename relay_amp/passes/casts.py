@@ -3,8 +3,8 @@
 import tvm
 from tvm import relax
 
-from .._ir import can_cast_offline, cast_constant, tensor_dtype
-from ..dtypes import is_float
+from .._ir import cast_constant, tensor_dtype
+from ..dtypes import can_cast_offline, is_float
 from ..ops import call_op_name
 
 _ASTYPE = "relax.astype"

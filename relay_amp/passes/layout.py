@@ -6,6 +6,7 @@ from typing import ClassVar
 import tvm
 from tvm import relax
 
+from .._folding import FoldConstants
 from .._ir import clamps_as_max_min, tensor_shape
 from .._pads import pads_as_ops
 from ..errors import OptionError
@@ -148,7 +149,7 @@ def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transf
         return []
     layouts = _resolve_layouts({CONV_OPS[0]: [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)})
     convert = ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]])})
-    fold = relax.transform.FoldConstant()  # transposes of constants: sinking moves past constant operands only
+    fold = FoldConstants  # transposes of constants: sinking moves past constant operands only
     return [ClampsAsMaxMin(), PadsAsOps(), ConstantsAtFullRank(), convert, fold, SinkTransposes(), fold,
             relax.transform.CanonicalizeBindings()]
 

@@ -18,6 +18,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._folding import fold_constants
 from ..._ir import clamped, get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...ops import call_op_name
 from . import formula, kernels
@@ -242,6 +243,6 @@ class FoldAffineClamps:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (constants behind layout changes folded first); the input module is left as it
         was."""
-        mod = relax.transform.FoldConstant()(mod)
+        mod = fold_constants(mod)
         runs = _chains(get_function(mod, self.func))
         return rewrite_function(_Folder(mod, runs), mod, self.func) if runs else mod

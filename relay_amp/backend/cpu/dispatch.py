@@ -27,6 +27,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._folding import fold_constants
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from ...ops import call_op_name, sliced_by_binding
@@ -424,7 +425,7 @@ class UseDotKernels:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (weights behind layout changes folded first); the input module is left as it was."""
-        mod = relax.transform.FoldConstant()(mod)
+        mod = fold_constants(mod)
         rewritten = rewrite_function(_Dispatcher(mod, self.dtypes, self.amx_dtypes), mod, self.func)
         # the slices that sank below their ops are dead, but would still count as readers of the kernels' results
         # and keep the kernels' epilogues from taking those ops

@@ -7,14 +7,13 @@ import tvm
 from tvm import relax
 
 from ..._ir import (
-    can_cast_offline,
     cast_constant,
     get_function,
     has_attr_field,
     tensor_dtype,
     with_attr,
 )
-from ...dtypes import FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_choice, is_float
+from ...dtypes import FLOAT_DTYPES, LOW_FLOAT_DTYPES, can_cast_offline, check_choice, is_float
 from ...errors import LayerIndexError
 from ...ops import call_op_name
 from ..casts import EliminateRedundantCasts

@@ -34,6 +34,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._folding import fold_constants
 from ..._ir import clamped, get_function, rewrite_function, tensor_dtype, tensor_shape, with_attr
 from ...dtypes import check_choice
 from ...errors import LayerIndexError, OptionError
@@ -207,7 +208,7 @@ class _Realizer(relax.PyExprMutator):
 
 def prepared(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` as quantize numbers its layers: batch norms folded into convs, weight transposes folded."""
-    return relax.transform.FoldConstant()(FoldBatchNorm()(mod))
+    return fold_constants(FoldBatchNorm()(mod))
 
 
 def apply_quant_plan(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
