@@ -58,6 +58,8 @@ class ZooEntry:
     batch_norm: str = ""  # a CNN with batch norms, given trained-looking weights instead of the library's init and
     # "spread" statistics (random, spread out) or "measured" ones (over random images: see _measured_statistics)
     library: str = "transformers"  # or "torchvision" or "timm"
+    trim_tiny: Callable[[torch.nn.Module], None] | None = None  # shortens the tiny model, for a library builder
+    # whose keywords cannot (timm's MixNet has no depth multiplier)
 
 
 def _resnet50(tiny: bool):
@@ -133,6 +135,13 @@ def _mixnet_s(tiny: bool):
     # groups (split, convs, concatenation), grouped pointwise convs, squeeze-excite, SiLU and ReLU
 
 
+def _first_block_of_each_stage(model) -> None:
+    """A timm EfficientNet-family model with each stage cut to its first block, the one that changes the width
+    (the blocks after it keep it, so the stages still fit): MixNet-S's 16 blocks to 6, every kind of mixed,
+    grouped and squeeze-excite block still there."""
+    model.blocks = torch.nn.Sequential(*(stage[:1] for stage in model.blocks))
+
+
 def _vit_s16(tiny: bool):
     if tiny:
         return hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -197,7 +206,7 @@ ZOO = {entry.name: entry for entry in [
     ZooEntry("mobilenet_v3_large", "cnn", _mobilenet_v3_large, "mobilenet_v3_large", None, Shape(1, 224),
              Shape(1, 64), batch_norm="measured", library="torchvision"),
     ZooEntry("mixnet_s", "cnn", _mixnet_s, "mixnet_s", None, Shape(1, 224), Shape(1, 32), batch_norm="measured",
-             library="timm"),
+             library="timm", trim_tiny=_first_block_of_each_stage),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
@@ -226,6 +235,8 @@ def torch_module(name: str, tiny: bool = False, seed: int = 0):
         model = timm.create_model(spec.model_class, pretrained=False, **spec.config(tiny))
     else:
         model = getattr(hf, spec.model_class)(spec.config(tiny))
+    if tiny and spec.trim_tiny is not None:
+        spec.trim_tiny(model)
     if spec.batch_norm:
         _trained_looking(model)
     module = SingleOutput(model, spec)

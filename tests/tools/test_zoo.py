@@ -177,3 +177,11 @@ fold would not: cosine near 0)."""
     expected = run_executable(relay_amp.build(mod, target), inputs)[0]
     got = run_executable(relay_amp.build(quantized, target), inputs)[0]
     assert relay_amp.metrics.cosine_similarity(got, expected) >= 0.95  # the tiny configs' few channels: noisy int8
+
+
+def test_tiny_mixnet_keeps_one_block_of_each_stage_with_every_kind_of_block():
+    """Its tiny model is the full architecture cut to each stage's first block (what builds in the tests)."""
+    kinds = {type(block).__name__ for stage in zoo.torch_module("mixnet_s").model.blocks for block in stage}
+    tiny = zoo.torch_module("mixnet_s", tiny=True).model.blocks
+    assert [len(stage) for stage in tiny] == [1] * 6
+    assert {type(block).__name__ for stage in tiny for block in stage} == kinds
