@@ -137,7 +137,7 @@ def _evaluate(mod: tvm.IRModule, bindings: list, wanted: list) -> dict:
     body = relax.DataflowBlock([*bindings, relax.VarBinding(result, relax.Tuple(wanted))])
     evaluate = relax.Function([], relax.SeqExpr([body], result), result.ty).with_attr("global_symbol", "main")
     prim_funcs = {gv: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
-    target = tvm.target.Target("llvm")
+    target = tvm.target.Target({"kind": "llvm", "opt-level": 0})  # run once: LLVM's optimizations cost more
     executable = tvm.compile(tvm.IRModule({**prim_funcs, relax.GlobalVar("main"): evaluate}), target=target,
                              relax_pipeline=_pipeline(target))
     outputs = relax.VirtualMachine(executable, tvm.cpu())["main"]()
