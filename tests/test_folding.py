@@ -89,3 +89,13 @@ def test_bindings_outside_dataflow_blocks_are_left_as_tvms_fold_constant_leaves_
         builder.emit_func_output(builder.emit(relax.op.add(x, doubled)))
     before = builder.get()
     assert_transforms(FoldConstants, before, before)
+
+
+def test_a_function_whose_one_build_fails_is_folded_op_by_op_as_tvm_does(monkeypatch):
+    before = _module(_scaled_weight_added, relax.Var("x", relax.TensorType((2, 3), "float32")))
+
+    def failing_build(*args, **kwargs):
+        raise tvm.error.InternalError("cannot build this on the host")
+
+    monkeypatch.setattr(tvm, "compile", failing_build)
+    tvm.ir.assert_structural_equal(fold_constants(before), relax.transform.FoldConstant()(before))
