@@ -28,6 +28,7 @@ MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest
 STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
 MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded to whole vectors
+MAX_INLINED_NODES = 2048  # a block whose stored value has more expression nodes is not inlined further
 BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
 
 
@@ -528,10 +529,60 @@ class ElementwiseRule(_CpuRule):
         if any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
             return None
         broadcast = _broadcast_operands(sch, infos)
-        remaining = dl.base.common_schedules.try_inline(sch, [info for info in infos if info not in broadcast])
+        remaining = _inline_within_bounds(sch, [info for info in infos if info not in broadcast])
         for info in [*broadcast, *remaining]:
             schedule_injective(sch, info.block_rv)
         return sch
+
+
+def _inline_within_bounds(sch: s_tir.Schedule, infos: list) -> list:
+    """Inline blocks into their consumers (else their consumers into them) while TIR allows it, as dlight's
+    try_inline does, except a block whose stored value has grown past MAX_INLINED_NODES: it stays a buffer. A
+    chain of reshapes that alternate between two shapes would otherwise grow exponentially, each one's
+    floordiv/floormod indices reading the index before it twice. Returns the blocks left."""
+    remaining = list(infos)
+    while (inlined := _inline_one(sch, remaining)) is not None:
+        remaining.pop(inlined)
+    return remaining
+
+
+def _inline_one(sch: s_tir.Schedule, infos: list) -> "int | None":
+    """The position in `infos` of the first block inlined into its consumers, else of the first consumer inlined
+    into its producer, each within MAX_INLINED_NODES; None where no block could be."""
+    for position, info in enumerate(infos):
+        if _within_bounds(sch, [info.block_rv]) and _applies(sch.compute_inline, info.block_rv):
+            return position
+    for position, info in enumerate(infos):
+        if (_within_bounds(sch, [info.block_rv, *sch.get_producers(info.block_rv)])
+                and _applies(sch.reverse_compute_inline, info.block_rv)):
+            return position
+    return None
+
+
+def _applies(inline, block) -> bool:
+    """Apply `inline` to `block`; False where TIR refuses it, or fails on it as it does on some reverse inlines
+    of broadcast blocks (dlight's try_inline skips every exception alike)."""
+    try:
+        return try_primitive(inline, block)
+    except tvm.error.InternalError:
+        return False
+
+
+def _within_bounds(sch: s_tir.Schedule, blocks: list) -> bool:
+    """Whether each of `blocks` stores a value of at most MAX_INLINED_NODES expression nodes."""
+    return all(_value_nodes(sch.get(block).body, MAX_INLINED_NODES + 1) <= MAX_INLINED_NODES for block in blocks)
+
+
+def _value_nodes(store, limit: int) -> int:
+    """The expression nodes of a block's stored value, its indices included, counted up to `limit`."""
+    count, pending = 0, [store.value] if isinstance(store, tirx.BufferStore) else []
+    while pending and count < limit:
+        node = pending.pop()
+        count += 1
+        pending.extend(node.args if isinstance(node, tvm.ir.expr.Call) else getattr(node, "indices", None) or
+                       [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
+                        if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
+    return count
 
 
 def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:

@@ -1092,3 +1092,45 @@ def test_a_narrow_innermost_axis_is_vectorized_without_crossing_rows(shape, loop
     schedules.schedule_injective(sch, sch.get_sblock("shifted"))
     got = [(sch.get(loop).kind, int(sch.get(loop).extent)) for loop in sch.get_loops(sch.get_sblock("shifted"))]
     assert got == loops
+
+
+def _reshape_chain(adds: int):
+    """adds of a constant to a (1, 64, 8) tensor, reshaped to (1, 8, 64) and back by turns after every third add."""
+    x = te.placeholder((1, 64, 8), "float32", name="x")
+    value = x
+    for i in range(adds):
+        value = topi.add(value, tvm.tirx.const(0.001, "float32"))
+        if i % 3 == 0:
+            value = topi.reshape(value, (1, 8, 64) if i % 2 else (1, 64, 8))
+    return te.create_prim_func([x, topi.reshape(value, (1, 64, 8))])
+
+
+def test_a_chain_of_alternating_reshapes_is_inlined_in_bounded_pieces_and_matches_numpy():
+    """Each reshape reads the index before it twice (a floordiv and a floormod), so inlining the whole chain
+    grows its index expression exponentially (60 adds took 10 s and 2 GB to schedule, 120 ran out of memory).
+    A block whose value passed MAX_INLINED_NODES stays a buffer: 60 adds schedule in a few pieces, each of
+    bounded size, and match numpy."""
+    target = targets.get_target("cpu")
+    sch = schedules.ElementwiseRule().apply(_reshape_chain(60), target, False)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    assert 1 < len(blocks) < 40
+    assert all(schedules._value_nodes(sch.get(block).body, 10**6) <= 4 * schedules.MAX_INLINED_NODES for block in blocks)
+    x, out = np.random.default_rng(0).random((1, 64, 8), dtype="float32"), tvm.runtime.empty((1, 64, 8), "float32")
+    tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=target)["main"](
+        tvm.runtime.tensor(x), out)
+    np.testing.assert_allclose(out.numpy(), x + np.float32(0.06), rtol=1e-5)
+
+
+def test_inlining_within_bounds_inlines_whole_chains_below_the_bound(monkeypatch):
+    """Below the bound every block of a chain is inlined, as dlight's try_inline does; with a bound of 8 nodes,
+    blocks stay buffers where their values outgrow it, and a consumer is not inlined into a producer that has."""
+    target = targets.get_target("cpu")
+    assert len(_children(schedules.ElementwiseRule().apply(_reshape_chain(6), target, False))) == 1
+    monkeypatch.setattr(schedules, "MAX_INLINED_NODES", 8)
+    sch = schedules.ElementwiseRule().apply(_reshape_chain(6), target, False)
+    assert 1 < len(_children(sch))
+    assert all(schedules._value_nodes(sch.get(block).body, 100) <= 4 * 8 for block in _children(sch))
+
+
+def _children(sch):
+    return sch.get_child_blocks(sch.get_sblock("root"))
