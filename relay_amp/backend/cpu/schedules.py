@@ -28,7 +28,7 @@ MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest
 STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
 MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded to whole vectors
-MAX_INLINED_NODES = 2048  # a block whose stored value has more expression nodes is not inlined further
+MAX_INLINED_NODES = 32768  # a block whose stored value has more expression nodes is not inlined further
 BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
 
 
@@ -540,21 +540,21 @@ def _inline_within_bounds(sch: s_tir.Schedule, infos: list) -> list:
     try_inline does, except a block whose stored value has grown past MAX_INLINED_NODES: it stays a buffer. A
     chain of reshapes that alternate between two shapes would otherwise grow exponentially, each one's
     floordiv/floormod indices reading the index before it twice. Returns the blocks left."""
-    remaining = list(infos)
-    while (inlined := _inline_one(sch, remaining)) is not None:
+    remaining, small = list(infos), _SmallValues(sch)
+    while (inlined := _inline_one(sch, remaining, small)) is not None:
         remaining.pop(inlined)
     return remaining
 
 
-def _inline_one(sch: s_tir.Schedule, infos: list) -> "int | None":
+def _inline_one(sch: s_tir.Schedule, infos: list, small: "_SmallValues") -> "int | None":
     """The position in `infos` of the first block inlined into its consumers, else of the first consumer inlined
     into its producer, each within MAX_INLINED_NODES; None where no block could be."""
     for position, info in enumerate(infos):
-        if _within_bounds(sch, [info.block_rv]) and _applies(sch.compute_inline, info.block_rv):
+        if small([info.block_rv]) and _applies(sch.compute_inline, info.block_rv):
             return position
     for position, info in enumerate(infos):
-        if (_within_bounds(sch, [info.block_rv, *sch.get_producers(info.block_rv)])
-                and _applies(sch.reverse_compute_inline, info.block_rv)):
+        if small([info.block_rv, *sch.get_producers(info.block_rv)]) and _applies(sch.reverse_compute_inline,
+                                                                                   info.block_rv):
             return position
     return None
 
@@ -568,21 +568,43 @@ def _applies(inline, block) -> bool:
         return False
 
 
-def _within_bounds(sch: s_tir.Schedule, blocks: list) -> bool:
-    """Whether each of `blocks` stores a value of at most MAX_INLINED_NODES expression nodes."""
-    return all(_value_nodes(sch.get(block).body, MAX_INLINED_NODES + 1) <= MAX_INLINED_NODES for block in blocks)
+class _SmallValues:
+    """Whether blocks of a schedule store values of at most MAX_INLINED_NODES expression nodes, each stored value
+    counted once (the inlining loop asks about every block again after each inline)."""
+
+    def __init__(self, sch: s_tir.Schedule):
+        self.sch = sch
+        self.known = {}  # a stored statement's handle -> (the statement, kept so the handle is not reused; small)
+
+    def __call__(self, blocks: list) -> bool:
+        """Whether each of `blocks` stores a small enough value."""
+        return all(self._small(self.sch.get(block).body) for block in blocks)
+
+    def _small(self, store) -> bool:
+        key = store.__chandle__()
+        if key not in self.known:
+            self.known[key] = store, _value_nodes(store, MAX_INLINED_NODES + 1) <= MAX_INLINED_NODES
+        return self.known[key][1]
 
 
 def _value_nodes(store, limit: int) -> int:
-    """The expression nodes of a block's stored value, its indices included, counted up to `limit`."""
+    """The expression nodes of a block's stored value, its indices included, counted as a tree (a subexpression
+    read twice counts twice, as TVM's substitutions copy it) up to `limit`."""
     count, pending = 0, [store.value] if isinstance(store, tirx.BufferStore) else []
     while pending and count < limit:
         node = pending.pop()
         count += 1
-        pending.extend(node.args if isinstance(node, tvm.ir.expr.Call) else getattr(node, "indices", None) or
-                       [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
-                        if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
+        pending.extend(_operands(node))
     return count
+
+
+def _operands(node) -> list:
+    """The expressions a TIR expression node reads: a call's arguments, a load's indices, an operator's operands."""
+    if isinstance(node, tvm.ir.expr.Call):
+        return list(node.args)
+    return list(getattr(node, "indices", None) or
+                [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
+                 if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
 
 
 def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:
