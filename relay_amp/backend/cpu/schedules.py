@@ -560,12 +560,13 @@ def _inline_one(sch: s_tir.Schedule, infos: list, small: "_SmallValues") -> "int
 
 
 def _applies(inline, block) -> bool:
-    """Apply `inline` to `block`; False where TIR refuses it, or fails on it as it does on some reverse inlines
-    of broadcast blocks (dlight's try_inline skips every exception alike)."""
+    """Apply `inline` to `block`; False where TIR refuses it (a ScheduleError) or fails on it, as it does on some
+    reverse inlines of broadcast blocks (an InternalError; dlight's try_inline skips every exception alike)."""
     try:
-        return try_primitive(inline, block)
-    except tvm.error.InternalError:
+        inline(block)
+    except RuntimeError:  # TVM's errors
         return False
+    return True
 
 
 class _SmallValues:
