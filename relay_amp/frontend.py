@@ -134,10 +134,39 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
             "from_torch needs PyTorch: pip install 'relay_amp[torch]'"
         ) from err
     inputs = tuple(torch.as_tensor(x) for x in example_inputs)
-    with torch.no_grad():
-        exported = torch.export.export(module.eval(), inputs)
-    imported = from_exported_program(exported, unwrap_unit_return_tuple=True)
+    name = type(module).__name__
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(module.eval(), inputs)
+        _drop_legacy_empty_cat_inputs(exported.graph)
+        imported = from_exported_program(exported, unwrap_unit_return_tuple=True)
+    except Exception as err:  # torch.export and TVM's importer raise many error types
+        raise ModelLoadError(f"cannot import torch module {name}: {type(err).__name__}: {err}") from err
     return _canonical(imported)
+
+
+def _drop_legacy_empty_cat_inputs(graph) -> None:
+    """Remove from each aten.cat of an exported graph its 1-D empty inputs, which torch.cat skips whatever the
+    other inputs' rank (transformers' key/value caches start as torch.tensor([]) and are concatenated with each
+    layer's keys and values); TVM's importer requires every input to have the output's rank."""
+    import torch
+
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
+        tensors = node.args[0]
+        kept = [tensor for tensor in tensors if not _is_legacy_empty(tensor)]
+        if not kept or len(kept) == len(tensors):
+            continue
+        if len(kept) == 1:
+            node.replace_all_uses_with(kept[0])
+        else:
+            node.update_arg(0, kept)
+    graph.eliminate_dead_code()
+
+
+def _is_legacy_empty(tensor) -> bool:
+    """Whether an exported graph's value is a tensor of shape (0,)."""
+    value = getattr(tensor, "meta", {}).get("val")
+    return value is not None and tuple(value.shape) == (0,)
 
 
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:

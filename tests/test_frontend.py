@@ -82,6 +82,60 @@ def test_from_torch_matches_torch():
     np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_from_torch_skips_empty_tensors_in_concatenations_as_torch_cat_does():
+    """torch.cat skips 1-D empty tensors whatever the other inputs' rank (a key/value cache starts as one); TVM's
+    importer refused them ("Concat expects all input tensors to have same ndim")."""
+    torch = pytest.importorskip("torch")
+
+    class Cached(torch.nn.Module):
+        def forward(self, x):
+            empty = torch.tensor([], dtype=x.dtype)
+            return torch.cat([empty, x * 2.0], dim=-2), torch.cat([empty, x, empty, x + 1.0], dim=1)
+
+    x = torch.randn(1, 2, 3, 4)
+    mod = frontend.from_torch(Cached(), [x])
+    with torch.no_grad():
+        expected = [value.numpy() for value in Cached()(x)]
+    for got, want in zip(relay_amp.run(mod, [x.numpy()]), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_from_torch_imports_a_transformers_decoder_with_its_key_value_cache():
+    """A Qwen2 decoder exported with its default cache (use_cache=True): each layer's keys and values are
+    concatenated to the cache's empty start. Matches PyTorch."""
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = hf.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = hf.Qwen2Model(config).eval()
+    ids = torch.randint(0, 128, (1, 8))
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids).last_hidden_state
+
+    mod = frontend.from_torch(Hidden(), [ids])
+    with torch.no_grad():
+        expected = Hidden()(ids).numpy()
+    np.testing.assert_allclose(relay_amp.run(mod, [ids.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_from_torch_names_a_module_it_cannot_import():
+    torch = pytest.importorskip("torch")
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            return x[x > 0]  # an output shape that depends on the data
+
+    with pytest.raises(relay_amp.ModelLoadError, match="DataDependent"):
+        frontend.from_torch(DataDependent(), [torch.randn(4)])
+
+
 def test_from_torch_without_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(relay_amp.MissingDependencyError, match=r"relay_amp\[torch\]"):
