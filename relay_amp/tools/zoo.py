@@ -169,6 +169,16 @@ def _gpt2(tiny: bool):
     return hf.GPT2Config(n_layer=4)
 
 
+def _llama(tiny: bool):
+    if tiny:
+        return hf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    # a LLaMA-style decoder of BERT-base width: RMS norms, rotary embeddings, a SiLU-gated MLP, grouped-query
+    # attention (12 query heads sharing 4 key/value heads), a causal mask; 4 layers
+    return hf.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512)
+
+
 def _t5_encoder(tiny: bool):
     if tiny:
         return hf.T5Config(vocab_size=512, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2)
@@ -212,6 +222,7 @@ ZOO = {entry.name: entry for entry in [
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
              Shape(1, 128), Shape(2, 16)),
     ZooEntry("gpt2", "transformer", _gpt2, "GPT2Model", "last_hidden_state", Shape(1, 64), Shape(2, 16)),
+    ZooEntry("llama", "transformer", _llama, "LlamaModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("t5_encoder", "transformer", _t5_encoder, "T5EncoderModel", "last_hidden_state",
              Shape(1, 128), Shape(2, 16)),
     ZooEntry("wav2vec2", "audio", _wav2vec2, "Wav2Vec2Model", "last_hidden_state", Shape(1, 16000), Shape(1, 800)),
