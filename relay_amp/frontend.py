@@ -139,6 +139,7 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
         with torch.no_grad():
             exported = torch.export.export(module.eval(), inputs)
         _drop_legacy_empty_cat_inputs(exported.graph)
+        _views_as_reshapes(exported.graph)
         imported = from_exported_program(exported, unwrap_unit_return_tuple=True)
     except Exception as err:  # torch.export and TVM's importer raise many error types
         raise ModelLoadError(f"cannot import torch module {name}: {type(err).__name__}: {err}") from err
@@ -161,6 +162,17 @@ def _drop_legacy_empty_cat_inputs(graph) -> None:
         else:
             node.update_arg(0, kept)
     graph.eliminate_dead_code()
+
+
+def _views_as_reshapes(graph) -> None:
+    """Make each aten.view of an exported graph an aten.reshape, which is the same view wherever a view is valid.
+    The importer decomposes the graph to core ATen first, which may give a tensor other strides than the export
+    saw (GPT-2's attention output after the decomposed scaled_dot_product_attention), and a view of it then
+    fails ("Cannot view a tensor with shape ... and strides ..."); a reshape copies there instead."""
+    import torch
+
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
 
 
 def _is_legacy_empty(tensor) -> bool:

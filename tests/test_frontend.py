@@ -125,6 +125,31 @@ def test_from_torch_imports_a_transformers_decoder_with_its_key_value_cache():
     np.testing.assert_allclose(relay_amp.run(mod, [ids.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_from_torch_imports_a_view_of_an_attention_output_whose_strides_the_decomposition_changes():
+    """Heads merged after scaled_dot_product_attention with .contiguous().view(...), as GPT-2 does: decomposed to
+    core ATen, the attention's output gets other strides, and the view failed ("Cannot view a tensor ...")."""
+    torch = pytest.importorskip("torch")
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+            self.out = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            batch, tokens, _ = x.shape
+            q, k, v = self.qkv(x).view(batch, tokens, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(heads.transpose(1, 2).contiguous().view(-1, 16)).view(batch, tokens, 8)
+
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 5, 16)
+    mod = frontend.from_torch(model, [x])
+    with torch.no_grad():
+        expected = model(x).numpy()
+    np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_from_torch_names_a_module_it_cannot_import():
     torch = pytest.importorskip("torch")
 

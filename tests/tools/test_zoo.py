@@ -45,7 +45,7 @@ def test_zoo_model_converts_builds_and_matches_pytorch(name):
 
 @pytest.mark.parametrize("name, exporter", [("resnet50", "dynamo"), ("bert", "dynamo"),
                                             ("convnext_tiny", "torch.export"), ("t5_encoder", "torch.export"),
-                                            ("llama", "torch.export")])
+                                            ("gpt2", "torch.export"), ("llama", "torch.export")])
 def test_other_export_paths_import_and_match(name, exporter):
     inputs = zoo.example_inputs(name, tiny=True)
     expected, _ = _reference(name, inputs)
