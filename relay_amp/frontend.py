@@ -118,8 +118,20 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
         quantized = constant_dequantizes_folded(as_qdq(proto))
         imported = relax_from_onnx(_simplified(quantized), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
-        raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}") from err
+        raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
     return _canonical(imported)
+
+
+def _sizing_hint(proto) -> str:
+    """Where `proto` still has symbolic input dims, how to size them: TVM's importer fails on some shape
+    computations over them (a dynamic LLaMA export's causal mask: "shape_of expects a tensor input") that fold
+    away once they are sized."""
+    names = onnx_symbolic_dims(proto)
+    if not names:
+        return ""
+    example = ", ".join(f'"{name}": ...' for name in names)
+    return (f" (its inputs have symbolic dims {names}; where the importer fails on shapes computed from them, "
+            f"size them at import: from_onnx(..., dims={{{example}}}), or --dim on the command line)")
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:

@@ -279,6 +279,16 @@ def test_from_onnx_sizes_dynamic_axes_by_name_before_shapes_fold():
     assert frontend.onnx_symbolic_dims(model) == ["batch", "seq"], "from_onnx changed its input model"
 
 
+def test_an_import_failure_of_a_model_with_symbolic_dims_says_how_to_size_them():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence"])
+    graph = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "unknown_op", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(relay_amp.ModelLoadError,
+                       match=r"symbolic dims \['batch', 'sequence'\].*dims=\{\"batch\": \.\.\., \"sequence\": \.\.\.\}"):
+        frontend.from_onnx(model)
+
+
 def test_from_onnx_rejects_dims_the_file_does_not_have():
     with pytest.raises(relay_amp.OptionError, match="no symbolic input dim 'sequence'; its symbolic dims: batch, seq"):
         frontend.from_onnx(positions_onnx(), dims={"sequence": 5})
