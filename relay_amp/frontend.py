@@ -152,7 +152,8 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
             exported = torch.export.export(module.eval(), inputs)
         _drop_legacy_empty_cat_inputs(exported.graph)
         _views_as_reshapes(exported.graph)
-        imported = from_exported_program(exported, unwrap_unit_return_tuple=True)
+        imported = from_exported_program(exported, unwrap_unit_return_tuple=True,
+                                         custom_convert_map={"upsample_nearest2d.vec": _nearest_upsample})
     except Exception as err:  # torch.export and TVM's importer raise many error types
         raise ModelLoadError(f"cannot import torch module {name}: {type(err).__name__}: {err}") from err
     return _canonical(imported)
@@ -185,6 +186,16 @@ def _views_as_reshapes(graph) -> None:
 
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         node.target = torch.ops.aten.reshape.default
+
+
+def _nearest_upsample(node, importer) -> tvm.relax.Var:
+    """aten.upsample_nearest2d (F.interpolate's mode="nearest") as PyTorch computes it: source index
+    floor(destination * in / out). TVM's importer took half-pixel centres and rounding (PyTorch's
+    "nearest-exact"), which differ where out / in is not whole: GhostNetV2 gates a 7x7 map by its 3x3 pool."""
+    size = [int(extent) for extent in node.meta["val"].shape[2:]]
+    return importer.block_builder.emit(tvm.relax.op.image.resize2d(
+        importer.env[node.args[0]], size, layout="NCHW", method="nearest_neighbor",
+        coordinate_transformation_mode="asymmetric", rounding_method="floor"))
 
 
 def _is_legacy_empty(tensor) -> bool:

@@ -150,6 +150,26 @@ def test_from_torch_imports_a_view_of_an_attention_output_whose_strides_the_deco
     np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode, size, scale", [("nearest", (7, 7), None), ("nearest", None, 2.5),
+                                               ("nearest", (6, 4), None), ("nearest-exact", (7, 7), None),
+                                               ("bilinear", (7, 5), None)])
+def test_from_torch_resizes_as_torch_interpolates(mode, size, scale):
+    """F.interpolate's "nearest" takes source floor(destination * in / out); TVM's importer took half-pixel
+    centres and rounding ("nearest-exact"), wrong where out / in is not whole: GhostNetV2's gate, a 3x3 pool
+    resized to 7x7, was off by 0.11 of the output through torch.export."""
+    torch = pytest.importorskip("torch")
+
+    class Resize(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.interpolate(x, size=size, scale_factor=scale, mode=mode)
+
+    x = torch.arange(18.0).reshape(1, 2, 3, 3)
+    with torch.no_grad():
+        expected = Resize()(x).numpy()
+    got = relay_amp.run(frontend.from_torch(Resize(), [x]), [x.numpy()])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_from_torch_names_a_module_it_cannot_import():
     torch = pytest.importorskip("torch")
 
