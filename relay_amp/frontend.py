@@ -10,6 +10,7 @@ import tvm
 
 from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
+from ._torch_export import CONVERTERS, as_torch_runs_it
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from .errors import MissingDependencyError, ModelLoadError
@@ -150,58 +151,11 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     try:
         with torch.no_grad():
             exported = torch.export.export(module.eval(), inputs)
-        _drop_legacy_empty_cat_inputs(exported.graph)
-        _views_as_reshapes(exported.graph)
-        imported = from_exported_program(exported, unwrap_unit_return_tuple=True,
-                                         custom_convert_map={"upsample_nearest2d.vec": _nearest_upsample})
+        as_torch_runs_it(exported.graph)
+        imported = from_exported_program(exported, unwrap_unit_return_tuple=True, custom_convert_map=CONVERTERS)
     except Exception as err:  # torch.export and TVM's importer raise many error types
         raise ModelLoadError(f"cannot import torch module {name}: {type(err).__name__}: {err}") from err
     return _canonical(imported)
-
-
-def _drop_legacy_empty_cat_inputs(graph) -> None:
-    """Remove from each aten.cat of an exported graph its 1-D empty inputs, which torch.cat skips whatever the
-    other inputs' rank (transformers' key/value caches start as torch.tensor([]) and are concatenated with each
-    layer's keys and values); TVM's importer requires every input to have the output's rank."""
-    import torch
-
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
-        tensors = node.args[0]
-        kept = [tensor for tensor in tensors if not _is_legacy_empty(tensor)]
-        if not kept or len(kept) == len(tensors):
-            continue
-        if len(kept) == 1:
-            node.replace_all_uses_with(kept[0])
-        else:
-            node.update_arg(0, kept)
-    graph.eliminate_dead_code()
-
-
-def _views_as_reshapes(graph) -> None:
-    """Make each aten.view of an exported graph an aten.reshape, which is the same view wherever a view is valid.
-    The importer decomposes the graph to core ATen first, which may give a tensor other strides than the export
-    saw (GPT-2's attention output after the decomposed scaled_dot_product_attention), and a view of it then
-    fails ("Cannot view a tensor with shape ... and strides ..."); a reshape copies there instead."""
-    import torch
-
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
-        node.target = torch.ops.aten.reshape.default
-
-
-def _nearest_upsample(node, importer) -> tvm.relax.Var:
-    """aten.upsample_nearest2d (F.interpolate's mode="nearest") as PyTorch computes it: source index
-    floor(destination * in / out). TVM's importer took half-pixel centres and rounding (PyTorch's
-    "nearest-exact"), which differ where out / in is not whole: GhostNetV2 gates a 7x7 map by its 3x3 pool."""
-    size = [int(extent) for extent in node.meta["val"].shape[2:]]
-    return importer.block_builder.emit(tvm.relax.op.image.resize2d(
-        importer.env[node.args[0]], size, layout="NCHW", method="nearest_neighbor",
-        coordinate_transformation_mode="asymmetric", rounding_method="floor"))
-
-
-def _is_legacy_empty(tensor) -> bool:
-    """Whether an exported graph's value is a tensor of shape (0,)."""
-    value = getattr(tensor, "meta", {}).get("val")
-    return value is not None and tuple(value.shape) == (0,)
 
 
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:

@@ -170,6 +170,36 @@ def test_from_torch_resizes_as_torch_interpolates(mode, size, scale):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+DIVISIONS = {  # torch.export's spellings of a division (aten.div.Tensor, div.Tensor_mode), x a float tensor
+    "float_floor_by_int": lambda torch, x: x // 2,
+    "float_trunc_by_int": lambda torch, x: torch.div(x, 2, rounding_mode="trunc"),
+    "int_true_by_int": lambda torch, x: torch.arange(-4, 4) / 3 + x,
+    "int_floor_by_int": lambda torch, x: torch.div(torch.arange(-4, 4), 3, rounding_mode="floor") + x,
+    "int_trunc_by_int": lambda torch, x: torch.div(torch.arange(-4, 4), 3, rounding_mode="trunc") + x,
+    "int_by_int_tensor": lambda torch, x: torch.arange(8) / torch.arange(1, 9) + x,
+    # EdgeNeXt's positional encoding
+    "float_floor_in_a_power": lambda torch, x: 10000 ** (2 * torch.div(torch.arange(8).to(torch.float32), 2,
+                                                                  rounding_mode="floor") / 8) * x,
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIVISIONS))
+def test_from_torch_divides_as_torch_promotes(case):
+    """Both operands of a division in the dtype PyTorch gives its result: TVM's importer made Python ints int32
+    constants beside float tensors (refused by Relax: x // 2 did not import) and divided int tensors as ints."""
+    torch = pytest.importorskip("torch")
+
+    class Divide(torch.nn.Module):
+        def forward(self, x):
+            return DIVISIONS[case](torch, x)
+
+    x = torch.linspace(-7.5, 7.5, 8)
+    with torch.no_grad():
+        expected = Divide()(x).numpy()
+    got = relay_amp.run(frontend.from_torch(Divide(), [x]), [x.numpy()])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
 def test_from_torch_names_a_module_it_cannot_import():
     torch = pytest.importorskip("torch")
 

@@ -1,0 +1,90 @@
+"""What `frontend.from_torch` corrects in TVM's importer of torch.export graphs, where it computes other values
+than PyTorch or refuses what PyTorch runs: graph rewrites before the import, and converters for some ops."""
+
+from tvm import relax
+
+
+def as_torch_runs_it(graph) -> None:
+    """Rewrite an exported graph in place so that TVM's importer takes it as PyTorch runs it: 1-D empty inputs
+    dropped from concatenations, views as reshapes."""
+    _drop_legacy_empty_cat_inputs(graph)
+    _views_as_reshapes(graph)
+
+
+def _drop_legacy_empty_cat_inputs(graph) -> None:
+    """Remove from each aten.cat its 1-D empty inputs, which torch.cat skips whatever the other inputs' rank
+    (transformers' key/value caches start as torch.tensor([]) and are concatenated with each layer's keys and
+    values); TVM's importer requires every input to have the output's rank."""
+    import torch
+
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
+        tensors = node.args[0]
+        kept = [tensor for tensor in tensors if not _is_legacy_empty(tensor)]
+        if not kept or len(kept) == len(tensors):
+            continue
+        if len(kept) == 1:
+            node.replace_all_uses_with(kept[0])
+        else:
+            node.update_arg(0, kept)
+    graph.eliminate_dead_code()
+
+
+def _is_legacy_empty(tensor) -> bool:
+    """Whether an exported graph's value is a tensor of shape (0,)."""
+    value = getattr(tensor, "meta", {}).get("val")
+    return value is not None and tuple(value.shape) == (0,)
+
+
+def _views_as_reshapes(graph) -> None:
+    """Make each aten.view an aten.reshape, which is the same view wherever a view is valid. The importer
+    decomposes the graph to core ATen first, which may give a tensor other strides than the export saw (GPT-2's
+    attention output after the decomposed scaled_dot_product_attention), and a view of it then fails ("Cannot
+    view a tensor with shape ... and strides ..."); a reshape copies there instead."""
+    import torch
+
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
+
+
+def _nearest_upsample(node, importer) -> relax.Var:
+    """aten.upsample_nearest2d (F.interpolate's mode="nearest") as PyTorch computes it: source index
+    floor(destination * in / out). TVM's importer took half-pixel centres and rounding (PyTorch's
+    "nearest-exact"), which differ where out / in is not whole: GhostNetV2 gates a 7x7 map by its 3x3 pool."""
+    size = [int(extent) for extent in node.meta["val"].shape[2:]]
+    return importer.block_builder.emit(relax.op.image.resize2d(
+        importer.env[node.args[0]], size, layout="NCHW", method="nearest_neighbor",
+        coordinate_transformation_mode="asymmetric", rounding_method="floor"))
+
+
+def _division(node, importer) -> relax.Var:
+    """aten.div (true, floor or trunc) and floor_divide with PyTorch's type promotion: both operands in the dtype
+    PyTorch gives the result. TVM's importer made a Python int an int32 constant beside a float tensor, which
+    Relax refuses (x // 2; EdgeNeXt's positional encoding), and divided int tensors as ints where PyTorch's true
+    division gives floats."""
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    lhs, rhs = (_operand(importer, arg, dtype) for arg in node.args[:2])
+    mode = "floor" if "floor_divide" in str(node.target) else node.kwargs.get(
+        "rounding_mode", node.args[2] if len(node.args) > 2 else None)
+    if mode == "floor":
+        return importer.block_builder.emit(relax.op.floor_divide(lhs, rhs))
+    quotient = importer.block_builder.emit(relax.op.divide(lhs, rhs))  # ints: truncated, as TIR divides them
+    return importer.block_builder.emit(relax.op.trunc(quotient)) if mode == "trunc" and "float" in dtype else quotient
+
+
+def _operand(importer, arg, dtype: str) -> relax.Expr:
+    """A division's operand in `dtype`: a graph value cast where it has another dtype, a Python number a
+    constant."""
+    value = importer.env[arg] if hasattr(arg, "op") else arg
+    if not isinstance(value, relax.Expr):
+        return relax.const(value, dtype)
+    if isinstance(value.ty, relax.TensorType) and value.ty.dtype != dtype:
+        return importer.block_builder.emit(relax.op.astype(value, dtype))
+    return value
+
+
+# converters TVM's importer takes in place of its own (custom_convert_map), by op name
+CONVERTERS = {
+    "upsample_nearest2d.vec": _nearest_upsample,
+    **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),
+                    _division),
+}
