@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 
 from .._folding import FoldConstants
-from .._ir import clamps_as_max_min, tensor_shape
+from .._ir import clamps_as_max_min, rewrite_function, tensor_shape
 from .._pads import pads_as_ops
 from ..errors import OptionError
 from ..ops import call_op_name, canonical_op
@@ -66,6 +66,7 @@ class ConvertLayout:
         self.func = func
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = rewrite_function(_NonNegativeAxes(mod), mod, self.func)
         config = LayoutConfig.current()
         skipped = resolve_layers(list_layers(mod, CONV_OPS, self.func), config.skip_layers if config else ())
         convs = layer_bindings(mod, CONV_OPS, self.func)
@@ -77,6 +78,28 @@ class ConvertLayout:
             return self.desired_layouts
 
         return relax.transform.ConvertLayout(self.desired_layouts, layout_for)(mod)
+
+
+@relax.expr_functor.mutator
+class _NonNegativeAxes(relax.PyExprMutator):
+    """Squeezes and permutations with negative axes counted from the front: TVM's ConvertLayout fails on them
+    (squeeze: std::bad_alloc; permute_dims: "Invalid layout"), as on DeBERTa-v2's squeeze(axis=[-2]) through
+    torch.export."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        name = call_op_name(new_call)
+        if name not in _AXES_ATTRS:
+            return new_call
+        axes = getattr(new_call.attrs, _AXES_ATTRS[name])
+        if axes is None or all(int(axis) >= 0 for axis in axes):
+            return new_call
+        counted = [int(axis) % new_call.args[0].ty.ndim for axis in axes]
+        data = new_call.args[0]
+        return relax.op.squeeze(data, counted) if name == "relax.squeeze" else relax.op.permute_dims(data, counted)
+
+
+_AXES_ATTRS = {"relax.squeeze": "axis", "relax.permute_dims": "axes"}  # the ops _NonNegativeAxes counts, their attr
 
 
 def convert_layout(mod: tvm.IRModule, desired_layouts: dict[str, list[str]], func: str = "main") -> tvm.IRModule:

@@ -237,3 +237,50 @@ def test_a_te_pad_from_tvms_own_importer_gets_no_transposes_in_an_nhwc_build():
     assert ops.count("relax.permute_dims") == 2 and "relax.nn.pad" in ops and "relax.call_tir" not in ops
     data = rng.standard_normal((1, 4, 6, 6)).astype("float32")
     np.testing.assert_allclose(relay_amp.run(converted, [data])[0], relay_amp.run(mod, [data])[0], rtol=1e-5, atol=1e-4)
+
+
+def test_negative_squeeze_and_permutation_axes_are_counted_from_the_front_first():
+    """TVM's ConvertLayout fails on a squeeze with a negative axis (std::bad_alloc) and a permute_dims with
+    negative axes ("Invalid layout"): DeBERTa-v2 through torch.export did not build."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 2, 1, 4), "float32")) -> R.Tensor((1, 4, 2), "float32"):
+            with R.dataflow():
+                squeezed = R.squeeze(x, axis=[-2])
+                gv = R.permute_dims(squeezed, axes=[0, -1, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 2, 1, 4), "float32")) -> R.Tensor((1, 4, 2), "float32"):
+            with R.dataflow():
+                squeezed = R.squeeze(x, axis=[2])
+                gv = R.permute_dims(squeezed, axes=[0, 2, 1])
+                R.output(gv)
+            return gv
+
+    assert_transforms(ConvertLayout({"nn.conv2d": ["NHWC", "default"]}), Before, Expected)
+
+
+def test_a_negative_axis_squeeze_of_a_converted_conv_matches_the_unconverted_module():
+    @I.ir_module
+    class ConvSqueeze:
+        @R.function
+        def main(x: R.Tensor((2, 3, 4, 4), "float32"), w: R.Tensor((4, 3, 4, 1), "float32")
+                 ) -> R.Tensor((2, 4, 4), "float32"):
+            with R.dataflow():
+                conv = R.nn.conv2d(x, w)  # (2, 4, 1, 4)
+                squeezed = R.squeeze(conv, axis=[-2])
+                gv = R.permute_dims(squeezed, axes=[0, -1, -2])
+                R.output(gv)
+            return gv
+
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((2, 3, 4, 4)).astype("float32"), rng.standard_normal((4, 3, 4, 1)).astype("float32")]
+    converted = convert_layout(ConvSqueeze, {"nn.conv2d": ["NHWC", "default"]})
+    assert layouts_of(converted) == ["NHWC/OHWI"]
+    np.testing.assert_allclose(relay_amp.run(converted, inputs)[0], relay_amp.run(ConvSqueeze, inputs)[0], rtol=1e-5)
