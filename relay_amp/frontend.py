@@ -10,9 +10,9 @@ import tvm
 
 from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._torch_export import CONVERTERS, as_torch_runs_it
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
+from ._torch_export import CONVERTERS, as_torch_runs_it
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 

@@ -415,10 +415,17 @@ def _subexpressions(expr) -> list:
     while pending:
         node = pending.pop()
         found.append(node)
-        pending.extend(node.args if isinstance(node, tvm.ir.expr.Call) else
-                       [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
-                        if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
+        pending.extend(_operands(node))
     return found
+
+
+def _operands(node) -> list:
+    """The expressions a TIR expression node computes from: a call's arguments, an operator's, cast's or select's
+    operands (not a load's indices)."""
+    if isinstance(node, tvm.ir.expr.Call):
+        return list(node.args)
+    return [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
+            if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)]
 
 
 def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
@@ -595,17 +602,8 @@ def _value_nodes(store, limit: int) -> int:
     while pending and count < limit:
         node = pending.pop()
         count += 1
-        pending.extend(_operands(node))
+        pending.extend([*_operands(node), *getattr(node, "indices", ())])
     return count
-
-
-def _operands(node) -> list:
-    """The expressions a TIR expression node reads: a call's arguments, a load's indices, an operator's operands."""
-    if isinstance(node, tvm.ir.expr.Call):
-        return list(node.args)
-    return list(getattr(node, "indices", None) or
-                [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
-                 if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)])
 
 
 def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:
