@@ -422,10 +422,16 @@ def _subexpressions(expr) -> list:
 def _operands(node) -> list:
     """The expressions a TIR expression node computes from: a call's arguments, an operator's, cast's or select's
     operands (not a load's indices)."""
-    if isinstance(node, tvm.ir.expr.Call):
-        return list(node.args)
-    return [getattr(node, name) for name in ("a", "b", "value", "condition", "true_value", "false_value")
-            if isinstance(getattr(node, name, None), tvm.ir.expr.Expr)]
+    fields = _OPERAND_FIELDS.get(type(node))
+    if fields is None:  # the first node of its type: which of its fields hold expressions
+        fields = _OPERAND_FIELDS[type(node)] = ("args",) if isinstance(node, tvm.ir.expr.Call) else tuple(
+            name for name in ("a", "b", "value", "condition", "true_value", "false_value")
+            if isinstance(getattr(node, name, None), tvm.ir.expr.Expr))
+    return list(node.args) if fields == ("args",) else [getattr(node, name) for name in fields]
+
+
+_OPERAND_FIELDS: dict[type, tuple] = {}  # a TIR expression type -> the fields _operands reads (isinstance of an
+# abstract class costs more than the rest of a walk over an inlined function's values)
 
 
 def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
