@@ -136,9 +136,9 @@ def _sizing_hint(proto) -> str:
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
-    """Import a torch.nn.Module through torch.export, weights bound as constants (and those computed from constants
-    folded), batch norms folded into convs and linear layers, parallel conv branches as one conv, clamps (ReLU6,
-    hardtanh) as maximum and minimum."""
+    """Import a torch.nn.Module through torch.export in eval mode (a module in training mode is put back in it),
+    weights bound as constants (and those computed from constants folded), batch norms folded into convs and
+    linear layers, parallel conv branches as one conv, clamps (ReLU6, hardtanh) as maximum and minimum."""
     try:
         import torch
         from tvm.relax.frontend.torch import from_exported_program
@@ -147,7 +147,7 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
             "from_torch needs PyTorch: pip install 'relay_amp[torch]'"
         ) from err
     inputs = tuple(torch.as_tensor(x) for x in example_inputs)
-    name = type(module).__name__
+    name, training = type(module).__name__, getattr(module, "training", False)
     try:
         with torch.no_grad():
             exported = torch.export.export(module.eval(), inputs)
@@ -155,6 +155,9 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
         imported = from_exported_program(exported, unwrap_unit_return_tuple=True, custom_convert_map=CONVERTERS)
     except Exception as err:  # torch.export and TVM's importer raise many error types
         raise ModelLoadError(f"cannot import torch module {name}: {type(err).__name__}: {err}") from err
+    finally:
+        if training:
+            module.train()  # the caller's module as it came: exported in eval mode, returned in training mode
     return _canonical(imported)
 
 

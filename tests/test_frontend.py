@@ -211,6 +211,19 @@ def test_from_torch_names_a_module_it_cannot_import():
         frontend.from_torch(DataDependent(), [torch.randn(4)])
 
 
+def test_from_torch_exports_in_eval_mode_and_leaves_a_training_module_training():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
+    net(torch.randn(8, 4))  # running statistics other than the initial ones
+    x = torch.randn(2, 4)
+    mod = frontend.from_torch(net, [x])
+    assert net.training and all(layer.training for layer in net)
+    with torch.no_grad():
+        expected = net.eval()(x).numpy()
+    np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_from_torch_without_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(relay_amp.MissingDependencyError, match=r"relay_amp\[torch\]"):
