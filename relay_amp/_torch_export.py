@@ -17,6 +17,7 @@ def _drop_legacy_empty_cat_inputs(graph) -> None:
     values); TVM's importer requires every input to have the output's rank."""
     import torch
 
+    dropped = False
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
         tensors = node.args[0]
         kept = [tensor for tensor in tensors if not _is_legacy_empty(tensor)]
@@ -26,7 +27,9 @@ def _drop_legacy_empty_cat_inputs(graph) -> None:
             node.replace_all_uses_with(kept[0])
         else:
             node.update_arg(0, kept)
-    graph.eliminate_dead_code()
+        dropped = True
+    if dropped:  # the empty tensors' producers, and concatenations of one input, are left unread
+        graph.eliminate_dead_code()
 
 
 def _is_legacy_empty(tensor) -> bool:
