@@ -19,7 +19,7 @@ def random_operands(spec: kernels.ConvSpec, rng) -> tuple[np.ndarray, np.ndarray
 
 def reference_conv(data: np.ndarray, weight_oihw: np.ndarray, spec: kernels.ConvSpec) -> np.ndarray:
     """The unpadded NHWC convolution `spec` describes (each block of output channels over its block of input
-    channels, for `spec.groups`), in float64."""
+    channels, for `spec.groups`; taps `spec.dilation` apart), in float64."""
     data, weight = data.astype("float64"), weight_oihw.astype("float64")
     _, out_h, out_w, _ = spec.out_shape
     stride_h, stride_w = spec.strides
@@ -27,7 +27,8 @@ def reference_conv(data: np.ndarray, weight_oihw: np.ndarray, spec: kernels.Conv
     out = np.zeros(spec.out_shape)
     for row in range(spec.kernel_size[0]):
         for col in range(spec.kernel_size[1]):
-            window = data[:, row:row + (out_h - 1) * stride_h + 1:stride_h, col:col + (out_w - 1) * stride_w + 1:stride_w]
+            top, left = row * spec.dilation[0], col * spec.dilation[1]
+            window = data[:, top:top + (out_h - 1) * stride_h + 1:stride_h, left:left + (out_w - 1) * stride_w + 1:stride_w]
             for group in range(spec.groups):
                 outs, ins = slice(group * width, (group + 1) * width), slice(group * spec.depth, (group + 1) * spec.depth)
                 out[..., outs] += np.einsum("nhwc,oc->nhwo", window[..., ins], weight[outs, :, row, col])

@@ -202,11 +202,11 @@ def tiling(spec: ConvSpec) -> Tiling:
 
 
 def supports(spec: ConvSpec) -> bool:
-    """Whether the AMX kernel computes `spec`: ungrouped, bf16 -> fp32 or int8/uint8 -> int32, at least 32 output
-    channels in 16-blocks, input channels in whole 4-byte groups (as `kernels.pack_weight` packs them), tiles of at
-    least MIN_TILE_ROWS pixels."""
+    """Whether the AMX kernel computes `spec`: ungrouped, undilated, bf16 -> fp32 or int8/uint8 -> int32, at least
+    32 output channels in 16-blocks, input channels in whole 4-byte groups (as `kernels.pack_weight` packs them),
+    tiles of at least MIN_TILE_ROWS pixels."""
     product = PRODUCTS.get(spec.data_dtype)
-    if (product is None or spec.groups != 1 or spec.out_dtype != product.acc_dtype or spec.out_channels < PANELS * LANES
+    if (product is None or spec.groups != 1 or spec.dilation != (1, 1) or spec.out_dtype != product.acc_dtype or spec.out_channels < PANELS * LANES
             or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot)):
         return False
     return tiling(spec).tile_rows >= MIN_TILE_ROWS
@@ -227,9 +227,9 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue(), tile_rows_out: 
     `tile_rows_out` every row its tiles compute (`padded_out_shape`): a matmul's output that another AMX matmul
     reads with zero rows added, whose values there no stored product reads."""
     if not supports(spec):
-        raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with at least {PANELS * LANES} output "
-                         f"channels in {LANES}-blocks, input channels filling 4-byte groups (2 bf16, 4 int8) and "
-                         f"output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
+        raise DTypeError(f"the AMX kernel takes undilated, ungrouped bf16 -> fp32 or int8 -> int32 with at least "
+                         f"{PANELS * LANES} output channels in {LANES}-blocks, input channels filling 4-byte groups "
+                         f"(2 bf16, 4 int8) and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
     if tile_rows_out and (padded_out_shape(spec) is None or any(step.kind == RESIDUAL for step in epilogue.steps)):
         raise DTypeError(f"only a matmul down one-pixel-wide images without a residual stores its tiles' rows; got "
                          f"{spec} with {epilogue}")

@@ -4,8 +4,9 @@
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
 time, one per batch element. A grouped conv's weight is made block-diagonal over 16-lane output blocks
-(`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products. Calls the kernels cannot
-take (other dtypes, NCHW data, depthwise convs, dilation, broadcast runtime matmuls) are left to the generic
+(`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products. A dilated (atrous) conv's
+kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the kernels cannot
+take (other dtypes, NCHW data, depthwise convs, broadcast runtime matmuls) are left to the generic
 schedules. Conv inputs whose channels do not fill the
 instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero
 channels added to both operands; a weight whose output channels are off the 16-lane blocks (a 1000-class head)
@@ -241,8 +242,7 @@ class _Dispatcher(relax.PyExprMutator):
         attrs, data, dtype = call.attrs, call.args[0], tensor_dtype(call.args[0])
         weight = _constant_weight(call.args[1], dtype)
         shape = _static_shape(data)
-        if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC"
-                or any(int(d) != 1 for d in attrs.dilation) or shape is None):
+        if weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or shape is None:
             return None
         layout, dot, groups = str(attrs.kernel_layout), kernels.intrinsic_for(dtype), 1
         channels = weight.shape[layout.index("O")]  # outputs padded up to the 16 lanes are sliced off after
@@ -263,7 +263,7 @@ class _Dispatcher(relax.PyExprMutator):
         padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, in_ch)
         kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
         spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
-                                _out_dtype(call, dtype), groups=groups)
+                                _out_dtype(call, dtype), groups=groups, dilation=tuple(int(d) for d in attrs.dilation))
         width = spec.out_shape[2]
         extra_width = 0 if self._on_amx(spec) else kernels.padded_width(width, out_ch) - width
         # zero pixels on the right complete the last register tile (an audio conv's 799 outputs); sliced off after

@@ -51,6 +51,7 @@ FUSABLE_ATTR = "relay_amp.dot_spec"  # on a kernel without an epilogue: its Conv
 WIDE = "float32"  # the dtype epilogues compute in
 BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  # epilogue step kinds
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL)
+LATER_FIELDS = {"dilation": (1, 1)}  # ConvSpec fields spec_json leaves out at these values
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ def supports(out_channels: int, in_channels: int, dot: DotIntrin, groups: int = 
 class ConvSpec:
     """An unpadded NHWC convolution the kernel computes (pad the data first): shapes, strides, dtypes; `groups`
     splits the channels into that many blocks, each output block reducing over its own input block (a grouped
-    convolution; see `grouped_weight`)."""
+    convolution; see `grouped_weight`); `dilation` spaces the window's taps (DeepLab's atrous convs)."""
     data_shape: tuple[int, int, int, int]
     kernel_size: tuple[int, int]
     out_channels: int
@@ -268,14 +269,20 @@ class ConvSpec:
     out_dtype: str = "float32"
     weight_batch: int = 0  # 0: one weight for the whole batch; else one packed weight per batch element
     groups: int = 1
+    dilation: tuple[int, int] = (1, 1)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
         """The NHWC output shape."""
         batch, height, width, _ = self.data_shape
-        out_h = (height - self.kernel_size[0]) // self.strides[0] + 1
-        out_w = (width - self.kernel_size[1]) // self.strides[1] + 1
+        out_h = (height - self.window[0]) // self.strides[0] + 1
+        out_w = (width - self.window[1]) // self.strides[1] + 1
         return batch, out_h, out_w, self.out_channels
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The input pixels (rows, columns) one output reads across: the kernel's extent, dilated."""
+        return tuple((size - 1) * step + 1 for size, step in zip(self.kernel_size, self.dilation))
 
     @property
     def depth(self) -> int:
@@ -310,7 +317,8 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
     row = te.reduce_axis((0, spec.kernel_size[0]), "row")
     col = te.reduce_axis((0, spec.kernel_size[1]), "col")
     chan = te.reduce_axis((0, channels), "chan")
-    stride_h, stride_w = spec.strides
+    (stride_h, stride_w), (step_h, step_w) = spec.strides, spec.dilation
+
     def weight(b, o, r, c, k):
         index = (o // LANES, r, c, k // dot.group, o % LANES, k % dot.group)
         return packed[(b, *index) if spec.weight_batch else index]
@@ -321,9 +329,9 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
         return k if spec.groups == 1 else o // LANES // blocks_per_group * channels + k
 
     acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
-        operand[b, y * stride_h + row, x * stride_w + col, channel(o, chan)].astype(dot.acc_dtype)
+        operand[b, y * stride_h + row * step_h, x * stride_w + col * step_w, channel(o, chan)].astype(dot.acc_dtype)
         * weight(b, o, row, col, chan).astype(dot.acc_dtype),
-        axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: json.dumps(asdict(spec))})
+        axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: spec_json(spec)})
     sums = [te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
                            "int32", "sums")] if spec.shifted else []
     operands = [te.placeholder(spec.out_shape if step.kind == RESIDUAL else (spec.out_channels,),
@@ -340,7 +348,7 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
 
 def mark_fusable(func: tvm.tirx.PrimFunc, spec: ConvSpec, epilogue: Epilogue, attr: str) -> tvm.tirx.PrimFunc:
     """`func` with `spec` under `attr` when it has no epilogue yet (FuseKernelEpilogues may give it one)."""
-    return func if epilogue != Epilogue() else func.with_attr(attr, json.dumps(asdict(spec)))
+    return func if epilogue != Epilogue() else func.with_attr(attr, spec_json(spec))
 
 
 def fusable_spec(func, attr: str) -> ConvSpec | None:
@@ -377,8 +385,15 @@ def kernel_spec(sch: s_tir.Schedule, block) -> ConvSpec | None:
     return None if annotation is None else spec_from_json(str(annotation))
 
 
+def spec_json(spec: ConvSpec) -> str:
+    """`spec` as JSON, without the fields added since tuning records were first written that hold their default
+    (`dilation`): a kernel's workload, and so the records tuned for it, stay what they were."""
+    return json.dumps({name: value for name, value in asdict(spec).items()
+                       if name not in LATER_FIELDS or value != LATER_FIELDS[name]})
+
+
 def spec_from_json(text: str) -> ConvSpec:
-    """The ConvSpec `json.dumps(asdict(spec))` wrote."""
+    """The ConvSpec `spec_json` wrote."""
     return dataclass_from_json(ConvSpec, text)
 
 

@@ -132,6 +132,7 @@ def test_small_stride_1_outputs_tile_flat_over_the_input_width():
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype=F32), "int8 accumulates int32"),
     (kernels.ConvSpec((1, 1, 33, 64), (1, 1), 64, (1, 2)), "17 pixels at stride 2 tile only by 1"),
     (kernels.ConvSpec((1, 1, 16, 6), (1, 1), 32, data_dtype="int8", out_dtype="int32"), "6 int8 channels: 4-byte groups"),
+    (kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2)), "taps apart: the tiles read whole input rows"),
 ])
 def test_shapes_the_tiles_do_not_fit_are_refused(spec, reason):
     assert not amx.supports(spec), reason

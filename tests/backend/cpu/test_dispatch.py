@@ -184,6 +184,43 @@ def test_built_conv_with_padded_pixels_matches_the_generic_build():
                                   relay_amp.run(mod, inputs)[0])  # integer arithmetic is exact
 
 
+def _dilated_conv_module(dtype: str, weight_hwio: np.ndarray):
+    """An atrous 3x3 conv as DeepLab's ASPP has them: taps 2 pixels apart, padded to keep the 9 x 10 image."""
+    return single_output_module(
+        lambda x: relax.op.nn.conv2d(x, relax.const(weight_hwio), padding=2, dilation=2, data_layout="NHWC",
+                                     kernel_layout="HWIO", out_dtype="int32" if dtype == "int8" else "float32"),
+        tensor("x", (1, 9, 10, weight_hwio.shape[2]), dtype))
+
+
+def test_a_dilated_conv_becomes_a_kernel_reading_its_taps_apart():
+    after = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(
+        _dilated_conv_module("int8", np.ones((3, 3, 16, 32), "int8")))
+    relax.analysis.well_formed(after)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [c.op.name for c in calls] == ["relax.nn.pad", "relax.call_tir"]
+    spec = kernels.fusable_spec(after["relay_amp_dot_kernel1"], kernels.FUSABLE_ATTR)  # not AMX's: its tiles read
+    assert spec.dilation == (2, 2) and spec.out_shape == (1, 9, 10, 32)  # whole rows of neighbouring pixels
+
+
+@pytest.mark.parametrize("dtype,feature", [("int8", "avx512_vnni"), (BF16, "avx512_bf16"), ("float32", "avx512f")])
+def test_built_dilated_conv_matches_the_generic_build(dtype, feature):
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}")
+    rng = np.random.default_rng(7)
+    if dtype == "int8":
+        weight, data = rng.integers(-128, 128, (3, 3, 16, 32)), rng.integers(-128, 128, (1, 9, 10, 16))
+    else:
+        weight, data = rng.standard_normal((3, 3, 16, 32)), rng.standard_normal((1, 9, 10, 16))
+    numpy_dtype = ml_dtypes.bfloat16 if dtype == BF16 else dtype
+    mod = _dilated_conv_module(dtype, weight.astype(numpy_dtype))
+    executable = build(mod, "cpu-avx512-bf16")
+    assert "relay_amp_dot_kernel" in executable.mod.imports[0].inspect_source("asm")
+    got = run_executable(executable, [data.astype(numpy_dtype)])[0].astype("float64")
+    expected = relay_amp.run(mod, [data.astype(numpy_dtype)])[0].astype("float64")
+    tolerance = 0 if dtype == "int8" else 1e-5  # integers are exact; fp32 sums of the same products, reordered
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
+
+
 def test_target_dtypes_follow_the_cpu_features():
     assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
     assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}

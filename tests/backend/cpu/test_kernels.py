@@ -1,5 +1,8 @@
 """kernels: the vdpbf16ps / vpdpbusd kernels are in the generated code and match numpy."""
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 import tvm
@@ -27,6 +30,11 @@ CASES = {
                           "avx512_bf16"),
     "int8_grouped_conv": (kernels.ConvSpec((1, 7, 7, 16), (3, 3), 64, (2, 2), "int8", "int32", groups=2),
                           "avx512_vnni"),
+    # dilated (atrous, as DeepLab's): taps 2 and 3 pixels apart, in both dtypes the kernels reduce in lanes
+    "bf16_dilated_conv": (kernels.ConvSpec((1, 11, 12, 16), (3, 3), 32, (1, 1), "bfloat16", "float32",
+                                           dilation=(2, 3)), "avx512_bf16"),
+    "int8_dilated_conv_stride2": (kernels.ConvSpec((1, 13, 13, 8), (3, 3), 16, (2, 2), "int8", "int32",
+                                                   dilation=(3, 3)), "avx512_vnni"),
     # a 557 KB weight: output-channel panels outermost
     "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
                                  "avx512f"),
@@ -66,6 +74,17 @@ def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     lib["main"](*tensors)
     tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 sums in another order; integers are exact
     assert max_relative_error(tensors[-1].numpy(), reference_conv(data, weight, spec)) <= tolerance
+
+
+def test_a_spec_at_its_default_dilation_writes_the_json_earlier_tuning_records_hold():
+    spec = kernels.ConvSpec((1, 8, 8, 16), (3, 3), 32)
+    assert set(json.loads(kernels.spec_json(spec))) == {"data_shape", "kernel_size", "out_channels", "strides",
+                                                         "data_dtype", "out_dtype", "weight_batch", "groups"}
+    dilated = dataclasses.replace(spec, dilation=(2, 3))
+    assert json.loads(kernels.spec_json(dilated))["dilation"] == [2, 3]
+    assert kernels.spec_from_json(kernels.spec_json(spec)) == spec
+    assert kernels.spec_from_json(kernels.spec_json(dilated)) == dilated
+    assert dilated.window == (5, 7) and dilated.out_shape == (1, 4, 2, 32)
 
 
 def test_grouped_weights_are_block_diagonal_over_16_lane_blocks():
