@@ -12,6 +12,7 @@ from .passes.casts import EliminateRedundantCasts
 from .passes.group_norm import GroupNormsAsOps
 from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
+from .passes.padding_taps import DropPaddingTaps
 from .passes.parallel_convs import MergeParallelConvs
 from .passes.pooling import GlobalPoolWindows
 from .passes.quantize import Quantize, RealizeQDQ
@@ -19,7 +20,7 @@ from .passes.recast import Recast
 from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
-__all__ = ["ConvertLayout", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm",
+__all__ = ["ConvertLayout", "DropPaddingTaps", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm",
            "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps", "HoistOverMoves", "MergeParallelConvs",
            "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize", "ToMixedPrecision", "UseDotKernels",
            "UsePackedInt4Kernels", "WidenArithmetic"]

@@ -7,6 +7,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 from ...passes.layout import conv_layout_passes
 from ...passes.moves import HoistOverMoves
+from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from . import amx
@@ -35,8 +36,8 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
-    (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1), channels-last
-    group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
+    (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1), taps that read
+    only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
     clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
     dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
     math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel that reads
@@ -53,6 +54,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         HoldSubByteInBytes(),
         *layout_passes(conv_layout),
         Conv1dAsConv2d(),
+        DropPaddingTaps(),
         GroupNormsOverChannels(),
         WidenArithmetic(),
         FoldAffineClamps(),
