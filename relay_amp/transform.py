@@ -9,6 +9,7 @@ from .backend.cpu.widen import WidenArithmetic
 from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
+from .passes.conv_transpose import TransposedConvsAsConvs
 from .passes.group_norm import GroupNormsAsOps
 from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
@@ -20,7 +21,7 @@ from .passes.recast import Recast
 from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
-__all__ = ["ConvertLayout", "DropPaddingTaps", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm",
-           "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps", "HoistOverMoves", "MergeParallelConvs",
-           "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize", "ToMixedPrecision", "UseDotKernels",
-           "UsePackedInt4Kernels", "WidenArithmetic"]
+__all__ = ["ConvertLayout", "DropPaddingTaps", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps",
+           "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps", "HoistOverMoves",
+           "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize",
+           "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]

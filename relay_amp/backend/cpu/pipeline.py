@@ -5,6 +5,7 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
+from ...passes.conv_transpose import TransposedConvsAsConvs
 from ...passes.layout import conv_layout_passes
 from ...passes.moves import HoistOverMoves
 from ...passes.padding_taps import DropPaddingTaps
@@ -35,7 +36,8 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), convolutions to NHWC
+    """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions
+    as convolutions of their output phases (relay_amp.passes.conv_transpose), convolutions to NHWC
     (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1), taps that read
     only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
     clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
@@ -52,6 +54,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     return tvm.transform.Sequential([
         *deduplication_passes(),
         HoldSubByteInBytes(),
+        TransposedConvsAsConvs(),
         *layout_passes(conv_layout),
         Conv1dAsConv2d(),
         DropPaddingTaps(),
