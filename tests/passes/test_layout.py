@@ -11,6 +11,7 @@ import relay_amp
 from relay_amp import models
 from relay_amp.passes.layout import (ClampsAsMaxMin, ConstantsAtFullRank, ConvertLayout, LayoutConfig,
                                       conv_layout_passes, convert_layout)
+from relay_amp.runtime import run_executable
 
 from pass_checks import assert_transforms
 
@@ -284,3 +285,28 @@ def test_a_negative_axis_squeeze_of_a_converted_conv_matches_the_unconverted_mod
     converted = convert_layout(ConvSqueeze, {"nn.conv2d": ["NHWC", "default"]})
     assert layouts_of(converted) == ["NHWC/OHWI"]
     np.testing.assert_allclose(relay_amp.run(converted, inputs)[0], relay_amp.run(ConvSqueeze, inputs)[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [
+    lambda x: relax.op.nn.conv2d_transpose(x, relax.const(np.ones((8, 4, 3, 3), "float32")), strides=2, groups=2),
+    lambda x: relax.op.nn.conv2d_transpose(x, relax.const(np.ones((8, 4, 3, 3), "float32")), dilation=2),
+])
+def test_a_transposed_conv_after_a_converted_conv_stays_in_the_layout_tvm_lowers(transposed):
+    """ConvertLayout carried the conv's NHWC into the transposed conv after it, which TVM lowers only in NCHW: the
+    default build failed (a grouped or dilated one, which TransposedConvsAsConvs leaves to TVM)."""
+    rng = np.random.default_rng(0)
+    weight = relax.const(rng.standard_normal((8, 4, 3, 3)).astype("float32"))
+    x = relax.Var("x", relax.TensorType((1, 4, 6, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(transposed(bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, weight))))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    converted = tvm.transform.Sequential(conv_layout_passes(["NHWC", "HWIO"]))(mod)
+    layouts = [(c.op.name, str(c.attrs.data_layout)) for b in converted["main"].body.blocks[0].bindings
+               if (c := b.value).op.name.startswith("relax.nn.conv")]
+    assert layouts == [("relax.nn.conv2d", "NHWC"), ("relax.nn.conv2d_transpose", "NCHW")]
+    data = [rng.standard_normal((1, 4, 6, 6)).astype("float32")]
+    got = run_executable(relay_amp.build(mod), data)[0]
+    np.testing.assert_allclose(got, relay_amp.run(mod, data)[0], rtol=1e-5, atol=1e-4)
