@@ -6,7 +6,8 @@ stride s, the outputs whose index (plus the leading padding) leaves remainder r 
 r + 2s, ... over consecutive input pixels: a plain convolution of J = ceil(k / s) taps (the ones past the kernel
 zero). The s x s phases become the output channels of one stride-1 convolution over the input, padded J - 1 ahead;
 its outputs are interleaved back into pixels (a reshape, a transpose and a reshape) and cropped to the transposed
-conv's padding. That convolution goes to relay_amp's dot-product kernels like any other.
+conv's padding. That convolution goes to relay_amp's dot-product kernels like any other. A 1-D transposed conv (a
+vocoder's upsampling, HiFi-GAN's) is taken as a 2-D one of one row.
 """
 
 import numpy as np
@@ -87,20 +88,44 @@ def _interleaved(phases: relax.Expr, layout: str, batch: int, channels: int, gri
     return relax.op.strided_slice(whole, axes=axes, begin=list(crop), end=[c + s for c, s in zip(crop, size)])
 
 
+def _as_two_dimensional(call: relax.Call) -> "relax.Expr | None":
+    """A conv1d_transpose over a constant weight as a conv2d_transpose of one row, or None (another layout)."""
+    attrs, data, weight = call.attrs, call.args[0], call.args[1]
+    layout, kernel_layout = str(attrs.data_layout), str(attrs.kernel_layout)
+    if not isinstance(weight, tvm.ir.expr.Constant) or layout not in ("NCW", "NWC") or str(attrs.out_layout) != layout:
+        return None
+    row = relax.const(np.expand_dims(weight.value.numpy(), kernel_layout.index("W")), tensor_dtype(weight))
+    (padding_before, padding_after), = [[int(p) for p in attrs.padding]]
+    return relax.op.nn.conv2d_transpose(
+        relax.op.expand_dims(data, layout.index("W")), row, strides=(1, int(attrs.strides[0])),
+        padding=(0, padding_before, 0, padding_after), output_padding=(0, int(attrs.output_padding[0])),
+        dilation=(1, int(attrs.dilation[0])), groups=attrs.groups, data_layout=layout.replace("W", "HW"),
+        kernel_layout=kernel_layout.replace("W", "HW"), out_dtype=attrs.out_dtype)
+
+
 @relax.expr_functor.mutator
 class _PhaseRewriter(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name != "relax.nn.conv2d_transpose":
-            return new_call
-        rewritten = _as_phase_conv(new_call)
+        name = new_call.op.name if isinstance(new_call.op, tvm.ir.Op) else None
+        if name == "relax.nn.conv1d_transpose":
+            return self._one_dimensional(new_call)
+        rewritten = _as_phase_conv(new_call) if name == "relax.nn.conv2d_transpose" else None
         return new_call if rewritten is None else rewritten
+
+    def _one_dimensional(self, call: relax.Call) -> relax.Expr:
+        """A conv1d_transpose's phase conv, made on its one-row conv2d_transpose, then its row axis dropped."""
+        as_2d = _as_two_dimensional(call)
+        rewritten = None if as_2d is None else _as_phase_conv(self.builder_.normalize(as_2d))
+        if rewritten is None:
+            return call
+        return relax.op.squeeze(rewritten, [str(call.attrs.data_layout).index("W")])
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.TransposedConvsAsConvs")
 class TransposedConvsAsConvs:
-    """Rewrite each conv2d_transpose over a constant, ungrouped, undilated weight in NHWC or NCHW into a phase
-    convolution whose outputs are interleaved into pixels."""
+    """Rewrite each conv2d_transpose (conv1d_transpose: as one row) over a constant, ungrouped, undilated weight in
+    NHWC or NCHW (NWC, NCW) into a phase convolution whose outputs are interleaved into pixels."""
 
     def __init__(self, func: str = "main"):
         self.func = func

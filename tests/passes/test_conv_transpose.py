@@ -106,3 +106,26 @@ def test_built_nhwc_transposed_conv_matches_torch(dtype, tolerance):
         padding=1, output_padding=1).numpy().transpose(0, 2, 3, 1)
     assert got.shape == (1, 12, 12, 16)
     assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("layout", ["NCW", "NWC"])
+@pytest.mark.parametrize("kernel, stride, padding, output_padding", [(8, 4, 2, 0), (3, 2, 1, 1), (4, 1, 0, 0)])
+def test_a_1d_transposed_conv_becomes_the_phase_conv_of_one_row(layout, kernel, stride, padding, output_padding):
+    """A vocoder's upsampling (HiFi-GAN: kernel 8, stride 4), in both layouts, as a conv2d of one row, squeezed."""
+    rng = np.random.default_rng(kernel + stride)
+    weight = rng.standard_normal((6, 5, kernel)).astype("float32")  # IOW
+    data = rng.standard_normal((2, 6, 11)).astype("float32")
+    expected = torch.nn.functional.conv_transpose1d(torch.from_numpy(data), torch.from_numpy(weight), stride=stride,
+                                                    padding=padding, output_padding=output_padding).numpy()
+    attrs = dict(strides=stride, padding=padding, output_padding=output_padding)
+    if layout == "NWC":
+        data, expected = data.transpose(0, 2, 1), expected.transpose(0, 2, 1)
+        attrs.update(data_layout="NWC", kernel_layout="WIO")
+        weight = weight.transpose(2, 0, 1)
+    mod = relay_amp.transform.TransposedConvsAsConvs()(single_output_module(
+        lambda x: relax.op.nn.conv1d_transpose(x, relax.const(np.ascontiguousarray(weight)), **attrs),
+        tensor("x", data.shape)))
+    ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings]
+    assert "relax.nn.conv2d" in ops and ops[-1] == "relax.squeeze" and "relax.nn.conv1d_transpose" not in ops
+    got = relay_amp.run(mod, [np.ascontiguousarray(data)])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
