@@ -85,9 +85,22 @@ def _operand(importer, arg, dtype: str) -> relax.Expr:
     return value
 
 
+def _grid_sample(node, importer) -> relax.Var:
+    """aten.grid_sampler_2d (F.grid_sample) with its grid moved to the layout TVM's grid_sample reads: (N, 2, H, W)
+    where PyTorch's is (N, H, W, 2). TVM's importer passed PyTorch's on, and sampled at the wrong places into an
+    output of the wrong shape."""
+    data, grid = (importer.env[arg] for arg in node.args[:2])
+    interpolation, padding, align_corners = (*node.args[2:], 0, 0, False)[:3]
+    return importer.block_builder.emit(relax.op.image.grid_sample(
+        data, importer.block_builder.emit(relax.op.permute_dims(grid, [0, 3, 1, 2])),
+        method=("bilinear", "nearest", "bicubic")[interpolation], layout="NCHW",
+        padding_mode=("zeros", "border", "reflection")[padding], align_corners=bool(align_corners)))
+
+
 # converters TVM's importer takes in place of its own (custom_convert_map), by op name
 CONVERTERS = {
     "upsample_nearest2d.vec": _nearest_upsample,
+    "grid_sampler_2d.default": _grid_sample,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),
                     _division),
 }

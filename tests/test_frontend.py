@@ -170,6 +170,28 @@ def test_from_torch_resizes_as_torch_interpolates(mode, size, scale):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding_mode, align_corners", [("zeros", False), ("border", True), ("reflection", False)])
+def test_from_torch_samples_a_grid_as_torch_does(mode, padding_mode, align_corners):
+    """F.grid_sample's grid is (N, H, W, 2) in PyTorch and (N, 2, H, W) for TVM's grid_sample: TVM's importer
+    passed PyTorch's on, and sampled a 5x7 grid into a 5x2 output."""
+    torch = pytest.importorskip("torch")
+
+    class Sample(torch.nn.Module):
+        def forward(self, x, grid):
+            return torch.nn.functional.grid_sample(x, grid, mode=mode, padding_mode=padding_mode,
+                                                   align_corners=align_corners)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 9, 11)).astype("float32")
+    grid = (rng.random((2, 5, 7, 2)) * 2.4 - 1.2).astype("float32")  # some samples outside the image
+    with torch.no_grad():
+        expected = Sample()(torch.from_numpy(x), torch.from_numpy(grid)).numpy()
+    got = relay_amp.run(frontend.from_torch(Sample(), [x, grid]), [x, grid])[0]
+    assert got.shape == (2, 3, 5, 7)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 DIVISIONS = {  # torch.export's spellings of a division (aten.div.Tensor, div.Tensor_mode), x a float tensor
     "float_floor_by_int": lambda torch, x: x // 2,
     "float_trunc_by_int": lambda torch, x: torch.div(x, 2, rounding_mode="trunc"),
