@@ -97,10 +97,40 @@ def _grid_sample(node, importer) -> relax.Var:
         padding_mode=("zeros", "border", "reflection")[padding], align_corners=bool(align_corners)))
 
 
+def _advanced_index(node, importer) -> relax.Var:
+    """aten.index.Tensor (x[:, :, rows, cols]) with NumPy's rules: the index tensors broadcast together, their
+    shape replaces the indexed axes where those are adjacent, else leads. TVM's importer broadcast each sliced
+    axis's positions against the index tensors instead, which fails or gathers other elements unless the index
+    tensors have one shape (F.unfold's (3, 4, 1, 1) rows and (3, 4) columns failed to import)."""
+    data, indices = importer.env[node.args[0]], [importer.env[i] if i is not None else None for i in node.args[1]]
+    indexed = [axis for axis, index in enumerate(indices) if index is not None]
+    if len(indexed) == 1:
+        return importer.block_builder.emit(relax.op.take(data, indices[indexed[0]], axis=indexed[0]))
+    emit, rank = importer.block_builder.emit, len(node.meta["val"].shape)
+    kept = [axis for axis in range(data.ty.ndim) if axis not in indexed]
+    leading = emit(relax.op.permute_dims(data, indexed + kept))
+    shape = [int(d) for d in _broadcast_shape(node, indexed)]
+    gathered = emit(relax.op.index_tensor(leading, [emit(relax.op.broadcast_to(indices[axis], shape))
+                                                    for axis in indexed]))
+    if indexed != list(range(indexed[0], indexed[-1] + 1)) or indexed[0] == 0:
+        return gathered  # the broadcast shape leads: NumPy's rule for indices apart (or already first)
+    before = len([axis for axis in kept if axis < indexed[0]])
+    order = [*range(len(shape), len(shape) + before), *range(len(shape)), *range(len(shape) + before, rank)]
+    return emit(relax.op.permute_dims(gathered, order))
+
+
+def _broadcast_shape(node, indexed: list[int]) -> tuple:
+    """The shape the index tensors of an aten.index.Tensor at `indexed` broadcast to."""
+    import torch
+
+    return tuple(torch.broadcast_shapes(*(tuple(node.args[1][axis].meta["val"].shape) for axis in indexed)))
+
+
 # converters TVM's importer takes in place of its own (custom_convert_map), by op name
 CONVERTERS = {
     "upsample_nearest2d.vec": _nearest_upsample,
     "grid_sampler_2d.default": _grid_sample,
+    "index.Tensor": _advanced_index,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),
                     _division),
 }

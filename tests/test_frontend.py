@@ -192,6 +192,32 @@ def test_from_torch_samples_a_grid_as_torch_does(mode, padding_mode, align_corne
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+INDEXINGS = {  # aten.index.Tensor: x (2, 3, 5, 6) indexed by rows (2,) and columns (3,)
+    "unfold": lambda torch, x, rows, cols: torch.nn.functional.unfold(x, 3, padding=1),  # (3, 4, 1, 1) by (3, 4)
+    "adjacent_broadcast": lambda torch, x, rows, cols: x[:, :, rows.reshape(2, 1), cols.reshape(1, 3)],
+    "adjacent_inside": lambda torch, x, rows, cols: x[:, rows, cols[:2]],
+    "apart": lambda torch, x, rows, cols: x[rows, :, cols[:2]],  # the broadcast shape leads
+    "leading": lambda torch, x, rows, cols: x[rows, cols[:2] % 3],
+    "one": lambda torch, x, rows, cols: x[:, :, rows],
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEXINGS))
+def test_from_torch_indexes_as_numpy_does(case):
+    """The index tensors broadcast together and their shape replaces the indexed axes (adjacent ones) or leads:
+    TVM's importer broadcast the sliced axes' positions against them instead, and F.unfold did not import."""
+    torch = pytest.importorskip("torch")
+
+    class Index(torch.nn.Module):
+        def forward(self, x):
+            return INDEXINGS[case](torch, x, torch.tensor([1, 0]), torch.tensor([2, 0, 1]))
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 6)).astype("float32")
+    with torch.no_grad():
+        expected = Index()(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(relay_amp.run(frontend.from_torch(Index(), [x]), [x])[0], expected)
+
+
 DIVISIONS = {  # torch.export's spellings of a division (aten.div.Tensor, div.Tensor_mode), x a float tensor
     "float_floor_by_int": lambda torch, x: x // 2,
     "float_trunc_by_int": lambda torch, x: torch.div(x, 2, rounding_mode="trunc"),
