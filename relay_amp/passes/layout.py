@@ -15,6 +15,7 @@ from .layers import layer_bindings, list_layers, resolve_layers
 from .transposes import BINARY, SinkTransposes
 
 CONV_OPS = ("relax.nn.conv2d", "relax.nn.conv1d")  # the layers LayoutConfig's skip_layers index
+CONV_3D = "relax.nn.conv3d"  # converted with the conv2ds, a depth axis added to their layout
 # ops whose only legalization is in one layout: ConvertLayout would carry a converted conv's layout into them (NHWC
 # into a transposed conv after a conv), which then nothing lowers, so they are held in it
 LEGALIZED_LAYOUTS = {"relax.nn.conv2d_transpose": ["NCHW", "IOHW"], "relax.nn.conv1d_transpose": ["NCW", "IOW"]}
@@ -167,18 +168,27 @@ class _FullRankConstants(relax.PyExprMutator):
 
 
 def conv_layout_passes(conv_layout: "str | list[str] | None") -> list[tvm.transform.Pass]:
-    """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]) and conv1d into the same
-    layout without its H (NHWC: NWC), transposed convs held in the layouts TVM lowers (LEGALIZED_LAYOUTS), clamps
+    """The passes that put conv2d into `conv_layout` (a data layout, or [data, kernel]), conv1d into the same
+    layout without its H (NHWC: NWC) and conv3d with a D before it (NDHWC), transposed convs held in the layouts TVM lowers (LEGALIZED_LAYOUTS), clamps
     first made maximum and minimum, TE pads relax pads and low-rank constants given their tensors' rank, so that the
     layout carries through them, then the transposes left around ops without a layout rule (pads) sunk until they
     cancel (relay_amp.passes.transposes); none for None."""
     if conv_layout is None:
         return []
     layouts = _resolve_layouts({CONV_OPS[0]: [conv_layout] if isinstance(conv_layout, str) else list(conv_layout)})
-    convert = ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]]), **LEGALIZED_LAYOUTS})
+    convert = ConvertLayout({**layouts, **_one_dimensional(layouts[CONV_OPS[0]]),
+                             **_three_dimensional(layouts[CONV_OPS[0]]), **LEGALIZED_LAYOUTS})
     fold = FoldConstants  # transposes of constants: sinking moves past constant operands only
     return [ClampsAsMaxMin(), PadsAsOps(), ConstantsAtFullRank(), convert, fold, SinkTransposes(), fold,
             relax.transform.CanonicalizeBindings()]
+
+
+def _three_dimensional(layouts: list[str]) -> dict[str, list[str]]:
+    """conv3d's desired layouts for conv2d's `layouts`, a depth axis before the height (NHWC: NDHWC); none where
+    the conv2d layouts are not NHWC/HWIO or NCHW/OIHW."""
+    data, kernel = layouts
+    known = {("NHWC", "HWIO"): ["NDHWC", "DHWIO"], ("NCHW", "OIHW"): ["NCDHW", "OIDHW"]}
+    return {CONV_3D: known[(data, kernel)]} if (data, kernel) in known else {}
 
 
 def _one_dimensional(layouts: list[str]) -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from . import amx
 from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
 from .conv1d import Conv1dAsConv2d
+from .conv3d import Conv3dAsConv2d
 from .dispatch import UseDotKernels, target_dtypes
 from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
@@ -38,7 +39,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions
     as convolutions of their output phases (relay_amp.passes.conv_transpose), convolutions to NHWC
-    (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1), taps that read
+    (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1; conv3d to NDHWC,
+    then a conv2d over its frames, relay_amp.backend.cpu.conv3d), taps that read
     only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
     clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
     dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
@@ -57,6 +59,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         TransposedConvsAsConvs(),
         *layout_passes(conv_layout),
         Conv1dAsConv2d(),
+        Conv3dAsConv2d(),
         DropPaddingTaps(),
         GroupNormsOverChannels(),
         WidenArithmetic(),
