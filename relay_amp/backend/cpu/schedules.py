@@ -30,6 +30,7 @@ ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate 
 MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded to whole vectors
 MAX_INLINED_NODES = 32768  # a block whose stored value has more expression nodes is not inlined further
 BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
+MIN_PARALLEL_VALUES = 4096  # a spatial block writing fewer values runs serially (a pool launch costs more)
 
 
 @dataclass(frozen=True)
@@ -286,25 +287,35 @@ def schedule_injective(sch: s_tir.Schedule, block) -> None:
     if not loops:
         return  # a scalar (a size computed from a symbolic shape)
     row = _extent(sch, loops[-1]) or 0
+    values = math.prod(_extent(sch, loop) or MIN_PARALLEL_VALUES for loop in loops)
     if len(loops) > 1 and row >= ACCUMULATOR_LANES:
-        sch.parallel(sch.fuse(*loops[:-1]))
+        _parallel(sch, sch.fuse(*loops[:-1]), values)
         if not _vectorize_by_inputs(sch, loops[-1], _input_segments(sch, block, row)):
             _vectorize_whole_vectors(sch, loops[-1], row)
         return
     if len(loops) > 1 and not _reads_in_own_layout(sch, block):
         if not _vectorize_across_narrow_axis(sch, block, loops):
-            sch.parallel(sch.fuse(*loops[:max(1, len(loops) - 2)]))  # rows; LLVM vectorizes the serial loop inside
+            _parallel(sch, sch.fuse(*loops[:max(1, len(loops) - 2)]), values)  # rows; LLVM vectorizes the serial
+            # loop inside
             sch.unroll(loops[-1])
         return
     extents = [_extent(sch, loop) or 0 for loop in loops]
     lanes, start = next(((lanes, start) for lanes in (ACCUMULATOR_LANES, MIN_LANES)
                          if (start := _aligned_suffix(extents, lanes)) is not None), (0, None))
     if start is None:
-        sch.parallel(sch.fuse(*loops))
+        _parallel(sch, sch.fuse(*loops), values)
         return
     outer, inner = sch.split(sch.fuse(*loops[start:]), [None, lanes])
-    sch.parallel(sch.fuse(*loops[:start], outer))
+    _parallel(sch, sch.fuse(*loops[:start], outer), values)
     sch.vectorize(inner)
+
+
+def _parallel(sch: s_tir.Schedule, loop, values: int) -> None:
+    """Run `loop` on the thread pool where its block writes at least MIN_PARALLEL_VALUES values; a smaller one
+    runs serially, in less time than a launch of the pool takes (an LSTM step's gates split four ways: 14.7 us
+    in four parallel loops of 256 values)."""
+    if values >= MIN_PARALLEL_VALUES:
+        sch.parallel(loop)
 
 
 def _vectorize_across_narrow_axis(sch: s_tir.Schedule, block, loops: list) -> bool:

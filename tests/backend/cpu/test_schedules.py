@@ -19,6 +19,13 @@ from builders import single_output_module, tensor
 TOLERANCE = 1e-4  # relative to the output's largest magnitude: fp32 sums in another order
 
 
+@pytest.fixture(autouse=True)
+def parallel_at_any_size(monkeypatch):
+    """The structural cases here are far smaller than the blocks the rules exist for: each block gets the loops a
+    large one would, pool launch included (`test_a_block_writing_few_values_runs_serially` checks the bound)."""
+    monkeypatch.setattr(schedules, "MIN_PARALLEL_VALUES", 1)
+
+
 def _module(build_body, *params):
     return single_output_module(build_body, *(tensor(name, shape) for name, shape in params))
 
@@ -1092,6 +1099,20 @@ def test_a_narrow_innermost_axis_is_vectorized_without_crossing_rows(shape, loop
     schedules.schedule_injective(sch, sch.get_sblock("shifted"))
     got = [(sch.get(loop).kind, int(sch.get(loop).extent)) for loop in sch.get_loops(sch.get_sblock("shifted"))]
     assert got == loops
+
+
+@pytest.mark.parametrize("shape, parallel", [((1, 1024), False), ((3, 1024), False), ((4, 1024), True)])
+def test_a_block_writing_few_values_runs_serially(shape, parallel, monkeypatch):
+    """An LSTM step's gates (1 x 1024) split four ways ran in four pool launches, 14.7 us for 1024 values: a block
+    writing fewer than MIN_PARALLEL_VALUES values runs on the calling thread, still vectorized."""
+    monkeypatch.setattr(schedules, "MIN_PARALLEL_VALUES", 4096)
+    data = te.placeholder(shape, "float32", "data")
+    doubled = te.compute(shape, lambda *i: data[i] * 2.0, name="doubled")
+    sch = s_tir.Schedule(te.create_prim_func([data, doubled]))
+    schedules.schedule_injective(sch, sch.get_sblock("doubled"))
+    kinds = [sch.get(loop).kind for loop in sch.get_loops(sch.get_sblock("doubled"))]
+    assert (tvm.tirx.ForKind.PARALLEL in kinds) == parallel
+    assert tvm.tirx.ForKind.VECTORIZED in kinds
 
 
 def _reshape_chain(adds: int):
