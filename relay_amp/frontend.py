@@ -15,6 +15,7 @@ from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
+from .onnx_recurrent import recurrences_unrolled
 
 FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an ONNX import runs at most
 
@@ -105,7 +106,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     exporter left after convs and linear layers folded into their weights, parallel conv branches of one input
     summed (RepVGG, MobileOne) as one conv, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
-    scalar constants as float constants. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
+    scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
     axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
@@ -117,7 +118,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
         onnx.checker.check_model(proto)
         quantized = constant_dequantizes_folded(as_qdq(proto))
-        imported = relax_from_onnx(_simplified(quantized), shape_dict=shape_dict, keep_params_in_input=False)
+        imported = relax_from_onnx(_simplified(recurrences_unrolled(quantized)), shape_dict=shape_dict,
+                                   keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
     return _canonical(imported)

@@ -1,0 +1,97 @@
+"""onnx_recurrent: ONNX LSTM, GRU and RNN nodes unrolled into the ops they compute, so TVM's importer takes them."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import relay_amp
+from relay_amp import ModelLoadError
+from relay_amp.onnx_recurrent import recurrences_unrolled
+from relay_amp.runtime import run_executable
+
+torch = pytest.importorskip("torch")
+
+RECURRENCES = {  # torch.nn layers whose ONNX export is one LSTM, GRU or RNN node per layer
+    "lstm_two_layers": lambda: torch.nn.LSTM(16, 24, num_layers=2),
+    "lstm_bidirectional_batch_first": lambda: torch.nn.LSTM(16, 24, batch_first=True, bidirectional=True),
+    "lstm_without_bias": lambda: torch.nn.LSTM(16, 24, bias=False),
+    "gru_bidirectional": lambda: torch.nn.GRU(16, 24, bidirectional=True),  # linear_before_reset=1
+    "gru_two_layers_batch_first": lambda: torch.nn.GRU(16, 24, batch_first=True, num_layers=2),
+    "rnn_relu": lambda: torch.nn.RNN(16, 24, nonlinearity="relu"),
+    "rnn_tanh_bidirectional": lambda: torch.nn.RNN(16, 24, bidirectional=True, batch_first=True),
+}
+
+
+class _AllOutputs(torch.nn.Module):
+    """A recurrence's output sequence, plus its final hidden (and cell) state summed in, so every output is read."""
+
+    def __init__(self, recurrence):
+        super().__init__()
+        self.recurrence = recurrence
+
+    def forward(self, x):
+        sequence, final = self.recurrence(x)
+        states = final if isinstance(final, tuple) else (final,)
+        return sequence + sum(state.sum() for state in states)
+
+
+def _exported(tmp_path, module, x):
+    path = tmp_path / "recurrent.onnx"
+    with torch.no_grad():
+        torch.onnx.export(module, (torch.from_numpy(x),), str(path), opset_version=17, dynamo=False)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(RECURRENCES))
+def test_an_exported_recurrence_imports_and_computes_what_torch_does(case, tmp_path):
+    """Built for the CPU in fp32 (its MatMuls on the kernels: the same products, summed in another order)."""
+    torch.manual_seed(0)
+    module = _AllOutputs(RECURRENCES[case]()).eval()
+    x = np.random.default_rng(0).standard_normal((7, 3, 16)).astype("float32")
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    proto = onnx.load(_exported(tmp_path, module, x))
+    assert any(node.op_type in ("LSTM", "GRU", "RNN") for node in proto.graph.node)
+    got = run_executable(relay_amp.build(relay_amp.frontend.from_onnx(proto)), [x])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def _lstm_graph(**attrs) -> onnx.ModelProto:
+    """One forward LSTM over a [5, 2, 4] input with 3 hidden units, its weights as initializers."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype("float32"), name)
+               for name, shape in (("W", (1, 12, 4)), ("R", (1, 12, 3)))]
+    inputs = ["x", "W", "R", *attrs.pop("extra_inputs", [])]
+    node = helper.make_node("LSTM", inputs, ["y"], hidden_size=3, **attrs)
+    graph = helper.make_graph([node], "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_unrolled_graph_projects_every_step_at_once_and_leaves_the_input_model_alone():
+    proto = _lstm_graph()
+    unrolled = recurrences_unrolled(proto)
+    ops = [node.op_type for node in unrolled.graph.node]
+    assert "LSTM" not in ops and [node.op_type for node in proto.graph.node] == ["LSTM"]
+    assert ops.count("MatMul") == 1 + 5  # the input projection, then one recurrent product per step
+    plain = helper.make_model(helper.make_graph([], "empty", [], []))
+    assert recurrences_unrolled(plain) is plain
+
+
+@pytest.mark.parametrize("attrs, named", [
+    ({"clip": 1.0}, "clip"),
+    ({"input_forget": 1}, "input_forget"),
+    ({"activations": ["HardSigmoid", "Tanh", "Tanh"]}, "HardSigmoid"),
+    ({"extra_inputs": ["", "lengths"]}, "sequence_lens"),
+])
+def test_what_the_unrolling_does_not_compute_is_a_model_load_error_naming_it(attrs, named):
+    with pytest.raises(ModelLoadError, match=named):
+        recurrences_unrolled(_lstm_graph(**attrs))
+
+
+def test_an_old_opset_is_refused_with_the_version_to_export_at():
+    proto = _lstm_graph()
+    proto.opset_import[0].version = 11
+    with pytest.raises(ModelLoadError, match="opset 13"):
+        recurrences_unrolled(proto)
