@@ -39,6 +39,27 @@ def rewrite_function(mutator: relax.PyExprMutator, mod: tvm.IRModule, func: str)
     return mutator.builder_.get()
 
 
+@relax.expr_functor.mutator
+class _OpCallRewriter(relax.PyExprMutator):
+    """Replaces the calls of the ops in `rewrites` by their rewrites' results, where those are not None."""
+
+    def __init__(self, mod: tvm.IRModule, rewrites: Mapping[str, Callable]):
+        super().__init__(mod)
+        self.rewrites = rewrites
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        rewrite = self.rewrites.get(new_call.op.name) if isinstance(new_call.op, tvm.ir.Op) else None
+        rewritten = None if rewrite is None else rewrite(new_call, self.builder_)
+        return new_call if rewritten is None else rewritten
+
+
+def rewrite_op_calls(mod: tvm.IRModule, func: str, rewrites: Mapping[str, Callable]) -> tvm.IRModule:
+    """`mod` with each call in Relax function `func` of an op named in `rewrites` (op name -> rewrite(call,
+    block builder) -> the replacement, or None to keep the call) replaced."""
+    return rewrite_function(_OpCallRewriter(mod, rewrites), mod, func)
+
+
 def read_counts(func: relax.Function) -> dict[relax.Var, int]:
     """How many times each var is read in `func` (in binding values and the returned expression)."""
     counts: dict[relax.Var, int] = {}

@@ -14,7 +14,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._ir import rewrite_function, tensor_dtype, tensor_shape
+from .._ir import rewrite_op_calls, tensor_dtype, tensor_shape
 
 INTERLEAVES = {  # data layout -> (phase-split shape, its transpose, pixels) of (batch, channels, rows, columns,
     # row phases, column phases, out rows, out columns)
@@ -103,23 +103,12 @@ def _as_two_dimensional(call: relax.Call) -> "relax.Expr | None":
         kernel_layout=kernel_layout.replace("W", "HW"), out_dtype=attrs.out_dtype)
 
 
-@relax.expr_functor.mutator
-class _PhaseRewriter(relax.PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        new_call = super().visit_call_(call)
-        name = new_call.op.name if isinstance(new_call.op, tvm.ir.Op) else None
-        if name == "relax.nn.conv1d_transpose":
-            return self._one_dimensional(new_call)
-        rewritten = _as_phase_conv(new_call) if name == "relax.nn.conv2d_transpose" else None
-        return new_call if rewritten is None else rewritten
-
-    def _one_dimensional(self, call: relax.Call) -> relax.Expr:
-        """A conv1d_transpose's phase conv, made on its one-row conv2d_transpose, then its row axis dropped."""
-        as_2d = _as_two_dimensional(call)
-        rewritten = None if as_2d is None else _as_phase_conv(self.builder_.normalize(as_2d))
-        if rewritten is None:
-            return call
-        return relax.op.squeeze(rewritten, [str(call.attrs.data_layout).index("W")])
+def _one_dimensional(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+    """A conv1d_transpose's phase conv, made on its one-row conv2d_transpose, its row axis dropped after; None
+    where the 2-D one is not one the rewrite takes."""
+    as_2d = _as_two_dimensional(call)
+    rewritten = None if as_2d is None else _as_phase_conv(builder.normalize(as_2d))
+    return None if rewritten is None else relax.op.squeeze(rewritten, [str(call.attrs.data_layout).index("W")])
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.TransposedConvsAsConvs")
@@ -132,4 +121,5 @@ class TransposedConvsAsConvs:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return rewrite_function(_PhaseRewriter(mod), mod, self.func)
+        return rewrite_op_calls(mod, self.func, {"relax.nn.conv2d_transpose": lambda call, _: _as_phase_conv(call),
+                                                 "relax.nn.conv1d_transpose": _one_dimensional})

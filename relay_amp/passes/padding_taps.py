@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._ir import rewrite_function, tensor_dtype, tensor_shape
+from .._ir import rewrite_op_calls, tensor_dtype, tensor_shape
 
 SPATIAL = "HW"
 
@@ -56,16 +56,6 @@ def _cut(call: relax.Call) -> "relax.Expr | None":
                               out_dtype=attrs.out_dtype)
 
 
-@relax.expr_functor.mutator
-class _TapCutter(relax.PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        new_call = super().visit_call_(call)
-        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name != "relax.nn.conv2d":
-            return new_call
-        cut = _cut(new_call)
-        return new_call if cut is None else cut
-
-
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.DropPaddingTaps")
 class DropPaddingTaps:
     """Cut from each conv2d over a constant weight the taps of its window that read only padding."""
@@ -75,4 +65,4 @@ class DropPaddingTaps:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return rewrite_function(_TapCutter(mod), mod, self.func)
+        return rewrite_op_calls(mod, self.func, {"relax.nn.conv2d": lambda call, _: _cut(call)})

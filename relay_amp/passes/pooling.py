@@ -10,7 +10,7 @@ the spatial mean and the maximum the spatial max.
 import tvm
 from tvm import relax
 
-from .._ir import rewrite_function, tensor_shape
+from .._ir import rewrite_op_calls, tensor_shape
 
 REDUCTIONS = {"relax.nn.avg_pool2d": relax.op.mean, "relax.nn.max_pool2d": relax.op.max}
 
@@ -32,14 +32,11 @@ def _is_global(call: relax.Call) -> bool:
     return covered and all(out_shape[axis] == 1 for axis in axes) and all(int(d) == 1 for d in attrs.dilation)
 
 
-@relax.expr_functor.mutator
-class _GlobalPoolRewriter(relax.PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        new_call = super().visit_call_(call)
-        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name not in REDUCTIONS or not _is_global(new_call):
-            return new_call
-        axes = _spatial_axes(str(new_call.attrs.layout))
-        return REDUCTIONS[new_call.op.name](new_call.args[0], axis=axes, keepdims=True)
+def _as_reduction(call: relax.Call, _) -> "relax.Expr | None":
+    """A global pool as a spatial mean or max, None for another pool."""
+    if not _is_global(call):
+        return None
+    return REDUCTIONS[call.op.name](call.args[0], axis=_spatial_axes(str(call.attrs.layout)), keepdims=True)
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.GlobalPoolWindows")
@@ -51,4 +48,4 @@ class GlobalPoolWindows:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return rewrite_function(_GlobalPoolRewriter(mod), mod, self.func)
+        return rewrite_op_calls(mod, self.func, dict.fromkeys(REDUCTIONS, _as_reduction))

@@ -16,7 +16,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..._ir import rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import rewrite_op_calls, tensor_dtype, tensor_shape
 from ...passes.padding_taps import live_taps
 
 
@@ -57,16 +57,6 @@ def _as_conv2d(call: relax.Call) -> "relax.Expr | None":
     return relax.op.reshape(conv, out_shape)
 
 
-@relax.expr_functor.mutator
-class _FrameRewriter(relax.PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        new_call = super().visit_call_(call)
-        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name != "relax.nn.conv3d":
-            return new_call
-        rewritten = _as_conv2d(new_call)
-        return new_call if rewritten is None else rewritten
-
-
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.Conv3dAsConv2d")
 class Conv3dAsConv2d:
     """Every ungrouped NDHWC conv3d over a constant weight as an NHWC conv2d over its frames, depth taps stacked
@@ -77,4 +67,4 @@ class Conv3dAsConv2d:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return rewrite_function(_FrameRewriter(mod), mod, self.func)
+        return rewrite_op_calls(mod, self.func, {"relax.nn.conv3d": lambda call, _: _as_conv2d(call)})
