@@ -61,7 +61,8 @@ def _normalized(data: relax.Expr, gamma: relax.Expr, beta: relax.Expr, attrs) ->
     variance = _group_mean(relax.op.multiply(deviation, deviation), shape, groups, count)
     inverse = relax.op.rsqrt(relax.op.add(variance, relax.const(float(attrs.epsilon), "float32")))
     scale = relax.op.reshape(relax.op.multiply(inverse, relax.op.reshape(gamma, grouped[1:])), per_channel)
-    shift = relax.op.subtract(relax.op.reshape(beta, per_channel), relax.op.multiply(mean, scale))
+    beta_per_channel = relax.op.reshape(beta, [1] * (len(shape) - 1) + [channels])  # one for every image
+    shift = relax.op.subtract(beta_per_channel, relax.op.multiply(mean, scale))
     return relax.op.add(relax.op.multiply(data, scale), shift)
 
 

@@ -106,6 +106,17 @@ def test_a_built_channels_last_group_norm_keeps_its_digits_where_the_mean_dwarfs
     np.testing.assert_allclose(built, reference, atol=1e-3)  # TVM's legalization: 0.35 off
 
 
+@pytest.mark.parametrize("groups", [4, 64])
+def test_a_built_channels_last_group_norm_normalizes_each_image_of_a_batch_apart(groups):
+    """Three images of other scales; 64 groups of one channel: an instance norm. The shift was reshaped to the
+    batch's size, which failed to build for any batch over 1."""
+    rng = np.random.default_rng(1)
+    data = (rng.standard_normal((3, 6, 6, 64)) * np.array([1.0, 5.0, 0.2]).reshape(3, 1, 1, 1)).astype("float32")
+    gamma, beta = rng.uniform(0.5, 1.5, 64).astype("float32"), rng.standard_normal(64).astype("float32")
+    built = run_executable(relay_amp.build(_group_norm_module(data.shape, gamma, beta, groups)), [data])[0]
+    np.testing.assert_allclose(built, _nhwc_group_norm(data, groups, gamma, beta), atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 3e-2)])
 def test_a_group_norm_between_convs_builds_in_nhwc_and_matches_tvms_build(dtype, tolerance):
     """conv, GroupNorm(4, 32), ReLU, conv from an NCHW model, built on the host (NHWC, the kernels) against TVM's
