@@ -126,11 +126,23 @@ def _broadcast_shape(node, indexed: list[int]) -> tuple:
     return tuple(torch.broadcast_shapes(*(tuple(node.args[1][axis].meta["val"].shape) for axis in indexed)))
 
 
+def _extremum(node, importer) -> relax.Var:
+    """aten.amax / aten.amin (x.amax(dim), a numerically stable softmax's or a pooling's max), which TVM's importer
+    lacks: relax's max / min over `dim` (every axis where it is empty)."""
+    data = importer.env[node.args[0]]
+    dims = list(node.args[1]) if len(node.args) > 1 and node.args[1] else None
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    reduce = relax.op.max if "amax" in str(node.target) else relax.op.min
+    return importer.block_builder.emit(reduce(data, axis=dims, keepdims=keepdim))
+
+
 # converters TVM's importer takes in place of its own (custom_convert_map), by op name
 CONVERTERS = {
     "upsample_nearest2d.vec": _nearest_upsample,
     "grid_sampler_2d.default": _grid_sample,
     "index.Tensor": _advanced_index,
+    "amax.default": _extremum,
+    "amin.default": _extremum,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),
                     _division),
 }

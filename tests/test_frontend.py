@@ -218,6 +218,20 @@ def test_from_torch_indexes_as_numpy_does(case):
     np.testing.assert_array_equal(relay_amp.run(frontend.from_torch(Index(), [x]), [x])[0], expected)
 
 
+def test_from_torch_takes_amax_and_amin():
+    """TVM's importer had no aten.amax / aten.amin: timm's Hiera did not import."""
+    torch = pytest.importorskip("torch")
+
+    class Extremes(torch.nn.Module):
+        def forward(self, x):
+            return x.amax(dim=(1, 3), keepdim=True) + x.amin(dim=-1).unsqueeze(-1).mean() + x.amax()
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype("float32")
+    with torch.no_grad():
+        expected = Extremes()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(relay_amp.run(frontend.from_torch(Extremes(), [x]), [x])[0], expected, rtol=1e-6)
+
+
 DIVISIONS = {  # torch.export's spellings of a division (aten.div.Tensor, div.Tensor_mode), x a float tensor
     "float_floor_by_int": lambda torch, x: x // 2,
     "float_trunc_by_int": lambda torch, x: torch.div(x, 2, rounding_mode="trunc"),
