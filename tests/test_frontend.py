@@ -11,6 +11,7 @@ from onnx.reference import ReferenceEvaluator
 
 import relay_amp
 from relay_amp import frontend
+from relay_amp.runtime import run_executable
 
 from builders import positions_onnx
 
@@ -435,6 +436,29 @@ def test_an_exported_group_norm_imports_as_one_op_and_matches_torch(tmp_path, dy
     assert ops.count("relax.nn.group_norm") == 1 and "relax.variance" not in ops
     with torch.no_grad():
         np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], model(x).numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_an_exported_instance_norm_imports_as_a_group_norm_of_one_channel_groups(tmp_path, affine):
+    """TVM's importer spells InstanceNormalization as mean, variance, subtract, divide, scale and shift: three passes
+    over the input, each kept fp32 by AMP. It becomes one group norm of C groups; two images of other scales."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.InstanceNorm2d(16, affine=affine))
+    if affine:
+        with torch.no_grad():
+            model[1].weight.uniform_(0.5, 1.5), model[1].bias.uniform_(-1, 1)
+    x = torch.randn(2, 3, 8, 8) * torch.tensor([1.0, 4.0]).reshape(2, 1, 1, 1)
+    path = tmp_path / "instance_norm.onnx"
+    torch.onnx.export(model.eval(), (x,), path, opset_version=17, dynamo=False)
+    mod = frontend.from_onnx(path)
+    norms = [b.value for b in mod["main"].body.blocks[0].bindings if b.value.op.name == "relax.nn.group_norm"]
+    assert len(norms) == 1 and int(norms[0].attrs.num_groups) == 16
+    with torch.no_grad():
+        expected = model(x).numpy()
+    np.testing.assert_allclose(relay_amp.run(mod, [x.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
+    built = run_executable(relay_amp.build(mod, relay_amp.targets.host_preset()), [x.numpy()])[0]
+    np.testing.assert_allclose(built, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_an_exported_pad_imports_as_relax_pad_and_an_nhwc_build_keeps_no_transposes_around_it(tmp_path):
