@@ -229,12 +229,12 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, i
     (`ConvSpec.groups`): output channels in 16-lane blocks, each reducing over the input channels of the groups it
     covers, zero where they are not its own group's (block diagonal). A last block short of groups gets zero
     output channels (sliced off) and reads zero input channels (padded). None where groups of fewer than 16 output
-    channels do not tile the 16 lanes, or where the zeros would be more than MAX_GROUP_WASTE - 1 products per
-    useful one (a depthwise convolution: 15)."""
+    channels do not tile the 16 lanes, nor groups of more (Visformer's 24) whole blocks, or where the zeros would be
+    more than MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
     out_channels, group_depth = weight_oihw.shape[:2]
     group_width = out_channels // groups
     merged = 1 if group_width % LANES == 0 else LANES // group_width  # groups per 16-lane block
-    if merged > MAX_GROUP_WASTE or (merged > 1 and merged * group_width != LANES):
+    if not 0 < merged <= MAX_GROUP_WASTE or (merged > 1 and merged * group_width != LANES):
         return None
     blocks = -(-groups // merged)
     dense = np.zeros((blocks * merged * group_width, merged * group_depth, *weight_oihw.shape[2:]), weight_oihw.dtype)

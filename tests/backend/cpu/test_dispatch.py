@@ -481,6 +481,7 @@ def test_grouped_conv_becomes_a_kernel_over_a_block_diagonal_weight():
 @pytest.mark.parametrize("weight,groups", [
     (np.full((3, 3, 4, 40), 0.1, "float32"), 10),  # not a bf16 value: the fp32 weight is not read back narrow
     (np.ones((3, 3, 1, 40), "float32"), 40),  # depthwise: 15 zero products per useful one
+    (np.ones((3, 3, 24, 48), "float32"), 2),  # groups of 24 outputs: neither within one block nor whole blocks
 ])
 def test_grouped_convs_the_kernels_should_not_take_are_left_alone(weight, groups):
     def module():
