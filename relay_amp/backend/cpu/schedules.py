@@ -628,7 +628,10 @@ def _broadcast_operands(sch: s_tir.Schedule, infos: list) -> list:
     does not compute such values (a larger block, or a copy that may be inlined into one): inlined, they would be
     computed again for every value they broadcast to (EfficientNet's squeeze-and-excite gate, a sigmoid of 144
     values, for each of 56 x 56 pixels; a group norm's per-channel scale, reshaped from its groups)."""
-    sizes = {sch.get(info.block_rv).name_hint: _written_values(sch, info.block_rv) for info in infos}
+    sizes = {sch.get(info.block_rv).name_hint: _written_values(sch, info.block_rv) for info in infos
+             if sch.get(info.block_rv).writes}  # a block whose writes TIR could not describe is never small
+    if not sizes:
+        return []
     output = max(sizes.values())
 
     def small_computed(block) -> bool:

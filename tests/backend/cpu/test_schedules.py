@@ -1155,3 +1155,15 @@ def test_inlining_within_bounds_inlines_whole_chains_below_the_bound(monkeypatch
 
 def _children(sch):
     return sch.get_child_blocks(sch.get_sblock("root"))
+
+
+def test_a_function_with_a_block_of_undescribed_writes_builds():
+    """TVM writes scatter_nd (MViTv2's ONNX export) as a block whose reads and writes it leaves empty, beside a
+    transpose of the indices: the broadcast check read the first write of every block and failed (IndexError)."""
+    rng = np.random.default_rng(0)
+    indices = np.stack(np.meshgrid(np.arange(2), np.arange(3), indexing="ij"), axis=-1).astype("int64")  # (2, 3, 2)
+    mod = single_output_module(lambda data, updates: relax.op.scatter_nd(data, relax.const(indices), updates),
+                               tensor("data", (2, 3, 4)), tensor("updates", (2, 3, 4)))
+    inputs = [rng.standard_normal((2, 3, 4)).astype("float32") for _ in range(2)]
+    got = run_executable(build(mod, "cpu"), inputs)[0]
+    np.testing.assert_array_equal(got, relay_amp.run(mod, inputs)[0])
