@@ -16,8 +16,10 @@ from tvm import relax
 
 from .._ir import rewrite_op_calls, tensor_dtype, tensor_shape
 
-INTERLEAVES = {  # data layout -> (phase-split shape, its transpose, pixels) of (batch, channels, rows, columns,
-    # row phases, column phases, out rows, out columns)
+# data layout -> (the phase conv's output shape with its channels split by phase, from batch, channels, grid rows,
+# grid columns, row stride, column stride; the transpose putting each phase beside its grid row and column; the
+# interleaved shape, from batch, channels, rows, columns)
+INTERLEAVES = {
     "NHWC": (lambda n, c, h, w, sh, sw: (n, h, w, sh, sw, c), [0, 1, 3, 2, 4, 5], lambda n, c, h, w: (n, h, w, c)),
     "NCHW": (lambda n, c, h, w, sh, sw: (n, sh, sw, c, h, w), [0, 3, 4, 1, 5, 2], lambda n, c, h, w: (n, c, h, w)),
 }
