@@ -64,10 +64,28 @@ def simplify_onnx(proto):
         for _ in range(FOLD_ROUNDS):
             fold_constants_ir(model, should_fold=lambda node: True if node.op_type == "ConstantOfShape" else None)
             optimize_ir(model)
+            _register_orphan_constants(model.graph)
             nodes, before = len(list(model.graph)), nodes
             if nodes == before:
                 break
     return ir.serde.serialize_model(model)
+
+
+def _register_orphan_constants(graph) -> None:
+    """Make initializers of the constants that nodes of `graph` read but nothing defines.
+
+    onnxscript's reshape rewrites give each new shape the name of the shape they replace. Two reshapes that shared
+    one shape then leave one of the new shapes unregistered, under a renamed name (onnxscript issue 2945): DETR's
+    encoder and decoder flatten the same mask, and TVM's importer failed with a KeyError on that name.
+    """
+    for node in graph:
+        for value in node.inputs:
+            if value is None or value.producer() is not None or value.const_value is None:
+                continue
+            if not value.is_initializer() and not value.is_graph_input():
+                while value.name in graph.initializers:
+                    value.name = f"{value.name}_orphan"
+                graph.register_initializer(value)
 
 
 def _simplified(proto):

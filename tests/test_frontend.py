@@ -316,6 +316,32 @@ def test_constant_subgraphs_are_folded_before_tvm_imports_them():
     np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])  # exact: one fp32 add
 
 
+def shared_flatten_onnx() -> onnx.ModelProto:
+    """A mask flattened, cast to bool and flattened again along two branches, as the TorchScript exporter writes
+    DETR's encoder and decoder masks: onnxscript rewrites both flattens into reshapes whose shapes share a name."""
+    nodes = [helper.make_node("Flatten", ["m"], ["f"], axis=1),
+             helper.make_node("Cast", ["f"], ["c1"], to=TensorProto.BOOL),
+             helper.make_node("Flatten", ["c1"], ["e"], axis=2),
+             helper.make_node("Cast", ["c1"], ["c2"], to=TensorProto.BOOL),
+             helper.make_node("Flatten", ["c2"], ["d"], axis=2),
+             helper.make_node("Concat", ["e", "d"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "shared_flatten", [helper.make_tensor_value_info("m", TensorProto.FLOAT, [1, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.BOOL, [16, 2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_constants_the_optimizer_left_unregistered_become_initializers():
+    model = shared_flatten_onnx()
+    folded = frontend.simplify_onnx(model)
+    defined = {tensor.name for tensor in folded.graph.initializer} | {"m"}
+    for node in folded.graph.node:
+        assert set(node.input) <= defined, node
+        defined |= set(node.output)
+    mask = np.arange(16, dtype="float32").reshape(1, 4, 4) % 3
+    got = relay_amp.run(frontend.from_onnx(model), [mask])[0]
+    np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"m": mask})[0])
+
+
 def standardized_conv_onnx(weight: np.ndarray, standardize: bool = True) -> onnx.ModelProto:
     """Conv over a weight standardized in the graph, as the TorchScript exporter writes BiT's and timm's StdConv2d:
     BatchNormalization in training mode over the weight reshaped to [1, O, I*KH*KW], its first output reshaped
