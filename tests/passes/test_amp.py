@@ -333,3 +333,40 @@ def test_a_resize_after_a_low_op_yields_the_low_dtype_and_builds():
     executable = relay_amp.build(after, relay_amp.targets.host_preset())
     np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Upsampled, data)[0],
                                rtol=2e-2, atol=2e-2)  # bf16's 8 bits of mantissa, twice
+
+
+def test_an_op_tvm_types_only_in_float16_and_float32_stays_fp32_in_bfloat16():
+    """TVM's prelu refuses bfloat16 operands ("Prelu requires the input tensor to have float dtype"), so a bf16
+    conversion of ConvTasNet's ONNX export failed; such a call now runs in fp32 with the reason in the plan."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 6), "float32"), w: R.Tensor((4, 4, 1), "float32")):
+            with R.dataflow():
+                conv = R.nn.conv1d(x, w)
+                gv = R.nn.prelu(conv, R.const(np.array([0.25], "float32")), axis=2)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 6), "float32"), w: R.Tensor((4, 4, 1), "float32")):
+            with R.dataflow():
+                x16 = R.astype(x, "bfloat16")
+                w16 = R.astype(w, "bfloat16")
+                conv32 = R.nn.conv1d(x16, w16, out_dtype="float32")
+                gv = R.nn.prelu(conv32, R.const(np.array([0.25], "float32")), axis=2)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(convert(Before, "bfloat16"), Expected)
+    plan = precision_plan(relay_amp.to_mixed_precision(Before, "bfloat16"))
+    assert [e.reason for e in plan.entries if e.op == "relax.nn.prelu"] == [
+        "TVM's type inference refuses bfloat16 for it"]
+    float16 = precision_plan(relay_amp.to_mixed_precision(Before, "float16"))
+    assert [e.dtype for e in float16.entries if e.op == "relax.nn.prelu"] == ["float16"]
+    data = [np.random.default_rng(0).standard_normal(shape).astype("float32") for shape in ((1, 4, 6), (4, 4, 1))]
+    executable = relay_amp.build(relay_amp.to_mixed_precision(Before, "bfloat16"), relay_amp.targets.host_preset())
+    np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Before, data)[0],
+                               rtol=2e-2, atol=2e-2)  # the conv's operands rounded to bf16

@@ -129,13 +129,32 @@ class _AmpMutator(relax.PyExprMutator):
             reason = f"unlisted: {category}"
         else:
             reason = f"{category} list"
-        if category == "target":
-            return self.low, reason
         if category == "fp32":
             return fp32, reason
-        inputs = [self._is_low(leaf) for leaf in _float_leaves(args) if not self._is_flexible(leaf)]
-        low = bool(inputs) and (all(inputs) if category == "widest" else any(inputs))
-        return (self.low if low else fp32), reason
+        if category != "target":
+            inputs = [self._is_low(leaf) for leaf in _float_leaves(args) if not self._is_flexible(leaf)]
+            if not inputs or not (all(inputs) if category == "widest" else any(inputs)):
+                return fp32, reason
+        if not self._accepts_low(call):
+            return fp32, f"TVM's type inference refuses {self.low} for it"
+        return self.low, reason
+
+    def _accepts_low(self, call: relax.Call) -> bool:
+        """Whether TVM infers a type for `call` with its float operands in the target dtype (its prelu takes only
+        float16 and float32)."""
+        operands = [self._low_placeholder(arg) for arg in call.args]
+        try:
+            relax.BlockBuilder().normalize(relax.Call(call.op, operands, call.attrs, call.ty_args))
+        except (TypeError, ValueError, tvm.error.DiagnosticError):  # how TVM reports a refused dtype
+            return False
+        return True
+
+    def _low_placeholder(self, arg: relax.Expr) -> relax.Expr:
+        if isinstance(arg, relax.Tuple):
+            return relax.Tuple([self._low_placeholder(field) for field in arg.fields])
+        if not is_float(tensor_dtype(arg) or ""):
+            return arg
+        return relax.Var("operand", relax.TensorType(arg.ty.shape, self.low))
 
     def _compute_dtype(self, call: relax.Call) -> str:
         dtypes = [tensor_dtype(leaf) for leaf in _float_leaves(call.args)] + [tensor_dtype(call)]
