@@ -16,8 +16,9 @@ from ..ops import bound_call, call_op_name
 UNARY = frozenset(f"relax.{name}" for name in (
     "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "sigmoid", "tanh", "exp", "erf", "sqrt", "rsqrt", "negative",
     "abs", "astype", "floor", "round", "clip"))
-BINARY = frozenset(f"relax.{name}" for name in (  # elementwise arithmetic of two broadcast operands
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power"))
+BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast operands: arithmetic, comparisons
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
+    "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
 
 

@@ -53,6 +53,38 @@ def test_a_transpose_moves_past_pad_norm_activation_and_pool_and_cancels_the_nex
                                relay_amp.run(Before, [data, gamma, beta])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_transposes_move_past_comparisons_and_where_as_torch_export_spells_prelu():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 4), "float32")) -> R.Tensor((1, 6, 4), "float32"):
+            with R.dataflow():
+                ncw = R.permute_dims(x, axes=[0, 2, 1])
+                positive = R.greater(ncw, R.const(0.0, "float32"))
+                ncw_scaled = R.permute_dims(R.multiply(x, R.const(0.25, "float32")), axes=[0, 2, 1])
+                ncw_again = R.permute_dims(x, axes=[0, 2, 1])
+                prelu = R.where(positive, ncw_again, ncw_scaled)
+                gv = R.permute_dims(prelu, axes=[0, 2, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 6, 4), "float32")) -> R.Tensor((1, 6, 4), "float32"):
+            with R.dataflow():
+                positive = R.greater(x, R.const(0.0, "float32"))
+                scaled = R.multiply(x, R.const(0.25, "float32"))
+                prelu = R.where(positive, x, scaled)
+                gv = prelu
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    data = np.random.default_rng(0).standard_normal((1, 6, 4)).astype("float32")
+    np.testing.assert_array_equal(relay_amp.run(after, [data])[0], relay_amp.run(Before, [data])[0])
+
+
 def test_a_constant_operand_is_transposed_back_and_a_tensor_operand_stops_the_transpose():
     scale = np.arange(8, dtype="float32").reshape(1, 8, 1, 1)
 
