@@ -31,6 +31,8 @@ MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded t
 MAX_INLINED_NODES = 32768  # a block whose stored value has more expression nodes is not inlined further
 BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
 MIN_PARALLEL_VALUES = 4096  # a spatial block writing fewer values runs serially (a pool launch costs more)
+PARALLEL_TILES = 16  # a contraction's parallel loop gets at least this many tiles where its rows allow: a cache
+# tile over all of a 1-D conv's 2000 outputs left one tile, and one core computing it
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,9 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     cached, inner = [cached_v], [inner_v]
     if found.register_index is not None:
         rows = _register_factor(_extent(sch, spatial[found.register_index]), vector_lanes)
-        parallel_r, cached_r, inner_r = _split_twice(sch, spatial[found.register_index], rows, depth, share=2)
+        others = math.prod(_extent(sch, loop) or 1 for i, loop in enumerate(spatial) if i != found.register_index)
+        parallel_r, cached_r, inner_r = _split_twice(sch, spatial[found.register_index], rows, depth, share=2,
+                                                     tiles=-(-PARALLEL_TILES // others))
         spatial[found.register_index] = parallel_r
         cached.append(cached_r)
         inner.insert(0, inner_r)
@@ -265,11 +269,13 @@ def _own_loops(sch: s_tir.Schedule, block, other) -> list:
     return [loop for loop in sch.get_loops(block) if not any(sch.get(loop).same_as(s) for s in shared)]
 
 
-def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share: int = 1) -> list:
+def _split_twice(sch: s_tir.Schedule, loop, inner: int, depth: int | None, share: int = 1, tiles: int = 1) -> list:
     """Split `loop` into [parallel, cached, inner]: `cached` inner tiles of operand data (depth x inner x 4 bytes
-    each) fit in 1/share of CACHE_BYTES, so the cache tile's loops reuse them from L2."""
+    each) fit in 1/share of CACHE_BYTES, so the cache tile's loops reuse them from L2, and the parallel loop keeps
+    at least `tiles` iterations where the extent has them."""
     outer_extent = (_extent(sch, loop) or 0) // inner
     budget = CACHE_BYTES // share // (4 * inner * depth) if depth else 1
+    budget = min(budget, max(1, outer_extent // tiles))
     return sch.split(loop, [None, largest_divisor(outer_extent, budget) if outer_extent else 1, inner])
 
 

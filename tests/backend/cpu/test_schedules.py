@@ -48,6 +48,10 @@ CASES = {
     "depthwise_conv_nhwc": (lambda x, w: relax.op.nn.conv2d(x, w, padding=2, groups=32, data_layout="NHWC",
                                                              kernel_layout="HWOI"),
                             ("x", (1, 14, 14, 32)), ("w", (5, 5, 32, 1))),
+    # a dilated 1-D depthwise conv as a conv2d of one row (ConvTasNet's): its parallel tiles come from the row alone
+    "depthwise_conv_one_row": (lambda x, w: relax.op.nn.conv2d(x, w, padding=[0, 4, 0, 4], dilation=[1, 4], groups=32,
+                                                                data_layout="NHWC", kernel_layout="HWOI"),
+                               ("x", (1, 1, 480, 32)), ("w", (1, 3, 32, 1))),
     # a residual add of a kernel result's first channels (StarNet's 24 of a padded 32): the slice is inlined into
     # the add, which then joins the conv's write-back
     "depthwise_conv_sliced_residual": (lambda x, w, r: relax.op.add(relax.op.nn.conv2d(
@@ -180,12 +184,12 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
                            out: T.Buffer((T.int64(8), T.int64(32)), "float32")):
     T.func_attr({"tirx.noalias": True})
     mm_global = T.sblock_alloc_buffer((T.int64(8), T.int64(32)))
-    for tile in T.parallel(T.int64(1)):
-        for column, row_block in T.grid(T.int64(1), T.int64(2)):
+    for tile in T.parallel(T.int64(2)):
+        for column, row_block in T.grid(T.int64(1), T.int64(1)):
             for row_init in T.unroll(T.int64(4)):
                 for lane_init in T.vectorized(T.int64(32)):
                     with T.sblock("matmul_init"):
-                        v0 = T.axis.spatial(T.int64(8), row_block * T.int64(4) + row_init)
+                        v0 = T.axis.spatial(T.int64(8), tile * T.int64(4) + row_block * T.int64(4) + row_init)
                         v1 = T.axis.spatial(T.int64(32), column * T.int64(32) + lane_init)
                         T.reads()
                         T.writes(mm_global[v0, v1])
@@ -194,7 +198,7 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
                 for row in T.unroll(T.int64(4)):
                     for lane in T.vectorized(T.int64(32)):
                         with T.sblock("matmul_update"):
-                            v0 = T.axis.spatial(T.int64(8), row_block * T.int64(4) + row)
+                            v0 = T.axis.spatial(T.int64(8), tile * T.int64(4) + row_block * T.int64(4) + row)
                             v1 = T.axis.spatial(T.int64(32), column * T.int64(32) + lane)
                             v2 = T.axis.reduce(T.int64(16), k)
                             T.reads(mm_global[v0, v1], x[v0, v2], w[v2, v1])
@@ -203,7 +207,7 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
             for row in range(T.int64(4)):
                 for lane in T.vectorized(T.int64(32)):
                     with T.sblock("mm_global"):
-                        v0 = T.axis.spatial(T.int64(8), row_block * T.int64(4) + row)
+                        v0 = T.axis.spatial(T.int64(8), tile * T.int64(4) + row)
                         v1 = T.axis.spatial(T.int64(32), lane)
                         T.reads(mm_global[v0, v1], b[v1])
                         T.writes(out[v0, v1])
@@ -212,7 +216,8 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
 
 def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
     """4 rows x 32 lanes (two zmm) of accumulators: under 1 KiB, so on the stack and in registers; a cache tile
-    of row blocks over the whole (L2-sized) reduction; the bias add fused into the write-back."""
+    of row blocks over the whole (L2-sized) reduction, as few rows as leave PARALLEL_TILES parallel tiles where
+    there are rows for them (here two); the bias add fused into the write-back."""
     scheduled = schedules.ContractionRule().apply(_matmul_bias, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _matmul_bias_scheduled)
 
@@ -225,6 +230,16 @@ def test_a_depthwise_conv_keeps_rows_of_pixels_in_registers_sharing_each_weight_
     *_, rows, lanes = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("group_conv2d_nhwc_update")))
     assert (int(rows.extent), rows.kind) == (7, tvm.tirx.ForKind.UNROLLED)
     assert (int(lanes.extent), lanes.kind) == (32, tvm.tirx.ForKind.VECTORIZED)
+
+
+def test_a_conv_over_one_row_splits_the_row_into_parallel_tiles():
+    """A cache tile over the whole row (480 outputs, 6 a register tile) left one parallel tile, so one core ran
+    ConvTasNet's 1-D depthwise convs; the row now gives PARALLEL_TILES of them."""
+    mod = relax.transform.LegalizeOps()(_module(*CASES["depthwise_conv_one_row"]))
+    sch = schedules.ContractionRule().apply(mod["conv2d"], targets.get_target("cpu"), False)
+    parallel = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock("group_conv2d_nhwc_update"))
+                if sch.get(loop).kind == tvm.tirx.ForKind.PARALLEL]
+    assert [int(loop.extent) for loop in parallel] == [schedules.PARALLEL_TILES]
 
 
 def test_an_epilogue_that_does_not_inline_is_scheduled_too():
