@@ -120,6 +120,8 @@ class _Dispatcher(relax.PyExprMutator):
             return None
         if weight is not None:
             dot = kernels.intrinsic_for(dtype)
+            if weight.ndim > 2 and weight.ndim <= len(shape) and all(d == 1 for d in weight.shape[:-2]):
+                weight = weight.reshape(weight.shape[-2:])  # a batch of one (torch.export's einsum as bmm)
             if weight.ndim != 2:
                 return None
             width = weight.shape[1]

@@ -51,6 +51,19 @@ def test_bf16_matmul_becomes_a_kernel_call_on_packed_weights():
     assert relay_amp.transform.UseDotKernels({BF16})(_matmul_module(BF16, weight)).script() == after.script()
 
 
+def test_a_weight_with_a_batch_of_one_is_taken_as_its_matrix():
+    """torch.export spells an einsum by a weight as a bmm of a [1, K, N] constant: the kernel takes its matrix."""
+    weight = _bf16_weight((32, 16))
+    batched = single_output_module(lambda x: relax.op.matmul(x, relax.const(weight[None]), out_dtype="float32"),
+                                   tensor("x", (2, 8, 32), BF16))
+    plain = dispatch.UseDotKernels({BF16})(_matmul_module(BF16, weight))
+    tvm.ir.assert_structural_equal(dispatch.UseDotKernels({BF16})(batched), plain)
+    wider = single_output_module(lambda x: relax.op.matmul(x, relax.const(weight[None, None]), out_dtype="float32"),
+                                 tensor("x", (8, 32), BF16))  # its output has the weight's batch axes: left alone
+    names = [gv.name_hint for gv in dispatch.UseDotKernels({BF16})(wider).get_global_vars()]
+    assert "relay_amp_dot_kernel1" not in names
+
+
 @pytest.mark.parametrize("reason,module", [
     ("fp32 is not enabled here", lambda: _matmul_module("float32", np.ones((32, 16), "float32"))),
     ("dtype not enabled for the target", lambda: _conv_module(np.ones((3, 3, 8, 16), "int8"), "int8")),
