@@ -10,6 +10,7 @@ from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.conv_transpose import TransposedConvsAsConvs
+from .passes.einsum import EinsumsAsMatmuls
 from .passes.group_norm import GroupNormsAsOps
 from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
@@ -21,7 +22,7 @@ from .passes.recast import Recast
 from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
-__all__ = ["ConvertLayout", "DropPaddingTaps", "EliminateRedundantCasts", "FastMath", "FoldAffineClamps",
-           "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps", "HoistOverMoves",
-           "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize",
+__all__ = ["ConvertLayout", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts", "FastMath",
+           "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps",
+           "HoistOverMoves", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize",
            "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]
