@@ -136,8 +136,22 @@ def _extremum(node, importer) -> relax.Var:
     return importer.block_builder.emit(reduce(data, axis=dims, keepdims=keepdim))
 
 
+def _arange(node, importer) -> relax.Expr:
+    """aten.arange of constant bounds as the constant PyTorch computes: TVM's relax.arange(64, -64, -1) has 130
+    values (Funnel's relative positions did not import); bounds computed in the graph go to TVM's converter."""
+    import torch
+
+    bounds = [*node.args, *(node.kwargs[key] for key in ("start", "end", "step") if key in node.kwargs)]
+    if any(isinstance(bound, torch.fx.Node) for bound in bounds):
+        return importer._arange(node)
+    values = torch.arange(*node.args, **{key: value for key, value in node.kwargs.items()
+                                         if key in ("start", "end", "step")}, dtype=node.meta["val"].dtype)
+    return relax.const(values.numpy())
+
+
 # converters TVM's importer takes in place of its own (custom_convert_map), by op name
 CONVERTERS = {
+    **dict.fromkeys(("arange.default", "arange.start", "arange.start_step"), _arange),
     "upsample_nearest2d.vec": _nearest_upsample,
     "grid_sampler_2d.default": _grid_sample,
     "index.Tensor": _advanced_index,

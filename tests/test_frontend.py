@@ -233,6 +233,21 @@ def test_from_torch_takes_amax_and_amin():
     np.testing.assert_allclose(relay_amp.run(frontend.from_torch(Extremes(), [x]), [x])[0], expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bounds", [(64, -64, -1), (5, -6, -2), (0.5, 3.0, 0.75), (7,)])
+def test_from_torch_counts_an_arange_as_torch_does(bounds):
+    """TVM's relax.arange(64, -64, -1) had 130 values: Funnel's relative positions did not import."""
+    torch = pytest.importorskip("torch")
+
+    class Positions(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.arange(*bounds).unsqueeze(1).expand(-1, 3)  # Funnel's: shapes checked by broadcast_to
+
+    x = np.ones((len(torch.arange(*bounds)), 3), dtype="float32")
+    with torch.no_grad():
+        expected = Positions()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(relay_amp.run(frontend.from_torch(Positions(), [x]), [x])[0], expected, rtol=1e-6)
+
+
 DIVISIONS = {  # torch.export's spellings of a division (aten.div.Tensor, div.Tensor_mode), x a float tensor
     "float_floor_by_int": lambda torch, x: x // 2,
     "float_trunc_by_int": lambda torch, x: torch.div(x, 2, rounding_mode="trunc"),
