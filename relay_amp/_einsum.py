@@ -12,7 +12,7 @@ import math
 import tvm
 from tvm import relax
 
-from ._ir import called_prim_func, only_store, rewrite_function, rewrite_op_calls, tensor_dtype, tensor_shape
+from ._ir import only_store, rewrite_op_calls, rewrite_te_calls, tensor_dtype, tensor_shape
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -21,24 +21,13 @@ def einsums_as_matmuls(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` with every einsum of two tensors (relax.einsum, or a call of a TE einsum as TVM's ONNX importer writes
     one) as transposes and reshapes around one matmul, where every axis has a static size and each operand names
     its axes once."""
-    lifted = relax.transform.DeadCodeElimination([func])(rewrite_function(_EinsumLifter(mod), mod, func))
+    lifted = rewrite_te_calls(mod, func, _as_einsum)
     return rewrite_op_calls(lifted, func, {"relax.einsum": _as_matmul})
 
 
-@relax.expr_functor.mutator
-class _EinsumLifter(relax.PyExprMutator):
-    """Calls of TE einsum PrimFuncs as relax.einsum."""
-
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.mod = mod
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        subscripts = te_einsum_subscripts(called_prim_func(self.mod, call))
-        if subscripts is None:
-            return call
-        return relax.op.einsum(list(call.args[1].fields), subscripts)
+def _as_einsum(call: relax.Call, prim_func: tvm.tirx.PrimFunc) -> "relax.Expr | None":
+    subscripts = te_einsum_subscripts(prim_func)
+    return None if subscripts is None else relax.op.einsum(list(call.args[1].fields), subscripts)
 
 
 def te_einsum_subscripts(func: "tvm.tirx.PrimFunc | None") -> "str | None":

@@ -60,6 +60,29 @@ def rewrite_op_calls(mod: tvm.IRModule, func: str, rewrites: Mapping[str, Callab
     return rewrite_function(_OpCallRewriter(mod, rewrites), mod, func)
 
 
+def rewrite_te_calls(mod: tvm.IRModule, func: str, rewrite: Callable) -> tvm.IRModule:
+    """`mod` with each call in Relax function `func` of a PrimFunc through call_tir (a TE function TVM's importer
+    emitted) replaced by rewrite(call, prim_func) where that is not None; PrimFuncs left uncalled removed."""
+    rewritten = rewrite_function(_TeCallRewriter(mod, rewrite), mod, func)
+    return relax.transform.DeadCodeElimination([func])(rewritten)
+
+
+@relax.expr_functor.mutator
+class _TeCallRewriter(relax.PyExprMutator):
+    """Replaces the call_tirs whose PrimFunc `rewrite` recognizes by its result."""
+
+    def __init__(self, mod: tvm.IRModule, rewrite: Callable):
+        super().__init__(mod)
+        self.mod = mod
+        self.rewrite = rewrite
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        prim_func = called_prim_func(self.mod, new_call)
+        rewritten = None if prim_func is None else self.rewrite(new_call, prim_func)
+        return new_call if rewritten is None else rewritten
+
+
 def read_counts(func: relax.Function) -> dict[relax.Var, int]:
     """How many times each var is read in `func` (in binding values and the returned expression)."""
     counts: dict[relax.Var, int] = {}

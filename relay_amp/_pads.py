@@ -3,29 +3,21 @@
 import tvm
 from tvm import relax
 
-from ._ir import called_prim_func, only_store, rewrite_function
+from ._ir import only_store, rewrite_te_calls
 
 
 def pads_as_ops(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` with every call of a PrimFunc that pads a tensor with a constant (topi.nn.pad, as TVM's ONNX importer
     writes Pad) as relax.nn.pad: an op the passes can see, move and fold (a call_tir is opaque to them)."""
-    lifted = rewrite_function(_PadLifter(mod), mod, func)
-    return relax.transform.DeadCodeElimination([func])(lifted)
+    return rewrite_te_calls(mod, func, _as_pad)
 
 
-@relax.expr_functor.mutator
-class _PadLifter(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.mod = mod
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        pad = constant_pad(called_prim_func(self.mod, call))
-        if pad is None or len(call.args[1].fields) != 1:
-            return call
-        widths, value = pad
-        return relax.op.nn.pad(call.args[1].fields[0], widths, pad_value=value)
+def _as_pad(call: relax.Call, prim_func: tvm.tirx.PrimFunc) -> "relax.Expr | None":
+    pad = constant_pad(prim_func)
+    if pad is None or len(call.args[1].fields) != 1:
+        return None
+    widths, value = pad
+    return relax.op.nn.pad(call.args[1].fields[0], widths, pad_value=value)
 
 
 def constant_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], float] | None":
