@@ -157,3 +157,41 @@ def test_a_batch_norm_of_a_conv_output_read_elsewhere_becomes_a_scale_and_shift_
     """RepGhost's fusion batch norm reads the conv output its cheap depthwise conv reads: folded, it was a copy
     of the conv with scaled weights."""
     assert_transforms(relay_amp.transform.FoldBatchNorm(), SharedConvBatchNorm, SharedConvScaled)
+
+
+@I.ir_module
+class PreNormConv:
+    """A batch norm before a conv (DenseNet's, CoAtNet's pre-norms): nothing to fold it into."""
+
+    @R.function
+    def main(x: R.Tensor((1, 2, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            bn = R.nn.batch_norm(x, R.const(GAMMA), R.const(BETA), R.const(MEAN), R.const(VAR), axis=1, epsilon=EPS,
+                                 training=False)
+            gv = R.nn.conv2d(bn[0], R.const(np.concatenate([W, W], axis=1)))
+            R.output(gv)
+        return gv
+
+
+PRE_SCALE = GAMMA.astype("float64") / np.sqrt(VAR.astype("float64") + EPS)  # in float64, then rounded once
+PRE_SHIFT = BETA - MEAN.astype("float64") * PRE_SCALE
+
+
+@I.ir_module
+class PreNormScaled:
+    @R.function
+    def main(x: R.Tensor((1, 2, 3, 3), "float32")) -> R.Tensor((1, 2, 2, 2), "float32"):
+        with R.dataflow():
+            scaled = R.multiply(x, R.const(PRE_SCALE.reshape(1, 2, 1, 1).astype("float32")))
+            shifted = R.add(scaled, R.const(PRE_SHIFT.reshape(1, 2, 1, 1).astype("float32")))
+            gv = R.nn.conv2d(shifted, R.const(np.concatenate([W, W], axis=1)))
+            R.output(gv)
+        return gv
+
+
+def test_a_batch_norm_with_nothing_to_fold_into_becomes_a_multiply_add_per_channel():
+    """TVM legalizes it with a square root and a divide per element, in a function of its own (a tuple)."""
+    after = assert_transforms(relay_amp.transform.FoldBatchNorm(), PreNormConv, PreNormScaled)
+    x = np.random.default_rng(0).standard_normal((1, 2, 3, 3)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(after, [x])[0], relay_amp.run(PreNormConv, [x])[0], rtol=1e-5,
+                               atol=1e-5)
