@@ -4,6 +4,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ..._ir import (
@@ -80,6 +81,7 @@ class _AmpMutator(relax.PyExprMutator):
         self.moved = _moved_constants(get_function(mod, config.func))  # var -> the constant it holds, moved
         self.casts: dict[tuple[relax.Expr, str], relax.Expr] = {}
         self.entries: list[PlanEntry] = []
+        self.accepts: dict[tuple, bool] = {}  # (op, attributes, operand types) -> whether TVM types it low
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         args = [self.visit_expr(arg) for arg in call.args]
@@ -141,13 +143,16 @@ class _AmpMutator(relax.PyExprMutator):
 
     def _accepts_low(self, call: relax.Call) -> bool:
         """Whether TVM infers a type for `call` with its float operands in the target dtype (its prelu takes only
-        float16 and float32)."""
-        operands = [self._low_placeholder(arg) for arg in call.args]
-        try:
-            relax.BlockBuilder().normalize(relax.Call(call.op, operands, call.attrs, call.ty_args))
-        except (TypeError, ValueError, tvm.error.DiagnosticError):  # how TVM reports a refused dtype
-            return False
-        return True
+        float16 and float32), asked once per op, attributes and operand types (a transformer's layers repeat)."""
+        key = (call.op.name, tvm_ffi.structural_hash(call.attrs), tuple(str(arg.ty) for arg in call.args))
+        if key not in self.accepts:
+            operands = [self._low_placeholder(arg) for arg in call.args]
+            try:
+                relax.BlockBuilder().normalize(relax.Call(call.op, operands, call.attrs, call.ty_args))
+                self.accepts[key] = True
+            except (TypeError, ValueError, tvm.error.DiagnosticError):  # how TVM reports a refused dtype
+                self.accepts[key] = False
+        return self.accepts[key]
 
     def _low_placeholder(self, arg: relax.Expr) -> relax.Expr:
         if isinstance(arg, relax.Tuple):
