@@ -219,7 +219,7 @@ STATISTICS = ("gamma", "beta", "mean", "var")  # a batch norm's constant operand
 
 
 def _affine_batch_norms(func: relax.Function, applies: Callable[[relax.Call], bool]) -> relax.Function:
-    """`func` with each fp32 inference batch_norm of constant statistics for which `applies(call)` holds as
+    """`func` with each inference batch_norm of constant statistics for which `applies(call)` holds as
     data * scale + shift per channel (batch_norm_scale_shift), the tuple it returns keeping its statistics."""
     stats = {name: dpl.is_const() for name in STATISTICS}
     norm = dpl.is_op("relax.nn.batch_norm")(dpl.wildcard(), *stats.values())
@@ -227,7 +227,7 @@ def _affine_batch_norms(func: relax.Function, applies: Callable[[relax.Call], bo
     def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
         data, attrs = call.args[0], call.attrs
         shape = tensor_shape(data)
-        if attrs.training or shape is None or tensor_dtype(data) != "float32" or not applies(call):
+        if attrs.training or shape is None or not applies(call):
             return call
         scale, shift = batch_norm_scale_shift(attrs, *(matches[stats[name]].value.numpy() for name in STATISTICS))
         per_channel = [1] * len(shape)
