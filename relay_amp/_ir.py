@@ -200,11 +200,11 @@ def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every conv2d [-> bias add] -> inference batch_norm (constant weights and statistics) folded into
     the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), and every matmul by a constant [-> reshape
     keeping its columns] -> inference batch_norm over those columns into the matmul's weight and a bias add, the
-    new weights computed once; every other inference batch norm as one multiply-add per element."""
+    new weights computed once."""
     fold = FoldConstants  # biases arrive as reshapes of constants; shifted means, scaled weights
     return tvm.transform.Sequential([fold, _shared_conv_batch_norms_as_affine, _bias_into_statistics, fold,
-                                     relax.transform.FoldBatchnormToConv2D(), _batch_norm_into_matmul,
-                                     _batch_norms_as_affine, fold, relax.transform.CanonicalizeBindings()])(mod)
+                                     relax.transform.FoldBatchnormToConv2D(), _batch_norm_into_matmul, fold,
+                                     relax.transform.CanonicalizeBindings()])(mod)
 
 
 def batch_norm_scale_shift(attrs: tvm.ir.Attrs, gamma, beta, mean, var) -> tuple[np.ndarray, np.ndarray]:
@@ -215,52 +215,28 @@ def batch_norm_scale_shift(attrs: tvm.ir.Attrs, gamma, beta, mean, var) -> tuple
     return scale, (beta if attrs.center else 0.0) - mean * scale
 
 
-STATISTICS = ("gamma", "beta", "mean", "var")  # a batch norm's constant operands after its data
-
-
-def _affine_batch_norms(func: relax.Function, applies: Callable[[relax.Call], bool]) -> relax.Function:
-    """`func` with each inference batch_norm of constant statistics for which `applies(call)` holds as
-    data * scale + shift per channel (batch_norm_scale_shift), the tuple it returns keeping its statistics."""
-    stats = {name: dpl.is_const() for name in STATISTICS}
-    norm = dpl.is_op("relax.nn.batch_norm")(dpl.wildcard(), *stats.values())
-
-    def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
-        data, attrs = call.args[0], call.attrs
-        shape = tensor_shape(data)
-        if attrs.training or shape is None or not applies(call):
-            return call
-        scale, shift = batch_norm_scale_shift(attrs, *(matches[stats[name]].value.numpy() for name in STATISTICS))
-        per_channel = [1] * len(shape)
-        per_channel[int(attrs.axis) % len(shape)] = -1
-        scale, shift = (relax.const(v.reshape(per_channel).astype("float32")) for v in (scale, shift))
-        return relax.Tuple([relax.op.add(relax.op.multiply(data, scale), shift), matches[stats["mean"]],
-                            matches[stats["var"]]])
-
-    return dpl.rewrite_call(norm, rewrite, func)
-
-
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SharedConvBatchNormsAsAffine")
 def _shared_conv_batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
     """batch_norm(v) over axis 1 of a conv's output v (bias added or not) that other ops read too, as v * scale +
     shift (batch_norm_scale_shift): FoldBatchnormToConv2D would fold it into a second conv of the
     conv's input (RepGhost's fusion batch norms: 16 extra convs), where a scale and shift costs one pass."""
     reads, values = read_counts(func), relax.analysis.get_var2val(func)
+    gamma, beta, mean, var = dpl.is_const(), dpl.is_const(), dpl.is_const(), dpl.is_const()
+    norm = dpl.is_op("relax.nn.batch_norm")(dpl.wildcard(), gamma, beta, mean, var)
 
-    def applies(call: relax.Call) -> bool:
-        data = call.args[0]
-        return (len(tensor_shape(data)) == 4 and int(call.attrs.axis) % 4 == 1 and reads.get(data, 0) >= 2
-                and _is_conv_output(data, values))
+    def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
+        data, attrs = call.args[0], call.attrs
+        shape = tensor_shape(data)
+        if (attrs.training or shape is None or len(shape) != 4 or int(attrs.axis) % 4 != 1
+                or reads.get(data, 0) < 2 or not _is_conv_output(data, values)):
+            return call
+        stats = (matches[name].value.numpy() for name in (gamma, beta, mean, var))
+        scale, shift = batch_norm_scale_shift(attrs, *stats)
+        per_channel = [relax.const(v.reshape(1, -1, 1, 1).astype("float32")) for v in (scale, shift)]
+        return relax.Tuple([relax.op.add(relax.op.multiply(data, per_channel[0]), per_channel[1]), matches[mean],
+                            matches[var]])
 
-    return _affine_batch_norms(func, applies)
-
-
-@relax.transform.function_pass(opt_level=0, name="relay_amp.BatchNormsAsAffine")
-def _batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
-    """Every inference batch norm the folds left (one before a conv: DenseNet's, CoAtNet's pre-norms) as a
-    multiply-add by per-channel constants: TVM's legalization takes a square root and a divide per element, and
-    returns a tuple FuseOps leaves in a function of its own; the multiply-add fuses with the ops around it, and AMP
-    runs it in the low dtype."""
-    return _affine_batch_norms(func, lambda call: True)
+    return dpl.rewrite_call(norm, rewrite, func)
 
 
 def _is_conv_output(data: relax.Expr, values: Mapping) -> bool:

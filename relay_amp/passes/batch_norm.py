@@ -1,5 +1,4 @@
-"""FoldBatchNorm: inference batch norms after convolutions and linear layers folded into their weights and a bias add,
-the others (a pre-norm before a conv) made a multiply-add by per-channel constants.
+"""FoldBatchNorm: inference batch norms after convolutions and linear layers folded into their weights and a bias add.
 
 Run it before mixed precision or recast: AMP keeps batch norm in fp32 (TVM legalizes a low-precision one to an
 fp32 result), so an unfolded batch norm costs two casts and a pass over the activations per conv.
@@ -14,8 +13,7 @@ from .._ir import fold_batch_norm
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldBatchNorm")
 class FoldBatchNorm:
-    """Fold every conv2d or matmul -> batch_norm pair with constant weights and statistics into the conv or matmul;
-    every other inference batch norm becomes a multiply-add by per-channel constants."""
+    """Fold every conv2d or matmul -> batch_norm pair with constant weights and statistics into the conv or matmul."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Fold in every Relax function of `mod`; the input module is left as it was."""
