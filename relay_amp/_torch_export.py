@@ -137,15 +137,17 @@ def _extremum(node, importer) -> relax.Var:
 
 
 def _arange(node, importer) -> relax.Expr:
-    """aten.arange of constant bounds as the constant PyTorch computes: TVM's relax.arange(64, -64, -1) has 130
-    values (Funnel's relative positions did not import); bounds computed in the graph go to TVM's converter."""
+    """aten.arange of constant bounds with a negative step as the constant PyTorch computes: TVM's
+    relax.arange(64, -64, -1) has 130 values (Funnel's relative positions did not import). Other aranges go to TVM's
+    converter: made constants, T5's position buckets failed TVM's type check of a where (int32 against int64)."""
     import torch
 
-    bounds = [*node.args, *(node.kwargs[key] for key in ("start", "end", "step") if key in node.kwargs)]
-    if any(isinstance(bound, torch.fx.Node) for bound in bounds):
+    bounds = dict(zip(("start", "end", "step"), node.args if len(node.args) > 1 else (0, *node.args)))
+    bounds.update({key: node.kwargs[key] for key in ("start", "end", "step") if key in node.kwargs})
+    step = bounds.get("step", 1)
+    if any(isinstance(bound, torch.fx.Node) for bound in bounds.values()) or step > 0:
         return importer._arange(node)
-    values = torch.arange(*node.args, **{key: value for key, value in node.kwargs.items()
-                                         if key in ("start", "end", "step")}, dtype=node.meta["val"].dtype)
+    values = torch.arange(bounds["start"], bounds["end"], step, dtype=node.meta["val"].dtype)
     return relax.const(values.numpy())
 
 

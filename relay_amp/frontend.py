@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 
 import tvm
 
-from ._group_norm import group_norms_as_ops
 from ._einsum import einsums_as_matmuls
+from ._group_norm import group_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
