@@ -81,10 +81,9 @@ def _as_matmul(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | N
     product = relax.op.matmul(a, b, out_dtype=tensor_dtype(call))
     produced = batch + left + right
     shape, order = [sizes[c] for c in produced], [produced.index(c) for c in output]
-    flat = [math.prod(sizes[c] for c in group) for group in (batch, left, right)]
-    grouped = flat if batch else flat[1:]  # the matmul's shape
     if order == sorted(order):  # the last op is the call's replacement, not emitted
-        return product if shape == grouped else relax.op.reshape(builder.emit(product), shape)
+        same = shape == _group_sizes([batch, left, right], sizes)
+        return product if same else relax.op.reshape(builder.emit(product), shape)
     return relax.op.permute_dims(_reshaped(builder, builder.emit(product), shape), order)
 
 
@@ -111,8 +110,14 @@ def _grouped(builder: relax.BlockBuilder, operand: relax.Expr, term: str, groups
     (the batch group left out where empty)."""
     order = [term.index(c) for group in groups for c in group]
     moved = operand if order == sorted(order) else builder.emit(relax.op.permute_dims(operand, order))
+    return _reshaped(builder, moved, _group_sizes(groups, sizes))
+
+
+def _group_sizes(groups: list, sizes: dict) -> list:
+    """One axis per group of letters ([batch, rows, columns] or [batch, rows, depth]), its size their product;
+    the batch group left out where empty."""
     shape = [math.prod(sizes[c] for c in group) for group in groups]
-    return _reshaped(builder, moved, shape if groups[0] else shape[1:])
+    return shape if groups[0] else shape[1:]
 
 
 def _reshaped(builder: relax.BlockBuilder, expr: relax.Expr, shape: list) -> relax.Expr:
