@@ -51,8 +51,8 @@ def _as_chunks(value: tvm.ir.Expr) -> list[tvm.ir.Expr]:
     lanes = lanes_of(value)
     if lanes == 1:
         return [tvm.tirx.Broadcast(value, CHUNK)]
-    padding = -lanes % CHUNK
-    padded = [value, tvm.tirx.Broadcast(tvm.tirx.const(0, "float32"), padding)] if padding else [value]
+    zeros = tvm.tirx.Broadcast(tvm.tirx.const(0, "float32"), CHUNK)  # whole: a Broadcast of one lane is invalid
+    padded = [value, zeros] if lanes % CHUNK else [value]
     return [_shuffle(padded, range(start, start + CHUNK)) for start in range(0, lanes, CHUNK)]
 
 
