@@ -200,9 +200,10 @@ def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every conv2d [-> bias add] -> inference batch_norm (constant weights and statistics) folded into
     the conv's weights and a bias add (TVM's FoldBatchnormToConv2D), and every matmul by a constant [-> reshape
     keeping its columns] -> inference batch_norm over those columns into the matmul's weight and a bias add, the
-    new weights computed once."""
+    new weights computed once. A batch norm of a concat of convs (MixNet's mixed convs) folds into each conv."""
     fold = FoldConstants  # biases arrive as reshapes of constants; shifted means, scaled weights
-    return tvm.transform.Sequential([fold, _shared_conv_batch_norms_as_affine, _bias_into_statistics, fold,
+    return tvm.transform.Sequential([fold, _batch_norms_through_concats, _shared_conv_batch_norms_as_affine,
+                                     _bias_into_statistics, fold,
                                      relax.transform.FoldBatchnormToConv2D(), _batch_norm_into_matmul, fold,
                                      relax.transform.CanonicalizeBindings()])(mod)
 
@@ -237,6 +238,41 @@ def _shared_conv_batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, 
                             matches[var]])
 
     return dpl.rewrite_call(norm, rewrite, func)
+
+
+@relax.transform.function_pass(opt_level=0, name="relay_amp.BatchNormsThroughConcats")
+def _batch_norms_through_concats(func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
+    """batch_norm(concat([v1, ..., vn])) over the concat's axis, where each vi is a conv's output only the concat
+    reads (MixNet's mixed depthwise convs: one conv per group of kernel sizes), as the concat of batch norms of each
+    vi with its channels' statistics: each then folds into its conv."""
+    reads, values = read_counts(func), relax.analysis.get_var2val(func)
+    gamma, beta, mean, var = dpl.is_const(), dpl.is_const(), dpl.is_const(), dpl.is_const()
+    joined = dpl.is_op("relax.concat")(dpl.wildcard())
+    norm = dpl.is_op("relax.nn.batch_norm")(joined, gamma, beta, mean, var)
+
+    def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
+        concat, attrs = matches[joined], call.attrs
+        parts = _tuple_fields(concat.args[0], values)
+        shape = tensor_shape(concat)
+        if (attrs.training or parts is None or shape is None
+                or int(attrs.axis) % len(shape) != int(concat.attrs.axis) % len(shape) or not all(_is_conv_output(part, values) and reads.get(part, 0) == 1 for part in parts)):
+            return call
+        stats = [matches[name].value.numpy() for name in (gamma, beta, mean, var)]
+        ends = np.cumsum([tensor_shape(part)[int(attrs.axis) % len(shape)] for part in parts])
+        normed = [relax.TupleGetItem(relax.op.nn.batch_norm(part, *(relax.const(v[end - size:end]) for v in stats),
+                                                            axis=int(attrs.axis), epsilon=float(attrs.epsilon),
+                                                            center=bool(attrs.center), scale=bool(attrs.scale),
+                                                            training=False), 0)
+                  for part, end, size in zip(parts, ends, np.diff(ends, prepend=0))]
+        return relax.Tuple([relax.op.concat(normed, axis=int(concat.attrs.axis)), matches[mean], matches[var]])
+
+    return dpl.rewrite_call(norm, rewrite, func)
+
+
+def _tuple_fields(expr: relax.Expr, values: Mapping) -> "list[relax.Expr] | None":
+    """The fields of the tuple `expr` is or is bound to, or None."""
+    tup = values.get(expr, expr) if isinstance(expr, relax.Var) else expr
+    return list(tup.fields) if isinstance(tup, relax.Tuple) else None
 
 
 def _is_conv_output(data: relax.Expr, values: Mapping) -> bool:

@@ -13,7 +13,8 @@ from .._ir import fold_batch_norm
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldBatchNorm")
 class FoldBatchNorm:
-    """Fold every conv2d or matmul -> batch_norm pair with constant weights and statistics into the conv or matmul."""
+    """Fold every conv2d or matmul -> batch_norm pair with constant weights and statistics into the conv or matmul
+    (each conv of a concat of convs -> batch_norm into that conv)."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Fold in every Relax function of `mod`; the input module is left as it was."""

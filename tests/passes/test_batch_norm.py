@@ -157,3 +157,45 @@ def test_a_batch_norm_of_a_conv_output_read_elsewhere_becomes_a_scale_and_shift_
     """RepGhost's fusion batch norm reads the conv output its cheap depthwise conv reads: folded, it was a copy
     of the conv with scaled weights."""
     assert_transforms(relay_amp.transform.FoldBatchNorm(), SharedConvBatchNorm, SharedConvScaled)
+
+
+W2 = np.arange(4, dtype="float32").reshape(1, 1, 2, 2) / 4  # a second group's conv: 1 output channel
+STATS = [np.append(v, extra).astype("float32") for v, extra in zip((GAMMA, BETA, MEAN, VAR), (3.0, 0.25, 1.0, 2.0))]
+
+
+@I.ir_module
+class MixedConvBatchNorm:  # MixNet's mixed conv: one conv per group of channels, concatenated, then one batch norm
+    @R.function
+    def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 3, 2, 2), "float32"):
+        with R.dataflow():
+            first = R.nn.conv2d(x, R.const(W))
+            second = R.nn.conv2d(x, R.const(W2))
+            joined = R.concat((first, second), axis=1)
+            bn = R.nn.batch_norm(joined, R.const(STATS[0]), R.const(STATS[1]), R.const(STATS[2]), R.const(STATS[3]),
+                                 axis=1, epsilon=EPS, training=False)
+            gv = bn[0]
+            R.output(gv)
+        return gv
+
+
+def test_a_batch_norm_after_a_concat_of_convs_folds_into_each_conv():
+    second_scale = np.float32(3.0) / np.sqrt(np.float32(2.0) + np.float32(EPS))
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 1, 3, 3), "float32")) -> R.Tensor((1, 3, 2, 2), "float32"):
+            with R.dataflow():
+                first = R.nn.conv2d(x, R.const(W * SCALE.reshape(2, 1, 1, 1)))
+                first_shifted = R.add(first, R.const((BETA - MEAN * SCALE).reshape(1, 2, 1, 1)))
+                second = R.nn.conv2d(x, R.const(W2 * second_scale))
+                second_shifted = R.add(second, R.const(np.float32(0.25 - second_scale).reshape(1, 1, 1, 1)))
+                gv = R.concat((first_shifted, second_shifted), axis=1)
+                R.output(gv)
+            return gv
+
+    folded = relay_amp.transform.FoldBatchNorm()(MixedConvBatchNorm)
+    assert_transforms(lambda mod: folded, MixedConvBatchNorm, Expected)
+    x = np.random.default_rng(4).standard_normal((1, 1, 3, 3)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(folded, [x])[0], relay_amp.run(MixedConvBatchNorm, [x])[0], rtol=1e-5,
+                               atol=1e-5)
