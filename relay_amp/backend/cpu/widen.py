@@ -20,9 +20,12 @@ as bf16: relay_amp.backend.cpu.dispatch.)
 tensor and widens it as it loads: fusion would leave the widening cast a function of its own (nothing fuses
 after a kernel or into a norm), which stores an fp32 copy of the tensor for the norm to read back. A norm of a
 slice of a kernel's output (gMLP's gate normalizes half the channels) reads the slice's window of the whole
-output the same way, in either dtype, instead of a sliced copy.
+output the same way, in either dtype, instead of a sliced copy. A mean of a widened bf16 tensor (an SE block's
+squeeze) reads it the same way: FuseOps joins no cast to a mean, so the cast was stored as an fp32 copy, or, fused
+into the function producing its input, made that function store fp32 (EfficientNet-B0's depthwise convs).
 """
 
+import math
 from collections.abc import Callable
 
 import tvm
@@ -152,6 +155,7 @@ class WidenArithmetic:
 
 
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")
+MEAN = "relax.mean"
 
 
 def _norm_of_stored(op_name: str, attrs, window: "tuple[list, list] | None") -> Callable[..., te.Tensor]:
@@ -167,6 +171,14 @@ def _norm_of_stored(op_name: str, attrs, window: "tuple[list, list] | None") -> 
     return compute
 
 
+def _mean_of_stored(axes: "list[int] | None", keepdims: bool) -> Callable[[te.Tensor], te.Tensor]:
+    """A TE function: the mean over `axes` of its input widened to fp32 as it is read."""
+    def compute(stored: te.Tensor) -> te.Tensor:
+        count = math.prod(int(stored.shape[axis]) for axis in (axes if axes is not None else range(len(stored.shape))))
+        return topi.divide(topi.sum(topi.cast(stored, WIDE), axis=axes, keepdims=keepdims), float(count))
+    return compute
+
+
 @relax.expr_functor.mutator
 class _NarrowNormInputs(relax.PyExprMutator):
     """Replaces each norm of a widened bf16 tensor, or of a slice of a tensor, by one TE function that reads the
@@ -175,12 +187,24 @@ class _NarrowNormInputs(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
         name = call_op_name(new_call)
+        if name == MEAN:
+            return self._mean_read_narrow(new_call)
         source = self._stored_source(new_call.args[0]) if name in NORMS else None
         if source is None:
             return new_call
         compute = _norm_of_stored(name, new_call.attrs, source[1])
         return self.builder_.call_te(compute, source[0], *new_call.args[1:],
                                      primfunc_name_hint=name.rpartition(".")[2])
+
+    def _mean_read_narrow(self, call: relax.Call) -> relax.Expr:
+        """A mean of a widened bf16 tensor as one TE function that reads the bf16 tensor (the call itself for
+        any other mean)."""
+        cast = bound_call(self, call.args[0], "relax.astype")
+        if cast is None or tensor_dtype(cast.args[0]) != NARROW or tensor_dtype(call) != WIDE:
+            return call
+        axes = None if call.attrs.axis is None else [int(axis) for axis in call.attrs.axis]
+        return self.builder_.call_te(_mean_of_stored(axes, bool(call.attrs.keepdims)), cast.args[0],
+                                     primfunc_name_hint="mean")
 
     def _stored_source(self, data: relax.Expr) -> "tuple[relax.Expr, tuple[list, list] | None] | None":
         """The tensor the norm's input `data` reads and the window it slices of it, where fusion would compute
@@ -226,7 +250,8 @@ class NormsReadNarrow:
     """Layer and RMS norms of a kernel's bf16 output (or a parameter) cast to fp32 read the bf16 tensor and widen
     it as they load it: fusion puts a cast neither after a kernel nor into a norm, so the cast would be a function
     of its own that stores an fp32 copy. A cast that fuses into the op producing its input is left there. Norms of
-    a slice of such a tensor (cast or not) read the slice's window of it, for the same reason."""
+    a slice of such a tensor (cast or not) read the slice's window of it, for the same reason. Means of any
+    widened bf16 tensor read it in bf16 too."""
 
     def __init__(self, func: str = "main"):
         self.func = func

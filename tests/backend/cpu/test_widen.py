@@ -405,6 +405,39 @@ def test_a_cast_that_fuses_into_its_producer_stays_there():
     assert_transforms(NormsReadNarrow(), Module, Module)
 
 
+def test_a_mean_of_a_widened_bf16_tensor_reads_it_in_bf16():
+    """An SE block's squeeze: FuseOps joins no cast to a mean, so the cast would store an fp32 copy of the
+    activation (or make the function producing it store fp32)."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 6, 32), "bfloat16"), y: R.Tensor((1, 6, 6, 32), "float32")):
+            with R.dataflow():
+                wide = R.astype(x, "float32")
+                pooled = R.mean(wide, axis=[1, 2], keepdims=True)
+                kept = R.mean(y, axis=[1, 2], keepdims=True)  # an fp32 tensor's mean stays
+                out = (pooled, kept)
+                R.output(out)
+            return out
+
+    def mean(x):
+        return topi.divide(topi.sum(topi.cast(x, "float32"), axis=[1, 2], keepdims=True), 36.0)
+
+    x, y = Before["main"].params
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, y]):
+        with builder.dataflow():
+            pooled = builder.emit(builder.call_te(mean, x, primfunc_name_hint="mean"))
+            kept = builder.emit(relax.op.mean(y, axis=[1, 2], keepdims=True))
+            out = builder.emit_output(relax.Tuple([pooled, kept]))
+        builder.emit_func_output(out)
+    after = assert_transforms(NormsReadNarrow(), Before, builder.get())
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal((1, 6, 6, 32)).astype(ml_dtypes.bfloat16), rng.standard_normal((1, 6, 6, 32)).astype("float32")]
+    for got, expected in zip(run_executable(build(after, "cpu"), inputs), relay_amp.run(Before, inputs)):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_norms_read_narrow_names_a_missing_function():
     @I.ir_module
     class Module:
