@@ -1,5 +1,6 @@
-"""HoistOverMoves: narrowing casts and ops by a scalar constant move before the reshapes and transposes they follow,
-and narrowing casts of every output of a split before the split.
+"""HoistOverMoves: narrowing casts, ops by a scalar constant and activations move before the reshapes, transposes
+and slices they follow and into each part of a concat, and narrowing casts of every output of a split before the
+split.
 
 Attention splits a projection's output into heads (reshape, permute_dims), and only then does AMP's cast to
 bf16 come, with the query's or key's scale: the projection stores fp32, the transposes move fp32, and the cast
@@ -11,7 +12,11 @@ more), and only over a move that nothing else reads.
 A mixed conv (MixNet) splits its input into channel groups, each for a conv of its own, and AMP casts each group
 to bf16: a function of its own for each cast, after the split's. Where every output of a split is cast to one
 dtype, the split takes the cast source's cast instead: the cast joins the split's function (or the producer's
-epilogue), and the split moves half the bytes.
+epilogue), and the split moves half the bytes. Its groups' convs meet again in a concat, and AMP's cast and the
+activation come after it: the kernels stored fp32 and the concat moved it. Where nothing else reads the concat,
+each part gets the ops instead, so each kernel's epilogue (or its depthwise conv's function) takes them and the
+concat moves bf16. A kernel whose channels were padded to whole vectors is sliced back: an op moves before such
+a slice where nothing else reads the sliced tensor (the padding's few extra values are computed in the epilogue).
 """
 
 import tvm
@@ -24,6 +29,10 @@ from ..ops import call_op_name
 MOVES = ("relax.reshape", "relax.permute_dims")
 SPLIT = "relax.split"
 SCALAR_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
+CONCAT = "relax.concat"
+SLICE = "relax.strided_slice"
+ACTIVATIONS = frozenset(f"relax.{name}" for name in (
+    "nn.relu", "nn.silu", "nn.gelu", "nn.gelu_tanh", "sigmoid", "tanh", "clip"))  # one tensor operand, per value
 
 
 def _narrowing_cast(call: relax.Call) -> bool:
@@ -76,14 +85,15 @@ class _Hoister(relax.PyExprMutator):
 
     def _hoisted(self, call: relax.Call) -> "relax.Expr | None":
         """`call` applied before the moves that produce its operand, or None where nothing moves."""
-        index = _movable_operand(call)
+        index = 0 if call_op_name(call) in ACTIVATIONS else _movable_operand(call)
         if index is None:
             return None
+        if (concat := self._over_concat(call, index)) is not None:
+            return concat
         if call_op_name(call) == "relax.astype" and (split_item := self._over_split(call)) is not None:
             return split_item
         moves, source = [], call.args[index]
-        while isinstance(source, relax.Var) and self.uses.get(source, 0) == 1 and \
-                call_op_name(self.value_of.get(source)) in MOVES:
+        while isinstance(source, relax.Var) and self.uses.get(source, 0) == 1 and self._is_move(source):
             moves.append(self.value_of[source])
             source = moves[-1].args[0]
         if not moves:
@@ -94,6 +104,28 @@ class _Hoister(relax.PyExprMutator):
         for move in reversed(moves):
             result = relax.Call(move.op, [self.builder_.emit(result), *move.args[1:]], move.attrs)
         return result
+
+    def _is_move(self, var: relax.Var) -> bool:
+        """Whether `var` is bound to a move, or to a slice of a tensor nothing else reads (a kernel's output padded
+        to whole vectors of channels): an op before the slice computes the padding too, in the kernel's epilogue."""
+        value = self.value_of.get(var)
+        if call_op_name(value) == SLICE:
+            return self.uses.get(value.args[0], 0) == 1
+        return call_op_name(value) in MOVES
+
+    def _over_concat(self, call: relax.Call, index: int) -> "relax.Expr | None":
+        """The concat of `call` applied to each part of the concat its operand is, where nothing else reads the
+        concat (MixNet's mixed convs: each part's conv then takes the op into its own function); else None."""
+        operand = call.args[index]
+        concat = self.value_of.get(operand) if self.uses.get(operand, 0) == 1 else None
+        if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple):
+            return None
+        parts = []
+        for part in concat.args[0].fields:
+            args = list(call.args)
+            args[index] = self.visit_expr(part)
+            parts.append(self.builder_.emit(relax.Call(call.op, args, call.attrs)))
+        return relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs)
 
     def _over_split(self, cast: relax.Call) -> "relax.Expr | None":
         """The output of a split of the cast source that `cast` reads, where every output of the split is read only
@@ -125,7 +157,8 @@ def _narrowing_casts_reading(value_of: dict[relax.Var, relax.Expr]) -> dict[rela
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.HoistOverMoves")
 class HoistOverMoves:
-    """Move narrowing casts and ops by a scalar constant before the reshapes and transposes they follow."""
+    """Move narrowing casts, ops by a scalar constant and activations before the reshapes, transposes and slices
+    they follow and into the parts of a concat."""
 
     def __init__(self, func: str = "main"):
         self.func = func

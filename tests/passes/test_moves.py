@@ -133,3 +133,54 @@ def test_casts_of_every_output_of_a_split_become_one_cast_before_it():
 def test_splits_with_an_output_read_otherwise_stay(reason, second_use):
     Before = _groups(lambda a, b, second: (a, b, second_use(second)))
     assert_transforms(HoistOverMoves(), Before, Before)
+
+
+@I.ir_module
+class Joined:  # a mixed conv's groups meeting again: AMP's activation and cast come after the concat
+    @R.function
+    def main(a: R.Tensor((1, 4, 4, 8), "float32"), b: R.Tensor((1, 4, 4, 16), "float32")):
+        with R.dataflow():
+            sliced = R.strided_slice(b, axes=[3], begin=[0], end=[12])  # a kernel's output padded to 16 channels
+            joined = R.concat((a, sliced), axis=3)
+            act = R.nn.relu(joined)
+            gv = R.astype(act, "bfloat16")
+            R.output(gv)
+        return gv
+
+
+def test_an_activation_and_a_cast_after_a_concat_move_into_each_part_and_before_a_padding_slice():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((1, 4, 4, 8), "float32"), b: R.Tensor((1, 4, 4, 16), "float32")):
+            with R.dataflow():
+                act_a = R.nn.relu(a)
+                act_b = R.nn.relu(b)
+                narrow_a = R.astype(act_a, "bfloat16")
+                narrow_b = R.astype(act_b, "bfloat16")
+                sliced = R.strided_slice(narrow_b, axes=[3], begin=[0], end=[12])
+                gv = R.concat((narrow_a, sliced), axis=3)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Joined, Expected)
+    inputs = [np.random.default_rng(2).standard_normal(shape).astype("float32") for shape in [(1, 4, 4, 8), (1, 4, 4, 16)]]
+    before, after = relay_amp.run(Joined, inputs)[0], relay_amp.run(HoistOverMoves()(Joined), inputs)[0]
+    np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))  # exact: same ops per value
+
+
+def test_a_concat_or_a_sliced_tensor_something_else_reads_keeps_its_ops_after_it():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(a: R.Tensor((1, 4, 4, 8), "float32"), b: R.Tensor((1, 4, 4, 16), "float32")):
+            with R.dataflow():
+                sliced = R.strided_slice(b, axes=[3], begin=[0], end=[12])
+                narrow = R.astype(sliced, "bfloat16")  # b is read below too: casting all of it would cost more
+                joined = R.concat((a, a), axis=3)
+                act = R.nn.relu(joined)
+                gv = (narrow, act, joined, b)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
