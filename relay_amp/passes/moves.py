@@ -13,8 +13,8 @@ A mixed conv (MixNet) splits its input into channel groups, each for a conv of i
 to bf16: a function of its own for each cast, after the split's. Where every output of a split is cast to one
 dtype, the split takes the cast source's cast instead: the cast joins the split's function (or the producer's
 epilogue), and the split moves half the bytes. Its groups' convs meet again in a concat, and AMP's cast and the
-activation come after it: the kernels stored fp32 and the concat moved it. Where nothing else reads the concat,
-each part gets the ops instead, so each kernel's epilogue (or its depthwise conv's function) takes them and the
+activation come after it: the kernels stored fp32 and the concat moved it. Where nothing else reads the concat or
+its parts, each part gets the ops instead, so each kernel's epilogue (or its depthwise conv's function) takes them and the
 concat moves bf16. A kernel whose channels were padded to whole vectors is sliced back: an op moves before such
 a slice where nothing else reads the sliced tensor (the padding's few extra values are computed in the epilogue).
 """
@@ -115,11 +115,14 @@ class _Hoister(relax.PyExprMutator):
 
     def _over_concat(self, call: relax.Call, index: int) -> "relax.Expr | None":
         """The concat of `call` applied to each part of the concat its operand is, where nothing else reads the
-        concat (MixNet's mixed convs: each part's conv then takes the op into its own function); else None."""
+        concat or its parts (MixNet's mixed convs: each part's conv then takes the op into its own function); else
+        None."""
         operand = call.args[index]
         concat = self.value_of.get(operand) if self.uses.get(operand, 0) == 1 else None
         if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple):
             return None
+        if any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields):
+            return None  # a part other concats read too (DenseNet's features) would be cast once per reader
         parts = []
         for part in concat.args[0].fields:
             args = list(call.args)
