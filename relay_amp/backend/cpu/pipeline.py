@@ -21,6 +21,7 @@ from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
+from .multiplier import RepeatMultiplierInputs
 from .norms import GroupNormsOverChannels
 from .rows import PadSoftmaxRows
 from .schedules import default_schedule, default_schedules
@@ -40,7 +41,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions
     as convolutions of their output phases (relay_amp.passes.conv_transpose), convolutions to NHWC
     (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1; conv3d to NDHWC,
-    then a conv2d over its frames, relay_amp.backend.cpu.conv3d), taps that read
+    then a conv2d over its frames, relay_amp.backend.cpu.conv3d), convs with a channel multiplier as depthwise
+    convs of repeated channels (relay_amp.backend.cpu.multiplier), taps that read
     only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
     clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
     dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
@@ -60,6 +62,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         *layout_passes(conv_layout),
         Conv1dAsConv2d(),
         Conv3dAsConv2d(),
+        RepeatMultiplierInputs(),
         DropPaddingTaps(),
         GroupNormsOverChannels(),
         WidenArithmetic(),
