@@ -171,10 +171,9 @@ def _norm_of_stored(op_name: str, attrs, window: "tuple[list, list] | None") -> 
     return compute
 
 
-def _mean_of_stored(axes: "list[int] | None", keepdims: bool) -> Callable[[te.Tensor], te.Tensor]:
-    """A TE function: the mean over `axes` of its input widened to fp32 as it is read."""
+def _mean_of_stored(axes: list[int], keepdims: bool, count: int) -> Callable[[te.Tensor], te.Tensor]:
+    """A TE function: the mean over `axes` (`count` values) of its input widened to fp32 as it is read."""
     def compute(stored: te.Tensor) -> te.Tensor:
-        count = math.prod(int(stored.shape[axis]) for axis in (axes if axes is not None else range(len(stored.shape))))
         return topi.divide(topi.sum(topi.cast(stored, WIDE), axis=axes, keepdims=keepdims), float(count))
     return compute
 
@@ -202,9 +201,16 @@ class _NarrowNormInputs(relax.PyExprMutator):
         cast = bound_call(self, call.args[0], "relax.astype")
         if cast is None or tensor_dtype(cast.args[0]) != NARROW or tensor_dtype(call) != WIDE:
             return call
-        axes = None if call.attrs.axis is None else [int(axis) for axis in call.attrs.axis]
-        return self.builder_.call_te(_mean_of_stored(axes, bool(call.attrs.keepdims)), cast.args[0],
-                                     primfunc_name_hint="mean")
+        shape = tensor_shape(call.args[0])
+        if shape is None:
+            return call
+        given = range(len(shape)) if call.attrs.axis is None else call.attrs.axis
+        axes = [int(axis) % len(shape) for axis in given]
+        extents = [shape[axis] for axis in axes]
+        if not all(isinstance(extent, int) for extent in extents):
+            return call  # a mean over a symbolic axis keeps TVM's
+        return self.builder_.call_te(_mean_of_stored(axes, bool(call.attrs.keepdims), math.prod(extents)),
+                                     cast.args[0], primfunc_name_hint="mean")
 
     def _stored_source(self, data: relax.Expr) -> "tuple[relax.Expr, tuple[list, list] | None] | None":
         """The tensor the norm's input `data` reads and the window it slices of it, where fusion would compute

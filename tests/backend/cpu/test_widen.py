@@ -433,9 +433,23 @@ def test_a_mean_of_a_widened_bf16_tensor_reads_it_in_bf16():
         builder.emit_func_output(out)
     after = assert_transforms(NormsReadNarrow(), Before, builder.get())
     rng = np.random.default_rng(3)
-    inputs = [rng.standard_normal((1, 6, 6, 32)).astype(ml_dtypes.bfloat16), rng.standard_normal((1, 6, 6, 32)).astype("float32")]
+    inputs = [rng.standard_normal((1, 6, 6, 32)).astype(dtype) for dtype in (ml_dtypes.bfloat16, "float32")]
     for got, expected in zip(run_executable(build(after, "cpu"), inputs), relay_amp.run(Before, inputs)):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_mean_over_a_symbolic_axis_keeps_tvms():
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor(("n", 32), "bfloat16")) -> R.Tensor((1, 32), "float32"):
+            with R.dataflow():
+                wide = R.astype(x, "float32")
+                pooled = R.mean(wide, axis=[0], keepdims=True)  # mean pooling over a dynamic token axis
+                R.output(pooled)
+            return pooled
+
+    assert_transforms(NormsReadNarrow(), Module, Module)
 
 
 def test_norms_read_narrow_names_a_missing_function():
