@@ -254,11 +254,14 @@ def _batch_norms_through_concats(func: relax.Function, mod: tvm.IRModule, ctx) -
         concat, attrs = matches[joined], call.attrs
         parts = _tuple_fields(concat.args[0], values)
         shape = tensor_shape(concat)
-        if (attrs.training or parts is None or shape is None
-                or int(attrs.axis) % len(shape) != int(concat.attrs.axis) % len(shape) or not all(_is_conv_output(part, values) and reads.get(part, 0) == 1 for part in parts)):
+        if attrs.training or parts is None or shape is None:
+            return call
+        axis = int(attrs.axis) % len(shape)
+        if axis != int(concat.attrs.axis) % len(shape) or not all(
+                _is_conv_output(part, values) and reads.get(part, 0) == 1 for part in parts):
             return call
         stats = [matches[name].value.numpy() for name in (gamma, beta, mean, var)]
-        ends = np.cumsum([tensor_shape(part)[int(attrs.axis) % len(shape)] for part in parts])
+        ends = np.cumsum([tensor_shape(part)[axis] for part in parts])
         normed = [relax.TupleGetItem(relax.op.nn.batch_norm(part, *(relax.const(v[end - size:end]) for v in stats),
                                                             axis=int(attrs.axis), epsilon=float(attrs.epsilon),
                                                             center=bool(attrs.center), scale=bool(attrs.scale),

@@ -14,9 +14,10 @@ to bf16: a function of its own for each cast, after the split's. Where every out
 dtype, the split takes the cast source's cast instead: the cast joins the split's function (or the producer's
 epilogue), and the split moves half the bytes. Its groups' convs meet again in a concat, and AMP's cast and the
 activation come after it: the kernels stored fp32 and the concat moved it. Where nothing else reads the concat or
-its parts, each part gets the ops instead, so each kernel's epilogue (or its depthwise conv's function) takes them and the
-concat moves bf16. A kernel whose channels were padded to whole vectors is sliced back: an op moves before such
-a slice where nothing else reads the sliced tensor (the padding's few extra values are computed in the epilogue).
+its parts, each part gets the ops instead, so each kernel's epilogue (or its depthwise conv's function) takes
+them and the concat moves bf16. A kernel whose channels were padded to whole vectors is sliced back: an op moves
+before such a slice where nothing else reads the sliced tensor (the padding's few extra values are computed in
+the epilogue).
 """
 
 import tvm

@@ -164,14 +164,16 @@ def test_an_activation_and_a_cast_after_a_concat_move_into_each_part_and_before_
             return gv
 
     assert_transforms(HoistOverMoves(), Joined, Expected)
-    inputs = [np.random.default_rng(2).standard_normal(shape).astype("float32") for shape in [(1, 4, 4, 8), (1, 4, 4, 16)]]
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal(shape).astype("float32") for shape in [(1, 4, 4, 8), (1, 4, 4, 16)]]
     before, after = relay_amp.run(Joined, inputs)[0], relay_amp.run(HoistOverMoves()(Joined), inputs)[0]
     np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))  # exact: same ops per value
 
 
 @pytest.mark.parametrize("reason,outputs", [
     ("the concat is read elsewhere", lambda act, joined, first: (act, joined)),
-    ("a part is read elsewhere (DenseNet's features: one cast per concat reading it)", lambda act, joined, first: (act, first)),
+    ("a part is read elsewhere (DenseNet's features: one cast per concat reading it)",
+     lambda act, joined, first: (act, first)),
 ])
 def test_a_concat_read_elsewhere_or_with_a_part_read_elsewhere_keeps_its_ops_after_it(reason, outputs):
     @I.ir_module

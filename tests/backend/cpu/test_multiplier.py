@@ -42,7 +42,7 @@ def test_a_conv_with_two_outputs_per_input_channel_is_a_depthwise_conv_of_repeat
 
 def test_the_built_conv_computes_what_the_grouped_conv_computes():
     rng = np.random.default_rng(5)
-    inputs = [rng.standard_normal((1, 10, 10, 8)).astype("float32"), rng.standard_normal((3, 3, 1, 16)).astype("float32")]
+    inputs = [rng.standard_normal(shape).astype("float32") for shape in [(1, 10, 10, 8), (3, 3, 1, 16)]]
     got = run_executable(build(Multiplier, "cpu"), inputs)[0]
     np.testing.assert_allclose(got, relay_amp.run(Multiplier, inputs)[0], rtol=1e-5, atol=1e-5)
 
