@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 from tvm.relax import dpl
 
-from ..._ir import tensor_shape
+from ..._ir import tensor_shape, with_attr
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.RepeatMultiplierInputs")
@@ -30,9 +30,8 @@ class RepeatMultiplierInputs:
                 return call
             axis = str(call.attrs.data_layout).index("C")
             repeated = relax.op.repeat(matches[data], multiplier, axis=axis)
-            attrs = {name: call.attrs[name] for name in ("strides", "padding", "dilation", "data_layout",
-                                                          "kernel_layout", "out_layout", "out_dtype")}
-            return relax.op.nn.conv2d(repeated, matches[weight], groups=int(call.attrs.groups) * multiplier, **attrs)
+            return relax.Call(call.op, [repeated, matches[weight]],
+                              with_attr(call.attrs, groups=int(call.attrs.groups) * multiplier))
 
         return dpl.rewrite_call(dpl.is_op("relax.nn.conv2d")(data, weight), rewrite, func)
 
