@@ -49,7 +49,7 @@ def _scalar_constant(expr: relax.Expr) -> bool:
 def _movable_operand(call: relax.Call) -> "int | None":
     """The index of the tensor operand `call` could take before a move, None where it cannot move."""
     name = call_op_name(call)
-    if name == "relax.astype" and _narrowing_cast(call):
+    if (name == "relax.astype" and _narrowing_cast(call)) or name in ACTIVATIONS:
         return 0
     if name in SCALAR_OPS and len(call.args) == 2:
         first, second = (_scalar_constant(arg) for arg in call.args)
@@ -86,7 +86,7 @@ class _Hoister(relax.PyExprMutator):
 
     def _hoisted(self, call: relax.Call) -> "relax.Expr | None":
         """`call` applied before the moves that produce its operand, or None where nothing moves."""
-        index = 0 if call_op_name(call) in ACTIVATIONS else _movable_operand(call)
+        index = _movable_operand(call)
         if index is None:
             return None
         if (concat := self._over_concat(call, index)) is not None:
