@@ -14,9 +14,9 @@ codes are padded with z (the code of 0.0) by a pad op. wav2vec2's feature encode
 inputs): output cosine to fp32 0.9972 with symmetric codes, 0.9988 with zero points (ONNX Runtime's dynamic
 int8: 0.9986); EfficientNet-B0 int8q top-1 agreement 27 -> 28 of 32, largest error 0.095 -> 0.064.
 
-A grouped (depthwise) conv, which no dot-product kernel takes, multiplies its codes by its weight codes held in
-fp32 and accumulates in fp32: exact, as every partial sum is an integer below 2^24, and its input is read in
-one byte instead of the fallback's two. `quantize` makes one int8 only where its input is unsigned (after a ReLU
+A conv in groups of fewer than MIN_KERNEL_GROUP_WIDTH output channels (a depthwise conv), which no dot-product
+kernel takes, multiplies its codes by its weight codes held in fp32 and accumulates in fp32: exact, as every
+partial sum is an integer below 2^24, and its input is read in one byte instead of the fallback's two. `quantize` makes one int8 only where its input is unsigned (after a ReLU
 or ReLU6: MobileNetV2 int8q 1.87 -> 1.71 ms on Zen 4, top-1 agreement unchanged); after a SiLU the symmetric
 codes spend half their levels on a side it barely reaches (EfficientNet-B0 lost 4-5 of 32 top-1 agreements, and
 its expansion kernels' int8 stores cost more than the bf16 depthwise saved), so there it stays in the fallback.
@@ -49,6 +49,10 @@ from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan, zero_point_positi
 
 CONVOLUTIONS = ("relax.nn.conv2d", "relax.nn.conv1d")  # conv1d: audio front ends (the CPU backend runs it as conv2d)
 QUANTIZABLE_OPS = (*CONVOLUTIONS, "relax.matmul")
+# the narrowest groups (output channels) the int8 kernels take: four of them share a 16-lane block of outputs
+# (relay_amp.backend.cpu.kernels.grouped_weight). Wider groups (RegNet's 8, ResNeXt's 4 to 32) are quantized as
+# any conv: in the fp32 sums on TVM's schedule, RegNetY-400MF's grouped convs took 15.6 of its 19 ms.
+MIN_KERNEL_GROUP_WIDTH = 4
 WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
 # auto: uint8 where calibration saw no negative input, uint8 with a zero point where the negative side is short (after
 # GELU, SiLU, hardswish), else int8; symmetric: no zero points (uint8 or int8); int8: int8 everywhere
@@ -71,9 +75,13 @@ def unquantizable(call: relax.Call) -> str | None:
     return None
 
 
-def _grouped_conv(call: relax.Call) -> bool:
-    """Whether `call` is a grouped (depthwise) convolution: no dot-product kernel takes one."""
-    return call.op.name in CONVOLUTIONS and int(call.attrs.groups) != 1
+def _narrow_grouped_conv(call: relax.Call) -> bool:
+    """Whether `call` is a convolution in groups narrower than MIN_KERNEL_GROUP_WIDTH output channels (a depthwise
+    convolution): no dot-product kernel takes one."""
+    if call.op.name not in CONVOLUTIONS or int(call.attrs.groups) == 1:
+        return False
+    out_channels = tensor_shape(call.args[1])[str(call.attrs.kernel_layout).index("O")]
+    return out_channels // int(call.attrs.groups) < MIN_KERNEL_GROUP_WIDTH
 
 
 def _residual_add(call: relax.Call) -> bool:
@@ -181,8 +189,9 @@ class _Realizer(relax.PyExprMutator):
         return self.builder_.emit(relax.op.multiply(real, relax.const(step, "float32")))
 
     def _accumulated(self, call: relax.Call, activations: relax.Expr, codes: np.ndarray) -> relax.Expr:
-        """The layer over activation and weight codes, as fp32: int32 sums cast, or a grouped conv's fp32 sums."""
-        if _grouped_conv(call):
+        """The layer over activation and weight codes, as fp32: int32 sums cast, or a narrow grouped conv's fp32
+        sums."""
+        if _narrow_grouped_conv(call):
             attrs = with_attr(call.attrs, out_dtype="float32")
             return self.builder_.emit(relax.Call(call.op, [activations, relax.const(codes.astype("float32"))], attrs))
         attrs = with_attr(call.attrs, out_dtype="int32")
@@ -299,7 +308,7 @@ class Quantize:
             return entry(FALLBACK, 0.0, "excluded")
         if self.dynamic_matmuls and layer.op == "relax.matmul":
             return entry(DYNAMIC, 0.0, "dynamic: per-row scales at run time")
-        if _grouped_conv(call) and histogram.signed:
+        if _narrow_grouped_conv(call) and histogram.signed:
             return entry(FALLBACK, 0.0, "grouped convolution of a signed input (kept in the fallback, see realize)")
         dtype = "uint8" if self.activation_dtype != "int8" and not histogram.signed else "int8"
         limit = threshold(histogram, self.observer, CODE_LEVELS[dtype], self.percentile)
