@@ -16,10 +16,11 @@ int8: 0.9986); EfficientNet-B0 int8q top-1 agreement 27 -> 28 of 32, largest err
 
 A conv in groups of fewer than MIN_KERNEL_GROUP_WIDTH output channels (a depthwise conv), which no dot-product
 kernel takes, multiplies its codes by its weight codes held in fp32 and accumulates in fp32: exact, as every
-partial sum is an integer below 2^24, and its input is read in one byte instead of the fallback's two. `quantize` makes one int8 only where its input is unsigned (after a ReLU
-or ReLU6: MobileNetV2 int8q 1.87 -> 1.71 ms on Zen 4, top-1 agreement unchanged); after a SiLU the symmetric
-codes spend half their levels on a side it barely reaches (EfficientNet-B0 lost 4-5 of 32 top-1 agreements, and
-its expansion kernels' int8 stores cost more than the bf16 depthwise saved), so there it stays in the fallback.
+partial sum is an integer below 2^24, and its input is read in one byte instead of the fallback's two.
+`quantize` makes one int8 only where its input is unsigned (after a ReLU or ReLU6: MobileNetV2 int8q 1.87 -> 1.71
+ms on Zen 4, top-1 agreement unchanged); after a SiLU the symmetric codes spend half their levels on a side it
+barely reaches (EfficientNet-B0 lost 4-5 of 32 top-1 agreements, and its expansion kernels' int8 stores cost more
+than the bf16 depthwise saved), so there it stays in the fallback.
 
 With `quantized_residuals` (the default), an add of two tensors reads the value of an operand's uint8 codes where
 a layer quantizes that operand (after a ReLU: a ResNet block's input, added back at its end), as ONNX Runtime's
