@@ -4,8 +4,9 @@
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
 time, one per batch element. A grouped conv's weight is made block-diagonal over 16-lane output blocks
-(`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products. A dilated (atrous) conv's
-kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the kernels cannot
+(`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products; groups whose width is off
+the 16 lanes (24) get zero outputs up to whole blocks each, and the result's groups are compacted after. A
+dilated (atrous) conv's kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the kernels cannot
 take (other dtypes, NCHW data, depthwise convs, broadcast runtime matmuls) are left to the generic
 schedules. Conv inputs whose channels do not fill the
 instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero
@@ -248,6 +249,7 @@ class _Dispatcher(relax.PyExprMutator):
             return None
         layout, dot, groups = str(attrs.kernel_layout), kernels.intrinsic_for(dtype), 1
         channels = weight.shape[layout.index("O")]  # outputs padded up to the 16 lanes are sliced off after
+        group_width = channels // int(attrs.groups)
         if int(attrs.groups) == 1:
             extra = -weight.shape[layout.index("I")] % dot.group  # zero input channels up to the dot's group
             weight = np.pad(weight, [(0, {"I": extra, "O": -channels % kernels.LANES}.get(axis, 0)) for axis in layout])
@@ -280,7 +282,17 @@ class _Dispatcher(relax.PyExprMutator):
         result = self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
         if extra_width:
             result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[width]))
+        if int(attrs.groups) != 1 and kernels.padded_group_width(group_width) != group_width:
+            return self._groups_compacted(result, group_width)
         return self._first_channels(result, 3, channels, out_ch)
+
+    def _groups_compacted(self, result: relax.Expr, group_width: int) -> relax.Expr:
+        """A grouped conv's NHWC result without the zero output channels that padded each group to whole blocks."""
+        *outer, padded_channels = tensor_shape(result)
+        groups = padded_channels // kernels.padded_group_width(group_width)
+        blocked = self.builder_.emit(relax.op.reshape(result, (*outer, groups, padded_channels // groups)))
+        kept = self.builder_.emit(relax.op.strided_slice(blocked, axes=[4], begin=[0], end=[group_width]))
+        return relax.op.reshape(kept, (*outer, groups * group_width))
 
     def _unsliced(self, data: relax.Expr, extra: int) -> "relax.Expr | None":
         """`data` computed on the whole kernel result it was sliced from, where that result has exactly `extra`

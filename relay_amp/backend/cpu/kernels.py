@@ -228,13 +228,21 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, i
     """A grouped convolution's [O, I/groups, KH, KW] weight for the kernel, with its number of channel blocks
     (`ConvSpec.groups`): output channels in 16-lane blocks, each reducing over the input channels of the groups it
     covers, zero where they are not its own group's (block diagonal). A last block short of groups gets zero
-    output channels (sliced off) and reads zero input channels (padded). None where groups of fewer than 16 output
-    channels do not tile the 16 lanes, nor groups of more (Visformer's 24) whole blocks, or where the zeros would be
-    more than MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
+    output channels (sliced off) and reads zero input channels (padded). Groups whose width neither divides 16 nor
+    is a multiple of it (RegNetY-1.6GF's 24, Visformer's) get zero output channels up to whole blocks each
+    (`padded_group_width`; the result's groups are compacted after). None where the zeros would be more than
+    MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
     out_channels, group_depth = weight_oihw.shape[:2]
     group_width = out_channels // groups
+    padded = padded_group_width(group_width)
+    if padded != group_width:
+        if padded > MAX_GROUP_WASTE * group_width:
+            return None
+        dense = np.zeros((groups, padded, *weight_oihw.shape[1:]), weight_oihw.dtype)
+        dense[:, :group_width] = weight_oihw.reshape(groups, group_width, *weight_oihw.shape[1:])
+        return dense.reshape(groups * padded, *weight_oihw.shape[1:]), groups
     merged = 1 if group_width % LANES == 0 else LANES // group_width  # groups per 16-lane block
-    if not 0 < merged <= MAX_GROUP_WASTE or (merged > 1 and merged * group_width != LANES):
+    if merged > MAX_GROUP_WASTE:
         return None
     blocks = -(-groups // merged)
     dense = np.zeros((blocks * merged * group_width, merged * group_depth, *weight_oihw.shape[2:]), weight_oihw.dtype)
@@ -243,6 +251,12 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, i
         rows = np.flatnonzero(place == slot)
         dense[rows, slot * group_depth:(slot + 1) * group_depth] = weight_oihw[rows]
     return dense, blocks
+
+
+def padded_group_width(group_width: int) -> int:
+    """The output channels the kernel computes per group: the width itself where it divides 16 or is a multiple of
+    it, else the next multiple of 16."""
+    return group_width if LANES % group_width == 0 or group_width % LANES == 0 else -(-group_width // LANES) * LANES
 
 
 def weight_sums(weight_ohwi_packed: np.ndarray) -> np.ndarray:

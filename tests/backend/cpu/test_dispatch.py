@@ -491,10 +491,24 @@ def test_grouped_conv_becomes_a_kernel_over_a_block_diagonal_weight():
     assert tensor_shape(calls[-1]) == (1, 6, 6, 40)
 
 
+def test_groups_of_24_become_a_kernel_of_32_outputs_each_compacted_after():
+    """2 groups of 24 (RegNetY-1.6GF's width): each group's outputs padded to two 16-lane blocks, the kernel's 64
+    channels reshaped to the groups, 24 of each kept, and reshaped back to 48."""
+    weight = _bf16_weight((3, 3, 24, 48)).astype("float32")
+    after = dispatch.UseDotKernels({BF16})(_grouped_conv_module(weight, 2))
+    relax.analysis.well_formed(after)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [call_op_name(c) for c in calls] == ["relax.nn.pad", "relax.call_tir", "relax.reshape",
+                                                "relax.strided_slice", "relax.reshape"]
+    assert [tensor_shape(c) for c in calls[1:]] == [(1, 6, 6, 64), (1, 6, 6, 2, 32), (1, 6, 6, 2, 24), (1, 6, 6, 48)]
+    spec = kernels.fusable_spec(after["relay_amp_dot_kernel1"], kernels.FUSABLE_ATTR)
+    assert (spec.groups, spec.depth, spec.out_channels) == (2, 24, 64)
+
+
 @pytest.mark.parametrize("weight,groups", [
     (np.full((3, 3, 4, 40), 0.1, "float32"), 10),  # not a bf16 value: the fp32 weight is not read back narrow
     (np.ones((3, 3, 1, 40), "float32"), 40),  # depthwise: 15 zero products per useful one
-    (np.ones((3, 3, 24, 48), "float32"), 2),  # groups of 24 outputs: neither within one block nor whole blocks
+    (np.ones((3, 3, 1, 48), "float32"), 16),  # groups of 3 outputs: 13 zero products per 3 useful ones
 ])
 def test_grouped_convs_the_kernels_should_not_take_are_left_alone(weight, groups):
     def module():
@@ -503,7 +517,9 @@ def test_grouped_convs_the_kernels_should_not_take_are_left_alone(weight, groups
 
 
 @pytest.mark.parametrize("dtype,feature,groups,width", [(BF16, "avx512_bf16", 10, 4), ("float32", "avx512f", 4, 8),
-                                                        ("int8", "avx512_vnni", 2, 32), ("uint8", "avx512_vnni", 6, 8)])
+                                                        ("int8", "avx512_vnni", 2, 32), ("uint8", "avx512_vnni", 6, 8),
+                                                        (BF16, "avx512_bf16", 2, 24), ("int8", "avx512_vnni", 3, 12),
+                                                        ("float32", "avx512f", 2, 20)])
 def test_built_grouped_conv_matches_the_generic_build(dtype, feature, groups, width):
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")

@@ -98,7 +98,17 @@ def test_grouped_weights_are_block_diagonal_over_16_lane_blocks():
     assert not dense[40:].any()
     assert kernels.grouped_weight(np.ones((64, 2, 3, 3)), 2)[1] == 2  # groups of 32 outputs: no zeros
     assert kernels.grouped_weight(np.ones((64, 1, 3, 3)), 64) is None  # depthwise: 15 zeros per product
-    assert kernels.grouped_weight(np.ones((48, 1, 3, 3)), 8) is None  # groups of 6 do not tile 16 lanes
+    assert kernels.grouped_weight(np.ones((48, 1, 3, 3)), 16) is None  # groups of 3: 16 lanes, 13 zeros
+
+
+def test_groups_off_the_16_lanes_get_zero_outputs_up_to_whole_blocks_each():
+    weight = np.random.default_rng(1).standard_normal((48, 24, 3, 3)).astype("float32")  # 2 groups of 24
+    dense, blocks = kernels.grouped_weight(weight, 2)
+    assert blocks == 2 and dense.shape == (64, 24, 3, 3)
+    np.testing.assert_array_equal(dense[:24], weight[:24])
+    np.testing.assert_array_equal(dense[32:56], weight[24:])
+    assert not dense[24:32].any() and not dense[56:].any()
+    assert [kernels.padded_group_width(w) for w in (4, 8, 16, 32, 6, 12, 24, 56)] == [4, 8, 16, 32, 16, 16, 32, 64]
 
 
 def test_pixel_tiles_go_outermost_only_when_the_weight_fits_in_cache_and_is_no_larger_than_the_data():
