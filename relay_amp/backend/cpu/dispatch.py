@@ -6,8 +6,8 @@ once, here, into a new constant; a matmul's runtime second operand (attention) i
 time, one per batch element. A grouped conv's weight is made block-diagonal over 16-lane output blocks
 (`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products; groups whose width is off
 the 16 lanes (24) get zero outputs up to whole blocks each, and the result's groups are compacted after. A
-dilated (atrous) conv's kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the kernels cannot
-take (other dtypes, NCHW data, depthwise convs, broadcast runtime matmuls) are left to the generic
+dilated (atrous) conv's kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the
+kernels cannot take (other dtypes, NCHW data, depthwise convs, broadcast runtime matmuls) are left to the generic
 schedules. Conv inputs whose channels do not fill the
 instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero
 channels added to both operands; a weight whose output channels are off the 16-lane blocks (a 1000-class head)
@@ -283,14 +283,14 @@ class _Dispatcher(relax.PyExprMutator):
         if extra_width:
             result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[width]))
         if int(attrs.groups) != 1 and kernels.padded_group_width(group_width) != group_width:
-            return self._groups_compacted(result, group_width)
+            return self._groups_compacted(result, int(attrs.groups), group_width)
         return self._first_channels(result, 3, channels, out_ch)
 
-    def _groups_compacted(self, result: relax.Expr, group_width: int) -> relax.Expr:
+    def _groups_compacted(self, result: relax.Expr, groups: int, group_width: int) -> relax.Expr:
         """A grouped conv's NHWC result without the zero output channels that padded each group to whole blocks."""
-        *outer, padded_channels = tensor_shape(result)
-        groups = padded_channels // kernels.padded_group_width(group_width)
-        blocked = self.builder_.emit(relax.op.reshape(result, (*outer, groups, padded_channels // groups)))
+        *outer, _ = tensor_shape(result)
+        padded_width = kernels.padded_group_width(group_width)
+        blocked = self.builder_.emit(relax.op.reshape(result, (*outer, groups, padded_width)))
         kept = self.builder_.emit(relax.op.strided_slice(blocked, axes=[4], begin=[0], end=[group_width]))
         return relax.op.reshape(kept, (*outer, groups * group_width))
 

@@ -51,8 +51,9 @@ from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan, zero_point_positi
 CONVOLUTIONS = ("relax.nn.conv2d", "relax.nn.conv1d")  # conv1d: audio front ends (the CPU backend runs it as conv2d)
 QUANTIZABLE_OPS = (*CONVOLUTIONS, "relax.matmul")
 # the narrowest groups (output channels) the int8 kernels take: four of them share a 16-lane block of outputs; wider
-# ones fill blocks or are padded to them (relay_amp.backend.cpu.kernels.grouped_weight). Wider groups (RegNet's 8, ResNeXt's 4 to 32) are quantized as
-# any conv: in the fp32 sums on TVM's schedule, RegNetY-400MF's grouped convs took 15.6 of its 19 ms.
+# ones fill blocks or are padded to them (relay_amp.backend.cpu.kernels.grouped_weight). Those (RegNet's 8 or 24,
+# ResNeXt's 4 to 32) are quantized as any conv: in the fp32 sums on TVM's schedule, RegNetY-400MF's grouped convs
+# took 15.6 of its 19 ms.
 MIN_KERNEL_GROUP_WIDTH = 4
 WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
 # auto: uint8 where calibration saw no negative input, uint8 with a zero point where the negative side is short (after
