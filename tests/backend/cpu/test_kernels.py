@@ -13,6 +13,7 @@ import relay_amp
 from relay_amp import targets
 from relay_amp._ir import import_tensor_intrinsics
 from relay_amp.backend.cpu import formula, kernels
+from relay_amp.passes.quantize import realize
 
 from conv_cases import max_relative_error, random_operands, reference_conv
 
@@ -109,6 +110,13 @@ def test_groups_off_the_16_lanes_get_zero_outputs_up_to_whole_blocks_each():
     np.testing.assert_array_equal(dense[32:56], weight[24:])
     assert not dense[24:32].any() and not dense[56:].any()
     assert [kernels.padded_group_width(w) for w in (4, 8, 16, 32, 6, 12, 24, 56)] == [4, 8, 16, 32, 16, 16, 32, 64]
+
+
+def test_quantize_keeps_fp32_sums_exactly_for_the_group_widths_no_kernel_takes():
+    """realize.MIN_KERNEL_GROUP_WIDTH restates this module's rule (passes import no backend): they must agree."""
+    for width in range(1, 65):
+        taken = kernels.grouped_weight(np.ones((2 * width, 1, 3, 3)), 2) is not None
+        assert taken == (width >= realize.MIN_KERNEL_GROUP_WIDTH), width
 
 
 def test_pixel_tiles_go_outermost_only_when_the_weight_fits_in_cache_and_is_no_larger_than_the_data():
