@@ -19,7 +19,7 @@ from tvm.script.ir_builder import tirx as T
 from ...errors import DTypeError
 from ...targets import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA
 from . import kernels
-from .kernels import LANES, RESIDUAL, WIDE, ConvSpec, Epilogue
+from .kernels import LANES, ConvSpec, Epilogue
 from .schedules import largest_divisor
 
 TILE_BYTES = 64  # bytes in one row of a tile
@@ -230,9 +230,9 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue(), tile_rows_out: 
         raise DTypeError(f"the AMX kernel takes undilated, ungrouped bf16 -> fp32 or int8 -> int32 with at least "
                          f"{PANELS * LANES} output channels in {LANES}-blocks, input channels filling 4-byte groups "
                          f"(2 bf16, 4 int8) and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
-    if tile_rows_out and (padded_out_shape(spec) is None or any(step.kind == RESIDUAL for step in epilogue.steps)):
-        raise DTypeError(f"only a matmul down one-pixel-wide images without a residual stores its tiles' rows; got "
-                         f"{spec} with {epilogue}")
+    if tile_rows_out and (padded_out_shape(spec) is None or epilogue.reads_pixels):
+        raise DTypeError(f"only a matmul down one-pixel-wide images without per-pixel operands (a residual, row "
+                         f"scales) stores its tiles' rows; got {spec} with {epilogue}")
     out_shape = padded_out_shape(spec) if tile_rows_out else spec.out_shape
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue, out_shape))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
@@ -282,8 +282,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             weights = (spec.weight_batch,) if spec.weight_batch else ()
             packed = T.arg("packed", T.Buffer((*weights, out_shape[3] // LANES, *spec.kernel_size, channels // group,
                                                LANES, group), spec.data_dtype if group == 2 else "int8"))
-            operands = [T.arg(f"operand{i}", T.Buffer(out_shape if step.kind == RESIDUAL else (out_shape[3],),
-                                                      epilogue.residual_dtype if step.kind == RESIDUAL else WIDE))
+            operands = [T.arg(f"operand{i}", T.Buffer(*epilogue.operand_buffer(step, out_shape)))
                         for i, step in enumerate(epilogue.operand_steps)]
             out = T.arg("out", T.Buffer(out_shape, epilogue.out_dtype or product.acc_dtype))
             with T.parallel(0, panels * chunks) as item:
@@ -366,5 +365,5 @@ def _store_lanes(epilogue: Epilogue, acc, first: tuple, operands: list, out, ind
     with T.vectorized(0, lanes) as lane:
         at = (image, y, x, channel + lane)
         value = epilogue.apply(acc[tile, row, first_lane + lane], str(out.dtype),
-                               lambda i, step: operands[i][at if step.kind == RESIDUAL else at[-1]])
+                               lambda i, step: operands[i][epilogue.operand_index(step, at)])
         T.buffer_store(out, value, at)

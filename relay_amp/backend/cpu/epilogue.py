@@ -5,9 +5,11 @@ add, ReLU and cast back to bf16 ran as a separate function that read the whole f
 the 56x56x256 fp32 outputs took more time to write and read back than their products took to compute.
 `FuseKernelEpilogues` follows each kernel's result through the ops that read it alone, as long as they are
 per-channel constant adds and multiplies, one add of a tensor of the output's shape (read as 8-bit codes
-where it is codes widened and times a scalar step: a quantized residual), ReLU or clip, casts to float
+where it is codes widened and times a scalar step: a quantized residual), multiplies by an fp32 tensor of one
+value per output row (a dynamic int8 matmul's row scales, computed at run time), ReLU or clip, casts to float
 dtypes, a last cast to int8/uint8 (a quantized model's requantize: scale, floor(x + 0.5), clamp, cast) and
-reshapes that keep the channel axis, and rebuilds the kernel with them as its epilogue
+reshapes that keep the channel axis (an int8 matmul's int32 sums reshaped back from the kernel's NHWC too), and
+rebuilds the kernel with them as its epilogue
 (`kernels.Epilogue`): each accumulator is finished in registers and stored once, in its final dtype. Ops the
 graph has in bf16 after a cast are computed on the fp32 value, and rounded once, at the store. Runs of scales,
 biases and clamps are folded before (`relay_amp.backend.cpu.affine`), so a requantize after a ReLU6 is one
@@ -178,12 +180,13 @@ class _ChainFinder:
             return _ALIAS
         if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
             return None
+        if value.op.name == "relax.reshape":  # moves nothing, whatever the dtype: int32 sums reshaped back too
+            return self._reshape(value, current, chain)
         if tensor_dtype(value) not in MODEL_FLOAT_DTYPES and not self._quantizes(value, current):
             return None
         handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
                    "relax.clip": self._clip, "relax.maximum": self._bound, "relax.minimum": self._bound,
-                   "relax.astype": self._astype, "relax.reshape": self._reshape,
-                   "relax.nn.pad": self._tile_rows}.get(value.op.name)
+                   "relax.astype": self._astype, "relax.nn.pad": self._tile_rows}.get(value.op.name)
         return None if handler is None else handler(value, current, chain)
 
     @staticmethod
@@ -249,10 +252,21 @@ class _ChainFinder:
 
     def _multiply(self, value: relax.Call, current: relax.Var, chain: _Chain):
         other = self._other_operand(value, current)
-        constant = None if other is None else _channel_constant(other, chain.spec.out_channels)
-        if constant is None or tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
+        if other is None or tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
             return None
-        return self._record(chain, kernels.Step(kernels.SCALE), relax.const(constant))
+        constant = _channel_constant(other, chain.spec.out_channels)
+        if constant is not None:
+            return self._record(chain, kernels.Step(kernels.SCALE), relax.const(constant))
+        if self._row_operand(other, current):
+            return self._record(chain, kernels.Step(kernels.ROW_SCALE), other)
+        return None
+
+    def _row_operand(self, other: relax.Expr, current: relax.Var) -> bool:
+        """Whether `other` is an fp32 tensor of one value per row of `current` (its shape with the channel axis 1):
+        a dynamic matmul's row scales, computed at run time."""
+        shape = tensor_shape(current)
+        return (isinstance(other, relax.Var) and other not in self.absorbed and tensor_dtype(other) == kernels.WIDE
+                and shape is not None and tensor_shape(other) == (*shape[:-1], 1))
 
     def _relu(self, value: relax.Call, current: relax.Var, chain: _Chain):
         if tensor_dtype(current) not in MODEL_FLOAT_DTYPES:
@@ -290,7 +304,7 @@ class _ChainFinder:
         """An AMX matmul's output padded with rows after it for one AMX matmul (dispatch pads a matmul's input to
         whole tiles): the first stores the rows its tiles compute instead. Row i of a matmul reads only input row
         i, so the second's products over those rows, whatever they hold, are not stored."""
-        if chain.make is not amx.conv2d_nhwc or chain.residual_dtype:
+        if chain.make is not amx.conv2d_nhwc or any(step.kind in kernels.PER_PIXEL for step in chain.steps):
             return None
         padded, widths = amx.padded_out_shape(chain.spec), [int(width) for width in value.attrs.pad_width]
         if (padded is None or tensor_shape(value) != padded or widths[:3] + widths[4:] != [0] * 7
@@ -347,17 +361,17 @@ class _Fuser(relax.PyExprMutator):
     def _fused_call(self, chain: _Chain) -> relax.Expr:
         spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
         epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
-        operands = [self._as_output_shape(self.visit_expr(operand), spec) for operand in chain.operands]
+        operands = [self._as_operand_shape(self.visit_expr(operand), epilogue.operand_buffer(step, spec.out_shape)[0])
+                    for step, operand in zip(epilogue.operand_steps, chain.operands)]
         kernel = chain.make(spec, epilogue, tile_rows_out=True) if chain.tile_rows_out else chain.make(spec, epilogue)
         gvar = self.builder_.add_func(kernel, "relay_amp_dot_kernel")
         inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]
         return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(chain.out_shape, out_dtype))
 
-    def _as_output_shape(self, operand: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
-        shape = tensor_shape(operand)
-        if isinstance(operand, tvm.ir.expr.Constant) or shape == spec.out_shape:
+    def _as_operand_shape(self, operand: relax.Expr, shape: tuple) -> relax.Expr:
+        if isinstance(operand, tvm.ir.expr.Constant) or tensor_shape(operand) == shape:
             return operand
-        return self.builder_.emit(relax.op.reshape(operand, spec.out_shape))
+        return self.builder_.emit(relax.op.reshape(operand, shape))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FuseKernelEpilogues")

@@ -50,7 +50,9 @@ _RULE_ATTRS = {"schedule_rule": RULE}
 FUSABLE_ATTR = "relay_amp.dot_spec"  # on a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
 WIDE = "float32"  # the dtype epilogues compute in
 BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  # epilogue step kinds
-TAKES_OPERAND = (BIAS, SCALE, RESIDUAL)
+ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
+TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
+PER_PIXEL = (RESIDUAL, ROW_SCALE)  # steps whose operand has a value for each output pixel, not one per channel
 LATER_FIELDS = {"dilation": (1, 1)}  # ConvSpec fields spec_json leaves out at these values
 
 
@@ -112,8 +114,9 @@ INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA i
 @dataclass(frozen=True)
 class Step:
     """One op of a kernel's epilogue: BIAS adds a per-channel fp32 operand, SCALE multiplies by one, RESIDUAL adds
-    an operand of the output's shape, CLIP clamps to [low, high], MAP applies `formula` (relay_amp.backend.cpu
-    .formula: an activation such as GELU or SiLU)."""
+    an operand of the output's shape, ROW_SCALE multiplies by an fp32 operand of one value per output pixel, CLIP
+    clamps to [low, high], MAP applies `formula` (relay_amp.backend.cpu.formula: an activation such as GELU or
+    SiLU)."""
     kind: str
     low: float = -math.inf
     high: float = math.inf
@@ -124,7 +127,8 @@ class Step:
 @dataclass(frozen=True)
 class Epilogue:
     """What a kernel does to each accumulator before it stores it: `steps` in order, in fp32, then a cast to
-    `out_dtype` ("": the accumulator's dtype). BIAS, SCALE and RESIDUAL steps take an operand each, in order."""
+    `out_dtype` ("": the accumulator's dtype). BIAS, SCALE, RESIDUAL and ROW_SCALE steps take an operand each, in
+    order."""
     steps: tuple[Step, ...] = ()
     residual_dtype: str = ""  # the RESIDUAL operand's dtype, read and widened to fp32
     out_dtype: str = ""
@@ -133,6 +137,28 @@ class Epilogue:
     def operand_steps(self) -> list["Step"]:
         """The steps that take an operand, in the order of the kernel's operand parameters."""
         return [step for step in self.steps if step.kind in TAKES_OPERAND]
+
+    @property
+    def reads_pixels(self) -> bool:
+        """Whether a step reads an operand with a value for each output pixel (which a padded output overruns)."""
+        return any(step.kind in PER_PIXEL for step in self.steps)
+
+    def operand_buffer(self, step: Step, out_shape: tuple) -> tuple[tuple, str]:
+        """(shape, dtype) of `step`'s operand for a kernel storing `out_shape`."""
+        if step.kind == RESIDUAL:
+            return tuple(out_shape), self.residual_dtype
+        if step.kind == ROW_SCALE:
+            return (*out_shape[:-1], 1), WIDE
+        return (out_shape[-1],), WIDE
+
+    @staticmethod
+    def operand_index(step: Step, at: tuple) -> tuple:
+        """Where `step`'s operand holds the value for output element `at`."""
+        if step.kind == RESIDUAL:
+            return tuple(at)
+        if step.kind == ROW_SCALE:
+            return (*at[:-1], 0)
+        return (at[-1],)
 
     def apply(self, value: tvm.ir.Expr, out_dtype: str, operand_at) -> tvm.ir.Expr:
         """The value stored for accumulator `value`; `operand_at(i, step)` loads operand i for this output element
@@ -152,7 +178,7 @@ class Epilogue:
             if step.scale != 1.0:
                 operand = operand * tvm.tirx.FloatImm(WIDE, step.scale)
             taken += 1
-            value = value * operand if step.kind == SCALE else value + operand
+            value = value * operand if step.kind in (SCALE, ROW_SCALE) else value + operand
         return tvm.tirx.Cast(out_dtype, value)
 
 
@@ -348,14 +374,13 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
         axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: spec_json(spec)})
     sums = [te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
                            "int32", "sums")] if spec.shifted else []
-    operands = [te.placeholder(spec.out_shape if step.kind == RESIDUAL else (spec.out_channels,),
-                               epilogue.residual_dtype if step.kind == RESIDUAL else WIDE, f"operand{i}")
+    operands = [te.placeholder(*epilogue.operand_buffer(step, spec.out_shape), f"operand{i}")
                 for i, step in enumerate(epilogue.operand_steps)]
 
     def output(*i):
         value = acc(*i) - sums[0](*((i[0], i[-1]) if spec.weight_batch else i[-1:])) if sums else acc(*i)
         return epilogue.apply(value, epilogue.out_dtype or spec.out_dtype,
-                              lambda k, step: operands[k](*i) if step.kind == RESIDUAL else operands[k](i[-1]))
+                              lambda k, step: operands[k](*epilogue.operand_index(step, i)))
 
     return [data, packed, *sums, *operands, te.compute(spec.out_shape, output, name="out", attrs=_RULE_ATTRS)]
 

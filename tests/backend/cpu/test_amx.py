@@ -152,6 +152,6 @@ def test_only_a_matmul_down_one_pixel_wide_images_stores_its_tiles_rows():
     assert [int(d) for d in amx.conv2d_nhwc(down, tile_rows_out=True).params[-1].ty.shape] == [1, 208, 1, 32]
     assert amx.padded_out_shape(CASES["bf16_conv_stride2_batch2"]) is None  # a 3x3 conv reads its neighbours' rows
     assert amx.padded_out_shape(kernels.ConvSpec((1, 208, 1, 64), (1, 1), 32)) is None  # whole tiles: no extra rows
-    residual = kernels.Epilogue((kernels.Step(kernels.RESIDUAL),), F32, F32)
-    with pytest.raises(relay_amp.DTypeError, match="without a residual"):
-        amx.conv2d_nhwc(down, residual, tile_rows_out=True)
+    for kind in kernels.PER_PIXEL:  # a residual, row scales: operands of the unpadded rows
+        with pytest.raises(relay_amp.DTypeError, match="without per-pixel operands"):
+            amx.conv2d_nhwc(down, kernels.Epilogue((kernels.Step(kind),), F32, F32), tile_rows_out=True)

@@ -17,7 +17,7 @@ from relay_amp.compile.build import build
 from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
 
-from builders import tensor
+from builders import single_output_module, tensor
 from conv_cases import reference_conv
 from pass_checks import assert_transforms
 
@@ -506,3 +506,57 @@ def test_a_codes_residual_matches_the_unfused_ops():
     got = run_executable(build(before, "cpu-avx512-bf16"), [x, codes])[0]
     expected = relay_amp.run(before, [x, codes])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
+
+
+def _dynamic_matmul(rows: int = 32) -> tvm.IRModule:
+    """main(x, s): int8 row codes `x` by an int8 weight, dequantized as quantize's dynamic matmuls are (int32 sums
+    as fp32, times the weight's per-channel scales, times the runtime row scales `s`), plus a bias."""
+    x, s = tensor("x", (1, rows, 64), "int8"), tensor("s", (1, rows, 1), F32)
+    weight = RNG.integers(-127, 128, (64, 64)).astype("int8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, s]):
+        with bb.dataflow():
+            sums = bb.emit(relax.op.matmul(x, relax.const(weight), out_dtype="int32"))
+            scaled = bb.emit(relax.op.multiply(bb.emit(relax.op.astype(sums, F32)), relax.const(SCALE / 4096)))
+            rows_scaled = bb.emit(relax.op.multiply(scaled, s))
+            out = bb.emit_output(relax.op.add(rows_scaled, relax.const(BIAS)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_dynamic_matmuls_row_scales_join_its_epilogue_through_the_int32_reshape():
+    """The kernel's int32 sums reshaped back to the matmul's shape, their cast, both scales and the bias become its
+    epilogue; the row scales are read reshaped to one value per output pixel."""
+    dispatched = dispatch.UseDotKernels({"int8"})(_dynamic_matmul())
+    (kernel,) = [gv for gv in dispatched.get_global_vars() if gv.name_hint.startswith("relay_amp_dot_kernel")]
+    spec = kernels.fusable_spec(dispatched[kernel], kernels.FUSABLE_ATTR)
+    after = FuseKernelEpilogues()(dispatched)
+    relax.analysis.well_formed(after)
+    bindings = after["main"].body.blocks[0].bindings
+    assert [call_op_name(b.value) for b in bindings][-3:] == ["relax.reshape", "relax.call_tir", "relax.reshape"]
+    call = bindings[-2].value
+    assert [int(d) for d in call.args[1].fields[-2].ty.shape] == [1, 1, 32, 1]  # s, one value per output pixel
+    steps = (kernels.Step(kernels.SCALE), kernels.Step(kernels.ROW_SCALE), kernels.Step(kernels.BIAS))
+    tvm.ir.assert_structural_equal(after[call.args[0]],
+                                   kernels.conv2d_nhwc_compute(spec, kernels.Epilogue(steps, "", F32)))
+
+
+def test_a_multiply_by_a_tensor_of_other_rows_stays_out_of_the_epilogue():
+    """A (1, 1, 1) tensor is one value for every row, not a row scale: the multiply is left to a function."""
+    x, s = tensor("x", (1, 32, 64), "int8"), tensor("s", (1, 1, 1), F32)
+    weight = RNG.integers(-127, 128, (64, 64)).astype("int8")
+    before = single_output_module(lambda x, s: relax.op.multiply(relax.op.astype(
+        relax.op.matmul(x, relax.const(weight), out_dtype="int32"), F32), s), x, s)
+    after = FuseKernelEpilogues()(dispatch.UseDotKernels({"int8"})(relax.transform.Normalize()(before)))
+    assert "relax.multiply" in [call_op_name(b.value) for b in after["main"].body.blocks[0].bindings]
+
+
+def test_a_built_dynamic_matmul_matches_the_unfused_ops():
+    if not targets.host_supports("avx512_vnni"):
+        pytest.skip("host CPU has no avx512_vnni")
+    mod = _dynamic_matmul()
+    x = RNG.integers(-127, 128, (1, 32, 64)).astype("int8")
+    s = RNG.uniform(0.01, 0.1, (1, 32, 1)).astype(F32)
+    got = run_executable(build(mod, "cpu-avx512-bf16"), [x, s])[0]
+    expected = relay_amp.run(mod, [x, s])[0]  # the generic build, unfused
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())  # exact sums, fp32 ops

@@ -218,3 +218,14 @@ def test_an_epilogue_stored_in_bf16_computes_its_exps_to_bf16s_accuracy():
         tvm.ir.assert_structural_equal(epilogue.apply(accumulator, out_dtype, None),
                                        tvm.tirx.Cast(out_dtype, expected))
     assert formula.narrowed(silu) != silu
+
+
+@pytest.mark.parametrize("kind,shape,index", [
+    (kernels.BIAS, (64,), (5,)), (kernels.SCALE, (64,), (5,)),
+    (kernels.RESIDUAL, (1, 8, 4, 64), (0, 2, 3, 5)), (kernels.ROW_SCALE, (1, 8, 4, 1), (0, 2, 3, 0))])
+def test_each_operand_step_reads_its_buffer_where_the_output_element_is(kind, shape, index):
+    epilogue = kernels.Epilogue((kernels.Step(kernels.CLIP, low=0.0), kernels.Step(kind)), "bfloat16", "float32")
+    dtype = "bfloat16" if kind == kernels.RESIDUAL else "float32"
+    assert epilogue.operand_buffer(kernels.Step(kind), (1, 8, 4, 64)) == (shape, dtype)
+    assert epilogue.operand_index(kernels.Step(kind), (0, 2, 3, 5)) == index
+    assert epilogue.reads_pixels == (kind in (kernels.RESIDUAL, kernels.ROW_SCALE))
