@@ -167,6 +167,50 @@ def test_onnxruntime_qdq_model_runs_int8_with_its_accuracy(onnxruntime_qdq_digit
     assert np.abs(ours - fp32).max() <= np.abs(theirs - fp32).max()
 
 
+def _pytorch_quantized_cnn(path):
+    """A small residual CNN quantized by PyTorch (FX graph mode post-training quantization, its x86 qconfig:
+    per-channel int8 weights, uint8 activations) on random batches and exported by the TorchScript ONNX exporter,
+    which writes QuantizeLinear/DequantizeLinear pairs; the quantized module and an input."""
+    torch = pytest.importorskip("torch")
+    quantize_fx = pytest.importorskip("torch.ao.quantization.quantize_fx")
+    from torch.ao.quantization import get_default_qconfig_mapping
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
+                                            torch.nn.ReLU())
+            self.body = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(),
+                                            torch.nn.Conv2d(16, 16, 3, padding=1))
+            self.head = torch.nn.Linear(16, 10)
+
+        def forward(self, x):
+            x = self.stem(x)
+            x = torch.relu(x + self.body(x))
+            return self.head(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    torch.manual_seed(0)
+    batches = [torch.randn(1, 3, 16, 16) for _ in range(5)]
+    model = quantize_fx.prepare_fx(Residual().eval(), get_default_qconfig_mapping("x86"), (batches[0],))
+    with torch.no_grad():
+        for batch in batches[1:]:
+            model(batch)
+        model = quantize_fx.convert_fx(model)
+        torch.onnx.export(model, (batches[0],), str(path), opset_version=17, dynamo=False)
+    return model, batches[0]
+
+
+def test_a_model_quantized_and_exported_by_pytorch_runs_its_layers_in_int8(tmp_path):
+    model, x = _pytorch_quantized_cnn(tmp_path / "quantized.onnx")
+    realized = relay_amp.realize_qdq(relay_amp.frontend.from_onnx(tmp_path / "quantized.onnx"))
+    dtypes = [e.dtype for e in relay_amp.quant_plan(realized).entries]
+    assert dtypes == ["uint8"] * 4  # three convs and the head read the codes of PyTorch's activation ranges
+    got = relay_amp.run(realized, [x.numpy()])[0]
+    expected = model(x).detach().numpy()
+    # fp32 requantization, logits not rounded to an output pair, against PyTorch's integer one (0.7% measured)
+    assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ModuleError, match="not a QDQ model"):
         relay_amp.realize_qdq(float_linear())
