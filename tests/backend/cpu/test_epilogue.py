@@ -560,3 +560,13 @@ def test_a_built_dynamic_matmul_matches_the_unfused_ops():
     got = run_executable(build(mod, "cpu-avx512-bf16"), [x, s])[0]
     expected = relay_amp.run(mod, [x, s])[0]  # the generic build, unfused
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())  # exact sums, fp32 ops
+
+
+def test_an_amx_dynamic_matmul_reads_its_row_scales_in_the_tiles_write_back():
+    after = FuseKernelEpilogues()(dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(_dynamic_matmul()))
+    relax.analysis.well_formed(after)
+    call = after["main"].body.blocks[0].bindings[-2].value
+    assert [int(d) for d in call.args[1].fields[-2].ty.shape] == [1, 1, 32, 1]
+    kernel = after[call.args[0]]
+    assert amx.PRODUCTS["int8"].symbol in kernel.script()
+    tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=targets.get_target("cpu-amx"))
