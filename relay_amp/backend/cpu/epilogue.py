@@ -304,7 +304,7 @@ class _ChainFinder:
         """An AMX matmul's output padded with rows after it for one AMX matmul (dispatch pads a matmul's input to
         whole tiles): the first stores the rows its tiles compute instead. Row i of a matmul reads only input row
         i, so the second's products over those rows, whatever they hold, are not stored."""
-        if chain.make is not amx.conv2d_nhwc or any(step.kind in kernels.PER_PIXEL for step in chain.steps):
+        if chain.make is not amx.conv2d_nhwc or kernels.Epilogue(tuple(chain.steps)).reads_pixels:
             return None
         padded, widths = amx.padded_out_shape(chain.spec), [int(width) for width in value.attrs.pad_width]
         if (padded is None or tensor_shape(value) != padded or widths[:3] + widths[4:] != [0] * 7
