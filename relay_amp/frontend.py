@@ -10,6 +10,7 @@ import tvm
 
 from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
+from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
@@ -185,6 +186,7 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:
     """An imported module in the form relay_amp's passes match: einsums of two tensors as matmuls, values computed
     from constants folded (batch norms into weights), parallel conv branches merged, the exporters' group norm
-    spellings as relax.nn.group_norm, clamps as maximum and minimum, ONNX pads as relax.nn.pad."""
+    spellings as relax.nn.group_norm and their layer norms before opset 17 as relax.nn.layer_norm, clamps as maximum
+    and minimum, ONNX pads as relax.nn.pad."""
     merged = merge_parallel_convs(fold_weights(einsums_as_matmuls(imported)))
-    return pads_as_ops(clamps_as_max_min(group_norms_as_ops(merged)))
+    return pads_as_ops(clamps_as_max_min(layer_norms_as_ops(group_norms_as_ops(merged))))

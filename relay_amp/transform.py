@@ -12,6 +12,7 @@ from .passes.casts import EliminateRedundantCasts
 from .passes.conv_transpose import TransposedConvsAsConvs
 from .passes.einsum import EinsumsAsMatmuls
 from .passes.group_norm import GroupNormsAsOps
+from .passes.layer_norm import LayerNormsAsOps
 from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
 from .passes.padding_taps import DropPaddingTaps
@@ -24,5 +25,6 @@ from .passes.weight_only import QuantizeWeights
 
 __all__ = ["ConvertLayout", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts", "FastMath",
            "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps",
-           "HoistOverMoves", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "Specialize",
-           "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic"]
+           "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ",
+           "Recast", "Specialize", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels",
+           "UsePackedInt4Kernels", "WidenArithmetic"]
