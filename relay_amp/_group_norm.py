@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 from tvm.relax import dpl
 
-from ._ir import tensor_dtype, tensor_shape
+from ._ir import reduces_exactly, tensor_dtype, tensor_shape
 
 
 def group_norms_as_ops(mod: tvm.IRModule) -> tvm.IRModule:
@@ -64,7 +64,7 @@ def _instance_norms_in_function(func: relax.Function, mod: tvm.IRModule, ctx) ->
         shape, eps = tensor_shape(matches[data]), matches[epsilon].value.numpy()
         spatial = list(range(2, len(shape or ())))
         if (len(spatial) < 2 or tensor_dtype(matches[data]) != "float32" or eps.size != 1
-                or not all(_reduces(matches[stat], spatial) for stat in (mean, variance))):
+                or not all(reduces_exactly(matches[stat], spatial) for stat in (mean, variance))):
             return call
         per_channel = [_per_channel(matches, name, shape[1], default) for name, default in ((scale, 1.0), (shift, 0.0))]
         if any(values is None for values in per_channel):
@@ -74,13 +74,6 @@ def _instance_norms_in_function(func: relax.Function, mod: tvm.IRModule, ctx) ->
                                       epsilon=float(eps.item()))
 
     return dpl.rewrite_call(affine | normalized, rewrite, func)
-
-
-def _reduces(reduction: relax.Call, axes: list[int]) -> bool:
-    """Whether `reduction` reduces exactly over `axes` (of its input's rank) and keeps them."""
-    rank = len(tensor_shape(reduction.args[0]))
-    reduced = sorted(int(axis) % rank for axis in reduction.attrs.axis or ())
-    return bool(reduction.attrs.keepdims) and reduced == axes
 
 
 def _per_channel(matches: dict, pattern: dpl.DFPattern, channels: int, default: float) -> np.ndarray | None:

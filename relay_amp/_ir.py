@@ -469,6 +469,14 @@ def _scalar_clamp(func) -> "Callable | None":
     return CLAMP_OPS[type(node.value)]
 
 
+def reduces_exactly(reduction: relax.Call, axes: list[int]) -> bool:
+    """Whether the mean, sum or other reduction `reduction` reduces exactly over `axes` (ascending, counted from 0
+    for its input's rank; negative attribute axes count from the end) and keeps them."""
+    rank = len(tensor_shape(reduction.args[0]))
+    reduced = sorted(int(axis) % rank for axis in reduction.attrs.axis or ())
+    return bool(reduction.attrs.keepdims) and reduced == axes
+
+
 def checked_dims(dims: Mapping[str, int], known: list[str]) -> dict[str, int]:
     """`dims` as {name: size}, after checking that each name is one of the `known` symbolic input dims and each
     size a positive int (else OptionError naming it)."""

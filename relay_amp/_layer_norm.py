@@ -5,7 +5,7 @@ import tvm
 from tvm import relax
 from tvm.relax import dpl
 
-from ._ir import tensor_dtype, tensor_shape
+from ._ir import reduces_exactly, tensor_dtype, tensor_shape
 
 
 def layer_norms_as_ops(mod: tvm.IRModule) -> tvm.IRModule:
@@ -31,7 +31,7 @@ def _layer_norms_in_function(func: relax.Function, mod: tvm.IRModule, ctx) -> re
     def rewrite(call: relax.Call, matches: dict) -> relax.Expr:
         shape = tensor_shape(matches[data])
         if (not shape or tensor_dtype(matches[data]) != "float32"
-                or not all(_over_last_axis(matches[stat]) for stat in (mean, variance))
+                or not all(reduces_exactly(matches[stat], [len(shape) - 1]) for stat in (mean, variance))
                 or (exponent in matches and _scalar(matches, exponent, 0.0) != 2.0)):
             return call
         eps = _scalar(matches, epsilon, 0.0)
@@ -42,12 +42,6 @@ def _layer_norms_in_function(func: relax.Function, mod: tvm.IRModule, ctx) -> re
         return relax.op.nn.layer_norm(matches[data], relax.const(gamma), relax.const(beta), axes=[-1], epsilon=eps)
 
     return dpl.rewrite_call(affine, rewrite, func)
-
-
-def _over_last_axis(reduction: relax.Call) -> bool:
-    """Whether `reduction` reduces its input's last axis alone and keeps it."""
-    rank = len(tensor_shape(reduction.args[0]))
-    return bool(reduction.attrs.keepdims) and [int(axis) % rank for axis in reduction.attrs.axis or ()] == [rank - 1]
 
 
 def _scalar(matches: dict, pattern: dpl.DFPattern, default: float) -> float | None:

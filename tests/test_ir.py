@@ -77,3 +77,16 @@ def test_clamped_emits_maximum_then_minimum_by_constants_leaving_out_infinite_bo
     tvm.ir.assert_structural_equal(body(-math.inf, 6.0), expected((relax.op.minimum, 6.0)))
     x = relax.Var("x", relax.TensorType((4,), "float32"))
     assert clamped(relax.BlockBuilder(), x, -math.inf, math.inf) is x
+
+
+def test_reduces_exactly_reads_negative_axes_from_the_end_and_wants_them_kept():
+    from tvm import relax
+
+    from relay_amp._ir import reduces_exactly
+
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+    assert reduces_exactly(relax.op.mean(x, axis=[-1], keepdims=True), [2])
+    assert reduces_exactly(relax.op.sum(x, axis=[2, 1], keepdims=True), [1, 2])
+    assert not reduces_exactly(relax.op.mean(x, axis=[-1], keepdims=False), [2])  # the axis is dropped
+    assert not reduces_exactly(relax.op.mean(x, axis=[1], keepdims=True), [2])
+    assert not reduces_exactly(relax.op.mean(x, keepdims=True), [2])  # every axis
