@@ -25,6 +25,18 @@ def single_output_module(build_body: Callable[..., relax.Expr], *params: relax.V
     return bb.get()
 
 
+def relu_module(build: Callable[[relax.BlockBuilder, relax.Var], relax.Expr], shape: tuple) -> tvm.IRModule:
+    """`main(x)` of an fp32 `x` of `shape` = relu(build(bb, x)), `build` emitting its own bindings through `bb` (the
+    ReLU gives the rewritten ops a reader that is not the function's output)."""
+    x = tensor("x", shape)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.relu(build(bb, x)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def positions_onnx() -> onnx.ModelProto:
     """x + its position along the sequence, the positions computed from x's shape (Range over Shape), on dynamic
     batch and sequence axes: a transformer export's position ids."""

@@ -8,6 +8,7 @@ from tvm import relax
 import relay_amp
 from relay_amp.transform import GroupNormsAsOps
 
+from builders import relu_module
 from pass_checks import assert_transforms
 
 SCALE = np.array([[1.5], [0.5]], dtype="float32")  # per group, as the exporter's InstanceNormalization scale
@@ -16,13 +17,7 @@ SHIFT = np.array([[0.25], [-1.0]], dtype="float32")
 
 def _module(build_norm) -> tvm.IRModule:
     """main(x [1, 8, 2, 2]) = relu(build_norm(bb, x))."""
-    x = relax.Var("x", relax.TensorType((1, 8, 2, 2), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.relu(build_norm(bb, x)))
-        bb.emit_func_output(out)
-    return bb.get()
+    return relu_module(build_norm, (1, 8, 2, 2))
 
 
 def _exported(bb: relax.BlockBuilder, x: relax.Expr, grouped_shape=(1, 2, 16), affine: bool = True) -> relax.Expr:

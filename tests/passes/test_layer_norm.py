@@ -8,6 +8,7 @@ from tvm import relax
 import relay_amp
 from relay_amp.transform import LayerNormsAsOps
 
+from builders import relu_module
 from pass_checks import assert_transforms
 
 SHAPE = (2, 5, 8)
@@ -17,13 +18,7 @@ SHIFT = np.linspace(-1.0, 1.0, 8).astype("float32")
 
 def _module(build_norm) -> tvm.IRModule:
     """main(x [2, 5, 8]) = relu(build_norm(bb, x))."""
-    x = relax.Var("x", relax.TensorType(SHAPE, "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.relu(build_norm(bb, x)))
-        bb.emit_func_output(out)
-    return bb.get()
+    return relu_module(build_norm, SHAPE)
 
 
 def _spelled_out(bb: relax.BlockBuilder, x: relax.Expr, axis: int = -1, affine: bool = True, squared_by: str = "power",

@@ -8,6 +8,7 @@ from tvm import relax
 import relay_amp
 from relay_amp.transform import MergeParallelConvs
 
+from builders import relu_module
 from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
@@ -22,13 +23,7 @@ EPSILON = 1e-5
 
 def _module(body, channels: int = C, size: int = 6) -> tvm.IRModule:
     """main(x [1, channels, size, size]) = relu(body(bb, x))."""
-    x = relax.Var("x", relax.TensorType((1, channels, size, size), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.relu(body(bb, x)))
-        bb.emit_func_output(out)
-    return bb.get()
+    return relu_module(body, (1, channels, size, size))
 
 
 def _conv(bb, x, weight, bias=None, padding=0, strides=1, groups=1, dilation=1):
