@@ -26,8 +26,9 @@ POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
 class SinkTransposes:
     """Every transpose (permute_dims) read once, by an op that computes the same on the untransposed tensor, moved
     past it (one read at a time: a transpose with another reader would stay for it, and the tensor be transposed
-    twice); two transposes in a row that undo each other dropped. Fold constants first: a constant operand of a
-    binary op is transposed the other way."""
+    twice); two transposes in a row that undo each other dropped; one that permutes nothing, or only axes of
+    extent one, a view (`_as_view`). Fold constants first: a constant operand of a binary op is transposed the
+    other way."""
 
     def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
         """`func` with its transposes sunk; the input module is left as it was."""
@@ -74,13 +75,34 @@ class _Sinker(relax.PyExprMutator):
         return value.args[0], [int(axis) for axis in value.attrs.axes]
 
     def _cancelled(self, call: relax.Call) -> relax.Expr:
-        """x for permute_dims(permute_dims(x, p), q) where q undoes p, else the call."""
+        """The view of a transpose that permutes nothing or only axes of extent one (`_as_view`), x for
+        permute_dims(permute_dims(x, p), q) where q undoes p, else the call."""
+        view = _as_view(call)
+        if view is not None:
+            return view
         inner = self._transposed(call.args[0])
         if inner is None or call.attrs.axes is None:
             return call
         source, first = inner
         second = [int(axis) for axis in call.attrs.axes]
         return source if [first[axis] for axis in second] == list(range(len(second))) else call
+
+
+def _as_view(call: relax.Call) -> "relax.Expr | None":
+    """The input of a transpose that permutes nothing (ConvertLayout leaves one where an exporter's transpose to NCHW
+    meets its own back to NHWC: tf2onnx's Keras exports, 64 in MobileNetV3-Large), or its reshape where the
+    transpose moves only axes of extent one (a squeeze-excite's [1, C, 1, 1] to [1, 1, 1, C]): a view, where the
+    transpose copies. None for any other transpose."""
+    shape = tensor_shape(call.args[0])
+    if call.attrs.axes is None or shape is None or not all(isinstance(size, int) for size in shape):
+        return None
+    perm = [int(axis) for axis in call.attrs.axes]
+    if perm == list(range(len(perm))):
+        return call.args[0]
+    moved = [axis for axis in perm if shape[axis] != 1]
+    if moved != sorted(moved):
+        return None
+    return relax.op.reshape(call.args[0], [shape[axis] for axis in perm])
 
 
 def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax.Expr | None:

@@ -177,3 +177,44 @@ def test_a_transpose_read_twice_stays_so_the_tensor_is_not_transposed_twice():
             return gv
 
     tvm.ir.assert_structural_equal(SinkTransposes()(Module), Module)
+
+
+def test_transposes_that_permute_nothing_or_only_axes_of_one_become_views():
+    """ConvertLayout leaves permute_dims(x, [0, 1, 2, 3]) where an exporter's transpose to NCHW meets its own back to
+    NHWC (tf2onnx's Keras exports); a squeeze-excite's [1, C, 1, 1] to [1, 1, 1, C] moves only axes of one. Both
+    copied their tensor; now the first is its input and the second a reshape. A transpose of a real axis stays."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32"), s: R.Tensor((1, 8, 1, 1), "float32"),
+                 t: R.Tensor((1, 8, 4), "float32")) -> R.Tuple(R.Tensor((1, 4, 4, 8), "float32"),
+                                                              R.Tensor((1, 4, 8), "float32")):
+            with R.dataflow():
+                same = R.permute_dims(x, axes=[0, 1, 2, 3])
+                squeezed = R.permute_dims(s, axes=[0, 2, 3, 1])
+                scaled = R.multiply(same, squeezed)
+                moved = R.permute_dims(t, axes=[0, 2, 1])
+                gv = (scaled, moved)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32"), s: R.Tensor((1, 8, 1, 1), "float32"),
+                 t: R.Tensor((1, 8, 4), "float32")) -> R.Tuple(R.Tensor((1, 4, 4, 8), "float32"),
+                                                              R.Tensor((1, 4, 8), "float32")):
+            with R.dataflow():
+                same = x
+                squeezed = R.reshape(s, R.shape([1, 1, 1, 8]))
+                scaled = R.multiply(same, squeezed)
+                moved = R.permute_dims(t, axes=[0, 2, 1])
+                gv = (scaled, moved)
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(shape).astype("float32") for shape in ((1, 4, 4, 8), (1, 8, 1, 1), (1, 8, 4))]
+    for got, expected in zip(relay_amp.run(after, inputs), relay_amp.run(Before, inputs)):
+        np.testing.assert_array_equal(got, expected)
