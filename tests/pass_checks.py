@@ -1,4 +1,5 @@
-"""The check every structural pass test makes: well-formed output, equal to Expected, input untouched."""
+"""The check every structural pass test makes: well-formed output, equal to Expected, input untouched; and the
+names of the functions the host's CPU pipeline prepares from a module (kernels, fused functions)."""
 
 import tvm
 from tvm import relax
@@ -12,3 +13,14 @@ def assert_transforms(transform, before: tvm.IRModule, expected: tvm.IRModule) -
     tvm.ir.assert_structural_equal(after, expected)
     assert before.script() == text, "the pass mutated its input module"
     return after
+
+
+def prepared_function_names(mod: tvm.IRModule) -> list[str]:
+    """The names of the functions the host's CPU pipeline prepares from `mod` (kernels, fused functions)."""
+    import relay_amp
+    from relay_amp.backend.cpu import pipeline
+
+    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
+    with target, tvm.transform.PassContext(opt_level=3):
+        prepared = pipeline.prepare_passes(target)(mod)
+    return [gv.name_hint for gv in prepared.get_global_vars()]

@@ -3,13 +3,13 @@
 import numpy as np
 import onnx
 import pytest
-import tvm
 
 torch = pytest.importorskip("torch")
 zoo = pytest.importorskip("relay_amp.tools.zoo")
 
 import relay_amp  # noqa: E402
 from relay_amp.runtime import run_executable  # noqa: E402
+from pass_checks import prepared_function_names  # noqa: E402
 
 FP32_TOLERANCE = 2e-5  # relative to the largest output: fp32 sums in another order, fast-math polynomials
 BF16_FLOOR = 1e-2  # bf16 AMP may be this far off, or as far off as PyTorch's own bf16 autocast (x1.5)
@@ -92,19 +92,9 @@ def _activation_count(mod) -> int:
     return len(found)
 
 
-def _prepared_functions(mod) -> list[str]:
-    """The names of the functions the host's CPU pipeline prepares from `mod` (kernels, fused functions)."""
-    from relay_amp.backend.cpu import pipeline
-
-    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
-    with target, tvm.transform.PassContext(opt_level=3):
-        prepared = pipeline.prepare_passes(target)(mod)
-    return [gv.name_hint for gv in prepared.get_global_vars()]
-
-
 def _kernel_calls(mod) -> int:
     """How many dot-product kernels the host's CPU pipeline dispatches in `mod`."""
-    return sum("dot_kernel" in name for name in _prepared_functions(mod))
+    return sum("dot_kernel" in name for name in prepared_function_names(mod))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -120,7 +110,7 @@ def test_regnets_grouped_convs_get_kernels_like_its_other_convs(dtype):
                                     else None)
     assert max(groups) > 1
     mod = mod if dtype == "float32" else relay_amp.to_mixed_precision(mod, dtype)
-    functions = _prepared_functions(mod)
+    functions = prepared_function_names(mod)
     assert not [name for name in functions if "conv2d" in name]
     assert sum("dot_kernel" in name for name in functions) >= len(groups)
 
@@ -131,7 +121,7 @@ def test_wav2vec2s_conv1ds_and_group_norm_run_channels_last_on_the_kernels():
     mod = zoo.load("wav2vec2", tiny=True)
     ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings if hasattr(b.value, "op")]
     assert ops.count("relax.nn.conv1d") == 4 and ops.count("relax.nn.group_norm") == 1
-    functions = _prepared_functions(relay_amp.to_mixed_precision(mod, "bfloat16"))
+    functions = prepared_function_names(relay_amp.to_mixed_precision(mod, "bfloat16"))
     assert not [name for name in functions if "conv" in name or "group_norm" in name]
     assert sum("dot_kernel" in name for name in functions) >= 4
 
