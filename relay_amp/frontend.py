@@ -20,6 +20,7 @@ from .onnx_quantized import as_qdq, constant_dequantizes_folded
 from .onnx_recurrent import recurrences_unrolled
 
 FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an ONNX import runs at most
+TINY_ADDEND = 1e-8  # onnxscript's no-op rules drop `x + c` and `x - c` for a scalar constant c this close to 0
 
 
 def _load_onnx(model):
@@ -60,7 +61,7 @@ def simplify_onnx(proto):
     from onnxscript import ir
     from onnxscript.optimizer import fold_constants_ir, optimize_ir
 
-    model = ir.serde.deserialize_model(proto)
+    model = ir.serde.deserialize_model(_tiny_addends_kept(proto))
     nodes = None
     with _quiet("onnxscript"):
         for _ in range(FOLD_ROUNDS):
@@ -71,6 +72,60 @@ def simplify_onnx(proto):
             if nodes == before:
                 break
     return ir.serde.serialize_model(model)
+
+
+def _tiny_addends_kept(proto):
+    """`proto` with each nonzero scalar constant of at most TINY_ADDEND that an Add or Sub applies to a tensor of
+    rank one or more given shape [1] (the same sum), which onnxscript's no-op rules leave alone: they took BERT's
+    layer norm `variance + 1e-12` in exports before opset 17 for `variance`, and a row of zero variance then
+    normalized to NaN instead of 0. Operands of unknown rank keep their scalar (a [1] would add an axis to a
+    scalar)."""
+    import onnx
+    from onnx import numpy_helper
+
+    tiny = _tiny_scalars(proto.graph)
+    if not tiny:
+        return proto
+    ranks = _ranks(proto)
+    kept = onnx.ModelProto()
+    kept.CopyFrom(proto)
+    names = {tensor.name for tensor in kept.graph.initializer}
+    for node in kept.graph.node:
+        if node.op_type not in ("Add", "Sub") or len(node.input) != 2:
+            continue
+        for index, name in enumerate(node.input):
+            if name in tiny and ranks.get(node.input[1 - index], 0) >= 1:
+                node.input[index] = f"{name}_as_1d"
+                if node.input[index] not in names:
+                    names.add(node.input[index])
+                    kept.graph.initializer.append(numpy_helper.from_array(tiny[name].reshape(1), node.input[index]))
+    return kept
+
+
+def _tiny_scalars(graph) -> dict:
+    """Name -> value of the graph's scalar float constants (initializers, Constant nodes) of magnitude at most
+    TINY_ADDEND, zero excepted."""
+    from onnx import numpy_helper
+
+    named = [(tensor.name, tensor) for tensor in graph.initializer]
+    named += [(node.output[0], attribute.t) for node in graph.node if node.op_type == "Constant"
+              for attribute in node.attribute if attribute.name == "value"]
+    values = {name: numpy_helper.to_array(tensor) for name, tensor in named if not tensor.dims}
+    return {name: value for name, value in values.items()
+            if value.ndim == 0 and value.dtype.kind == "f" and 0 < abs(float(value)) <= TINY_ADDEND}
+
+
+def _ranks(proto) -> dict:
+    """Name -> rank of the values whose shape ONNX's shape inference knows (none where it fails)."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # a model over 2 GB, or one the inference rejects: no rank is known
+        return {}
+    values = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+    return {info.name: len(info.type.tensor_type.shape.dim) for info in values
+            if info.type.tensor_type.HasField("shape")}
 
 
 def _register_orphan_constants(graph) -> None:

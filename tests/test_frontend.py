@@ -331,6 +331,41 @@ def test_constant_subgraphs_are_folded_before_tvm_imports_them():
     np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])  # exact: one fp32 add
 
 
+def spelled_out_layer_norm_onnx(epsilon: float) -> onnx.ModelProto:
+    """A layer norm as exports before opset 17 write BERT's: the epsilon a scalar Constant node added to the
+    variance (1e-12 in BERT)."""
+    rng = np.random.default_rng(2)
+    scalars = {"two": 2.0, "eps": epsilon}
+    nodes = [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, "float32")))
+             for name, value in scalars.items()]
+    nodes += [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[-1]),
+              helper.make_node("Sub", ["x", "mean"], ["centred"]),
+              helper.make_node("Pow", ["centred", "two"], ["squares"]),
+              helper.make_node("ReduceMean", ["squares"], ["variance"], axes=[-1]),
+              helper.make_node("Add", ["variance", "eps"], ["shifted"]),
+              helper.make_node("Sqrt", ["shifted"], ["deviation"]),
+              helper.make_node("Div", ["centred", "deviation"], ["normed"]),
+              helper.make_node("Mul", ["normed", "gamma"], ["scaled"]),
+              helper.make_node("Add", ["scaled", "beta"], ["y"])]
+    weights = [numpy_helper.from_array(rng.standard_normal(8).astype("float32"), name) for name in ("gamma", "beta")]
+    graph = helper.make_graph(nodes, "layer_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+
+
+def test_a_tiny_epsilon_survives_the_optimizer_so_a_row_of_zero_variance_normalizes_to_zero():
+    """onnxscript's no-op rule takes `variance + 1e-12` for `variance` (scalar constants within 1e-8 of zero):
+    the row of equal values below normalized to NaN. Given shape [1] the epsilon stays; zero is still dropped."""
+    model = spelled_out_layer_norm_onnx(1e-12)
+    x = np.stack([np.full(8, 3.0, "float32"), np.linspace(-1, 1, 8, dtype="float32")])
+    got = relay_amp.run(frontend.from_onnx(model), [x])[0]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    kept = frontend.simplify_onnx(model)
+    assert any(node.op_type == "Add" and "variance" in node.input for node in kept.graph.node)
+    dropped = frontend.simplify_onnx(spelled_out_layer_norm_onnx(0.0))
+    assert not any(node.op_type == "Add" and "variance" in node.input for node in dropped.graph.node)
+
+
 def shared_flatten_onnx() -> onnx.ModelProto:
     """A mask flattened, cast to bool and flattened again along two branches, as the TorchScript exporter writes
     DETR's encoder and decoder masks: onnxscript rewrites both flattens into reshapes whose shapes share a name."""
