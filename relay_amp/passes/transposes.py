@@ -4,7 +4,9 @@ Relax's ConvertLayout carries a layout only through ops with a layout rule; arou
 ONNX Pad of BiT's stem and of TF-ported "same" convs) it transposes back to the model's layout, and the ops after
 it run in that layout until the next convolution transposes again. This pass moves a transpose below each op
 that computes the same values on the untransposed tensor with its axes renamed (elementwise ops, pads, group
-norms, pools), so that the transpose back and the next one forward meet and cancel.
+norms, pools, strided slices, and concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in
+NCHW), so that the transpose back and the next one forward meet and cancel. A transpose that permutes nothing, or
+only axes of extent one, becomes a view.
 """
 
 import tvm
@@ -57,9 +59,11 @@ class _Sinker(relax.PyExprMutator):
         name = call_op_name(call)
         if name == "relax.permute_dims":
             return self._cancelled(call)
-        sources = [self._transposed(arg) if self.reads.get(arg) == 1 else None for arg in call.args]
+        joined = name == "relax.concat" and isinstance(call.args[0], relax.Tuple)
+        operands = list(call.args[0].fields) if joined else list(call.args)
+        sources = [self._transposed(arg) if self.reads.get(arg) == 1 else None for arg in operands]
         found = [source for source in sources if source is not None]
-        if not found or any(source[1] != found[0][1] for source in found):
+        if not found or any(source[1] != found[0][1] for source in found) or (joined and len(found) < len(sources)):
             return call
         perm = found[0][1]
         moved = _moved(call, name, sources, perm)
@@ -106,8 +110,8 @@ def _as_view(call: relax.Call) -> "relax.Expr | None":
 
 
 def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax.Expr | None:
-    """`call` on the untransposed tensors (`sources`: (x, perm) per transposed argument, None for the others), its
-    axes renamed, or None where it cannot move."""
+    """`call` on the untransposed tensors (`sources`: (x, perm) per transposed argument, or per operand a concat
+    joins; None for the others), its axes renamed, or None where it cannot move."""
     data = sources[0][0] if sources[0] is not None else None
     if name in UNARY and data is not None:
         return relax.Call(call.op, [data, *call.args[1:]], call.attrs, call.ty_args)
@@ -115,8 +119,13 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
         args = [source[0] if source is not None else _untransposed_constant(arg, perm)
                 for arg, source in zip(call.args, sources)]
         return None if any(arg is None for arg in args) else relax.Call(call.op, args, call.attrs, call.ty_args)
+    if name == "relax.concat":  # every operand transposed alike (`_Sinker.visit_call_`)
+        return relax.op.concat([source[0] for source in sources], axis=perm[int(call.attrs.axis)])
     if data is None or any(source is not None for source in sources[1:]):
         return None
+    if name == "relax.strided_slice":
+        axes = [perm[int(axis)] for axis in call.args[1]]
+        return relax.op.strided_slice(data, axes, *call.args[2:], assume_inbound=call.attrs.assume_inbound)
     if name == "relax.nn.pad":
         widths = [int(width) for width in call.attrs.pad_width]
         moved = [0] * len(widths)

@@ -218,3 +218,47 @@ def test_transposes_that_permute_nothing_or_only_axes_of_one_become_views():
     inputs = [rng.standard_normal(shape).astype("float32") for shape in ((1, 4, 4, 8), (1, 8, 1, 1), (1, 8, 4))]
     for got, expected in zip(relay_amp.run(after, inputs), relay_amp.run(Before, inputs)):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_transposes_move_past_a_strided_slice_and_a_concat_of_transposed_tensors():
+    """As tf2onnx writes NASNet's cropping and its cells' joins: NCHW slices and concats between NHWC convs. A
+    concat with an operand that is not transposed the same way stays."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 5, 5, 8), "float32"), y: R.Tensor((1, 4, 4, 8), "float32"),
+                 z: R.Tensor((1, 8, 4, 4), "float32")) -> R.Tuple(R.Tensor((1, 4, 4, 16), "float32"),
+                                                                 R.Tensor((1, 16, 4, 4), "float32")):
+            with R.dataflow():
+                x_nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                cropped = R.strided_slice(x_nchw, axes=[2, 3], begin=[1, 1], end=[5, 5])
+                y_nchw = R.permute_dims(y, axes=[0, 3, 1, 2])
+                joined = R.concat((cropped, y_nchw), axis=1)
+                nhwc = R.permute_dims(joined, axes=[0, 2, 3, 1])
+                y_again = R.permute_dims(y, axes=[0, 3, 1, 2])
+                mixed = R.concat((y_again, z), axis=1)
+                gv = (nhwc, mixed)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 5, 5, 8), "float32"), y: R.Tensor((1, 4, 4, 8), "float32"),
+                 z: R.Tensor((1, 8, 4, 4), "float32")) -> R.Tuple(R.Tensor((1, 4, 4, 16), "float32"),
+                                                                 R.Tensor((1, 16, 4, 4), "float32")):
+            with R.dataflow():
+                cropped = R.strided_slice(x, axes=[1, 2], begin=[1, 1], end=[5, 5])
+                joined = R.concat((cropped, y), axis=3)
+                nhwc = joined
+                y_again = R.permute_dims(y, axes=[0, 3, 1, 2])
+                mixed = R.concat((y_again, z), axis=1)
+                gv = (nhwc, mixed)
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(shape).astype("float32") for shape in ((1, 5, 5, 8), (1, 4, 4, 8), (1, 8, 4, 4))]
+    for got, expected in zip(relay_amp.run(after, inputs), relay_amp.run(Before, inputs)):
+        np.testing.assert_array_equal(got, expected)
