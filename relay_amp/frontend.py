@@ -112,7 +112,7 @@ def _tiny_scalars(graph) -> dict:
               for attribute in node.attribute if attribute.name == "value"]
     values = {name: numpy_helper.to_array(tensor) for name, tensor in named if not tensor.dims}
     return {name: value for name, value in values.items()
-            if value.ndim == 0 and value.dtype.kind == "f" and 0 < abs(float(value)) <= TINY_ADDEND}
+            if value.dtype.kind == "f" and 0 < abs(float(value)) <= TINY_ADDEND}
 
 
 def _ranks(proto) -> dict:

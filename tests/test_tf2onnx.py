@@ -42,7 +42,7 @@ def test_a_tf2onnx_export_matches_tensorflow(keras_tiny, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tf2onnx_export_runs_channels_last_on_the_kernels_without_transposes(keras_tiny, dtype):
-    """The exporter's 18 Transposes cancel against the CPU build's NHWC layout, or are views: before, 9 functions
+    """The exporter's 18 Transposes cancel against the CPU build's NHWC layout, or are views: before, 7 functions
     still transposed (identity permutations ConvertLayout left, squeeze-excite gates of one pixel), and the
     activations they stood before ran apart from the kernels' epilogues."""
     mod, _ = keras_tiny
