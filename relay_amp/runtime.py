@@ -68,7 +68,10 @@ def run(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "main") -> 
 
 
 def flatten_outputs(result) -> list[np.ndarray]:
-    """A VM function's result (a tensor or nested tuples of them) as a flat list of numpy arrays."""
+    """A VM function's result (a tensor or nested tuples of them; or numpy arrays, as ONNX Runtime returns them) as
+    a flat list of numpy arrays."""
+    if isinstance(result, np.ndarray):
+        return [result]
     if isinstance(result, tvm.runtime.Tensor):
         return [result.numpy()]
     outputs = []

@@ -202,11 +202,11 @@ def test_onnxruntime_qdq_file_of_a_zoo_model_with_same_padding_imports_and_runs_
     """EfficientNet-B0's stride-2 depthwise convs pad by a Pad op, whose value ONNX Runtime's static QDQ quantizer
     dequantizes: the file failed to import until those dequantizes were folded."""
     zoo = pytest.importorskip("relay_amp.tools.zoo")
-    from relay_amp.tools.zoo_bench import _ort_quantized
+    from relay_amp.tools.peers import ort_quantized
 
     path = zoo.export_onnx("efficientnet_b0", tmp_path / "efficientnet_b0.onnx", tiny=True)
     calibration = [zoo.example_inputs("efficientnet_b0", True, seed) for seed in (1, 2)]
-    quantized = _ort_quantized("efficientnet_b0", path, calibration)
+    quantized = ort_quantized(path, calibration, static=True, work_dir=tmp_path)
     inputs = zoo.example_inputs("efficientnet_b0", tiny=True)
     ours = relay_amp.run(relay_amp.realize_qdq(relay_amp.frontend.from_onnx(quantized), fallback_dtype="float32"),
                          inputs)[0]

@@ -2,7 +2,8 @@
 
 import json
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from ..passes.layers import list_layers
 from ..passes.quantize import quantize
 from ..passes.recast import recast
 from ..passes.weight_only import quantize_weights
-from ..runtime import run_executable, virtual_machine
+from ..runtime import flatten_outputs, virtual_machine
 from ..targets import host_cores
 from . import pytorch
 from .calibration import random_batches
 from .models import example_inputs
+from .peers import ort_quantized, ort_runner, ort_session, rotating_medians
 
 BASELINE = "float32"
 QUANTIZED = "int8q"  # calibrated int8 (quantize), beside recast's int8
@@ -32,11 +34,15 @@ WEIGHT_ONLY = "int4w"  # bf16 activations (AMP) and int4 weights, packed (quanti
 INT8_OPS = ("relax.nn.conv2d", "relax.matmul")
 # --layout: the backend's choice (auto), a data layout to force, or the model's own (keep)
 LAYOUTS = {AUTO: AUTO, "NHWC": "NHWC", "NCHW": "NCHW", "keep": None}
+RELAY_AMP, ONNXRUNTIME, TORCH = "relay_amp", "onnxruntime", "torch"  # runners
+ORT_INT8_STATIC = "int8 (static QDQ)"  # ONNX Runtime's quantized model of the file, as its docs advise for CNNs
+ORT_INT8_DYNAMIC = "int8 (dynamic)"  # ... and for transformers
 
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One variant: its median latency, speed-up over fp32 (same run) and output error against fp32."""
+    """One variant of one runner (relay_amp, or ONNX Runtime on the same file): its median latency, speed-up over
+    relay_amp fp32 (same run) and output error against relay_amp fp32."""
 
     dtype: str
     median_ms: float
@@ -44,6 +50,7 @@ class BenchRow:
     max_rel_error: float
     tuned: bool
     torch_ms: float | None = None
+    runner: str = "relay_amp"
 
 
 def max_relative_error(output: np.ndarray, reference: np.ndarray) -> float:
@@ -66,10 +73,9 @@ def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) 
         return recast(mod, "int8", "int32", ops=INT8_OPS)
     if dtype == WEIGHT_ONLY:
         return quantize_weights(to_mixed_precision(mod, "bfloat16"))
-    if dtype == QUANTIZED:
-        convolutional = bool(list_layers(mod, ["relax.nn.conv2d"]))  # else a transformer: per-row scales pay
+    if dtype == QUANTIZED:  # per-row scales pay on transformers (no convolutions)
         return quantize(mod, random_batches(mod) if calibration is None else calibration,
-                        dynamic_matmuls=not convolutional)
+                        dynamic_matmuls=not _convolutional(mod))
     return to_mixed_precision(mod, dtype)
 
 
@@ -85,50 +91,92 @@ def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, targe
     return candidate if candidate.is_dir() else None
 
 
-def _median_ms(executable: relax.VMExecutable, inputs: Sequence[np.ndarray], repeat: int) -> float:
+def _relay_runner(executable: relax.VMExecutable, inputs: Sequence[np.ndarray]) -> Callable[[], object]:
     vm = virtual_machine(executable)
-    args = [tvm.runtime.tensor(x) for x in inputs]
-    return vm.time_evaluator("main", tvm.cpu(), number=1, repeat=repeat)(*args).median * 1e3
+    args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
+    return lambda: vm["main"](*args)
 
 
 def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16"), target: str = "cpu",
               tune_logs: str | os.PathLike | None = None, model: str = "model", repeat: int = 10,
               seed: int = 0, *, layout: str = AUTO, torch_twin: str | None = None,
-              fast_math: bool = True) -> list[BenchRow]:
-    """Build and time every dtype variant of `mod` (fp32 always first), with errors against fp32.
+              onnx_file: str | os.PathLike | None = None, rounds: int = 3, fast_math: bool = True) -> list[BenchRow]:
+    """Build every dtype variant of `mod` (fp32 always first) and time them in rotating blocks (`rounds` rounds of
+    `repeat` runs each) in one process, with errors against fp32.
 
-    `layout` is a key of LAYOUTS (build's conv_layout: "auto" lets the backend choose); `torch_twin` names a built-in model whose PyTorch twin
-    (relay_amp.tools.pytorch) is timed for fp32 and bf16 on the same number of threads; `fast_math` goes to build.
+    `layout` is a key of LAYOUTS (build's conv_layout: "auto" lets the backend choose); `torch_twin` names a
+    built-in model whose PyTorch twin (relay_amp.tools.pytorch) is timed for fp32 and bf16 on the same threads;
+    `onnx_file` (the file `mod` came from) adds ONNX Runtime's rows: fp32 on it, and with int8q its own int8 model
+    of it (static QDQ on the same calibration batches for models with convolutions, else dynamic); `fast_math`
+    goes to build.
     """
     order = [BASELINE] + [d for d in dtypes if d != BASELINE]
-    inputs = example_inputs(mod, seed)
     if layout not in LAYOUTS:
         raise OptionError(f"unknown benchmark layout {layout!r}; choose one of {list(LAYOUTS)}")
-    measured = {}
+    inputs = example_inputs(mod, seed)
+    calibration = random_batches(mod) if QUANTIZED in order else None
+    runners, tuned = {}, {}
     for dtype in order:
         logs = _logs_for(tune_logs, model, dtype, target)
-        executable = build(variant(mod, dtype), target, logs, fast_math, LAYOUTS[layout])
-        outputs = run_executable(executable, inputs)
-        measured[dtype] = (_median_ms(executable, inputs, repeat), outputs[0].astype("float64"), logs is not None)
-    base_ms, reference, _ = measured[BASELINE]
+        executable = build(variant(mod, dtype, calibration), target, logs, fast_math, LAYOUTS[layout])
+        runners[(RELAY_AMP, dtype)] = _relay_runner(executable, inputs)
+        tuned[(RELAY_AMP, dtype)] = logs is not None
+    runners.update(_torch_runners(torch_twin, order))
+    with tempfile.TemporaryDirectory() as work_dir:
+        if onnx_file is not None:
+            runners.update(_ort_runners(Path(onnx_file), _convolutional(mod), order, inputs, calibration,
+                                        Path(work_dir)))
+        ms = rotating_medians(runners, rounds, repeat)
+        outputs = {key: _first_output(run()) for key, run in runners.items() if key[0] != TORCH}
+    return _rows(ms, outputs, tuned)
+
+
+def _convolutional(mod: tvm.IRModule) -> bool:
+    return bool(list_layers(mod, ["relax.nn.conv2d"]))
+
+
+def _torch_runners(twin: str | None, dtypes: Sequence[str]) -> dict[tuple[str, str], Callable[[], object]]:
+    if twin is None:
+        return {}
+    return {(TORCH, d): pytorch.twin_runner(twin, d, host_cores()) for d in dtypes if d in pytorch.TORCH_DTYPES}
+
+
+def _ort_runners(path: Path, convolutional: bool, dtypes: Sequence[str], inputs: Sequence[np.ndarray],
+                 calibration: Sequence | None, work_dir: Path) -> dict[tuple[str, str], Callable[[], object]]:
+    """ONNX Runtime on the file in fp32 and, beside int8q, on its own int8 model of the file."""
+    found = {(ONNXRUNTIME, BASELINE): ort_runner(ort_session(path), inputs)}
+    if QUANTIZED in dtypes:
+        quantized = ort_quantized(path, calibration, convolutional, work_dir)
+        found[(ONNXRUNTIME, ORT_INT8_STATIC if convolutional else ORT_INT8_DYNAMIC)] = ort_runner(
+            ort_session(quantized), inputs)
+    return found
+
+
+def _first_output(result) -> np.ndarray:
+    return flatten_outputs(result)[0].astype("float64")
+
+
+def _rows(ms: dict, outputs: dict, tuned: dict) -> list[BenchRow]:
+    """One row per relay_amp or ONNX Runtime runner, the PyTorch twin's time beside relay_amp's row of its dtype."""
+    base_ms, reference = ms[(RELAY_AMP, BASELINE)], outputs[(RELAY_AMP, BASELINE)]
     return [
-        BenchRow(dtype, ms, base_ms / ms, max_relative_error(out, reference), tuned,
-                 _torch_ms(torch_twin, dtype, repeat))
-        for dtype, (ms, out, tuned) in measured.items()
+        BenchRow(dtype, ms[(runner, dtype)], base_ms / ms[(runner, dtype)],
+                 max_relative_error(outputs[(runner, dtype)], reference), tuned.get((runner, dtype), False),
+                 ms.get((TORCH, dtype)) if runner == RELAY_AMP else None, runner)
+        for runner, dtype in outputs
     ]
 
 
-def _torch_ms(twin: str | None, dtype: str, repeat: int) -> float | None:
-    if twin is None or dtype not in pytorch.TORCH_DTYPES:
-        return None
-    return pytorch.time_twin(twin, dtype, host_cores(), repeat=repeat)
-
-
 def format_rows(rows: Sequence[BenchRow]) -> str:
-    """A printable table of benchmark rows (with PyTorch columns when any row was compared with PyTorch)."""
+    """A printable table of benchmark rows (with a runner column when ONNX Runtime ran beside relay_amp, and PyTorch
+    columns when any row was compared with PyTorch)."""
     headers = ["dtype", "median ms", "speed-up vs fp32", "max rel error", "tuned"]
     table = [[r.dtype, f"{r.median_ms:.2f}", f"{r.speedup:.2f}x", f"{r.max_rel_error:.2e}", "yes" if r.tuned else "no"]
              for r in rows]
+    if any(r.runner != RELAY_AMP for r in rows):
+        headers.insert(0, "runner")
+        for line, r in zip(table, rows):
+            line.insert(0, r.runner)
     if any(r.torch_ms is not None for r in rows):
         headers += ["torch ms", "TVM speed-up vs torch"]
         for line, r in zip(table, rows):

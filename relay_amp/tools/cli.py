@@ -138,16 +138,19 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if args.model == ZOO_PREFIX or args.model.startswith(ZOO_PREFIX + ":"):
         _bench_zoo(args)
         return
+    if args.ort and args.model in models.MODELS:
+        raise OptionError(f"--ort times ONNX Runtime on an ONNX file; {args.model!r} is a built-in model")
     mod = load_model(args.model, args.batch, args.dim)
     twin = args.model if args.torch else None
     rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
-                     torch_twin=twin, fast_math=not args.exact_math)
+                     torch_twin=twin, onnx_file=args.model if args.ort else None, rounds=args.rounds,
+                     fast_math=not args.exact_math)
     if args.json:
         print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat,
-                           layout=args.layout, threads=host_cores()))
+                           rounds=args.rounds, layout=args.layout, threads=host_cores()))
     else:
-        print(f"{args.model} (batch {args.batch}) on {args.target}, {host_cores()} threads, "
-              f"median of {args.repeat} runs, conv layout {args.layout}")
+        print(f"{args.model} (batch {args.batch}) on {args.target}, {host_cores()} threads, median of "
+              f"{args.rounds} rotating rounds of {args.repeat} runs, conv layout {args.layout}")
         print(f"tuning logs: {args.tune_logs or 'none'}\n")
         print(format_rows(rows))
 
@@ -292,13 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
                   target=True)
     bn.add_argument("--dtypes", type=_dtype_list, default=["float32", "bfloat16"], help="e.g. fp32,bf16,fp16,int8,int8q,int4w")
     bn.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
-    bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant")
+    bn.add_argument("--repeat", type=int, default=10, help="timed runs per variant in each round")
     bn.add_argument("--json", action="store_true", help="print JSON instead of a table")
     bn.add_argument("--layout", choices=list(LAYOUTS), default="auto",
                     help="conv layout: the backend's choice (auto: NHWC on CPU), one to force, or the model's (keep)")
     bn.add_argument("--torch", action="store_true", help="add the PyTorch twin's fp32/bf16 times (needs torch)")
+    bn.add_argument("--ort", action="store_true",
+                    help="an ONNX file: add ONNX Runtime's rows on it (fp32; with int8q, its own int8 model of the file)")
     bn.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.backend.cpu.fastmath)")
-    bn.add_argument("--rounds", type=int, default=3, help="zoo: rotating rounds of --repeat runs per runner")
+    bn.add_argument("--rounds", type=int, default=3, help="rotating rounds of --repeat runs per runner")
     bn.add_argument("--results", default="benchmarks/results", help="zoo: where zoo.json, zoo.md, zoo.png go")
     bn.add_argument("--torch-compile", action="store_true", help="zoo: also time torch.compile (slow to compile)")
 

@@ -1,15 +1,14 @@
-"""pytorch: PyTorch twins of the built-in models (same architecture and shapes), timed for side-by-side columns.
+"""pytorch: PyTorch twins of the built-in models (same architecture and shapes), run for side-by-side columns.
 
 Only the timing is compared, so the twins have their own random weights. Needs the `torch` extra.
 """
 
 import functools
 import os
-import statistics
 import subprocess
 import sys
-import time
 import warnings
+from collections.abc import Callable
 
 from ..errors import MissingDependencyError, OptionError
 from ..targets import host_supports
@@ -113,18 +112,16 @@ def best_twin(name: str, dtype: str, batch: int = 1):
     return module, example
 
 
-def time_twin(name: str, dtype: str, threads: int, batch: int = 1, repeat: int = 10) -> float:
-    """Median milliseconds of the PyTorch twin of `name` in `dtype` on `threads` CPU threads."""
+def twin_runner(name: str, dtype: str, threads: int, batch: int = 1) -> Callable[[], object]:
+    """A call that runs the PyTorch twin of `name` once in `dtype` (bf16 under autocast) on `threads` CPU threads."""
     if dtype not in TORCH_DTYPES:
         raise OptionError(f"PyTorch timing supports {TORCH_DTYPES}, not {dtype!r}")
     torch = load_torch()
     torch.set_num_threads(threads)
     module, example = best_twin(name, dtype, batch)
-    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
-        module(example)
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            module(example)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+
+    def run():
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+            return module(example)
+
+    return run

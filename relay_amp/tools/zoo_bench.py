@@ -9,15 +9,12 @@ PyTorch fp32. The profile of relay_amp's fp32 and bf16 builds names the call gro
 """
 
 import json
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime
 import torch
 import tvm
 from tabulate import tabulate
@@ -33,6 +30,7 @@ from ..targets import host_cores
 from . import zoo
 from .bench import BASELINE, QUANTIZED, max_relative_error, variant
 from .metrics import cosine_similarity, top1_agreement
+from .peers import ort_quantized, ort_runner, ort_session, rotating_medians
 from .profile import ProfileRow, call_times, profile_rows
 from .pytorch import channels_last
 
@@ -57,23 +55,6 @@ class ZooResult:
     error: dict[str, float] = field(default_factory=dict)
     slow_paths: list[str] = field(default_factory=list)
     agreement: dict[str, float] = field(default_factory=dict)  # int8 runners: top-1 share (CNNs) or min cosine
-
-
-def rotating_medians(runners: dict[str, Callable[[], object]], rounds: int, repeat: int) -> dict[str, float]:
-    """Median ms of each runner: `rounds` rounds of `repeat`-run blocks, runners in turn, median of block medians."""
-    if rounds < 1 or repeat < 1:
-        raise OptionError(f"rounds and repeat must be at least 1, got {rounds} and {repeat}")
-    blocks = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            run()
-            times = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            blocks[name].append(statistics.median(times))
-    return {name: statistics.median(medians) * 1e3 for name, medians in blocks.items()}
 
 
 def _relay_runner(executable: relax.VMExecutable, inputs: list[np.ndarray]) -> Callable[[], np.ndarray]:
@@ -109,46 +90,9 @@ def _relay_runner_on(executable: relax.VMExecutable) -> Callable[[list[np.ndarra
     return lambda inputs: _output(vm["main"](*(tvm.runtime.tensor(x) for x in inputs)))
 
 
-def _ort_session(path: Path) -> onnxruntime.InferenceSession:
-    """An ONNX Runtime CPU session on the host's cores, its thread pool not spinning."""
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = host_cores()
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _ort_runner(session: onnxruntime.InferenceSession, inputs: list[np.ndarray]) -> Callable[[], list]:
-    feed = dict(zip([i.name for i in session.get_inputs()], inputs))
-    return lambda: session.run(None, feed)
-
-
-def _ort_runner_on(session: onnxruntime.InferenceSession) -> Callable[[list[np.ndarray]], np.ndarray]:
+def _ort_runner_on(session) -> Callable[[list[np.ndarray]], np.ndarray]:
     names = [i.name for i in session.get_inputs()]
     return lambda inputs: _output(session.run(None, dict(zip(names, inputs))))
-
-
-def _ort_quantized(name: str, path: Path, calibration: list[list[np.ndarray]]) -> Path:
-    """ONNX Runtime's int8 model of the same file, as its docs recommend: static QDQ (per-channel int8 weights,
-    uint8 activations) calibrated on the same inputs for CNNs, dynamic int8 for transformers and audio models."""
-    from onnxruntime import quantization
-
-    prepared, quantized = path.with_suffix(".pre.onnx"), path.with_suffix(".int8.onnx")
-    quantization.quant_pre_process(str(path), str(prepared))
-    if zoo.entry(name).kind != "cnn":
-        quantization.quantize_dynamic(str(prepared), str(quantized), weight_type=quantization.QuantType.QInt8)
-        return quantized
-    names = [i.name for i in _ort_session(prepared).get_inputs()]
-    feeds = iter([dict(zip(names, batch)) for batch in calibration])
-
-    class Feeds(quantization.CalibrationDataReader):
-        def get_next(self):
-            return next(feeds, None)
-
-    quantization.quantize_static(str(prepared), str(quantized), Feeds(), quant_format=quantization.QuantFormat.QDQ,
-                                 per_channel=True, activation_type=quantization.QuantType.QUInt8,
-                                 weight_type=quantization.QuantType.QInt8)
-    return quantized
 
 
 def _int8_agreement(name: str, tiny: bool, fp32: relax.VMExecutable,
@@ -190,11 +134,11 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         executables = {dtype: build(variant(mod, dtype, calibration), target) for dtype in [BASELINE, *dtypes]}
         runners = {f"relay_amp {SHORT.get(d, d)}": _relay_runner(ex, inputs) for d, ex in executables.items()}
         runners.update(_torch_runners(name, inputs, torch_compile, tiny))
-        runners["onnxruntime fp32"] = _ort_runner(_ort_session(path), inputs)
+        runners["onnxruntime fp32"] = ort_runner(ort_session(path), inputs)
         if QUANTIZED in dtypes:
-            ort_file = _ort_quantized(name, path, calibration)
-            ort_int8 = _ort_session(ort_file)
-            runners[ORT_INT8] = _ort_runner(ort_int8, inputs)
+            ort_file = ort_quantized(path, calibration, zoo.entry(name).kind == "cnn", Path(tmp))
+            ort_int8 = ort_session(ort_file)
+            runners[ORT_INT8] = ort_runner(ort_int8, inputs)
             on_ort_file = build(realize_qdq(frontend.from_onnx(ort_file)), target)
             runners[ORT_FILE_INT8] = _relay_runner(on_ort_file, inputs)
         result.ms = rotating_medians(runners, rounds, repeat)

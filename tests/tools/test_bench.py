@@ -7,6 +7,7 @@ import pytest
 
 import relay_amp
 from relay_amp import models
+from relay_amp.tools import digits
 from relay_amp.tools.bench import benchmark, format_rows, max_relative_error, rows_to_json, variant
 from relay_amp.tools.cli import main
 
@@ -26,7 +27,7 @@ def test_benchmark_measures_fp32_first_then_each_dtype(rows):
 
 def test_rows_print_as_table_and_json(rows):
     table = format_rows(rows)
-    assert "speed-up vs fp32" in table and "bfloat16" in table and "torch" not in table
+    assert "speed-up vs fp32" in table and "bfloat16" in table and "torch" not in table and "runner" not in table
     data = json.loads(rows_to_json(rows, model="small_cnn"))
     assert data["model"] == "small_cnn" and len(data["rows"]) == 3
 
@@ -85,3 +86,33 @@ def test_max_relative_error_is_the_largest_difference_over_the_largest_reference
     assert max_relative_error(reference + [[0.5, 0.0], [0.0, -1.0]], reference) == 0.25
     assert max_relative_error(reference, reference) == 0.0
     assert max_relative_error(np.ones(2), np.zeros(2)) == 1e12  # an all-zero reference: no division by zero
+
+
+def test_onnxruntime_runs_beside_relay_amp_on_the_same_file_in_fp32_and_its_own_int8():
+    pytest.importorskip("onnxruntime")
+    rows = benchmark(digits.load_model(batch=4), ["int8q"], "cpu", repeat=2, rounds=2, onnx_file=digits.MODEL_FILE)
+    assert [(r.runner, r.dtype) for r in rows] == [
+        ("relay_amp", "float32"), ("relay_amp", "int8q"), ("onnxruntime", "float32"),
+        ("onnxruntime", "int8 (static QDQ)")]  # a CNN: static QDQ, calibrated on relay_amp's int8q batches
+    errors = {(r.runner, r.dtype): r.max_rel_error for r in rows}
+    assert errors[("onnxruntime", "float32")] < 1e-5  # the same model, another runtime
+    # random images, calibrated on other random images: 0.19 for both when written
+    assert errors[("relay_amp", "int8q")] < 0.3 and errors[("onnxruntime", "int8 (static QDQ)")] < 0.3
+    assert all(r.median_ms > 0 and r.speedup > 0 for r in rows)
+    table = format_rows(rows)
+    assert table.splitlines()[0].split()[0] == "runner" and "onnxruntime" in table
+
+
+def test_bench_command_times_onnxruntime_on_an_onnx_file(capsys):
+    pytest.importorskip("onnxruntime")
+    assert main(["bench", str(digits.MODEL_FILE), "--dtypes", "fp32", "--repeat", "1", "--rounds", "1", "--ort",
+                 "--dim", "N=2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(row["runner"], row["dtype"]) for row in data["rows"]] == [("relay_amp", "float32"),
+                                                                        ("onnxruntime", "float32")]
+    assert data["rounds"] == 1
+
+
+def test_bench_command_rejects_ort_for_a_built_in_model(capsys):
+    assert main(["bench", "small_cnn", "--ort"]) == 1
+    assert "--ort times ONNX Runtime on an ONNX file; 'small_cnn' is a built-in model" in capsys.readouterr().err

@@ -19,8 +19,10 @@ def test_twin_matches_the_built_in_model_shapes(name):
     assert list(out.shape) == [int(d) for d in relax_main.ret_ty.shape.values]
 
 
-def test_time_twin_in_fp32_and_bf16():
-    assert all(pytorch.time_twin("resnet18_conv", dtype, threads=1, repeat=2) > 0 for dtype in pytorch.TORCH_DTYPES)
+def test_twin_runner_runs_fp32_and_bf16_under_autocast():
+    outputs = {dtype: pytorch.twin_runner("resnet18_conv", dtype, threads=1)() for dtype in pytorch.TORCH_DTYPES}
+    assert outputs["float32"].dtype == torch.float32 and outputs["bfloat16"].dtype == torch.bfloat16
+    assert outputs["float32"].shape == outputs["bfloat16"].shape == (1, 128, 28, 28)
 
 
 def test_bf16_conv_twins_run_channels_last_as_pytorch_runs_them_best():
@@ -36,7 +38,7 @@ def test_unknown_twin_and_dtype_are_option_errors():
     with pytest.raises(relay_amp.OptionError, match="small_cnn"):
         pytorch.twin("small_cnn")
     with pytest.raises(relay_amp.OptionError, match="int8"):
-        pytorch.time_twin("matmul", "int8", threads=1)
+        pytorch.twin_runner("matmul", "int8", threads=1)
 
 
 class _Probe:
