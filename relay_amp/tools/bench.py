@@ -100,21 +100,23 @@ def _relay_runner(executable: relax.VMExecutable, inputs: Sequence[np.ndarray]) 
 def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16"), target: str = "cpu",
               tune_logs: str | os.PathLike | None = None, model: str = "model", repeat: int = 10,
               seed: int = 0, *, layout: str = AUTO, torch_twin: str | None = None,
-              onnx_file: str | os.PathLike | None = None, rounds: int = 3, fast_math: bool = True) -> list[BenchRow]:
+              onnx_file: str | os.PathLike | None = None, calibration: Sequence | None = None, rounds: int = 3,
+              fast_math: bool = True) -> list[BenchRow]:
     """Build every dtype variant of `mod` (fp32 always first) and time them in rotating blocks (`rounds` rounds of
     `repeat` runs each) in one process, with errors against fp32.
 
     `layout` is a key of LAYOUTS (build's conv_layout: "auto" lets the backend choose); `torch_twin` names a
     built-in model whose PyTorch twin (relay_amp.tools.pytorch) is timed for fp32 and bf16 on the same threads;
     `onnx_file` (the file `mod` came from) adds ONNX Runtime's rows: fp32 on it, and with int8q its own int8 model
-    of it (static QDQ on the same calibration batches for models with convolutions, else dynamic); `fast_math`
-    goes to build.
+    of it (static QDQ on the same calibration batches for models with convolutions, else dynamic);
+    `calibration` holds int8q's input batches (random ones by default); `fast_math` goes to build.
     """
     order = [BASELINE] + [d for d in dtypes if d != BASELINE]
     if layout not in LAYOUTS:
         raise OptionError(f"unknown benchmark layout {layout!r}; choose one of {list(LAYOUTS)}")
     inputs = example_inputs(mod, seed)
-    calibration = random_batches(mod) if QUANTIZED in order else None
+    if calibration is None and QUANTIZED in order:
+        calibration = random_batches(mod)
     runners, tuned = {}, {}
     for dtype in order:
         logs = _logs_for(tune_logs, model, dtype, target)

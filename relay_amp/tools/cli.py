@@ -143,7 +143,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch, args.dim)
     twin = args.model if args.torch else None
     rows = benchmark(mod, args.dtypes, args.target, args.tune_logs, args.model, args.repeat, layout=args.layout,
-                     torch_twin=twin, onnx_file=args.model if args.ort else None, rounds=args.rounds,
+                     torch_twin=twin, onnx_file=args.model if args.ort else None,
+                     calibration=load_batches(mod, args.calib) if args.calib else None, rounds=args.rounds,
                      fast_math=not args.exact_math)
     if args.json:
         print(rows_to_json(rows, model=args.model, batch=args.batch, target=args.target, repeat=args.repeat,
@@ -303,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--ort", action="store_true",
                     help="an ONNX file: add ONNX Runtime's rows on it (fp32; with int8q, its own int8 model of the file)")
     bn.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.backend.cpu.fastmath)")
+    bn.add_argument("--calib", help="int8q (and ONNX Runtime's static int8): .npz of calibration inputs, as for "
+                    "quantize (default: random batches)")
     bn.add_argument("--rounds", type=int, default=3, help="rotating rounds of --repeat runs per runner")
     bn.add_argument("--results", default="benchmarks/results", help="zoo: where zoo.json, zoo.md, zoo.png go")
     bn.add_argument("--torch-compile", action="store_true", help="zoo: also time torch.compile (slow to compile)")

@@ -116,3 +116,14 @@ def test_bench_command_times_onnxruntime_on_an_onnx_file(capsys):
 def test_bench_command_rejects_ort_for_a_built_in_model(capsys):
     assert main(["bench", "small_cnn", "--ort"]) == 1
     assert "--ort times ONNX Runtime on an ONNX file; 'small_cnn' is a built-in model" in capsys.readouterr().err
+
+
+def test_bench_command_calibrates_int8q_and_onnxruntimes_int8_on_the_given_data(tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    calib = tmp_path / "calib.npz"  # ranges 1000x the benchmark's random images: both int8 models lose them
+    np.savez(calib, image=np.random.default_rng(0).standard_normal((8, 1, 8, 8)).astype("float32") * 1000)
+    assert main(["bench", str(digits.MODEL_FILE), "--dtypes", "int8q", "--repeat", "1", "--rounds", "1", "--ort",
+                 "--dim", "N=2", "--calib", str(calib), "--json"]) == 0
+    errors = {row["runner"]: row["max_rel_error"] for row in json.loads(capsys.readouterr().out)["rows"]
+              if row["dtype"] != "float32"}
+    assert errors["relay_amp"] > 0.5 and errors["onnxruntime"] > 0.5  # random calibration: 0.19 for both
