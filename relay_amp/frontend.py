@@ -12,10 +12,13 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
+from ._onnx_graph import constant_values, inferred_values
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
 from .errors import MissingDependencyError, ModelLoadError
+from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down,
+                          upsamples_with_attribute_scales)
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 from .onnx_recurrent import recurrences_unrolled
 
@@ -86,7 +89,7 @@ def _tiny_addends_kept(proto):
     tiny = _tiny_scalars(proto.graph)
     if not tiny:
         return proto
-    ranks = _ranks(proto)
+    ranks = {name: len(dims) for name, (dims, _) in inferred_values(proto).items()}
     kept = onnx.ModelProto()
     kept.CopyFrom(proto)
     names = {tensor.name for tensor in kept.graph.initializer}
@@ -105,27 +108,8 @@ def _tiny_addends_kept(proto):
 def _tiny_scalars(graph) -> dict:
     """Name -> value of the graph's scalar float constants (initializers, Constant nodes) of magnitude at most
     TINY_ADDEND, zero excepted."""
-    from onnx import numpy_helper
-
-    named = [(tensor.name, tensor) for tensor in graph.initializer]
-    named += [(node.output[0], attribute.t) for node in graph.node if node.op_type == "Constant"
-              for attribute in node.attribute if attribute.name == "value"]
-    values = {name: numpy_helper.to_array(tensor) for name, tensor in named if not tensor.dims}
-    return {name: value for name, value in values.items()
-            if value.dtype.kind == "f" and 0 < abs(float(value)) <= TINY_ADDEND}
-
-
-def _ranks(proto) -> dict:
-    """Name -> rank of the values whose shape ONNX's shape inference knows (none where it fails)."""
-    import onnx
-
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # a model over 2 GB, or one the inference rejects: no rank is known
-        return {}
-    values = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
-    return {info.name: len(info.type.tensor_type.shape.dim) for info in values
-            if info.type.tensor_type.HasField("shape")}
+    return {name: value for name, value in constant_values(graph).items()
+            if value.ndim == 0 and value.dtype.kind == "f" and 0 < abs(float(value)) <= TINY_ADDEND}
 
 
 def _register_orphan_constants(graph) -> None:
@@ -181,7 +165,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     exporter left after convs and linear layers folded into their weights, parallel conv branches of one input
     summed (RepVGG, MobileOne) as one conv, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
-    scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
+    scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length,
+    opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
     axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
@@ -193,10 +178,14 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
         onnx.checker.check_model(proto)
         quantized = constant_dequantizes_folded(as_qdq(proto))
-        imported = relax_from_onnx(_simplified(recurrences_unrolled(quantized)), shape_dict=shape_dict,
-                                   keep_params_in_input=False)
+        simplified = upsamples_with_attribute_scales(_simplified(recurrences_unrolled(quantized)))
+        with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
+            warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
+            imported = relax_from_onnx(simplified, shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
+    if has_upsamples(proto):
+        imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._onnx_graph import inferred_values
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -97,7 +98,7 @@ def recurrences_unrolled(proto):
     if opset < MIN_OPSET:
         raise ModelLoadError(f"relay_amp unrolls LSTM, GRU and RNN in ONNX opset {MIN_OPSET} and later; "
                              f"this file is opset {opset} (export it again with a newer opset)")
-    values = _static_values(onnx.shape_inference.infer_shapes(proto))
+    values = inferred_values(proto)
     unrolled = onnx.ModelProto()
     unrolled.CopyFrom(proto)
     del unrolled.graph.node[:]
@@ -110,18 +111,6 @@ def recurrences_unrolled(proto):
         unrolled.graph.node.extend(writer.nodes)
         unrolled.graph.initializer.extend(writer.constants)
     return unrolled
-
-
-def _static_values(inferred) -> dict:
-    """The graph's values by name: (shape with None for unknown dims, numpy dtype)."""
-    import onnx
-
-    found = {}
-    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        tensor = value.type.tensor_type
-        dims = [dim.dim_value if dim.HasField("dim_value") else None for dim in tensor.shape.dim]
-        found[value.name] = (dims, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
-    return found
 
 
 def _recurrence(node, values: dict) -> _Recurrence:

@@ -1,0 +1,99 @@
+"""ONNX operators of old opsets written the way TVM's Relax importer reads them.
+
+Upsample (opsets 7-9, replaced by Resize in opset 10) took its scales as an attribute in opset 7 and as an input
+from opset 9. TVM's importer reads the attribute only, so every Upsample of an opset-9 file (an older exporter's
+nearest or bilinear upsampling: the TorchScript exporter at opset 9, keras2onnx, tf2onnx) failed to import.
+`upsamples_with_attribute_scales` moves constant scales into the attribute. The importer writes an Upsample as
+`resize2d` with asymmetric coordinates (ONNX's), but rounds a nearest-neighbour source index to the nearest
+integer where ONNX rounds it down: a 2x upsampling of [a, b, c, d] read [a, a, b, b, c, c, d, d] in ONNX Runtime
+and [a, a, b, c, c, c, d, d] once imported. `nearest_upsamples_rounded_down` rounds those down. TVM's Resize
+converter never rounds to nearest (ONNX's Resize names its rounding), so only an Upsample's resize2d has that
+rounding.
+"""
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ._ir import rewrite_op_calls
+from ._onnx_graph import constant_values, inferred_values
+from .errors import ModelLoadError
+
+UPSAMPLED_AXES = 2  # TVM's importer upsamples the last two axes of a 4-D (NCHW) tensor
+UPSAMPLE_CHECK_WARNING = r"(?s).*OpType: Upsample"  # ONNX's checker on an opset-7 Upsample in a later opset
+
+
+def upsamples_with_attribute_scales(proto):
+    """`proto` (a copy, where it has any Upsample) with each Upsample's constant scales input (opset 9) as its
+    `scales` attribute (opset 7), the scales checked to be what TVM's importer takes."""
+    import onnx
+
+    if not has_upsamples(proto):
+        return proto
+    constants, values = constant_values(proto.graph), inferred_values(proto)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(proto)
+    for node in rewritten.graph.node:
+        if node.op_type != "Upsample":
+            continue
+        scales, mode = _checked(node, _scales(node, constants), values.get(node.input[0])), _mode(node)
+        del node.input[1:]
+        del node.attribute[:]  # the scales, and the mode (default: nearest), written again
+        node.attribute.extend([onnx.helper.make_attribute("scales", scales),
+                               onnx.helper.make_attribute("mode", mode)])
+    return rewritten
+
+
+def _attribute(node, name: str):
+    import onnx
+
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+
+
+def _mode(node) -> str:
+    mode = _attribute(node, "mode")
+    return "nearest" if mode is None else mode.decode()
+
+
+def _scales(node, constants: dict[str, np.ndarray]) -> list[float]:
+    """An Upsample node's scales: its attribute (opset 7) or its constant input (opset 9)."""
+    if len(node.input) < 2:
+        return [float(s) for s in _attribute(node, "scales") or []]
+    if node.input[1] not in constants:
+        raise ModelLoadError(f"Upsample node {node.name!r}: its scales ({node.input[1]!r}) are computed at run time; "
+                             "relay_amp imports constant scales only")
+    return [float(s) for s in constants[node.input[1]].reshape(-1)]
+
+
+def _checked(node, scales: list[float], value: tuple | None) -> list[float]:
+    """`scales`, where TVM's importer computes them as ONNX does: the last two axes of a 4-D tensor, each to a
+    whole multiple of its size (the importer resizes by output size over input size, ONNX by the scale)."""
+    if len(scales) != 2 + UPSAMPLED_AXES or scales[:2] != [1.0, 1.0]:
+        raise ModelLoadError(f"Upsample node {node.name!r}: scales {scales}; relay_amp imports upsampling of the last "
+                             f"two axes of a 4-D tensor (scales [1, 1, h, w])")
+    dims = value[0] if value else [None] * len(scales)
+    if any(dim is not None and dim * scale != int(dim * scale) for dim, scale in zip(dims, scales)):
+        raise ModelLoadError(f"Upsample node {node.name!r}: scales {scales} of a tensor of shape {dims} give outputs of "
+                             "fractional size, which relay_amp does not import")
+    return scales
+
+
+def nearest_upsamples_rounded_down(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
+    """`mod` with each nearest-neighbour resize2d in asymmetric coordinates that rounds to nearest (TVM's import of
+    an ONNX Upsample) rounding down, as ONNX's Upsample does."""
+    return rewrite_op_calls(mod, func, {"relax.image.resize2d": _rounded_down})
+
+
+def _rounded_down(call: relax.Call, _builder) -> relax.Expr | None:
+    attrs = call.attrs
+    if (attrs.method, attrs.coordinate_transformation_mode, attrs.rounding_method) != (
+            "nearest_neighbor", "asymmetric", "round"):
+        return None
+    return relax.op.image.resize2d(call.args[0], call.args[1], list(attrs.roi), attrs.layout, attrs.method,
+                                   attrs.coordinate_transformation_mode, "floor", attrs.cubic_alpha,
+                                   attrs.cubic_exclude, attrs.extrapolation_value, attrs.out_dtype)
+
+
+def has_upsamples(proto) -> bool:
+    """Whether the ONNX model has Upsample nodes (opsets 7-9)."""
+    return any(node.op_type == "Upsample" for node in proto.graph.node)
