@@ -29,6 +29,7 @@ UNARY_OPS = {"relax.negative": "negative", "relax.sqrt": "sqrt", "relax.erf": "e
 BINARY_OPS = {"relax.add": "add", "relax.subtract": "subtract", "relax.multiply": "multiply",
               "relax.divide": "divide", "relax.maximum": "maximum", "relax.minimum": "minimum"}
 APPROXIMATED = ("erf", "exp", "tanh")  # the primitives with a fast_ version
+MAX_ROOT_POWER = 4.0  # the largest constant exponent computed by multiplies and square roots instead of pow
 # e^f on |f| <= ln2/2 for an exp whose result is rounded to bfloat16 or float16: a degree-4 polynomial fitted for
 # relative error, 7e-6 in fp32 arithmetic (fast_exp's degree 7: 1e-7; float16's half ulp: 4.9e-4). A degree 3, at
 # 1.2e-4, biased a bf16 EfficientNet-B0's output 30% further from fp32's than fast_exp did.
@@ -116,11 +117,25 @@ def scalar(expr: relax.Expr) -> "float | None":
     return float(values.reshape(-1)[0]) if values.size == 1 else None
 
 
+def root_power(base, value: "float | None", multiply, sqrt):
+    """`base` ** `value` as multiplies and square roots (`multiply(a, b)`, `sqrt(a)` build them) where `value` is a
+    multiple of 1/4 in (0, MAX_ROOT_POWER]: a variance's square, a tanh-GELU's cube, a local response norm's 0.75
+    (sqrt(x) * sqrt(sqrt(x))). LLVM calls libm's scalar pow for every element. None for other exponents."""
+    if value is None or not 0 < value <= MAX_ROOT_POWER or value * 4 != int(value * 4):
+        return None
+    whole, quarters = divmod(int(value * 4), 4)
+    factors = [base] * whole
+    if quarters:
+        root = sqrt(base)
+        factors += {1: lambda: [sqrt(root)], 2: lambda: [root], 3: lambda: [root, sqrt(root)]}[quarters]()
+    product = factors[0]
+    for factor in factors[1:]:
+        product = multiply(product, factor)
+    return product
+
+
 def _power(base: tuple, exponent: relax.Expr) -> "tuple | None":
-    value = scalar(exponent)
-    powers = {2.0: ("multiply", base, base), 3.0: ("multiply", ("multiply", base, base), base),
-              0.5: ("sqrt", base)}
-    return powers.get(value)
+    return root_power(base, scalar(exponent), lambda a, b: ("multiply", a, b), lambda a: ("sqrt", a))
 
 
 def of_call(call: relax.Expr, known: dict, fast: bool) -> "tuple | None":

@@ -72,12 +72,20 @@ def test_a_power_of_one_half_is_a_square_root():
     assert formula.of_call(relax.op.power(x, relax.const(0.5, "float32")), {x: X}, True) == ("sqrt", X)
 
 
+def test_a_power_of_three_quarters_is_a_root_times_its_root():
+    x = tensor("x", VALUES.shape)
+    made = formula.of_call(relax.op.power(x, relax.const(0.75, "float32")), {x: X}, True)
+    assert made == ("multiply", ("sqrt", X), ("sqrt", ("sqrt", X)))
+    positive = np.abs(VALUES) + 0.1
+    np.testing.assert_allclose(formula.root_power(positive, 0.75, np.multiply, np.sqrt), positive ** 0.75, rtol=1e-6)
+
+
 @pytest.mark.parametrize("reason,build", [
     ("an operand with no formula", lambda x, y: relax.op.add(x, y)),
     ("a constant that is not a scalar", lambda x, y: relax.op.add(x, relax.const(VALUES))),
     ("a reduction", lambda x, y: relax.op.sum(x)),
     ("a cast to an integer", lambda x, y: relax.op.astype(x, "int32")),
-    ("a power with another exponent", lambda x, y: relax.op.power(x, relax.const(1.5, "float32"))),
+    ("a power with another exponent", lambda x, y: relax.op.power(x, relax.const(1.7, "float32"))),
 ])
 def test_ops_without_a_formula_give_none(reason, build):
     x, y = tensor("x", VALUES.shape), tensor("y", VALUES.shape)
