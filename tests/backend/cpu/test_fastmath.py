@@ -63,6 +63,31 @@ def test_fast_math_build_matches_the_exact_build(name):
     assert np.abs(fast - exact).max() <= TOLERANCE * np.abs(exact).max()
 
 
+def test_fast_log_is_within_an_ulp_of_log_and_keeps_libms_special_values():
+    """log called libm's scalar logf for every element: 1.5 ms over 64x112x112 on the Zen 4 host, 0.26 after."""
+    rng = np.random.default_rng(0)
+    normal = np.exp(rng.uniform(-87, 88, 4000)).astype("float32")
+    near_one = (1 + np.arange(-1000, 1000) * 1e-7).astype("float32")
+    subnormal = np.array([1e-40, 1e-45, 3e-39], "float32")
+    special = np.array([0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 1.0, 2.0], "float32")
+    x = np.concatenate([normal, near_one, subnormal, special])
+    got = run_executable(build(single_output_module(relax.op.log, tensor("x", x.shape)), "cpu"), [x])[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = np.log(x.astype("float64"))
+    finite = np.isfinite(expected)
+    ulps = np.abs(got[finite] - expected[finite]) / np.spacing(np.abs(expected[finite]).astype("float32"))
+    assert ulps.max() <= 1.0
+    np.testing.assert_array_equal(got[~finite], expected[~finite])  # -inf at zeros, inf, NaN elsewhere
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_log_is_computed_in_fp32_and_rounded_once(dtype):
+    x = np.geomspace(1e-3, 1e3, 256).reshape(4, 64).astype(NUMPY_DTYPES[dtype])
+    got = run_executable(build(single_output_module(relax.op.log, tensor("x", (4, 64), dtype)), "cpu"), [x])[0]
+    expected = np.log(x.astype("float64"))
+    assert np.all(np.abs(got.astype("float64") - expected) <= RELATIVE[dtype] * np.abs(expected) + 1e-6)
+
+
 def test_low_precision_erf_is_computed_in_fp32():
     @I.ir_module
     class Before:
@@ -87,9 +112,10 @@ def test_low_precision_erf_is_computed_in_fp32():
     assert_transforms(fastmath.FastMath(), Before, relax.transform.FastMathTransform()(Widened))
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh"])
-def test_sigmoid_family_becomes_one_fast_primfunc(name):
-    op = {"sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu_tanh": relax.op.nn.gelu_tanh}[name]
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh", "log"])
+def test_sigmoid_family_and_log_become_one_fast_primfunc(name):
+    op = {"sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu_tanh": relax.op.nn.gelu_tanh,
+          "log": relax.op.log}[name]
     after = fastmath.FastMath()(single_output_module(op, tensor("x", (4, 64), "bfloat16")))
     relax.analysis.well_formed(after)
     calls = [b.value for b in after["main"].body.blocks[0].bindings]
@@ -214,3 +240,21 @@ def test_an_exported_silu_becomes_one_op_unless_its_gate_is_read_again():
     np.testing.assert_allclose(silu, EXACT["silu"](x.astype("float64")), rtol=TOLERANCE, atol=1e-7)
     np.testing.assert_allclose(product, EXACT["silu"](y.astype("float64")), rtol=TOLERANCE, atol=1e-7)
     np.testing.assert_allclose(gated, EXACT["sigmoid"](y.astype("float64")) * x, rtol=TOLERANCE, atol=1e-7)
+
+
+@pytest.mark.parametrize("activation", ["Softplus", "Mish", "LogSigmoid"])
+def test_exported_log_activations_run_on_the_fast_log_and_match_pytorch(activation, tmp_path):
+    """torch.onnx's Softplus (TVM imports it as max(x, 0) + log(1 + e^-|x|)), Mish (Softplus, Tanh, Mul) and
+    LogSigmoid: 1.9, 2.2 and 2.2 ms over 64x112x112 on libm's log, 0.69, 0.63 and 0.78 ms on the fast log."""
+    torch = pytest.importorskip("torch")
+    import relay_amp
+
+    module = getattr(torch.nn, activation)()
+    x = torch.linspace(-30, 30, 4 * 64).reshape(4, 64)
+    path = tmp_path / "activation.onnx"
+    torch.onnx.export(module, (x,), str(path), opset_version=17, dynamo=False)
+    mod = relay_amp.frontend.from_onnx(path)
+    prepared = fastmath.FastMath()(mod)
+    assert "fast_log" in [gv.name_hint for gv in prepared.get_global_vars()]
+    got = run_executable(build(mod, "cpu"), [x.numpy()])[0]
+    np.testing.assert_allclose(got, module(x.double()).numpy(), rtol=2e-6, atol=2e-6)
