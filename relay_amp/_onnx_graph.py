@@ -1,4 +1,8 @@
-"""Reading an ONNX graph before import: its constant values, and the shapes ONNX's shape inference gives."""
+"""Reading and rewriting an ONNX graph before import: its constant values, the shapes ONNX's shape inference
+gives, and nodes replaced by the nodes and constants a rewrite writes."""
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,3 +33,60 @@ def inferred_values(proto) -> dict[str, tuple[list[int | None], np.dtype]]:
             dims = [dim.dim_value if dim.HasField("dim_value") else None for dim in tensor.shape.dim]
             found[value.name] = (dims, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
     return found
+
+
+@dataclass
+class Writer:
+    """Emits ONNX nodes and constants under fresh names with one prefix."""
+
+    prefix: str
+    nodes: list = field(default_factory=list)
+    constants: list = field(default_factory=list)
+    count: int = 0
+
+    def _name(self) -> str:
+        self.count += 1
+        return f"{self.prefix}_{self.count}"
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, out: str | None = None, **attrs):
+        """A new node of `op_type` over `inputs`: its output's name (`out` if given), or a list of `outputs` names."""
+        import onnx
+
+        names = [out or self._name() for _ in range(outputs)]
+        self.nodes.append(onnx.helper.make_node(op_type, list(inputs), names, name=self._name(), **attrs))
+        return names if outputs > 1 else names[0]
+
+    def const(self, values, dtype="int64") -> str:
+        """The name of a new constant (indices, axes, sizes; weights or a zero state in the model's float dtype)."""
+        import onnx
+
+        name = self._name()
+        self.constants.append(onnx.numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
+        return name
+
+    def row(self, tensor: str, index: int) -> str:
+        """`tensor`'s slice `index` along its first axis, that axis dropped."""
+        return self.op("Gather", tensor, self.const(index), axis=0)
+
+    def split(self, tensor: str, sizes: list[int], axis: int) -> list[str]:
+        """`tensor` split along `axis` into parts of `sizes`."""
+        return self.op("Split", tensor, self.const(sizes), outputs=len(sizes), axis=axis)
+
+
+def rewrite_nodes(proto, op_types: Collection[str], rewrite: Callable) -> object:
+    """A copy of `proto` with each node of `op_types` replaced by what `rewrite(node, writer)` writes (nodes and
+    constants of a fresh Writer, the node's outputs under their names)."""
+    import onnx
+
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(proto)
+    del rewritten.graph.node[:]
+    for index, node in enumerate(proto.graph.node):
+        if node.op_type not in op_types:
+            rewritten.graph.node.append(node)
+            continue
+        writer = Writer(f"relay_amp_{node.op_type.lower()}{index}")
+        rewrite(node, writer)
+        rewritten.graph.node.extend(writer.nodes)
+        rewritten.graph.initializer.extend(writer.constants)
+    return rewritten

@@ -10,11 +10,11 @@ import folds with the file's other constants. `sequence_lens`, LSTM peepholes, `
 activations other than Sigmoid, Tanh and Relu are refused with a ModelLoadError naming the node.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import inferred_values
+from ._onnx_graph import Writer, inferred_values, rewrite_nodes
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -23,44 +23,6 @@ DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "
 ACTIVATIONS = ("Sigmoid", "Tanh", "Relu")
 REFUSED_INPUTS = {"sequence_lens": 4, "peepholes": 7}  # inputs the unrolling does not compute, by position
 MIN_OPSET = 13  # Split and Unsqueeze take their sizes and axes as inputs
-
-
-@dataclass
-class _Writer:
-    """Emits ONNX nodes and int64 constants under fresh names with one prefix."""
-
-    prefix: str
-    nodes: list = field(default_factory=list)
-    constants: list = field(default_factory=list)
-    count: int = 0
-
-    def _name(self) -> str:
-        self.count += 1
-        return f"{self.prefix}_{self.count}"
-
-    def op(self, op_type: str, *inputs: str, outputs: int = 1, out: str | None = None, **attrs):
-        """A new node of `op_type` over `inputs`: its output's name (`out` if given), or a list of `outputs` names."""
-        import onnx
-
-        names = [out or self._name() for _ in range(outputs)]
-        self.nodes.append(onnx.helper.make_node(op_type, list(inputs), names, name=self._name(), **attrs))
-        return names if outputs > 1 else names[0]
-
-    def const(self, values, dtype="int64") -> str:
-        """The name of a new constant (indices, axes, sizes; a zero state in the model's float dtype)."""
-        import onnx
-
-        name = self._name()
-        self.constants.append(onnx.numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
-        return name
-
-    def row(self, tensor: str, index: int) -> str:
-        """`tensor`'s slice `index` along its first axis, that axis dropped."""
-        return self.op("Gather", tensor, self.const(index), axis=0)
-
-    def split(self, tensor: str, sizes: list[int], axis: int) -> list[str]:
-        """`tensor` split along `axis` into parts of `sizes`."""
-        return self.op("Split", tensor, self.const(sizes), outputs=len(sizes), axis=axis)
 
 
 @dataclass(frozen=True)
@@ -90,8 +52,6 @@ class _Recurrence:
 
 def recurrences_unrolled(proto):
     """`proto` with its LSTM, GRU and RNN nodes written as the ops they compute (a copy; `proto` is unchanged)."""
-    import onnx
-
     if not any(node.op_type in RECURRENT_OPS for node in proto.graph.node):
         return proto
     opset = next((entry.version for entry in proto.opset_import if entry.domain in ("", "ai.onnx")), 0)
@@ -99,18 +59,7 @@ def recurrences_unrolled(proto):
         raise ModelLoadError(f"relay_amp unrolls LSTM, GRU and RNN in ONNX opset {MIN_OPSET} and later; "
                              f"this file is opset {opset} (export it again with a newer opset)")
     values = inferred_values(proto)
-    unrolled = onnx.ModelProto()
-    unrolled.CopyFrom(proto)
-    del unrolled.graph.node[:]
-    for index, node in enumerate(proto.graph.node):
-        if node.op_type not in RECURRENT_OPS:
-            unrolled.graph.node.append(node)
-            continue
-        writer = _Writer(f"relay_amp_{node.op_type.lower()}{index}")
-        _unroll(_recurrence(node, values), writer)
-        unrolled.graph.node.extend(writer.nodes)
-        unrolled.graph.initializer.extend(writer.constants)
-    return unrolled
+    return rewrite_nodes(proto, RECURRENT_OPS, lambda node, writer: _unroll(_recurrence(node, values), writer))
 
 
 def _recurrence(node, values: dict) -> _Recurrence:
@@ -147,7 +96,7 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _unroll(rec: _Recurrence, w: _Writer) -> None:
+def _unroll(rec: _Recurrence, w: Writer) -> None:
     """Write `rec`'s node into `w` as ops, under the node's own output names."""
     sequence = w.op("Transpose", rec.node.input[0], perm=[1, 0, 2]) if rec.batch_first else rec.node.input[0]
     stacks = ([], [], [])  # per direction: hidden states over time, final hidden state, final cell state
@@ -167,7 +116,7 @@ def _unroll(rec: _Recurrence, w: _Writer) -> None:
                 w.op("Identity", stacked, out=name)
 
 
-def _direction(rec: _Recurrence, w: _Writer, sequence: str, d: int, reverse: bool):
+def _direction(rec: _Recurrence, w: Writer, sequence: str, d: int, reverse: bool):
     """One direction's hidden states (each [1, batch, hidden]) in time order, and its final hidden and cell
     state (None but for LSTM)."""
     weight = w.op("Transpose", w.row(rec.node.input[1], d), perm=[1, 0])  # [input, gates x hidden]
@@ -185,7 +134,7 @@ def _direction(rec: _Recurrence, w: _Writer, sequence: str, d: int, reverse: boo
     return [states[step] for step in range(rec.steps)], state, cell if rec.kind == "LSTM" else None
 
 
-def _biases(rec: _Recurrence, w: _Writer, d: int) -> tuple[str | None, str | None]:
+def _biases(rec: _Recurrence, w: Writer, d: int) -> tuple[str | None, str | None]:
     """The bias added to every step's input projection (the input and recurrent biases summed), and a GRU's
     recurrent candidate bias where `linear_before_reset` applies the reset gate after it (else None)."""
     bias = rec.operand(3)
@@ -200,13 +149,13 @@ def _biases(rec: _Recurrence, w: _Writer, d: int) -> tuple[str | None, str | Non
     return w.op("Concat", w.op("Add", gates_in, gates_recurrent), candidate_in, axis=0), candidate_recurrent
 
 
-def _initial(rec: _Recurrence, w: _Writer, position: int, d: int) -> str:
+def _initial(rec: _Recurrence, w: Writer, position: int, d: int) -> str:
     """Direction `d`'s initial hidden (position 5) or cell (6) state: the node's input, else zeros."""
     given = rec.operand(position)
     return w.row(given, d) if given else w.const(np.zeros((rec.batch, rec.hidden)), rec.dtype)
 
 
-def _lstm_step(w: _Writer, x: str, state: str, cell: str, recurrent: str, _, rec: _Recurrence, d: int):
+def _lstm_step(w: Writer, x: str, state: str, cell: str, recurrent: str, _, rec: _Recurrence, d: int):
     f, g, h = rec.activations[d]
     gates = w.op("Add", x, w.op("MatMul", state, recurrent))
     inputs, outputs, forgets, candidates = w.split(gates, [rec.hidden] * 4, axis=1)
@@ -214,7 +163,7 @@ def _lstm_step(w: _Writer, x: str, state: str, cell: str, recurrent: str, _, rec
     return w.op("Mul", w.op(f, outputs), w.op(h, cell)), cell
 
 
-def _gru_step(w: _Writer, x: str, state: str, _, recurrent: str, reset_bias: str | None, rec: _Recurrence, d: int):
+def _gru_step(w: Writer, x: str, state: str, _, recurrent: str, reset_bias: str | None, rec: _Recurrence, d: int):
     f, g = rec.activations[d]
     x_update, x_reset, x_candidate = w.split(x, [rec.hidden] * 3, axis=1)
     gates_weight, candidate_weight = w.split(recurrent, [2 * rec.hidden, rec.hidden], axis=1)
@@ -232,5 +181,5 @@ def _gru_step(w: _Writer, x: str, state: str, _, recurrent: str, reset_bias: str
     return w.op("Add", candidate, w.op("Mul", update, w.op("Sub", state, candidate))), None
 
 
-def _rnn_step(w: _Writer, x: str, state: str, _, recurrent: str, __, rec: _Recurrence, d: int):
+def _rnn_step(w: Writer, x: str, state: str, _, recurrent: str, __, rec: _Recurrence, d: int):
     return w.op(rec.activations[d][0], w.op("Add", x, w.op("MatMul", state, recurrent))), None

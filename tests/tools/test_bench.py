@@ -127,3 +127,12 @@ def test_bench_command_calibrates_int8q_and_onnxruntimes_int8_on_the_given_data(
     errors = {row["runner"]: row["max_rel_error"] for row in json.loads(capsys.readouterr().out)["rows"]
               if row["dtype"] != "float32"}
     assert errors["relay_amp"] > 0.5 and errors["onnxruntime"] > 0.5  # random calibration: 0.19 for both
+
+
+def test_a_peer_that_fails_leaves_its_row_out_with_a_warning(tmp_path):
+    pytest.importorskip("onnxruntime")
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not an ONNX file")
+    with pytest.warns(UserWarning, match=f"ONNX Runtime cannot run {broken} .*; its row is left out"):
+        rows = benchmark(models.small_cnn(), ["float32"], "cpu", repeat=1, rounds=1, onnx_file=broken)
+    assert [(r.runner, r.dtype) for r in rows] == [("relay_amp", "float32")]
