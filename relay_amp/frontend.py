@@ -21,7 +21,7 @@ from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsampl
                           upsamples_with_attribute_scales)
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 from .onnx_recurrent import recurrences_unrolled
-from .onnx_spectral import stfts_as_convs
+from .onnx_spectral import dfts_as_matmuls, stfts_as_convs
 
 FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an ONNX import runs at most
 TINY_ADDEND = 1e-8  # onnxscript's no-op rules drop `x + c` and `x - c` for a scalar constant c this close to 0
@@ -167,7 +167,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     summed (RepVGG, MobileOne) as one conv, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
     scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length,
-    STFT nodes as convs by their DFT basis, opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
+    STFT and DFT nodes as a conv and a matmul by their DFT basis, opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
     axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
@@ -179,7 +179,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
         onnx.checker.check_model(proto)
         quantized = constant_dequantizes_folded(as_qdq(proto))
-        simplified = upsamples_with_attribute_scales(_simplified(stfts_as_convs(recurrences_unrolled(quantized))))
+        spectral = dfts_as_matmuls(stfts_as_convs(recurrences_unrolled(quantized)))
+        simplified = upsamples_with_attribute_scales(_simplified(spectral))
         with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
             warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
             imported = relax_from_onnx(simplified, shape_dict=shape_dict, keep_params_in_input=False)

@@ -1,4 +1,5 @@
-"""onnx_spectral: ONNX STFT nodes imported as a strided conv by their DFT basis, computing what ONNX defines."""
+"""onnx_spectral: ONNX STFT and DFT nodes imported as a strided conv and a matmul by their DFT basis, computing
+what ONNX defines."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from onnx.reference import ReferenceEvaluator
 
 import relay_amp
 from relay_amp import ModelLoadError
-from relay_amp.onnx_spectral import stfts_as_convs
+from relay_amp.onnx_spectral import dfts_as_matmuls, stfts_as_convs
 
 RNG = np.random.default_rng(0)
 LENGTH, STEP, FRAME = 400, 40, 64
@@ -84,3 +85,72 @@ def test_a_spectrogram_exported_from_torch_stft_matches_pytorch(tmp_path):
     torch.onnx.export(Spectrogram(), (wave,), str(path), dynamo=True, opset_version=18)
     got = relay_amp.run(relay_amp.frontend.from_onnx(path), [wave.numpy()])[0]
     np.testing.assert_allclose(got, Spectrogram()(wave).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _dft_model(shape, opset: int = 17, length: int | None = None, axis: int | None = None, **attributes):
+    """One DFT node over a float input of `shape` (last axis 1: real, 2: complex); the axis an attribute before
+    opset 20, an input from it; the DFT length a constant where given."""
+    initializers, names = [], ["x", "", ""]
+    if length is not None:
+        initializers.append(numpy_helper.from_array(np.array(length, "int64"), "length"))
+        names[1] = "length"
+    if axis is not None and opset >= 20:
+        initializers.append(numpy_helper.from_array(np.array(axis, "int64"), "axis"))
+        names[2] = "axis"
+    elif axis is not None:
+        attributes["axis"] = axis
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node("DFT", names, ["y"], "dft", **attributes)
+    graph = helper.make_graph([node], "dft", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    (output,) = ReferenceEvaluator(model).run(None, {"x": np.zeros(shape, "float32")})  # its shape, for the checker
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, output.shape))
+    return model
+
+
+@pytest.mark.parametrize("shape, opset, length, axis, attributes", [
+    ([2, 12, 1], 17, None, None, {}),  # real, axis 1 (opset 17's default)
+    ([2, 12, 1], 17, None, None, {"onesided": 1}),
+    ([2, 3, 12, 2], 17, None, 2, {}),  # complex
+    ([2, 3, 12, 2], 17, None, 2, {"inverse": 1}),
+    ([2, 12, 1], 17, 16, None, {"onesided": 1}),  # zero-padded to 16 points
+    ([2, 12, 2], 17, 8, None, {}),  # truncated to 8
+    ([2, 12, 5, 1], 20, None, 1, {}),  # the axis an input
+    ([2, 5, 12, 2], 20, None, None, {"inverse": 1}),  # opset 20's default axis: -2
+    ([2, 7, 2], 17, 12, None, {"inverse": 1, "onesided": 1}),  # a one-sided spectrum back to 12 real points
+])
+def test_dft_imports_as_a_matmul_computing_what_onnx_defines(shape, opset, length, axis, attributes):
+    model = _dft_model(shape, opset, length, axis, **attributes)
+    x = RNG.standard_normal(shape).astype("float32")
+    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    assert "MatMul" in [node.op_type for node in dfts_as_matmuls(model).graph.node]
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model), [x])[0]
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_a_dft_of_a_computed_length_is_refused_naming_the_node():
+    model = _dft_model([2, 12, 1], length=16)
+    model.graph.initializer.pop()
+    model.graph.input.append(helper.make_tensor_value_info("length", TensorProto.INT64, []))
+    with pytest.raises(ModelLoadError, match=r"DFT node 'dft': its dft_length \('length'\) is computed at run time"):
+        relay_amp.frontend.from_onnx(model)
+
+
+def test_torch_fft_functions_through_the_dynamo_exporter_match_pytorch(tmp_path):
+    """rfft, irfft and fft2 (FNet's token mixing) export as DFT nodes; the TorchScript exporter has none of them."""
+    torch = pytest.importorskip("torch")
+
+    class Spectral(torch.nn.Module):
+        def forward(self, x):
+            smoothed = torch.fft.irfft(torch.fft.rfft(x, dim=-1) * torch.linspace(1, 0, 17), n=32, dim=-1)
+            return smoothed + torch.fft.fft2(x.to(torch.complex64)).real
+
+    x = torch.randn(2, 8, 32)
+    path = tmp_path / "spectral.onnx"
+    torch.onnx.export(Spectral(), (x,), str(path), dynamo=True, opset_version=18)
+    got = relay_amp.run(relay_amp.frontend.from_onnx(path), [x.numpy()])[0]
+    expected = Spectral()(x).numpy()
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
