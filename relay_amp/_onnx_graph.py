@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+DEFAULT_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
+
 
 def constant_values(graph) -> dict[str, np.ndarray]:
     """The graph's initializers and Constant nodes' tensor values, by name."""
@@ -73,16 +75,21 @@ class Writer:
         return self.op("Split", tensor, self.const(sizes), outputs=len(sizes), axis=axis)
 
 
+def default_opset(proto) -> int:
+    """The version of the default (ai.onnx) operator set the model imports; 0 where it imports none."""
+    return next((entry.version for entry in proto.opset_import if entry.domain in DEFAULT_DOMAINS), 0)
+
+
 def rewrite_nodes(proto, op_types: Collection[str], rewrite: Callable) -> object:
-    """A copy of `proto` with each node of `op_types` replaced by what `rewrite(node, writer)` writes (nodes and
-    constants of a fresh Writer, the node's outputs under their names)."""
+    """A copy of `proto` with each node of `op_types` in the default domain replaced by what `rewrite(node, writer)`
+    writes (nodes and constants of a fresh Writer, the node's outputs under their names)."""
     import onnx
 
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(proto)
     del rewritten.graph.node[:]
     for index, node in enumerate(proto.graph.node):
-        if node.op_type not in op_types:
+        if node.op_type not in op_types or node.domain not in DEFAULT_DOMAINS:
             rewritten.graph.node.append(node)
             continue
         writer = Writer(f"relay_amp_{node.op_type.lower()}{index}")

@@ -17,6 +17,7 @@ from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
 from .errors import MissingDependencyError, ModelLoadError
+from .onnx_attention import attentions_as_matmuls
 from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down,
                           upsamples_with_attribute_scales)
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
@@ -167,7 +168,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     summed (RepVGG, MobileOne) as one conv, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
     scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length,
-    STFT and DFT nodes as a conv and a matmul by their DFT basis, opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
+    STFT and DFT nodes as a conv and a matmul by their DFT basis, opset 23's Attention as its matmuls and softmax, opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
     axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
@@ -179,7 +180,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
         onnx.checker.check_model(proto)
         quantized = constant_dequantizes_folded(as_qdq(proto))
-        spectral = dfts_as_matmuls(stfts_as_convs(recurrences_unrolled(quantized)))
+        spectral = dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(recurrences_unrolled(quantized))))
         simplified = upsamples_with_attribute_scales(_simplified(spectral))
         with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
             warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)

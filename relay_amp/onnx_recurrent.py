@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import Writer, inferred_values, rewrite_nodes
+from ._onnx_graph import Writer, default_opset, inferred_values, rewrite_nodes
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -54,7 +54,7 @@ def recurrences_unrolled(proto):
     """`proto` with its LSTM, GRU and RNN nodes written as the ops they compute (a copy; `proto` is unchanged)."""
     if not any(node.op_type in RECURRENT_OPS for node in proto.graph.node):
         return proto
-    opset = next((entry.version for entry in proto.opset_import if entry.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(proto)
     if opset < MIN_OPSET:
         raise ModelLoadError(f"relay_amp unrolls LSTM, GRU and RNN in ONNX opset {MIN_OPSET} and later; "
                              f"this file is opset {opset} (export it again with a newer opset)")

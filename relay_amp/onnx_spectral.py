@@ -16,7 +16,7 @@ The products then run on relay_amp's kernels like any other conv or matmul.
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, inferred_values, rewrite_nodes
+from ._onnx_graph import Writer, constant_values, default_opset, inferred_values, rewrite_nodes
 from .errors import ModelLoadError
 
 STFT_INPUTS = ("signal", "frame_step", "window", "frame_length")
@@ -108,7 +108,7 @@ def dfts_as_matmuls(proto):
     if not any(node.op_type == "DFT" for node in proto.graph.node):
         return proto
     constants, values = constant_values(proto.graph), inferred_values(proto)
-    opset = next((entry.version for entry in proto.opset_import if entry.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(proto)
     return rewrite_nodes(proto, {"DFT"}, lambda node, writer: _dft(node, writer, constants, values, opset))
 
 
