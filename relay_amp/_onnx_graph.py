@@ -80,16 +80,17 @@ def default_opset(proto) -> int:
     return next((entry.version for entry in proto.opset_import if entry.domain in DEFAULT_DOMAINS), 0)
 
 
-def rewrite_nodes(proto, op_types: Collection[str], rewrite: Callable) -> object:
-    """A copy of `proto` with each node of `op_types` in the default domain replaced by what `rewrite(node, writer)`
-    writes (nodes and constants of a fresh Writer, the node's outputs under their names)."""
+def rewrite_nodes(proto, op_types: Collection[str], rewrite: Callable,
+                  domains: Collection[str] = DEFAULT_DOMAINS) -> object:
+    """A copy of `proto` with each node of `op_types` in `domains` (the default one unless given) replaced by what
+    `rewrite(node, writer)` writes (nodes and constants of a fresh Writer, the node's outputs under their names)."""
     import onnx
 
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(proto)
     del rewritten.graph.node[:]
     for index, node in enumerate(proto.graph.node):
-        if node.op_type not in op_types or node.domain not in DEFAULT_DOMAINS:
+        if node.op_type not in op_types or node.domain not in domains:
             rewritten.graph.node.append(node)
             continue
         writer = Writer(f"relay_amp_{node.op_type.lower()}{index}")

@@ -18,6 +18,7 @@ from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_attention import attentions_as_matmuls
+from .onnx_contrib import contrib_ops_as_onnx
 from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down,
                           upsamples_with_attribute_scales)
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
@@ -168,8 +169,10 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     summed (RepVGG, MobileOne) as one conv, group norms as one op, clamps (ReLU6) as
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
     scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length,
-    STFT and DFT nodes as a conv and a matmul by their DFT basis, opset 23's Attention as its matmuls and softmax, opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name ({"batch": 1}: an export's dynamic
-    axes), before shapes are folded."""
+    STFT and DFT nodes as a conv and a matmul by their DFT basis, opset 23's Attention as its matmuls and softmax,
+    ONNX Runtime's fused norms, matmuls and activations (its transformer optimizer's) as ONNX ops, opset-9
+    Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
+    ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     proto = _load_onnx(model)
@@ -178,18 +181,23 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     try:
         import onnx
 
-        onnx.checker.check_model(proto)
-        quantized = constant_dequantizes_folded(as_qdq(proto))
-        spectral = dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(recurrences_unrolled(quantized))))
-        simplified = upsamples_with_attribute_scales(_simplified(spectral))
+        written = contrib_ops_as_onnx(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
+        onnx.checker.check_model(written)
         with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
             warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
-            imported = relax_from_onnx(simplified, shape_dict=shape_dict, keep_params_in_input=False)
+            imported = relax_from_onnx(_as_tvm_reads(written), shape_dict=shape_dict, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
     if has_upsamples(proto):
         imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)
+
+
+def _as_tvm_reads(proto):
+    """`proto` with the ops TVM's importer lacks or misreads written as ops it reads, and its constants folded."""
+    quantized = constant_dequantizes_folded(as_qdq(proto))
+    written = attentions_as_matmuls(recurrences_unrolled(quantized))
+    return upsamples_with_attribute_scales(_simplified(dfts_as_matmuls(stfts_as_convs(written))))
 
 
 def _sizing_hint(proto) -> str:

@@ -73,8 +73,8 @@ def _checked(node, scales: list[float], value: tuple | None) -> list[float]:
                              f"two axes of a 4-D tensor (scales [1, 1, h, w])")
     dims = value[0] if value else [None] * len(scales)
     if any(dim is not None and dim * scale != int(dim * scale) for dim, scale in zip(dims, scales)):
-        raise ModelLoadError(f"Upsample node {node.name!r}: scales {scales} of a tensor of shape {dims} give outputs of "
-                             "fractional size, which relay_amp does not import")
+        raise ModelLoadError(f"Upsample node {node.name!r}: scales {scales} of a tensor of shape {dims} give "
+                             "outputs of fractional size, which relay_amp does not import")
     return scales
 
 
