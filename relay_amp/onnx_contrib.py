@@ -8,7 +8,8 @@ LLaMA) reads, so such files failed to import. `contrib_ops_as_onnx` writes them 
 written (norms spelled out, which relay_amp's import folds into one layer norm), every output included:
 - SkipLayerNormalization: sum = input + skip (+ bias); its layer norm with gamma (and beta); mean and inverse
   standard deviation; the sum (output 3);
-- SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization: the same with an RMS norm;
+- SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization: the same with an RMS norm; LayerNormalization
+  in files before opset 17 (ONNX Runtime's own, in ONNX's domain), spelled out;
 - FusedMatMul: alpha times A (transposed) times B (transposed); BiasAdd: x + bias + skip; QuickGelu:
   x sigmoid(alpha x).
 """
@@ -21,16 +22,19 @@ SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 OPS = (*SKIP_NORMS, "SimplifiedLayerNormalization", "FusedMatMul", "BiasAdd", "QuickGelu")
 DOMAINS = (CONTRIB, "", "ai.onnx")  # ONNX Runtime registers SimplifiedLayerNormalization in ONNX's own domain
 AXES_AS_INPUT = 18  # the opset from which ReduceMean takes its axes as an input
+LAYER_NORM_OPSET = 17  # ONNX's LayerNormalization; before it, ONNX Runtime's own in ONNX's domain
 QUICK_GELU_ALPHA = 1.702
 
 
 def contrib_ops_as_onnx(proto):
     """`proto` with ONNX Runtime's fused norm, matmul and activation ops written as ONNX ops (a copy; `proto` is
     unchanged), or ModelLoadError naming a node whose options it does not write."""
-    if not any(node.op_type in OPS and node.domain in DOMAINS for node in proto.graph.node):
+    opset = default_opset(proto)
+    ops = OPS if opset >= LAYER_NORM_OPSET else (*OPS, "LayerNormalization")
+    if not any(node.op_type in ops and node.domain in DOMAINS for node in proto.graph.node):
         return proto
-    opset, values = default_opset(proto), inferred_values(proto)
-    return rewrite_nodes(proto, OPS, lambda node, writer: _rewrite(node, writer, opset, values), DOMAINS)
+    values = inferred_values(proto)
+    return rewrite_nodes(proto, ops, lambda node, writer: _rewrite(node, writer, opset, values), DOMAINS)
 
 
 def _rewrite(node, writer: Writer, opset: int, values: dict) -> None:
@@ -43,10 +47,12 @@ def _rewrite(node, writer: Writer, opset: int, values: dict) -> None:
     norm = _Norm(writer, opset, dtype)
     if node.op_type in SKIP_NORMS:
         _skip_norm(node, norm, attributes, inputs)
-    elif node.op_type == "SimplifiedLayerNormalization":
+    elif node.op_type in ("SimplifiedLayerNormalization", "LayerNormalization"):
         _check_last_axis(label, attributes, dims)
-        outputs = [*node.output, ""]
-        norm.write(inputs[0], inputs[1], "", attributes.get("epsilon", 1e-5), False, [outputs[0], "", outputs[1]])
+        centred, outputs = node.op_type == "LayerNormalization", [*node.output, "", ""]
+        beta = inputs[2] if centred else ""
+        named = outputs[:3] if centred else [outputs[0], "", outputs[1]]  # (Y, mean, inverse) or (Y, inverse)
+        norm.write(inputs[0], inputs[1], beta, attributes.get("epsilon", 1e-5), centred, named)
     elif node.op_type == "FusedMatMul":
         _fused_matmul(label, node, writer, attributes, inputs, values)
     elif node.op_type == "BiasAdd":

@@ -136,3 +136,13 @@ def test_a_gpt2_optimized_by_onnx_runtime_imports_and_matches_it(tmp_path):
     expected = onnxruntime.InferenceSession(str(optimized)).run(None, {"ids": ids.numpy()})[0]
     got = relay_amp.run(relay_amp.frontend.from_onnx(optimized), [ids.numpy()])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_layer_norm_in_onnxs_domain_before_opset_17_is_onnx_runtimes_and_spelled_out():
+    """ONNX Runtime's optimizer writes LayerNormalization into files of any opset; ONNX's checker knows it from 17."""
+    scale, bias = (RNG.standard_normal(16).astype("float32") for _ in range(2))
+    model = _model("LayerNormalization", {"x": SHAPE, "scale": scale, "bias": bias}, {"y": SHAPE}, domain="",
+                   opset=14, axis=-1, epsilon=1e-5)
+    x = RNG.standard_normal(SHAPE).astype("float32")
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model), [x])[0]
+    np.testing.assert_allclose(got, _layer_norm(x, scale, bias, 1e-5)[0], rtol=2e-5, atol=2e-5)
