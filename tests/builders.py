@@ -51,3 +51,19 @@ def positions_onnx() -> onnx.ModelProto:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])],
                               [numpy_helper.from_array(v, k) for k, v in scalars.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def hidden_states(model):
+    """A torch module returning a transformers `model`'s last hidden state for token ids (and an attention mask,
+    where one is passed): what users export from a transformers model."""
+    import torch
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask=None):
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    return Hidden()

@@ -13,7 +13,7 @@ import relay_amp
 from relay_amp import frontend
 from relay_amp.runtime import run_executable
 
-from builders import positions_onnx
+from builders import hidden_states, positions_onnx
 
 
 def conv_gemm_onnx() -> onnx.ModelProto:
@@ -111,18 +111,9 @@ def test_from_torch_imports_a_transformers_decoder_with_its_key_value_cache():
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     model = hf.Qwen2Model(config).eval()
     ids = torch.randint(0, 128, (1, 8))
-
-    class Hidden(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids).last_hidden_state
-
-    mod = frontend.from_torch(Hidden(), [ids])
+    mod = frontend.from_torch(hidden_states(model), [ids])
     with torch.no_grad():
-        expected = Hidden()(ids).numpy()
+        expected = hidden_states(model)(ids).numpy()
     np.testing.assert_allclose(relay_amp.run(mod, [ids.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
 
 

@@ -8,6 +8,8 @@ import relay_amp
 from relay_amp import ModelLoadError
 from relay_amp.onnx_contrib import CONTRIB, contrib_ops_as_onnx
 
+from builders import hidden_states
+
 RNG = np.random.default_rng(0)
 SHAPE = (2, 5, 16)
 
@@ -116,18 +118,10 @@ def test_a_gpt2_optimized_by_onnx_runtime_imports_and_matches_it(tmp_path):
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
     model = transformers.GPT2Model(config).eval()
-
-    class Hidden(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids).last_hidden_state
-
     ids = torch.randint(0, 100, (1, 16))
     exported, optimized = tmp_path / "gpt2.onnx", tmp_path / "gpt2_optimized.onnx"
-    torch.onnx.export(Hidden(), (ids,), str(exported), input_names=["ids"], opset_version=17, dynamo=False)
+    torch.onnx.export(hidden_states(model), (ids,), str(exported), input_names=["ids"], opset_version=17,
+                      dynamo=False)
     optimizer.optimize_model(str(exported), model_type="gpt2", num_heads=4, hidden_size=64).save_model_to_file(
         str(optimized))
     import onnx

@@ -9,7 +9,7 @@ from tvm.script import relax as R
 import relay_amp
 from relay_amp import ModelLoadError
 from relay_amp.onnx_legacy import nearest_upsamples_rounded_down
-from tests.pass_checks import assert_transforms
+from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
 SHAPE = (1, 2, 6, 7)
