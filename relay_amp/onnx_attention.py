@@ -61,7 +61,7 @@ def _attention(node, writer: Writer, values: dict) -> None:
         probabilities = _masked_rows_zeroed(writer, probabilities, bias, dtype)
     output = writer.op("MatMul", probabilities, v)
     if split:
-        output = writer.op("Reshape", writer.op("Transpose", output, perm=[0, 2, 1, 3]), writer.const([0, 0, -1]))
+        output = joined_heads(writer, output)
     writer.op("Identity", output, out=node.output[0])
 
 
@@ -82,9 +82,17 @@ def _shape(label: str, values: dict, name: str) -> tuple:
 
 def _heads(writer: Writer, tensor: str, heads: "int | None", split: bool) -> str:
     """A 3-D [batch, sequence, heads x size] input as [batch, heads, sequence, size]; a 4-D one as it is."""
-    if not split:
-        return tensor
+    return split_heads(writer, tensor, heads) if split else tensor
+
+
+def split_heads(writer: Writer, tensor: str, heads: int) -> str:
+    """[batch, sequence, heads x size] as [batch, heads, sequence, size]."""
     return writer.op("Transpose", writer.op("Reshape", tensor, writer.const([0, 0, heads, -1])), perm=[0, 2, 1, 3])
+
+
+def joined_heads(writer: Writer, tensor: str, out: "str | None" = None) -> str:
+    """[batch, heads, sequence, size] as [batch, sequence, heads x size]."""
+    return writer.op("Reshape", writer.op("Transpose", tensor, perm=[0, 2, 1, 3]), writer.const([0, 0, -1]), out=out)
 
 
 def _with_past(writer: Writer, past: str, current: str, outputs, index: int) -> str:

@@ -11,16 +11,25 @@ written (norms spelled out, which relay_amp's import folds into one layer norm),
 - SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization: the same with an RMS norm; LayerNormalization
   in files before opset 17 (ONNX Runtime's own, in ONNX's domain), spelled out;
 - FusedMatMul: alpha times A (transposed) times B (transposed); BiasAdd: x + bias + skip; QuickGelu:
-  x sigmoid(alpha x).
+  x sigmoid(alpha x);
+- Attention (BERT's and GPT-2's fused self-attention; TVM's converter refused its usual 2-D mask and
+  `unidirectional`): the packed Q, K, V projection, heads, scores times the scale, plus mask_filter_value
+  (-10000) where the mask (key lengths, or a 2-D or 3-D 0/1 mask) or the causal order excludes a key, plus the
+  attention bias, a softmax and the heads joined again.
 """
 
-from ._onnx_graph import Writer, default_opset, inferred_values, rewrite_nodes
+import numpy as np
+
+from ._onnx_graph import Writer, constant_values, default_opset, inferred_values, rewrite_nodes
 from .errors import ModelLoadError
+from .onnx_attention import joined_heads, split_heads
 
 CONTRIB = "com.microsoft"
 SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
-OPS = (*SKIP_NORMS, "SimplifiedLayerNormalization", "FusedMatMul", "BiasAdd", "QuickGelu")
+OPS = (*SKIP_NORMS, "SimplifiedLayerNormalization", "FusedMatMul", "BiasAdd", "QuickGelu", "Attention")
 DOMAINS = (CONTRIB, "", "ai.onnx")  # ONNX Runtime registers SimplifiedLayerNormalization in ONNX's own domain
+MASK_FILTER_VALUE = -10000.0  # what ONNX Runtime's Attention adds to a masked key's score unless told otherwise
+ATTENTION_REFUSED = ("do_rotary", "past_present_share_buffer")
 AXES_AS_INPUT = 18  # the opset from which ReduceMean takes its axes as an input
 LAYER_NORM_OPSET = 17  # ONNX's LayerNormalization; before it, ONNX Runtime's own in ONNX's domain
 QUICK_GELU_ALPHA = 1.702
@@ -31,10 +40,20 @@ def contrib_ops_as_onnx(proto):
     unchanged), or ModelLoadError naming a node whose options it does not write."""
     opset = default_opset(proto)
     ops = OPS if opset >= LAYER_NORM_OPSET else (*OPS, "LayerNormalization")
-    if not any(node.op_type in ops and node.domain in DOMAINS for node in proto.graph.node):
+    if not any(_is_contrib(node, ops) for node in proto.graph.node):
         return proto
     values = inferred_values(proto)
-    return rewrite_nodes(proto, ops, lambda node, writer: _rewrite(node, writer, opset, values), DOMAINS)
+    rewritten = rewrite_nodes(proto, [op for op in ops if op != "Attention"],
+                              lambda node, writer: _rewrite(node, writer, opset, values), DOMAINS)
+    widths = {name: value.shape[-1] for name, value in constant_values(proto.graph).items() if value.ndim == 2}
+    return rewrite_nodes(rewritten, ["Attention"], lambda node, writer: _attention(node, writer, values, widths),
+                         [CONTRIB])
+
+
+def _is_contrib(node, ops) -> bool:
+    """Whether `node` is one of `ops` as ONNX Runtime writes it (its Attention only in its own domain: ONNX's own
+    Attention is onnx_attention's)."""
+    return node.op_type in ops and node.domain in (DOMAINS if node.op_type != "Attention" else (CONTRIB,))
 
 
 def _rewrite(node, writer: Writer, opset: int, values: dict) -> None:
@@ -124,3 +143,78 @@ def _fused_matmul(label: str, node, writer: Writer, attributes: dict, inputs: li
     product = writer.op("MatMul", *operands)
     dtype = values.get(inputs[0], (None, "float32"))[1]
     writer.op("Mul", product, writer.const(attributes.get("alpha", 1.0), dtype), out=node.output[0])
+
+
+def _attention(node, writer: Writer, values: dict, widths: dict) -> None:
+    """ONNX Runtime's fused self-attention: one projection to Q, K and V, then as onnx_attention's, masked keys
+    getting mask_filter_value added to their scores (not -inf)."""
+    import onnx
+
+    label = f"Attention node {node.name or node.output[0]!r}"
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    inputs = [*node.input, *[""] * 7]
+    refused = [name for name in ATTENTION_REFUSED if attributes.get(name)]
+    refused += [name for name, index in (("past", 4), ("past_sequence_length", 6)) if inputs[index]]
+    refused += ["the present output"] if len(node.output) > 1 and node.output[1] else []
+    if refused:
+        raise ModelLoadError(f"{label}: relay_amp does not write an Attention with {', '.join(refused)}")
+    dims, dtype = values.get(inputs[0], (None, None))
+    if dims is None or None in dims or len(dims) != 3:
+        raise ModelLoadError(f"{label}: its input needs a known 3-D shape, not {dims}")
+    heads = attributes["num_heads"]
+    projected = writer.op("MatMul", inputs[0], inputs[1])
+    if inputs[2]:
+        projected = writer.op("Add", projected, inputs[2])
+    if "qkv_hidden_sizes" not in attributes and inputs[1] not in widths:
+        raise ModelLoadError(f"{label}: its weights ({inputs[1]!r}) are not a constant matrix")
+    sizes = list(attributes.get("qkv_hidden_sizes", [widths.get(inputs[1], 0) // 3] * 3))
+    q, k, v = (split_heads(writer, part, heads) for part in writer.split(projected, sizes, axis=2))
+    scores = writer.op("Mul", writer.op("MatMul", q, writer.op("Transpose", k, perm=[0, 1, 3, 2])),
+                       writer.const(attributes.get("scale", 1 / np.sqrt(sizes[0] // heads)), dtype))
+    fill = attributes.get("mask_filter_value", MASK_FILTER_VALUE)
+    for bias in (_mask_bias(label, writer, inputs[3], values, dims[1], fill, dtype),
+                 _causal_bias(writer, dims[1], fill, dtype) if attributes.get("unidirectional", 0) else "",
+                 inputs[5]):
+        if bias:
+            scores = writer.op("Add", scores, bias)
+    output = writer.op("MatMul", writer.op("Softmax", scores, axis=-1), v)
+    joined_heads(writer, output, out=node.output[0])
+
+
+def _mask_bias(label: str, writer: Writer, mask: str, values: dict, length: int, fill: float, dtype) -> str:
+    """mask_filter_value where a key is masked, broadcast to [batch, heads, queries, keys]: from key lengths
+    [batch] (keys past the length), or a 0/1 mask [batch, keys] or [batch, queries, keys]."""
+    if not mask:
+        return ""
+    rank = len(values.get(mask, ([],))[0])
+    if rank == 1:
+        keys = writer.const(np.arange(length).reshape(1, length))
+        ends = writer.op("Unsqueeze", writer.op("Cast", mask, to=onnx_int64()), writer.const([1]))
+        open_keys = writer.op("Less", keys, ends)  # [batch, keys]
+    elif rank in (2, 3):
+        open_keys = writer.op("Cast", mask, to=onnx_bool())
+    else:
+        raise ModelLoadError(f"{label}: relay_amp writes masks of key lengths or of 0/1 over keys (rank 1, 2 or 3), "
+                             f"not of rank {rank}")
+    bias = writer.op("Where", open_keys, writer.const(0.0, dtype), writer.const(fill, dtype))
+    axes = [1, 2] if rank < 3 else [1]  # -> [batch, 1, 1, keys] or [batch, 1, queries, keys]
+    return writer.op("Unsqueeze", bias, writer.const(axes))
+
+
+def _causal_bias(writer: Writer, length: int, fill: float, dtype) -> str:
+    later = np.arange(length)[None, :] > np.arange(length)[:, None]
+    return writer.const(np.where(later, fill, 0.0), dtype)
+
+
+def onnx_int64() -> int:
+    """ONNX's code of int64."""
+    import onnx
+
+    return onnx.TensorProto.INT64
+
+
+def onnx_bool() -> int:
+    """ONNX's code of bool."""
+    import onnx
+
+    return onnx.TensorProto.BOOL

@@ -140,3 +140,42 @@ def test_layer_norm_in_onnxs_domain_before_opset_17_is_onnx_runtimes_and_spelled
     x = RNG.standard_normal(SHAPE).astype("float32")
     got = relay_amp.run(relay_amp.frontend.from_onnx(model), [x])[0]
     np.testing.assert_allclose(got, _layer_norm(x, scale, bias, 1e-5)[0], rtol=2e-5, atol=2e-5)
+
+
+ATTENTION_MASKS = {  # name: (mask input type, its shape, its values), or None
+    "none": None,
+    "key lengths": (TensorProto.INT32, [2], np.array([8, 5], "int32")),
+    "2-D 0/1": (TensorProto.INT32, [2, 8], (np.arange(8) < np.array([[8], [6]])).astype("int32")),
+    "3-D 0/1": (TensorProto.INT32, [2, 8, 8], np.tril(np.ones((8, 8), "int32"))[None].repeat(2, 0)),
+}
+
+
+@pytest.mark.parametrize("mask", list(ATTENTION_MASKS))
+@pytest.mark.parametrize("unidirectional", [0, 1])
+def test_onnx_runtimes_fused_attention_matches_it(mask, unidirectional):
+    """TVM's converter of ONNX Runtime's Attention refused its usual 2-D mask and any `unidirectional`."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    weights = (RNG.standard_normal((32, 96)) * 0.2).astype("float32")
+    bias = (RNG.standard_normal(96) * 0.1).astype("float32")
+    inputs = {"x": (2, 8, 32), "w": weights, "b": bias}
+    if ATTENTION_MASKS[mask]:
+        inputs["mask"] = "mask"
+    attributes = {"num_heads": 4, **({"unidirectional": 1} if unidirectional else {})}
+    model = _model("Attention", {k: v for k, v in inputs.items() if k != "mask"}, {"y": (2, 8, 32)}, **attributes)
+    feeds = {"x": RNG.standard_normal((2, 8, 32)).astype("float32")}
+    if ATTENTION_MASKS[mask]:
+        element, shape, value = ATTENTION_MASKS[mask]
+        model.graph.input.append(helper.make_tensor_value_info("mask", element, shape))
+        model.graph.node[0].input.append("mask")
+        feeds["mask"] = value
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model), list(feeds.values()))[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_attention_with_a_cache_is_refused_naming_the_node():
+    weights = np.zeros((32, 96), "float32")
+    model = _model("Attention", {"x": (2, 8, 32), "w": weights, "b": None, "mask": None, "past": (2, 2, 4, 3, 8)},
+                   {"y": (2, 8, 32)}, num_heads=4)
+    with pytest.raises(ModelLoadError, match="Attention node 'fused': relay_amp does not write an Attention with past"):
+        relay_amp.frontend.from_onnx(model)
