@@ -17,7 +17,7 @@ from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
 from .passes.padding_taps import DropPaddingTaps
 from .passes.parallel_convs import MergeParallelConvs
-from .passes.pooling import GlobalPoolWindows
+from .passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 from .passes.shapes import Specialize
@@ -26,5 +26,5 @@ from .passes.weight_only import QuantizeWeights
 __all__ = ["ConvertLayout", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts", "FastMath",
            "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps",
            "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ",
-           "Recast", "Specialize", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels",
+           "Recast", "SeparableMaxPools", "Specialize", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels",
            "UsePackedInt4Kernels", "WidenArithmetic"]

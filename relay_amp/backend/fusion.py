@@ -6,7 +6,7 @@ import tvm
 from tvm import relax
 
 from .._folding import FoldConstants
-from ..passes.pooling import GlobalPoolWindows
+from ..passes.pooling import GlobalPoolWindows, SeparableMaxPools
 
 AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
 
@@ -19,10 +19,11 @@ def deduplication_passes() -> list[tvm.transform.Pass]:
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    """Global pooling windows as reductions, then library dispatch, legalization, op-pattern annotation, constant
-    folding and fusion for `target`."""
+    """Global pooling windows as reductions and large max-pool windows as rows then columns, then library dispatch,
+    legalization, op-pattern annotation, constant folding and fusion for `target`."""
     return [
         GlobalPoolWindows(),
+        SeparableMaxPools(),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
