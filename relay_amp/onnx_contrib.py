@@ -30,6 +30,7 @@ OPS = (*SKIP_NORMS, "SimplifiedLayerNormalization", "FusedMatMul", "BiasAdd", "Q
 DOMAINS = (CONTRIB, "", "ai.onnx")  # ONNX Runtime registers SimplifiedLayerNormalization in ONNX's own domain
 MASK_FILTER_VALUE = -10000.0  # what ONNX Runtime's Attention adds to a masked key's score unless told otherwise
 ATTENTION_REFUSED = ("do_rotary", "past_present_share_buffer")
+INT64, BOOL = 7, 9  # onnx.TensorProto's codes of the element types
 AXES_AS_INPUT = 18  # the opset from which ReduceMean takes its axes as an input
 LAYER_NORM_OPSET = 17  # ONNX's LayerNormalization; before it, ONNX Runtime's own in ONNX's domain
 QUICK_GELU_ALPHA = 1.702
@@ -189,10 +190,10 @@ def _mask_bias(label: str, writer: Writer, mask: str, values: dict, length: int,
     rank = len(values.get(mask, ([],))[0])
     if rank == 1:
         keys = writer.const(np.arange(length).reshape(1, length))
-        ends = writer.op("Unsqueeze", writer.op("Cast", mask, to=onnx_int64()), writer.const([1]))
+        ends = writer.op("Unsqueeze", writer.op("Cast", mask, to=INT64), writer.const([1]))
         open_keys = writer.op("Less", keys, ends)  # [batch, keys]
     elif rank in (2, 3):
-        open_keys = writer.op("Cast", mask, to=onnx_bool())
+        open_keys = writer.op("Cast", mask, to=BOOL)
     else:
         raise ModelLoadError(f"{label}: relay_amp writes masks of key lengths or of 0/1 over keys (rank 1, 2 or 3), "
                              f"not of rank {rank}")
@@ -204,17 +205,3 @@ def _mask_bias(label: str, writer: Writer, mask: str, values: dict, length: int,
 def _causal_bias(writer: Writer, length: int, fill: float, dtype) -> str:
     later = np.arange(length)[None, :] > np.arange(length)[:, None]
     return writer.const(np.where(later, fill, 0.0), dtype)
-
-
-def onnx_int64() -> int:
-    """ONNX's code of int64."""
-    import onnx
-
-    return onnx.TensorProto.INT64
-
-
-def onnx_bool() -> int:
-    """ONNX's code of bool."""
-    import onnx
-
-    return onnx.TensorProto.BOOL

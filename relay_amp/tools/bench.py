@@ -93,7 +93,8 @@ def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, targe
     return candidate if candidate.is_dir() else None
 
 
-def _relay_runner(executable: relax.VMExecutable, inputs: Sequence[np.ndarray]) -> Callable[[], object]:
+def relay_runner(executable: relax.VMExecutable, inputs: Sequence[np.ndarray]) -> Callable[[], object]:
+    """A call that runs `executable`'s main on `inputs` (copied to TVM tensors once) and returns its result."""
     vm = virtual_machine(executable)
     args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
     return lambda: vm["main"](*args)
@@ -123,7 +124,7 @@ def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16")
     for dtype in order:
         logs = _logs_for(tune_logs, model, dtype, target)
         executable = build(variant(mod, dtype, calibration), target, logs, fast_math, LAYOUTS[layout])
-        runners[(RELAY_AMP, dtype)] = _relay_runner(executable, inputs)
+        runners[(RELAY_AMP, dtype)] = relay_runner(executable, inputs)
         tuned[(RELAY_AMP, dtype)] = logs is not None
     runners.update(_torch_runners(torch_twin, order))
     with tempfile.TemporaryDirectory() as work_dir:

@@ -28,7 +28,7 @@ from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
 from ..targets import host_cores
 from . import zoo
-from .bench import BASELINE, QUANTIZED, max_relative_error, variant
+from .bench import BASELINE, QUANTIZED, max_relative_error, relay_runner, variant
 from .metrics import cosine_similarity, top1_agreement
 from .peers import ort_quantized, ort_runner, ort_session, rotating_medians
 from .profile import ProfileRow, call_times, profile_rows
@@ -55,12 +55,6 @@ class ZooResult:
     error: dict[str, float] = field(default_factory=dict)
     slow_paths: list[str] = field(default_factory=list)
     agreement: dict[str, float] = field(default_factory=dict)  # int8 runners: top-1 share (CNNs) or min cosine
-
-
-def _relay_runner(executable: relax.VMExecutable, inputs: list[np.ndarray]) -> Callable[[], np.ndarray]:
-    vm = virtual_machine(executable)
-    args = [tvm.runtime.tensor(x) for x in inputs]
-    return lambda: vm["main"](*args)
 
 
 def _torch_runners(name: str, inputs: list[np.ndarray], compiled: bool,
@@ -132,7 +126,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         mod = frontend.from_onnx(path)
         calibration = [zoo.example_inputs(name, tiny, seed) for seed in range(1, CALIBRATION_INPUTS + 1)]
         executables = {dtype: build(variant(mod, dtype, calibration), target) for dtype in [BASELINE, *dtypes]}
-        runners = {f"relay_amp {SHORT.get(d, d)}": _relay_runner(ex, inputs) for d, ex in executables.items()}
+        runners = {f"relay_amp {SHORT.get(d, d)}": relay_runner(ex, inputs) for d, ex in executables.items()}
         runners.update(_torch_runners(name, inputs, torch_compile, tiny))
         runners["onnxruntime fp32"] = ort_runner(ort_session(path), inputs)
         if QUANTIZED in dtypes:
@@ -140,7 +134,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
             ort_int8 = ort_session(ort_file)
             runners[ORT_INT8] = ort_runner(ort_int8, inputs)
             on_ort_file = build(realize_qdq(frontend.from_onnx(ort_file)), target)
-            runners[ORT_FILE_INT8] = _relay_runner(on_ort_file, inputs)
+            runners[ORT_FILE_INT8] = relay_runner(on_ort_file, inputs)
         result.ms = rotating_medians(runners, rounds, repeat)
         reference = _output(runners["torch fp32"]())
         result.error = {runner: max_relative_error(_output(run()), reference) for runner, run in runners.items()}

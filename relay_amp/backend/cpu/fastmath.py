@@ -52,24 +52,26 @@ def _in_fp32(op_name: str, narrow: bool):
     """A TE function computing the activation `op_name` in fp32 with the fast polynomials, returning the input's
     dtype; its exps only as accurate as a bf16/fp16 result needs where `narrow` (formula.narrowed)."""
     made = formula.activation(op_name, formula.X, fast=True)
-
-    def compute(x: te.Tensor) -> te.Tensor:
-        wide = topi.cast(x, WIDE) if x.dtype != WIDE else x
-        result = formula.compute(formula.narrowed(made) if narrow else made, wide)
-        return topi.cast(result, x.dtype) if x.dtype != WIDE else result
-    return compute
+    return _widened(lambda wide: formula.compute(formula.narrowed(made) if narrow else made, wide))
 
 
 def _log_softmax_in_fp32(axis: int):
     """A TE function computing log_softmax over `axis` in fp32 as x - max - log(sum(e^(x - max))) with the fast
     exp and log, returning the input's dtype (TVM's log_softmax calls libm's exp and log: 1.35 ms over
     64x112x112 rows of 112, against 0.2 ms for softmax)."""
-    def compute(x: te.Tensor) -> te.Tensor:
-        wide = topi.cast(x, WIDE) if x.dtype != WIDE else x
+    def compute(wide: te.Tensor) -> te.Tensor:
         shifted = topi.subtract(wide, topi.max(wide, axis=axis, keepdims=True))
         total = topi.sum(topi.fast_exp(shifted), axis=axis, keepdims=True)
-        result = topi.subtract(shifted, formula.PRIMITIVES["fast_log"](total))
-        return topi.cast(result, x.dtype) if x.dtype != WIDE else result
+        return topi.subtract(shifted, formula.PRIMITIVES["fast_log"](total))
+    return _widened(compute)
+
+
+def _widened(compute_wide):
+    """A TE function applying `compute_wide` to its input cast to fp32, its result cast back to the input's dtype."""
+    def compute(x: te.Tensor) -> te.Tensor:
+        if x.dtype == WIDE:
+            return compute_wide(x)
+        return topi.cast(compute_wide(topi.cast(x, WIDE)), x.dtype)
     return compute
 
 
