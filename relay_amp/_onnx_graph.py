@@ -9,6 +9,13 @@ import numpy as np
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
 
 
+def node_attributes(node) -> dict:
+    """A node's attributes by name, as Python values."""
+    import onnx
+
+    return {attribute.name: onnx.helper.get_attribute_value(attribute) for attribute in node.attribute}
+
+
 def constant_values(graph) -> dict[str, np.ndarray]:
     """The graph's initializers and Constant nodes' tensor values, by name."""
     from onnx import numpy_helper

@@ -13,7 +13,7 @@ then run on relay_amp's kernels and row schedules like any exporter's spelled-ou
 
 import numpy as np
 
-from ._onnx_graph import Writer, default_opset, inferred_values, rewrite_nodes
+from ._onnx_graph import DEFAULT_DOMAINS, Writer, default_opset, inferred_values, node_attributes, rewrite_nodes
 from .errors import ModelLoadError
 
 ATTENTION_OPSET = 23  # the first opset with ONNX's own Attention
@@ -25,17 +25,15 @@ def attentions_as_matmuls(proto):
     """`proto` with each Attention node of ONNX's own operator set written as the ops it computes (a copy; `proto` is
     unchanged), or ModelLoadError naming a node whose options it does not write."""
     if default_opset(proto) < ATTENTION_OPSET or not any(
-            node.op_type == "Attention" and node.domain in ("", "ai.onnx") for node in proto.graph.node):
+            node.op_type == "Attention" and node.domain in DEFAULT_DOMAINS for node in proto.graph.node):
         return proto
     values = inferred_values(proto)
     return rewrite_nodes(proto, {"Attention"}, lambda node, writer: _attention(node, writer, values))
 
 
 def _attention(node, writer: Writer, values: dict) -> None:
-    import onnx
-
     label = f"Attention node {node.name or node.output[0]!r}"
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    attributes = node_attributes(node)
     named = dict(zip(INPUTS, [*node.input, *[""] * len(INPUTS)]))
     _check_supported(label, node, attributes, named)
     q_dims, dtype = _shape(label, values, named["q"])

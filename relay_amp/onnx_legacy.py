@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from ._ir import rewrite_op_calls
-from ._onnx_graph import constant_values, inferred_values
+from ._onnx_graph import constant_values, inferred_values, node_attributes
 from .errors import ModelLoadError
 
 UPSAMPLED_AXES = 2  # TVM's importer upsamples the last two axes of a 4-D (NCHW) tensor
@@ -45,9 +45,7 @@ def upsamples_with_attribute_scales(proto):
 
 
 def _attribute(node, name: str):
-    import onnx
-
-    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+    return node_attributes(node).get(name)
 
 
 def _mode(node) -> str:

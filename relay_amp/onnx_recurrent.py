@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import Writer, default_opset, inferred_values, rewrite_nodes
+from ._onnx_graph import Writer, default_opset, inferred_values, node_attributes, rewrite_nodes
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -64,9 +64,7 @@ def recurrences_unrolled(proto):
 
 def _recurrence(node, values: dict) -> _Recurrence:
     """What `node` computes, or ModelLoadError where the unrolling does not compute it."""
-    import onnx
-
-    attrs = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+    attrs = node_attributes(node)
     label = f"{node.op_type} node {node.name or node.output[0]!r}"
     refused = [name for name, position in REFUSED_INPUTS.items() if len(node.input) > position
                and node.input[position] and (node.op_type == "LSTM" or name == "sequence_lens")]

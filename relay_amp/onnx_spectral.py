@@ -16,7 +16,7 @@ The products then run on relay_amp's kernels like any other conv or matmul.
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, default_opset, inferred_values, rewrite_nodes
+from ._onnx_graph import Writer, constant_values, default_opset, inferred_values, node_attributes, rewrite_nodes
 from .errors import ModelLoadError
 
 STFT_INPUTS = ("signal", "frame_step", "window", "frame_length")
@@ -41,7 +41,7 @@ def _stft(node, writer: Writer, constants: dict, values: dict) -> None:
         raise ModelLoadError(f"{label}: neither a window nor a frame length sizes its frames")
     size = len(window) if frame_length is None else int(frame_length)
     dims, dtype = values.get(named["signal"], (None, np.dtype("float32")))
-    bins = size // 2 + 1 if _attributes(node).get("onesided", 1) else size
+    bins = size // 2 + 1 if node_attributes(node).get("onesided", 1) else size
     basis = dft_basis(size, size, bins, parts=1, inverse=False).T * (np.ones(size) if window is None else window)
     framed = _as_one_channel(label, writer, named["signal"], dims)
     spectrum = writer.op("Conv", framed, writer.const(basis[:, None, :], dtype),
@@ -60,12 +60,6 @@ def _constant(label: str, name: str, value_name: str, constants: dict) -> "np.nd
         raise ModelLoadError(f"{label}: its {name} ({value_name!r}) is computed at run time; relay_amp imports "
                              "constant ones only")
     return constants[value_name]
-
-
-def _attributes(node) -> dict:
-    import onnx
-
-    return {attribute.name: onnx.helper.get_attribute_value(attribute) for attribute in node.attribute}
 
 
 def dft_basis(size: int, length: int, bins: int, parts: int, inverse: bool) -> np.ndarray:
@@ -114,7 +108,7 @@ def dfts_as_matmuls(proto):
 
 def _dft(node, writer: Writer, constants: dict, values: dict, opset: int) -> None:
     label = f"DFT node {node.name or node.output[0]!r}"
-    attributes, inputs = _attributes(node), [*node.input, "", ""]
+    attributes, inputs = node_attributes(node), [*node.input, "", ""]
     dims, dtype = values.get(inputs[0], (None, None))
     if dims is None or None in dims or dims[-1] not in (1, 2):
         raise ModelLoadError(f"{label}: relay_amp imports the DFT of a tensor of known shape ending in 1 (real) or 2 "
