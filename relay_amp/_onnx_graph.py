@@ -9,6 +9,11 @@ import numpy as np
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
 
 
+def node_label(node) -> str:
+    """How errors name a node: its op type and its name (its first output's where it has none)."""
+    return f"{node.op_type} node {node.name or node.output[0]!r}"
+
+
 def node_attributes(node) -> dict:
     """A node's attributes by name, as Python values."""
     import onnx

@@ -13,7 +13,8 @@ then run on relay_amp's kernels and row schedules like any exporter's spelled-ou
 
 import numpy as np
 
-from ._onnx_graph import DEFAULT_DOMAINS, Writer, default_opset, inferred_values, node_attributes, rewrite_nodes
+from ._onnx_graph import (DEFAULT_DOMAINS, Writer, default_opset, inferred_values, node_attributes, node_label,
+                          rewrite_nodes)
 from .errors import ModelLoadError
 
 ATTENTION_OPSET = 23  # the first opset with ONNX's own Attention
@@ -32,7 +33,7 @@ def attentions_as_matmuls(proto):
 
 
 def _attention(node, writer: Writer, values: dict) -> None:
-    label = f"Attention node {node.name or node.output[0]!r}"
+    label = node_label(node)
     attributes = node_attributes(node)
     named = dict(zip(INPUTS, [*node.input, *[""] * len(INPUTS)]))
     _check_supported(label, node, attributes, named)

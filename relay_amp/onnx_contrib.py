@@ -20,7 +20,8 @@ written (norms spelled out, which relay_amp's import folds into one layer norm),
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, default_opset, inferred_values, node_attributes, rewrite_nodes
+from ._onnx_graph import (Writer, constant_values, default_opset, inferred_values, node_attributes, node_label,
+                          rewrite_nodes)
 from .errors import ModelLoadError
 from .onnx_attention import joined_heads, split_heads
 
@@ -59,7 +60,7 @@ def _is_contrib(node, ops) -> bool:
 
 def _rewrite(node, writer: Writer, opset: int, values: dict) -> None:
     attributes = node_attributes(node)
-    label = f"{node.op_type} node {node.name or node.output[0]!r}"
+    label = node_label(node)
     inputs = [*node.input, "", "", ""]
     dims, dtype = values.get(inputs[0], (None, "float32"))
     norm = _Norm(writer, opset, dtype)
@@ -147,7 +148,7 @@ def _fused_matmul(label: str, node, writer: Writer, attributes: dict, inputs: li
 def _attention(node, writer: Writer, values: dict, widths: dict) -> None:
     """ONNX Runtime's fused self-attention: one projection to Q, K and V, then as onnx_attention's, masked keys
     getting mask_filter_value added to their scores (not -inf)."""
-    label = f"Attention node {node.name or node.output[0]!r}"
+    label = node_label(node)
     attributes = node_attributes(node)
     inputs = [*node.input, *[""] * 7]
     refused = [name for name in ATTENTION_REFUSED if attributes.get(name)]

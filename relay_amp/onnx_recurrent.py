@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import Writer, default_opset, inferred_values, node_attributes, rewrite_nodes
+from ._onnx_graph import Writer, default_opset, inferred_values, node_attributes, node_label, rewrite_nodes
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -65,7 +65,7 @@ def recurrences_unrolled(proto):
 def _recurrence(node, values: dict) -> _Recurrence:
     """What `node` computes, or ModelLoadError where the unrolling does not compute it."""
     attrs = node_attributes(node)
-    label = f"{node.op_type} node {node.name or node.output[0]!r}"
+    label = node_label(node)
     refused = [name for name, position in REFUSED_INPUTS.items() if len(node.input) > position
                and node.input[position] and (node.op_type == "LSTM" or name == "sequence_lens")]
     refused += [name for name in ("clip", "input_forget") if attrs.get(name)]

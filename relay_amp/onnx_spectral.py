@@ -16,7 +16,8 @@ The products then run on relay_amp's kernels like any other conv or matmul.
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, default_opset, inferred_values, node_attributes, rewrite_nodes
+from ._onnx_graph import (Writer, constant_values, default_opset, inferred_values, node_attributes, node_label,
+                          rewrite_nodes)
 from .errors import ModelLoadError
 
 STFT_INPUTS = ("signal", "frame_step", "window", "frame_length")
@@ -33,7 +34,7 @@ def stfts_as_convs(proto):
 
 
 def _stft(node, writer: Writer, constants: dict, values: dict) -> None:
-    label = f"STFT node {node.name or node.output[0]!r}"
+    label = node_label(node)
     named = dict(zip(STFT_INPUTS, [*node.input, "", "", ""]))
     parameters = {name: _constant(label, name, named[name], constants) for name in STFT_INPUTS[1:]}
     window, frame_length = parameters["window"], parameters["frame_length"]
@@ -107,7 +108,7 @@ def dfts_as_matmuls(proto):
 
 
 def _dft(node, writer: Writer, constants: dict, values: dict, opset: int) -> None:
-    label = f"DFT node {node.name or node.output[0]!r}"
+    label = node_label(node)
     attributes, inputs = node_attributes(node), [*node.input, "", ""]
     dims, dtype = values.get(inputs[0], (None, None))
     if dims is None or None in dims or dims[-1] not in (1, 2):
