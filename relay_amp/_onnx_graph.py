@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
+SKELETON_VALUES = 4096  # initializers larger than this take part in shape inference by their type alone
 
 
 def node_label(node) -> str:
@@ -31,22 +32,51 @@ def constant_values(graph) -> dict[str, np.ndarray]:
     return {name: numpy_helper.to_array(tensor) for name, tensor in tensors}
 
 
-def inferred_values(proto) -> dict[str, tuple[list[int | None], np.dtype]]:
-    """The values whose shape ONNX's shape inference knows, by name: (dims, None where unknown; numpy dtype). None
-    are known where the inference fails (a model over 2 GB, or one it rejects)."""
+def inferred_values(proto, outputs_of: "Callable | None" = None) -> dict[str, tuple[list[int | None], np.dtype]]:
+    """The values whose shape ONNX's shape inference knows, and the initializers, by name: (dims, None where
+    unknown; numpy dtype). Only the initializers are known where the inference fails (a graph it rejects).
+    `outputs_of(nodes, known)` gives the value infos of outputs of ops the inference does not know (ONNX Runtime's),
+    from their inputs' shapes: the inference runs again with them until it learns no more."""
     import onnx
 
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # the inference raises many error types
-        return {}
-    found = {}
-    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        tensor = value.type.tensor_type
-        if tensor.HasField("shape"):
-            dims = [dim.dim_value if dim.HasField("dim_value") else None for dim in tensor.shape.dim]
-            found[value.name] = (dims, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
-    return found
+    found = {tensor.name: (list(tensor.dims), onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+             for tensor in proto.graph.initializer}
+    skeleton = _shape_skeleton(proto)
+    while True:
+        try:
+            inferred = onnx.shape_inference.infer_shapes(skeleton)
+        except Exception:  # the inference raises many error types
+            return found
+        for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+            tensor = value.type.tensor_type
+            if tensor.HasField("shape"):
+                dims = [dim.dim_value if dim.HasField("dim_value") else None for dim in tensor.shape.dim]
+                found[value.name] = (dims, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+        learned = [info for info in (outputs_of(skeleton.graph.node, found) if outputs_of else [])
+                   if info.name not in found]
+        if not learned:
+            return found
+        skeleton.graph.value_info.extend(learned)
+
+
+def _shape_skeleton(proto):
+    """A copy of `proto` for shape inference whose initializers of more than SKELETON_VALUES values are typed graph
+    inputs: a model of gigabytes of weights infers as fast as its graph, and under protobuf's 2 GB."""
+    import onnx
+
+    skeleton = onnx.ModelProto(ir_version=proto.ir_version, opset_import=proto.opset_import,
+                               functions=proto.functions)
+    graph = skeleton.graph
+    graph.name = proto.graph.name
+    for part in ("node", "input", "output", "value_info"):
+        getattr(graph, part).extend(getattr(proto.graph, part))
+    inputs = {value.name for value in proto.graph.input}  # files before IR 4 list initializers as inputs too
+    for tensor in proto.graph.initializer:
+        if int(np.prod(tensor.dims)) <= SKELETON_VALUES:
+            graph.initializer.append(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    return skeleton
 
 
 @dataclass
