@@ -479,11 +479,11 @@ def reduces_exactly(reduction: relax.Call, axes: list[int]) -> bool:
 
 def checked_dims(dims: Mapping[str, int], known: list[str]) -> dict[str, int]:
     """`dims` as {name: size}, after checking that each name is one of the `known` symbolic input dims and each
-    size a positive int (else OptionError naming it)."""
+    size a non-negative int (0: an empty key/value cache; else OptionError naming it)."""
     for name, size in dims.items():
         if name not in known:
             raise OptionError(f"the model has no symbolic input dim {name!r}; its symbolic dims: "
                               f"{', '.join(known) or 'none (its input shapes are static)'}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise OptionError(f"symbolic dim {name!r} must be bound to a positive int, got {size!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise OptionError(f"symbolic dim {name!r} must be bound to a non-negative int, got {size!r}")
     return dict(dims)

@@ -148,13 +148,14 @@ def onnx_symbolic_dims(proto) -> list[str]:
 
 
 def _with_dims(proto, dims: Mapping[str, int]):
-    """A copy of `proto` whose inputs' symbolic dims named in `dims` have those sizes."""
+    """A copy of `proto` whose symbolic dims named in `dims` have those sizes: in its inputs, and in the outputs and
+    value infos an exporter wrote with the same names (GenAI's builder: ["batch_size", "sequence_length", 384])."""
     import onnx
 
     sizes = checked_dims(dims, onnx_symbolic_dims(proto))
     bound = onnx.ModelProto()
     bound.CopyFrom(proto)
-    for tensor in bound.graph.input:
+    for tensor in [*bound.graph.input, *bound.graph.value_info, *bound.graph.output]:
         for dim in tensor.type.tensor_type.shape.dim:
             if dim.dim_param in sizes:
                 dim.dim_value = sizes[dim.dim_param]

@@ -472,6 +472,17 @@ def test_from_onnx_sizes_dynamic_axes_by_name_before_shapes_fold():
     assert frontend.onnx_symbolic_dims(model) == ["batch", "seq"], "from_onnx changed its input model"
 
 
+def test_dims_size_an_exporters_value_infos_of_the_same_names_too():
+    """GenAI's builder writes value infos in the inputs' dim names (["batch_size", "sequence_length", 384]); left
+    symbolic, shape inference kept them unknown, and the rewrites that need shapes refused the nodes."""
+    from relay_amp._onnx_graph import inferred_values
+
+    model = positions_onnx()
+    model.graph.value_info.append(helper.make_tensor_value_info("as_float", TensorProto.FLOAT, ["seq"]))
+    assert inferred_values(frontend._with_dims(model, {"batch": 2, "seq": 5}))["as_float"][0] == [5]
+    assert model.graph.value_info[0].type.tensor_type.shape.dim[0].dim_param == "seq", "the input model changed"
+
+
 def test_an_import_failure_of_a_model_with_symbolic_dims_says_how_to_size_them():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence"])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence"])

@@ -57,9 +57,9 @@ def test_a_specialized_module_computes_what_the_dynamic_one_does():
 
 @pytest.mark.parametrize("dims, message", [
     ({"batch_size": 1}, "no symbolic input dim 'batch_size'; its symbolic dims: batch, sequence"),
-    ({"batch": 0}, "'batch' must be bound to a positive int, got 0"),
-    ({"batch": True}, "'batch' must be bound to a positive int, got True"),
-    ({"sequence": 1.5}, "'sequence' must be bound to a positive int, got 1.5"),
+    ({"batch": -1}, "'batch' must be bound to a non-negative int, got -1"),
+    ({"batch": True}, "'batch' must be bound to a non-negative int, got True"),
+    ({"sequence": 1.5}, "'sequence' must be bound to a non-negative int, got 1.5"),
 ])
 def test_bad_dims_are_option_errors_naming_them(dims, message):
     with pytest.raises(relay_amp.OptionError, match=message):
