@@ -70,7 +70,7 @@ class ConvertLayout:
         self.func = func
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod = rewrite_function(_NonNegativeAxes(mod), mod, self.func)
+        mod = rewrite_function(_ConvertibleForms(mod), mod, self.func)
         config = LayoutConfig.current()
         skipped = resolve_layers(list_layers(mod, CONV_OPS, self.func), config.skip_layers if config else ())
         convs = layer_bindings(mod, CONV_OPS, self.func)
@@ -85,14 +85,17 @@ class ConvertLayout:
 
 
 @relax.expr_functor.mutator
-class _NonNegativeAxes(relax.PyExprMutator):
-    """Squeezes and permutations with negative axes counted from the front: TVM's ConvertLayout fails on them
-    (squeeze: std::bad_alloc; permute_dims: "Invalid layout"), as on DeBERTa-v2's squeeze(axis=[-2]) through
-    torch.export."""
+class _ConvertibleForms(relax.PyExprMutator):
+    """The calls TVM's ConvertLayout fails on in forms it reads: squeezes and permutations with negative axes
+    counted from the front (squeeze: std::bad_alloc; permute_dims: "Invalid layout"; DeBERTa-v2's
+    squeeze(axis=[-2]) through torch.export), and stacks as concatenations of tensors given the new axis (stack has
+    no layout rule: "Invalid SLayout", or an index out of bounds; torch.stack through torch.export)."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
         name = call_op_name(new_call)
+        if name == "relax.stack":
+            return self._concatenated(new_call)
         if name not in _AXES_ATTRS:
             return new_call
         axes = getattr(new_call.attrs, _AXES_ATTRS[name])
@@ -102,8 +105,17 @@ class _NonNegativeAxes(relax.PyExprMutator):
         data = new_call.args[0]
         return relax.op.squeeze(data, counted) if name == "relax.squeeze" else relax.op.permute_dims(data, counted)
 
+    def _concatenated(self, stack: relax.Call) -> relax.Expr:
+        tensors = stack.args[0]
+        fields = self.builder_.lookup_binding(tensors) if isinstance(tensors, relax.Var) else tensors
+        if not isinstance(fields, relax.Tuple):
+            return stack
+        axis = int(stack.attrs.axis) % stack.ty.ndim
+        return relax.op.concat([self.builder_.emit(relax.op.expand_dims(tensor, [axis])) for tensor in fields.fields],
+                               axis)
 
-_AXES_ATTRS = {"relax.squeeze": "axis", "relax.permute_dims": "axes"}  # the ops _NonNegativeAxes counts, their attr
+
+_AXES_ATTRS = {"relax.squeeze": "axis", "relax.permute_dims": "axes"}  # the ops _ConvertibleForms counts, their attr
 
 
 def convert_layout(mod: tvm.IRModule, desired_layouts: dict[str, list[str]], func: str = "main") -> tvm.IRModule:

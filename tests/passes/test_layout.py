@@ -267,6 +267,36 @@ def test_negative_squeeze_and_permutation_axes_are_counted_from_the_front_first(
     assert_transforms(ConvertLayout({"nn.conv2d": ["NHWC", "default"]}), Before, Expected)
 
 
+def test_a_stack_is_a_concatenation_of_tensors_given_the_new_axis():
+    """relax.stack has no layout rule: ConvertLayout failed on it ("Invalid SLayout"), so a model with a
+    torch.stack did not build on the CPU."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(a: R.Tensor((2, 3), "float32"), b: R.Tensor((2, 3), "float32")) -> R.Tensor((2, 3, 2), "float32"):
+            with R.dataflow():
+                gv = R.stack((a, b), axis=-1)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((2, 3), "float32"), b: R.Tensor((2, 3), "float32")) -> R.Tensor((2, 3, 2), "float32"):
+            with R.dataflow():
+                first = R.expand_dims(a, axis=[2])
+                second = R.expand_dims(b, axis=[2])
+                gv = R.concat((first, second), axis=2)
+                R.output(gv)
+            return gv
+
+    assert_transforms(ConvertLayout({"nn.conv2d": ["NHWC", "default"]}), Before, Expected)
+    inputs = [np.arange(6, dtype="float32").reshape(2, 3), -np.arange(6, dtype="float32").reshape(2, 3)]
+    executable = relay_amp.build(Before, "cpu")
+    np.testing.assert_array_equal(run_executable(executable, inputs)[0], np.stack(inputs, axis=-1))
+
+
 def test_a_negative_axis_squeeze_of_a_converted_conv_matches_the_unconverted_module():
     @I.ir_module
     class ConvSqueeze:
