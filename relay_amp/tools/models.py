@@ -211,13 +211,17 @@ def get_model(name: str, **options) -> tvm.IRModule:
 
 
 def example_inputs(mod: tvm.IRModule, seed: int = 0, func: str = "main") -> list[np.ndarray]:
-    """Random inputs for every parameter of `func`: normal floats, integers in [0, INT_INPUT_HIGH)."""
+    """Random inputs for every parameter of `func`: normal floats, integers in [0, INT_INPUT_HIGH), integer masks
+    (a parameter named *mask*: attention masks, from which decoders compute positions) all ones."""
     rng = np.random.default_rng(seed)
     inputs = []
     for param in get_function(mod, func).params:
         shape = static_input_shape(param)
         dtype = str(param.ty.dtype)
-        if dtype.startswith("int") or dtype.startswith("uint"):
+        integral = dtype.startswith("int") or dtype.startswith("uint")
+        if integral and "mask" in param.name.lower():
+            inputs.append(np.ones(shape, dtype))
+        elif integral:
             inputs.append(rng.integers(0, INT_INPUT_HIGH, shape).astype(dtype))
         else:
             inputs.append(rng.standard_normal(shape).astype(dtype))

@@ -42,6 +42,17 @@ def test_example_inputs_match_parameter_types():
     assert ids.dtype == np.int64 and ids.shape == (2, 8) and ids.max() < models.INT_INPUT_HIGH
 
 
+def test_example_inputs_give_integer_masks_all_ones():
+    """A decoder computes its positions from its attention mask's sum: random integers put them past its caches."""
+    ids = relax.Var("input_ids", relax.TensorType((1, 4), "int64"))
+    mask = relax.Var("attention_mask", relax.TensorType((1, 4), "int64"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [ids, mask]):
+        builder.emit_func_output(relax.op.add(ids, mask))
+    ids_value, mask_value = models.example_inputs(builder.get())
+    assert (mask_value == 1).all() and ids_value.max() < models.INT_INPUT_HIGH
+
+
 def test_example_inputs_of_a_dynamic_model_name_the_dim_to_bind():
     mod = relay_amp.frontend.from_onnx(positions_onnx())
     with pytest.raises(relay_amp.OptionError, match=r"input 'x' has symbolic dim 'batch'.*--dim batch=N"):

@@ -1,0 +1,253 @@
+"""ONNX Runtime's decoder ops, GroupQueryAttention and RotaryEmbedding, written as ONNX ops before import.
+
+ONNX Runtime GenAI's model builder (`python -m onnxruntime_genai.models.builder`) writes every attention of a
+LLaMA, Mistral, Phi, Qwen or Gemma as one com.microsoft GroupQueryAttention node: Q, K and V packed in one input
+(or three), the key/value cache as inputs and outputs, each batch row's length as `seqlens_k` (its attention
+mask's sum minus one) and, with `do_rotary`, the rotary embedding applied to Q and K from cos and sin caches.
+ONNX Runtime's transformer optimizer writes RotaryEmbedding nodes alone (and opset 23 has its own). TVM's importer
+has neither, so such files failed to import. `decoder_ops_as_onnx` writes them as the ops they compute:
+- RotaryEmbedding: each position's cos and sin gathered from the caches; the first `rotary_dim` values of each
+  head rotated in halves (x1 cos - x2 sin, x2 cos + x1 sin) or, `interleaved`, in pairs; the rest kept.
+- GroupQueryAttention: Q and K rotated at positions seqlens_k + 1 - sequence + i (from 0 in a first prompt
+  whose rows are padded: ONNX Runtime's), or at `position_ids`; K and V written into the cache after each row's
+  cached tokens (the present outputs: one row's after the cache input, several rows' by a gather, later
+  positions zero); each group of query heads multiplied by its key/value head (no key/value head copied); scores
+  times the scale, soft-capped, plus the attention bias; keys after a query's own position (or the row's last
+  one), or before the last `local_window_size` positions up to it, masked; softmax; times V.
+Everything matches ONNX Runtime's kernels on its CPU, where the present outputs are their own buffers (a plain
+InferenceSession; GenAI's loop shares them with the past inputs, holding the cache at its full length).
+"""
+
+import numpy as np
+
+from ._onnx_graph import DEFAULT_DOMAINS, Writer, inferred_values, node_attributes, node_label, rewrite_nodes
+from .errors import ModelLoadError
+from .onnx_attention import joined_heads, split_heads
+
+CONTRIB = "com.microsoft"
+ROTARY_OPSET = 23  # the first opset with ONNX's own RotaryEmbedding
+GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+              "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink")
+GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type")
+INT64 = 7  # onnx.TensorProto.INT64
+
+
+def decoder_ops_as_onnx(proto):
+    """`proto` with ONNX Runtime's GroupQueryAttention and RotaryEmbedding nodes (and opset 23's RotaryEmbedding)
+    written as ONNX ops (a copy; `proto` is unchanged), or ModelLoadError naming a node it does not write."""
+    if not any(_is_decoder_op(node) for node in proto.graph.node):
+        return proto
+    values = inferred_values(proto, _output_shapes)
+    rewrite = {"GroupQueryAttention": _group_query_attention, "RotaryEmbedding": _rotary_embedding}
+    return rewrite_nodes(proto, rewrite, lambda node, writer: rewrite[node.op_type](node, writer, values),
+                         (CONTRIB, *DEFAULT_DOMAINS))
+
+
+def _output_shapes(nodes, values: dict) -> list:
+    """Value infos of the decoder ops' outputs whose inputs' shapes are known (shape inference does not know
+    ONNX Runtime's ops, so a second layer's would otherwise be unknown)."""
+    import onnx
+
+    infos = []
+    for node in nodes:
+        dims, dtype = values.get(node.input[0], (None, None)) if _is_decoder_op(node) else (None, None)
+        if dims is None or None in dims:
+            continue
+        if node.op_type == "RotaryEmbedding":
+            shapes = [dims]
+        else:
+            attributes = node_attributes(node)
+            heads, kv_heads = attributes["num_heads"], attributes["kv_num_heads"]
+            head_size = dims[2] // (heads + 2 * kv_heads if len(node.input) < 2 or not node.input[1] else heads)
+            past = values.get(node.input[3], ([None] * 3,))[0][2] if len(node.input) > 3 and node.input[3] else 0
+            cached = None if past is None else past + dims[1]
+            shapes = [[dims[0], dims[1], heads * head_size], *[[dims[0], kv_heads, cached, head_size]] * 2]
+        element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        infos += [onnx.helper.make_tensor_value_info(name, element, shape)
+                  for name, shape in zip(node.output, shapes) if name]
+    return infos
+
+
+def _is_decoder_op(node) -> bool:
+    return (node.op_type == "GroupQueryAttention" and node.domain == CONTRIB) or (
+        node.op_type == "RotaryEmbedding" and node.domain in (CONTRIB, *DEFAULT_DOMAINS))
+
+
+def _known_dims(label: str, values: dict, name: str, ranks=(3, 4)) -> tuple[list[int], object]:
+    dims, dtype = values.get(name, (None, None))
+    if dims is None or None in dims or len(dims) not in ranks:
+        raise ModelLoadError(f"{label}: {name!r} needs a known shape of rank {' or '.join(map(str, ranks))}, "
+                             f"not {dims} (size the inputs' symbolic dims at import)")
+    return dims, dtype
+
+
+def _rotary_width(label: str, values: dict, cos_cache: str, head_size: int) -> int:
+    """How many of each head's values the rotary embedding turns: twice the caches' width."""
+    width = 2 * _known_dims(label, values, cos_cache, ranks=(2, 3))[0][-1]
+    if width > head_size:
+        raise ModelLoadError(f"{label}: its caches turn {width} values of heads of {head_size}")
+    return width
+
+
+def rotated(writer: Writer, heads: str, angles: tuple[str, str], width: int, head_size: int,
+            interleaved: bool) -> str:
+    """`heads` [batch, heads, sequence, size] with the first `width` values of each rotated by the angles' cos
+    and sin [batch, 1, sequence, width / 2]: in halves (x1 cos - x2 sin, x2 cos + x1 sin) or in pairs."""
+    cos, sin = angles
+    half = width // 2
+    parts = writer.split(heads, [width, head_size - width], axis=3) if width < head_size else [heads]
+    if interleaved:
+        pairs = writer.op("Reshape", parts[0], writer.const([0, 0, 0, half, 2]))
+        first, second = (writer.op("Squeeze", part, writer.const([4])) for part in writer.split(pairs, [1, 1], 4))
+    else:
+        first, second = writer.split(parts[0], [half, half], axis=3)
+    turned_first = writer.op("Sub", writer.op("Mul", first, cos), writer.op("Mul", second, sin))
+    turned_second = writer.op("Add", writer.op("Mul", second, cos), writer.op("Mul", first, sin))
+    if interleaved:
+        stacked = writer.op("Concat", *(writer.op("Unsqueeze", part, writer.const([4]))
+                                        for part in (turned_first, turned_second)), axis=4)
+        turned = writer.op("Reshape", stacked, writer.const([0, 0, 0, width]))
+    else:
+        turned = writer.op("Concat", turned_first, turned_second, axis=3)
+    return writer.op("Concat", turned, parts[1], axis=3) if width < head_size else turned
+
+
+def _angles(writer: Writer, caches: tuple[str, str], positions: str) -> tuple[str, str]:
+    """cos and sin at `positions` [batch, sequence], as [batch, 1, sequence, width / 2]."""
+    return tuple(writer.op("Unsqueeze", writer.op("Gather", cache, positions, axis=0), writer.const([1]))
+                 for cache in caches)
+
+
+def _rotary_embedding(node, writer: Writer, values: dict) -> None:
+    """RotaryEmbedding over [batch, sequence, hidden] or [batch, heads, sequence, size]; ONNX Runtime's takes
+    (input, position_ids, cos_cache, sin_cache), ONNX's (input, cos_cache, sin_cache, position_ids), whose
+    caches, without position_ids, are already [batch, sequence, width / 2]."""
+    label = node_label(node)
+    attributes = node_attributes(node)
+    if attributes.get("is_packed_batching", 0):
+        raise ModelLoadError(f"{label}: relay_amp does not write a RotaryEmbedding with is_packed_batching")
+    inputs = [*node.input, "", "", ""]
+    x, positions, cos, sin = inputs[:4] if node.domain == CONTRIB else (inputs[0], inputs[3], inputs[1], inputs[2])
+    dims, _ = _known_dims(label, values, x)
+    heads = dims[1] if len(dims) == 4 else attributes.get("num_heads", 0)
+    if not heads:
+        raise ModelLoadError(f"{label}: a 3-D input needs num_heads")
+    head_size = dims[3] if len(dims) == 4 else dims[2] // heads
+    width = attributes.get("rotary_embedding_dim", 0) or (
+        _rotary_width(label, values, cos, head_size))
+    if positions and len(values.get(positions, ([],))[0]) < 2:  # ONNX Runtime's [1]: the first token's position
+        positions = writer.op("Add", positions, writer.const(np.arange(dims[-2 if len(dims) == 4 else 1])[None]))
+    angles = (_angles(writer, (cos, sin), positions) if positions else
+              tuple(writer.op("Unsqueeze", cache, writer.const([1])) for cache in (cos, sin)))
+    as_heads = x if len(dims) == 4 else split_heads(writer, x, heads)
+    turned = rotated(writer, as_heads, angles, width, head_size, bool(attributes.get("interleaved", 0)))
+    if len(dims) == 4:
+        writer.op("Identity", turned, out=node.output[0])
+    else:
+        joined_heads(writer, turned, out=node.output[0])
+
+
+def _group_query_attention(node, writer: Writer, values: dict) -> None:
+    label = node_label(node)
+    attributes = node_attributes(node)
+    named = dict(zip(GQA_INPUTS, [*node.input, *[""] * len(GQA_INPUTS)]))
+    _check_gqa(label, node, attributes, named)
+    heads, kv_heads = attributes["num_heads"], attributes["kv_num_heads"]
+    dims, dtype = _known_dims(label, values, named["query"], ranks=(3,))
+    packed = not named["key"]
+    head_size = dims[2] // (heads + 2 * kv_heads if packed else heads)
+    q, k, v = (writer.split(named["query"], [heads * head_size, *[kv_heads * head_size] * 2], axis=2) if packed
+               else (named["query"], named["key"], named["value"]))
+    q, k, v = (split_heads(writer, part, count) for part, count in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    past = values.get(named["past_key"], ([0, 0, 0],))[0][2] if named["past_key"] else 0
+    offsets, last = _past_lengths(writer, named["seqlens_k"], dims[1])
+    if attributes.get("do_rotary", 0):
+        positions = named["position_ids"] or writer.op(
+            "Add", writer.op("Unsqueeze", offsets, writer.const([1])), writer.const(np.arange(dims[1])[None]))
+        angles = _angles(writer, (named["cos_cache"], named["sin_cache"]), positions)
+        width = _rotary_width(label, values, named["cos_cache"], head_size)
+        interleaved = bool(attributes.get("rotary_interleaved", 0))
+        q, k = (rotated(writer, part, angles, width, head_size, interleaved) for part in (q, k))
+    sizes = (heads, kv_heads, dims[1], past + dims[1])
+    rows = offsets if dims[0] > 1 else None  # one row's cached tokens are the cache input's
+    k, v = (_appended(writer, named[name], part, rows, sizes, dtype, node.output, index)
+            for name, part, index in (("past_key", k, 1), ("past_value", v, 2)))
+    scale = attributes.get("scale", 0.0) or 1 / np.sqrt(head_size)
+    scores = _grouped_scores(writer, q, k, sizes, scale, dtype)
+    softcap = attributes.get("softcap", 0.0)
+    if softcap > 0:
+        scores = writer.op("Mul", writer.op("Tanh", writer.op("Div", scores, writer.const(softcap, dtype))),
+                           writer.const(softcap, dtype))
+    if named["attention_bias"]:
+        scores = writer.op("Add", scores, named["attention_bias"])
+    mask = _causal_mask(writer, (offsets, last), sizes, attributes.get("local_window_size", -1), dtype)
+    probabilities = writer.op("Softmax", writer.op("Add", scores, mask), axis=-1)
+    grouped = writer.op("Reshape", probabilities, writer.const([0, kv_heads, -1, sizes[3]]))
+    output = writer.op("Reshape", writer.op("MatMul", grouped, v), writer.const([0, heads, dims[1], head_size]))
+    joined_heads(writer, output, out=node.output[0])
+
+
+def _check_gqa(label: str, node, attributes: dict, named: dict) -> None:
+    refused = [name for name in GQA_REFUSED if attributes.get(name, 0) not in (0, "NONE")]
+    refused += ["head_sink"] if named["head_sink"] else []
+    refused += ["the output_qk output"] if len(node.output) > 3 and node.output[3] else []
+    refused += ["a key without a value"] if bool(named["key"]) != bool(named["value"]) else []
+    refused += ["do_rotary without cos and sin caches"] if attributes.get("do_rotary", 0) and not (
+        named["cos_cache"] and named["sin_cache"]) else []
+    if refused:
+        raise ModelLoadError(f"{label}: relay_amp does not write a GroupQueryAttention with {', '.join(refused)}")
+
+
+def _past_lengths(writer: Writer, seqlens_k: str, length: int) -> tuple[str, str]:
+    """Each row's count of cached tokens (its seqlens_k + 1 - sequence, 0 for a padded prompt) and last position
+    (its seqlens_k): [batch] int64."""
+    last = writer.op("Cast", seqlens_k, to=INT64)
+    return writer.op("Max", writer.op("Add", last, writer.const(1 - length)), writer.const(0)), last
+
+
+def _appended(writer: Writer, past: str, current: str, offsets: "str | None", sizes: tuple, dtype, outputs,
+              index: int) -> str:
+    """The cache with the new keys or values written after each row's cached tokens (the present output, where the
+    node has it). One row: after the cache input; more: at each row's count, later positions zero."""
+    _, _, length, keys = sizes
+    present = writer.op("Concat", past, current, axis=2) if past and keys > length else current
+    if offsets is not None and keys > length:
+        positions = writer.const(np.arange(keys).reshape(1, keys))
+        starts = writer.op("Unsqueeze", offsets, writer.const([1]))  # [batch, 1]
+        written = writer.op("Sub", positions, starts)
+        is_new = writer.op("And", writer.op("GreaterOrEqual", written, writer.const(0)),
+                           writer.op("Less", written, writer.const(length)))
+        read = writer.op("Where", is_new, writer.op("Add", written, writer.const(keys - length)), positions)
+        rows = writer.op("Unsqueeze", read, writer.const([1, 3]))  # [batch, 1, keys, 1]
+        moved = writer.op("GatherElements", present, writer.op("Expand", rows, writer.op("Shape", present)), axis=2)
+        kept = writer.op("Unsqueeze", writer.op("Less", written, writer.const(length)), writer.const([1, 3]))
+        present = writer.op("Where", kept, moved, writer.const(0.0, dtype))
+    if len(outputs) > index and outputs[index]:
+        writer.op("Identity", present, out=outputs[index])
+    return present
+
+
+def _grouped_scores(writer: Writer, q: str, k: str, sizes: tuple, scale: float, dtype) -> str:
+    """Q·Kᵀ times the scale as [batch, heads, sequence, keys], each key/value head multiplied by its group of
+    query heads stacked as one [group x sequence] block."""
+    heads, kv_heads, length, keys = sizes
+    grouped = writer.op("Reshape", q, writer.const([0, kv_heads, -1, 0]))
+    scores = writer.op("MatMul", grouped, writer.op("Transpose", k, perm=[0, 1, 3, 2]))
+    scaled = writer.op("Mul", scores, writer.const(scale, dtype))
+    return writer.op("Reshape", scaled, writer.const([0, heads, length, keys]))
+
+
+def _causal_mask(writer: Writer, rows: tuple[str, str], sizes: tuple, window: int, dtype) -> str:
+    """0 where query i of a row with P cached tokens sees key j (j <= P + i, and j > P + i - window for a
+    window), -inf elsewhere: [batch, 1, sequence, keys]."""
+    _, _, length, keys = sizes
+    offsets, last = (writer.op("Unsqueeze", row, writer.const([1, 2])) for row in rows)
+    own = writer.op("Min", writer.op("Add", offsets, writer.const(np.arange(length).reshape(1, length, 1))),
+                    last)  # [batch, sequence, 1]: a padded prompt's padding queries see its tokens
+    key_positions = writer.const(np.arange(keys).reshape(1, 1, keys))
+    seen = writer.op("LessOrEqual", key_positions, own)
+    if window > 0:
+        recent = writer.op("GreaterOrEqual", key_positions, writer.op("Sub", own, writer.const(window - 1)))
+        seen = writer.op("And", seen, recent)
+    mask = writer.op("Where", seen, writer.const(0.0, dtype), writer.const(-np.inf, dtype))
+    return writer.op("Unsqueeze", mask, writer.const([1]))

@@ -1,0 +1,165 @@
+"""onnx_decoder: ONNX Runtime's GroupQueryAttention and RotaryEmbedding (and opset 23's RotaryEmbedding) imported
+as the ONNX ops they compute, checked against ONNX Runtime's own kernels."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import relay_amp
+from relay_amp import ModelLoadError
+from relay_amp.onnx_decoder import CONTRIB, decoder_ops_as_onnx
+
+onnxruntime = pytest.importorskip("onnxruntime")
+
+RNG = np.random.default_rng(0)
+HEADS, KV_HEADS, HEAD_SIZE, MAX_POSITIONS = 4, 2, 16, 64
+TOLERANCE = 1e-5  # fp32 against ONNX Runtime's kernels: reassociated sums
+
+
+def _caches(width: int) -> list:
+    """cos and sin caches [MAX_POSITIONS, width / 2] as the builders write them (initializers)."""
+    angles = np.arange(MAX_POSITIONS)[:, None] / 10000 ** (np.arange(width // 2) / (width // 2))[None]
+    return [numpy_helper.from_array(np.cos(angles).astype("float32"), "cos"),
+            numpy_helper.from_array(np.sin(angles).astype("float32"), "sin")]
+
+
+def _gqa_model(batch: int, length: int, past: int, packed: bool = True, rotary: bool = True, **attributes):
+    """One GroupQueryAttention node: Q, K and V packed or apart, a cache of `past` tokens, seqlens_k an input."""
+    width = (HEADS + 2 * KV_HEADS) * HEAD_SIZE if packed else HEADS * HEAD_SIZE
+    inputs = [("qkv" if packed else "q", [batch, length, width])]
+    inputs += [] if packed else [(name, [batch, length, KV_HEADS * HEAD_SIZE]) for name in ("k", "v")]
+    inputs += [(name, [batch, KV_HEADS, past, HEAD_SIZE]) for name in ("past_key", "past_value")]
+    values = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs]
+    values.append(helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]))
+    names = [name for name, _ in inputs]
+    node_inputs = [*(names[:1] + ["", ""] if packed else names[:3]), "past_key", "past_value", "seqlens_k", "total",
+                   *(["cos", "sin"] if rotary else [])]
+    node = helper.make_node("GroupQueryAttention", node_inputs, ["y", "present_key", "present_value"],
+                            domain=CONTRIB, num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=int(rotary),
+                            **attributes)
+    cache = [batch, KV_HEADS, past + length, HEAD_SIZE]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, length, HEADS * HEAD_SIZE])]
+    outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, cache)
+                for name in ("present_key", "present_value")]
+    constants = [numpy_helper.from_array(np.array(past + length, "int32"), "total"), *_caches(HEAD_SIZE)]
+    graph = helper.make_graph([node], "gqa", values, outputs, constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CONTRIB, 1)])
+
+
+def _feeds(model, seqlens_k) -> dict:
+    feeds = {}
+    for value in model.graph.input:
+        shape = [dim.dim_value for dim in value.type.tensor_type.shape.dim]
+        feeds[value.name] = (np.asarray(seqlens_k, "int32") if value.name == "seqlens_k"
+                             else RNG.standard_normal(shape).astype("float32"))
+    return feeds
+
+
+def _check_against_onnx_runtime(model, feeds: dict, rows=slice(None)) -> None:
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model), list(feeds.values()))
+    for ours, theirs in zip(got, expected, strict=True):
+        np.testing.assert_allclose(ours[rows], theirs[rows], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+GQA_CASES = {  # name: (batch, sequence, cached tokens, options)
+    "prompt": (1, 5, 0, {}),
+    "prompt after a cache": (1, 5, 7, {}),
+    "decode step": (1, 1, 9, {}),
+    "q, k and v apart": (1, 4, 3, {"packed": False}),
+    "interleaved rotary": (1, 4, 3, {"rotary_interleaved": 1}),
+    "no rotary": (1, 4, 3, {"rotary": False}),
+    "sliding window": (1, 5, 6, {"local_window_size": 3}),
+    "soft cap and scale": (1, 4, 2, {"softcap": 2.0, "scale": 0.3}),
+    "batch decode": (2, 1, 4, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(GQA_CASES))
+def test_group_query_attention_matches_onnx_runtime(case):
+    batch, length, past, options = GQA_CASES[case]
+    model = _gqa_model(batch, length, past, **options)
+    assert not any(node.op_type == "GroupQueryAttention" for node in decoder_ops_as_onnx(model).graph.node)
+    _check_against_onnx_runtime(model, _feeds(model, [past + length - 1] * batch))
+
+
+def test_rows_of_a_batch_with_other_lengths_match_onnx_runtime():
+    """A row with fewer tokens than the cache holds gets its new token after its own (the present outputs too); a
+    padded prompt's row attends to its tokens only, rotated from position 0."""
+    decode = _gqa_model(3, 1, 4, local_window_size=2)
+    _check_against_onnx_runtime(decode, _feeds(decode, [4, 2, 0]))
+    prompt = _gqa_model(2, 4, 0)
+    _check_against_onnx_runtime(prompt, _feeds(prompt, [3, 1]))
+
+
+def test_a_decoder_of_two_layers_with_symbolic_dims_imports_once_they_are_sized():
+    """Shape inference stops at ONNX Runtime's ops, so the second layer's input shape comes from the first's
+    outputs (what GenAI's builder writes: symbolic batch and sequence, value infos in the same names)."""
+    model = _gqa_model(1, 3, 5)
+    caches = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, KV_HEADS, 5, HEAD_SIZE])
+              for name in ("past_key_2", "past_value_2")]
+    second = helper.make_node("GroupQueryAttention", ["joined", "", "", "past_key_2", "past_value_2", "seqlens_k",
+                                                      "total", "cos", "sin"], ["z", "present_key_2",
+                                                                                  "present_value_2"], domain=CONTRIB,
+                              num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=1)
+    weights = (RNG.standard_normal((HEADS * HEAD_SIZE, 128)) * 0.1).astype("float32")
+    model.graph.node.extend([helper.make_node("MatMul", ["y", "w"], ["joined"]), second])
+    model.graph.initializer.append(numpy_helper.from_array(weights, "w"))
+    model.graph.input.extend(caches)
+    feeds = _feeds(model, [7])
+    symbolic = ["batch", "sequence"]
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [*symbolic, HEADS * HEAD_SIZE]))
+    model.graph.value_info.append(helper.make_tensor_value_info("joined", TensorProto.FLOAT, [*symbolic, 128]))
+    for dim, name in zip(model.graph.input[0].type.tensor_type.shape.dim, symbolic):
+        dim.dim_param = name
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model, dims={"batch": 1, "sequence": 3}), list(feeds.values()))
+    np.testing.assert_allclose(got[-1], expected[-1], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def _rotary_model(shape: list, domain: str, positions: "list | None", **attributes):
+    """One RotaryEmbedding node over `shape`: ONNX Runtime's (input, position_ids, cos, sin) or ONNX's (input, cos,
+    sin[, position_ids])."""
+    values = [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)]
+    if positions is not None:
+        values.append(helper.make_tensor_value_info("positions", TensorProto.INT64, positions))
+    width = 2 * attributes.get("rotary_embedding_dim", HEAD_SIZE) // 2
+    inputs = ["x", "positions", "cos", "sin"] if domain == CONTRIB else ["x", "cos", "sin", "positions"]
+    node = helper.make_node("RotaryEmbedding", inputs, ["y"], domain=domain, **attributes)
+    graph = helper.make_graph([node], "rotary", values, [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              _caches(width))
+    opset = [helper.make_opsetid("", 23)] + ([helper.make_opsetid(CONTRIB, 1)] if domain == CONTRIB else [])
+    return helper.make_model(graph, opset_imports=opset)
+
+
+ROTARY_CASES = {  # name: (input shape, domain, position_ids shape, attributes)
+    "heads apart": ([2, HEADS, 5, HEAD_SIZE], CONTRIB, [2, 5], {}),
+    "heads joined": ([2, 5, HEADS * HEAD_SIZE], CONTRIB, [2, 5], {"num_heads": HEADS}),
+    "interleaved": ([1, 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], {"num_heads": HEADS, "interleaved": 1}),
+    "first position only": ([1, HEADS, 3, HEAD_SIZE], CONTRIB, [1], {}),
+    "part of each head": ([1, HEADS, 5, HEAD_SIZE], CONTRIB, [1, 5], {"rotary_embedding_dim": 8, "num_heads": HEADS}),
+    "ONNX's": ([1, 5, HEADS * HEAD_SIZE], "", [1, 5], {"num_heads": HEADS}),
+    "ONNX's, part of each head": ([1, HEADS, 5, HEAD_SIZE], "", [1, 5], {"rotary_embedding_dim": 8,
+                                                                         "interleaved": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_rotary_embedding_matches_onnx_runtime(case):
+    shape, domain, positions, attributes = ROTARY_CASES[case]
+    model = _rotary_model(shape, domain, positions, **attributes)
+    feeds = {"x": RNG.standard_normal(shape).astype("float32"),
+             "positions": RNG.integers(0, MAX_POSITIONS - 8, positions).astype("int64")}
+    _check_against_onnx_runtime(model, feeds)
+
+
+def test_options_it_does_not_write_are_refused_naming_the_node():
+    model = _gqa_model(1, 2, 2, smooth_softmax=1)
+    with pytest.raises(ModelLoadError, match="GroupQueryAttention node 'y': .* with smooth_softmax"):
+        relay_amp.frontend.from_onnx(model)
+    packed = _rotary_model([1, 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS, is_packed_batching=1)
+    with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': .* with is_packed_batching"):
+        relay_amp.frontend.from_onnx(packed)
+    unsized = _rotary_model(["batch", 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS)
+    with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': 'x' needs a known shape"):
+        relay_amp.frontend.from_onnx(unsized)
