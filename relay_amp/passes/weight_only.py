@@ -3,7 +3,7 @@
 TVM 0.27 cannot hold a sub-byte tensor, so no int4 tensor ever appears: each weight becomes a `uint32` constant
 of packed 4-bit codes plus an fp32 scale per group of `group_size` rows and per output column, and the matmul a
 `call_tir` of a PrimFunc that unpacks the codes as it multiplies. Codes are symmetric, `q = clip(round(w / s),
--8, 7)` with `s = max|w| / 7` over the group, stored as `q + 8` (a nibble).
+-8, 7)` with `s = -w_max / 8` over the group (w_max: its value of largest magnitude), stored as `q + 8` (a nibble).
 
 Packed layout, `[N / 16, K / 8, 16]` uint32 for a `[K, N]` weight: 16 consecutive columns, then 8 consecutive
 rows per 32-bit word; nibble j of the low half holds row 2j, nibble j of the high half row 2j + 1. This is the
@@ -68,10 +68,13 @@ def spec_of(func) -> PackedSpec | None:
 
 
 def quantize_int4(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int4 codes (int8, in [-8, 7]) of a [K, N] weight and their fp32 scales [K / group_size, N]."""
+    """Symmetric int4 codes (int8, in [-8, 7]) of a [K, N] weight and their fp32 scales [K / group_size, N]: the
+    value of largest magnitude in each group is code -8, its scale carrying the sign (ONNX Runtime's symmetric
+    MatMulNBits convention, so weights it quantized come back as its codes and scales)."""
     depth, columns = weight.shape
     groups = weight.astype("float64").reshape(depth // group_size, group_size, columns)
-    scales = np.abs(groups).max(axis=1) / CODE_MAX
+    extremes = np.take_along_axis(groups, np.abs(groups).argmax(axis=1)[:, None], axis=1)[:, 0]
+    scales = extremes / -ZERO_POINT
     scales[scales == 0] = 1.0
     codes = np.clip(np.round(groups / scales[:, None]), -ZERO_POINT, CODE_MAX).astype("int8")
     return codes.reshape(depth, columns), scales.astype("float32")

@@ -48,8 +48,20 @@ def test_codes_are_symmetric_per_group_and_column():
     codes, scales = quantize_int4(weight, 32)
     assert codes.min() >= -8 and codes.max() <= 7 and scales.shape == (2, 16)
     assert scales[0, 3] == 1.0 and not codes[:32, 3].any()
-    np.testing.assert_allclose(np.abs(codes.reshape(2, 32, 16)).max(axis=1)[scales != 1.0], 7)
-    assert np.abs(_dequantized(weight, 32) - weight).max() <= scales.max() / 2 + 1e-6
+    np.testing.assert_array_equal(codes.reshape(2, 32, 16).min(axis=1)[scales != 1.0], -8)  # the extreme's code
+    error = np.abs(_dequantized(weight, 32) - weight).reshape(2, 32, 16)
+    assert (error <= np.abs(scales)[:, None] + 1e-6).all()  # half a step, a whole one where +8 clips to +7
+
+
+def test_weights_onnx_runtime_quantized_come_back_as_its_codes_and_scales():
+    """ONNX Runtime's symmetric int4 (GenAI's int4 LLMs): each block's value of largest magnitude is code -8."""
+    codes = RNG.integers(-8, 8, (64, 16)).astype("int8")
+    codes[::32] = -8
+    scales = (RNG.standard_normal((2, 16)) * 0.01).astype("float32")
+    weight = (codes.reshape(2, 32, 16) * scales[:, None]).reshape(64, 16).astype("float32")
+    again, again_scales = quantize_int4(weight, 32)
+    np.testing.assert_array_equal(again, codes)
+    np.testing.assert_array_equal(again_scales, scales)
 
 
 def _expected(weight: np.ndarray, spec: PackedSpec, batch: tuple) -> tvm.IRModule:
