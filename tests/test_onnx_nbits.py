@@ -1,0 +1,72 @@
+"""onnx_nbits: ONNX Runtime's MatMulNBits imported as a MatMul by its dequantized weights, checked against ONNX
+Runtime's kernels computing in fp32 (accuracy_level 0)."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import relay_amp
+from relay_amp import ModelLoadError
+from relay_amp.onnx_nbits import CONTRIB
+
+onnxruntime = pytest.importorskip("onnxruntime")
+
+RNG = np.random.default_rng(0)
+ROWS, COLUMNS = 3, 24
+
+
+def _packed(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes along the last axis packed into bytes, lowest bits first (the last axis a multiple of 8 / bits)."""
+    per_byte = 8 // bits
+    grouped = codes.astype("uint8").reshape(*codes.shape[:-1], -1, per_byte)
+    return np.bitwise_or.reduce(grouped << (np.arange(per_byte, dtype="uint8") * bits), axis=-1).astype("uint8")
+
+
+def _model(depth: int, block: int, bits: int, zero_points: "str | None", bias: bool, **attributes):
+    """One MatMulNBits node over [ROWS, depth] inputs, its weights random codes of `bits` bits."""
+    blocks = -(-depth // block)
+    codes = RNG.integers(0, 2 ** bits, (COLUMNS, blocks, block))
+    constants = {"B": _packed(codes, bits),
+                 "scales": (RNG.standard_normal((COLUMNS, blocks)) * 0.1).astype("float32")}
+    if zero_points == "packed":
+        per_byte = 8 // bits
+        points = RNG.integers(0, 2 ** bits, (COLUMNS, -(-blocks // per_byte) * per_byte))
+        constants["zero_points"] = _packed(points, bits)
+    elif zero_points == "float":
+        constants["zero_points"] = RNG.uniform(0, 2 ** bits, (COLUMNS, blocks)).astype("float32")
+    inputs = ["A", "B", "scales", "zero_points" if zero_points else ""]
+    if bias:
+        constants["bias"] = RNG.standard_normal(COLUMNS).astype("float32")
+        inputs += ["", "bias"]
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain=CONTRIB, K=depth, N=COLUMNS, bits=bits,
+                            block_size=block, **attributes)
+    graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [ROWS, depth])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [ROWS, COLUMNS])],
+                              [numpy_helper.from_array(value, name) for name, value in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CONTRIB, 1)])
+
+
+@pytest.mark.parametrize("depth, block, bits, zero_points, bias", [
+    (64, 32, 4, None, False),  # GenAI's int4: symmetric, the middle code the zero point
+    (64, 16, 4, "packed", True),
+    (48, 32, 4, "float", False),  # K not a whole number of blocks
+    (64, 32, 8, None, True),
+    (64, 16, 8, "packed", False),
+])
+def test_matmul_nbits_matches_onnx_runtime(depth, block, bits, zero_points, bias):
+    model = _model(depth, block, bits, zero_points, bias, accuracy_level=0)
+    a = RNG.standard_normal((ROWS, depth)).astype("float32")
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"A": a})[0]
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model), [a])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_it_cannot_dequantize_are_refused_naming_the_node():
+    model = _model(64, 32, 4, None, False)
+    model.graph.node[0].input.append("g_idx")
+    with pytest.raises(ModelLoadError, match="MatMulNBits node 'Y': .* this one has g_idx"):
+        relay_amp.frontend.from_onnx(model)
+    odd = _model(64, 32, 4, None, False)
+    odd.graph.node[0].attribute[2].i = 3  # bits
+    with pytest.raises(ModelLoadError, match="MatMulNBits node 'Y': relay_amp unpacks codes of 2, 4, 8 bits, not 3"):
+        relay_amp.frontend.from_onnx(odd)
