@@ -192,12 +192,25 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
         onnx.checker.check_model(written)
         with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
             warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
-            imported = relax_from_onnx(_as_tvm_reads(written), shape_dict=shape_dict, keep_params_in_input=False)
+            shapes = {**_empty_inputs(written), **(shape_dict or {})}
+            imported = relax_from_onnx(_as_tvm_reads(written), shape_dict=shapes, keep_params_in_input=False)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
     if has_upsamples(proto):
         imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)
+
+
+def _empty_inputs(proto) -> dict[str, list[int]]:
+    """The static shapes of the inputs with a dim of 0 (an empty key/value cache), which TVM's importer would read
+    as symbolic dims (it takes a dim of 0 for one without a value)."""
+    shapes = {}
+    for value in proto.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if any(dim.HasField("dim_value") and dim.dim_value == 0 for dim in dims) and all(
+                dim.HasField("dim_value") for dim in dims):
+            shapes[value.name] = [dim.dim_value for dim in dims]
+    return shapes
 
 
 def _as_tvm_reads(proto):
