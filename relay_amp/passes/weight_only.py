@@ -35,6 +35,8 @@ COLUMNS = 16  # columns per packed block
 ROWS_PER_WORD = 8  # rows of one column in a uint32
 ZERO_POINT = 8  # codes are stored as q + 8
 CODE_MAX = 7
+HELD_GROUP_MIN = 16  # the smallest group size held_codes tries
+HELD_STEP_FRACTION = 16  # a weight its codes hold is within this fraction of a step (bf16 rounding: a 32nd)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,21 @@ def quantize_int4(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.n
     scales[scales == 0] = 1.0
     codes = np.clip(np.round(groups / scales[:, None]), -ZERO_POINT, CODE_MAX).astype("int8")
     return codes.reshape(depth, columns), scales.astype("float32")
+
+
+def held_codes(weight: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """quantize_int4's codes and scales of a [K, N] weight and their group size: the largest of `group_size`,
+    its half, its quarter... (down to HELD_GROUP_MIN) whose codes hold the weight to within a 16th of a step
+    (weights quantized elsewhere, a MatMulNBits file's blocks of 32, keep their codes); `group_size` for others."""
+    size = group_size
+    while size >= HELD_GROUP_MIN and size % ROWS_PER_WORD == 0 and weight.shape[0] % size == 0:
+        codes, scales = quantize_int4(weight, size)
+        steps = scales[:, None].astype("float64")
+        groups = weight.astype("float64").reshape(-1, size, weight.shape[1])
+        if (np.abs(codes.reshape(groups.shape) * steps - groups) <= np.abs(steps) / HELD_STEP_FRACTION).all():
+            return codes, scales, size
+        size //= 2
+    return (*quantize_int4(weight, group_size), group_size)
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -157,9 +174,9 @@ class _PackWeights(relax.PyExprMutator):
         *batch, depth = tensor_shape(data)
         columns = tensor_shape(weight)[1]
         out_dtype = tensor_dtype(call)
-        spec = PackedSpec(int(np.prod(batch, dtype="int64")), depth, columns, self.group_size,
-                          tensor_dtype(data), out_dtype)
-        codes, scales = quantize_int4(weight.value.numpy(), self.group_size)
+        codes, scales, group_size = held_codes(weight.value.numpy(), self.group_size)
+        spec = PackedSpec(int(np.prod(batch, dtype="int64")), depth, columns, group_size, tensor_dtype(data),
+                          out_dtype)
         gvar = self.builder_.add_func(reference_kernel(spec), "relay_amp_int4_matmul")
         rows = self.builder_.emit(relax.op.reshape(data, (spec.rows, depth)))
         product = self.builder_.emit(relax.call_tir(
@@ -199,5 +216,6 @@ def quantize_weights(mod: tvm.IRModule, dtype: str = "int4", *, group_size: int 
                      ops: Iterable[str] = WEIGHT_OPS, excluded_layers: Iterable[int | str] | None = None,
                      func: str = "main") -> tvm.IRModule:
     """Matmuls with constant [K, N] weights (K in groups of `group_size`, N in blocks of 16) read int4 weights,
-    packed, with per-group scales; activations and outputs keep their dtypes (run AMP first for bf16)."""
+    packed, with per-group scales (a weight quantized elsewhere in smaller groups keeps them: held_codes);
+    activations and outputs keep their dtypes (run AMP first for bf16)."""
     return QuantizeWeights(dtype, group_size=group_size, ops=ops, excluded_layers=excluded_layers, func=func)(mod)

@@ -8,7 +8,8 @@ from tvm import relax
 
 import relay_amp
 from relay_amp.passes import weight_only
-from relay_amp.passes.weight_only import PackedSpec, QuantizeWeights, pack_int4, quantize_int4, quantize_weights, unpack_int4
+from relay_amp.passes.weight_only import (PackedSpec, QuantizeWeights, held_codes, pack_int4, quantize_int4,
+                                          quantize_weights, unpack_int4)
 
 from builders import single_output_module, tensor
 from pass_checks import assert_transforms
@@ -127,3 +128,18 @@ def test_outputs_equal_the_dequantized_weights_product_on_the_vm(dtype):
     data = x.astype(ml_dtypes.bfloat16).astype("float32") if dtype == "bfloat16" else x
     expected = data @ _dequantized(weight)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_weights_quantized_in_smaller_groups_keep_them():
+    """A weight dequantized from blocks of 32 (a MatMulNBits file) is packed in groups of 32 with its own codes, in
+    fp32 and rounded to bf16; any other weight takes the group size asked for."""
+
+    codes = RNG.integers(-8, 8, (256, 16)).astype("int8")
+    codes[::32] = -8
+    scales = (RNG.uniform(0.5, 1.5, (8, 16)) * 0.01).astype("float32")
+    weight = (codes.reshape(8, 32, 16) * scales[:, None]).reshape(256, 16).astype("float32")
+    for held in (weight, weight.astype(ml_dtypes.bfloat16)):
+        again, _, size = held_codes(held, 128)
+        assert size == 32
+        np.testing.assert_array_equal(again, codes)
+    assert held_codes(RNG.standard_normal((256, 16)).astype("float32"), 128)[2] == 128
