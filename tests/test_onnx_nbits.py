@@ -22,26 +22,27 @@ def _packed(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.bitwise_or.reduce(grouped << (np.arange(per_byte, dtype="uint8") * bits), axis=-1).astype("uint8")
 
 
-def _model(depth: int, block: int, bits: int, zero_points: "str | None", bias: bool, **attributes):
+def _model(depth: int, block: int, bits: int, zero_points: "str | None", bias: bool, columns: int = COLUMNS,
+           **attributes):
     """One MatMulNBits node over [ROWS, depth] inputs, its weights random codes of `bits` bits."""
     blocks = -(-depth // block)
-    codes = RNG.integers(0, 2 ** bits, (COLUMNS, blocks, block))
+    codes = RNG.integers(0, 2 ** bits, (columns, blocks, block))
     constants = {"B": _packed(codes, bits),
-                 "scales": (RNG.standard_normal((COLUMNS, blocks)) * 0.1).astype("float32")}
+                 "scales": (RNG.standard_normal((columns, blocks)) * 0.1).astype("float32")}
     if zero_points == "packed":
         per_byte = 8 // bits
-        points = RNG.integers(0, 2 ** bits, (COLUMNS, -(-blocks // per_byte) * per_byte))
+        points = RNG.integers(0, 2 ** bits, (columns, -(-blocks // per_byte) * per_byte))
         constants["zero_points"] = _packed(points, bits)
     elif zero_points == "float":
-        constants["zero_points"] = RNG.uniform(0, 2 ** bits, (COLUMNS, blocks)).astype("float32")
+        constants["zero_points"] = RNG.uniform(0, 2 ** bits, (columns, blocks)).astype("float32")
     inputs = ["A", "B", "scales", "zero_points" if zero_points else ""]
     if bias:
-        constants["bias"] = RNG.standard_normal(COLUMNS).astype("float32")
+        constants["bias"] = RNG.standard_normal(columns).astype("float32")
         inputs += ["", "bias"]
-    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain=CONTRIB, K=depth, N=COLUMNS, bits=bits,
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain=CONTRIB, K=depth, N=columns, bits=bits,
                             block_size=block, **attributes)
     graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [ROWS, depth])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [ROWS, COLUMNS])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [ROWS, columns])],
                               [numpy_helper.from_array(value, name) for name, value in constants.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CONTRIB, 1)])
 
@@ -70,3 +71,17 @@ def test_weights_it_cannot_dequantize_are_refused_naming_the_node():
     odd.graph.node[0].attribute[2].i = 3  # bits
     with pytest.raises(ModelLoadError, match="MatMulNBits node 'Y': relay_amp unpacks codes of 2, 4, 8 bits, not 3"):
         relay_amp.frontend.from_onnx(odd)
+
+
+def test_int4_weights_from_onnx_runtime_pack_as_their_own_codes():
+    """GenAI's symmetric int4 blocks of 32, dequantized at import, come back as the same codes in relay_amp's int4
+    layout (quantize_weights keeps blocks the codes hold), so the int4 model computes what ONNX Runtime's does."""
+    model = _model(128, 32, 4, None, False, columns=32, accuracy_level=0)  # int4 packs columns by 16
+    codes = RNG.integers(0, 16, (32, 4, 32))
+    codes[:, :, 0] = 0  # each block's value of largest magnitude is code 0 (-8): ONNX Runtime's symmetric quantizer
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(_packed(codes, 4), "B"))
+    packed = relay_amp.quantize_weights(relay_amp.frontend.from_onnx(model))
+    assert "relay_amp_int4_matmul" in packed.script()
+    a = RNG.standard_normal((ROWS, 128)).astype("float32")
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"A": a})[0]
+    np.testing.assert_allclose(relay_amp.run(packed, [a])[0], expected, rtol=1e-5, atol=1e-5)
