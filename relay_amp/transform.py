@@ -20,6 +20,7 @@ from .passes.parallel_convs import MergeParallelConvs
 from .passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
+from .passes.selection import WidenedSelections
 from .passes.shapes import Specialize
 from .passes.weight_only import QuantizeWeights
 
@@ -27,4 +28,4 @@ __all__ = ["ConvertLayout", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRed
            "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps",
            "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ",
            "Recast", "SeparableMaxPools", "Specialize", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels",
-           "UsePackedInt4Kernels", "WidenArithmetic"]
+           "UsePackedInt4Kernels", "WidenArithmetic", "WidenedSelections"]
