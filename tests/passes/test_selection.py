@@ -32,8 +32,8 @@ def test_a_bf16_top_k_runs_on_fp32_and_casts_its_values_back():
                 wide = R.astype(x, "float32")
                 both = R.topk(wide, k=3, axis=-1, ret_type="both", largest=True, dtype="int64")
                 values = both[0]
-                narrow = R.astype(values, "bfloat16")
                 indices = both[1]
+                narrow = R.astype(values, "bfloat16")
                 gv = (narrow, indices)
                 R.output(gv)
             return gv
@@ -64,6 +64,29 @@ SELECTIONS = {  # name: (relax op over a bf16 tensor, numpy reference over its f
     "argmax": (lambda x: relax.op.argmax(x, axis=-1), lambda x: np.argmax(x, axis=-1)),
     "argmin": (lambda x: relax.op.argmin(x, axis=-1), lambda x: np.argmin(x, axis=-1)),
 }
+
+
+def test_a_bf16_non_max_suppression_keeps_the_boxes_fp32_does():
+    """TVM's non-max suppression read bf16 boxes and scores as fp32 and kept the wrong boxes."""
+    rng = np.random.default_rng(0)
+    corners = rng.integers(0, 50, (1, 30, 2)).astype("float32")
+    boxes = np.concatenate([corners, corners + rng.integers(10, 30, (1, 30, 2))], -1).astype("float32")
+    scores = (rng.permutation(60).reshape(1, 2, 30).astype("float32") + 1) / 64  # distinct, exact in bf16
+    kept = {}
+    for dtype in ("float32", "bfloat16"):
+        box_var, score_var = (relax.Var(name, relax.TensorType(value.shape, "float32"))
+                              for name, value in (("boxes", boxes), ("scores", scores)))
+        builder = relax.BlockBuilder()
+        with builder.function("main", [box_var, score_var]):
+            with builder.dataflow():
+                selected = builder.emit(relax.op.vision.all_class_non_max_suppression(
+                    relax.op.astype(box_var, dtype), relax.op.astype(score_var, dtype),
+                    relax.const(np.array(10, "int64")), relax.const(np.array(0.3, "float32")),
+                    relax.const(np.array(0.05, "float32")), "onnx"))
+                output = builder.emit_output(relax.TupleGetItem(selected, 0))
+            builder.emit_func_output(output)
+        kept[dtype] = run_executable(relay_amp.build(builder.get(), "cpu"), [boxes, scores])[0]
+    np.testing.assert_array_equal(kept["bfloat16"], kept["float32"])
 
 
 @pytest.mark.parametrize("name", list(SELECTIONS))
