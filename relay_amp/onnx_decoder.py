@@ -25,7 +25,6 @@ from .errors import ModelLoadError
 from .onnx_attention import joined_heads, split_heads
 
 CONTRIB = "com.microsoft"
-ROTARY_OPSET = 23  # the first opset with ONNX's own RotaryEmbedding
 GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
               "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink")
 GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type")
@@ -56,16 +55,23 @@ def _output_shapes(nodes, values: dict) -> list:
         if node.op_type == "RotaryEmbedding":
             shapes = [dims]
         else:
-            attributes = node_attributes(node)
-            heads, kv_heads = attributes["num_heads"], attributes["kv_num_heads"]
-            head_size = dims[2] // (heads + 2 * kv_heads if len(node.input) < 2 or not node.input[1] else heads)
-            past = values.get(node.input[3], ([None] * 3,))[0][2] if len(node.input) > 3 and node.input[3] else 0
-            cached = None if past is None else past + dims[1]
-            shapes = [[dims[0], dims[1], heads * head_size], *[[dims[0], kv_heads, cached, head_size]] * 2]
+            heads, kv_heads, head_size, past = _gqa_sizes(node, dims, values)
+            cache = [dims[0], kv_heads, None if past is None else past + dims[1], head_size]
+            shapes = [[dims[0], dims[1], heads * head_size], cache, cache]
         element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         infos += [onnx.helper.make_tensor_value_info(name, element, shape)
                   for name, shape in zip(node.output, shapes) if name]
     return infos
+
+
+def _gqa_sizes(node, dims: list, values: dict) -> tuple:
+    """A GroupQueryAttention's query heads, key/value heads, head size and cached tokens (None where unknown)."""
+    attributes = node_attributes(node)
+    named = dict(zip(GQA_INPUTS, [*node.input, *[""] * len(GQA_INPUTS)]))
+    heads, kv_heads = attributes["num_heads"], attributes["kv_num_heads"]
+    head_size = dims[2] // (heads + 2 * kv_heads if not named["key"] else heads)
+    past = values.get(named["past_key"], ([None] * 3,))[0][2] if named["past_key"] else 0
+    return heads, kv_heads, head_size, past
 
 
 def _is_decoder_op(node) -> bool:
@@ -152,14 +158,11 @@ def _group_query_attention(node, writer: Writer, values: dict) -> None:
     attributes = node_attributes(node)
     named = dict(zip(GQA_INPUTS, [*node.input, *[""] * len(GQA_INPUTS)]))
     _check_gqa(label, node, attributes, named)
-    heads, kv_heads = attributes["num_heads"], attributes["kv_num_heads"]
     dims, dtype = _known_dims(label, values, named["query"], ranks=(3,))
-    packed = not named["key"]
-    head_size = dims[2] // (heads + 2 * kv_heads if packed else heads)
-    q, k, v = (writer.split(named["query"], [heads * head_size, *[kv_heads * head_size] * 2], axis=2) if packed
-               else (named["query"], named["key"], named["value"]))
-    q, k, v = (split_heads(writer, part, count) for part, count in ((q, heads), (k, kv_heads), (v, kv_heads)))
-    past = values.get(named["past_key"], ([0, 0, 0],))[0][2] if named["past_key"] else 0
+    heads, kv_heads, head_size, past = _gqa_sizes(node, dims, values)
+    if past is None:
+        raise ModelLoadError(f"{label}: its past key {named['past_key']!r} needs a known length")
+    q, k, v = _split_qkv(writer, named, (heads, kv_heads, head_size))
     offsets, last = _past_lengths(writer, named["seqlens_k"], dims[1])
     if attributes.get("do_rotary", 0):
         positions = named["position_ids"] or writer.op(
@@ -172,19 +175,32 @@ def _group_query_attention(node, writer: Writer, values: dict) -> None:
     rows = offsets if dims[0] > 1 else None  # one row's cached tokens are the cache input's
     k, v = (_appended(writer, named[name], part, rows, sizes, dtype, node.output, index)
             for name, part, index in (("past_key", k, 1), ("past_value", v, 2)))
-    scale = attributes.get("scale", 0.0) or 1 / np.sqrt(head_size)
-    scores = _grouped_scores(writer, q, k, sizes, scale, dtype)
-    softcap = attributes.get("softcap", 0.0)
-    if softcap > 0:
-        scores = writer.op("Mul", writer.op("Tanh", writer.op("Div", scores, writer.const(softcap, dtype))),
-                           writer.const(softcap, dtype))
-    if named["attention_bias"]:
-        scores = writer.op("Add", scores, named["attention_bias"])
+    scores = _scores(writer, (q, k), named["attention_bias"], attributes, sizes, head_size, dtype)
     mask = _causal_mask(writer, (offsets, last), sizes, attributes.get("local_window_size", -1), dtype)
     probabilities = writer.op("Softmax", writer.op("Add", scores, mask), axis=-1)
     grouped = writer.op("Reshape", probabilities, writer.const([0, kv_heads, -1, sizes[3]]))
     output = writer.op("Reshape", writer.op("MatMul", grouped, v), writer.const([0, heads, dims[1], head_size]))
     joined_heads(writer, output, out=node.output[0])
+
+
+def _split_qkv(writer: Writer, named: dict, sizes: tuple) -> tuple[str, str, str]:
+    """Q, K and V as [batch, heads, sequence, size], from one packed input or three."""
+    heads, kv_heads, head_size = sizes
+    parts = ((named["query"], named["key"], named["value"]) if named["key"] else
+             writer.split(named["query"], [heads * head_size, *[kv_heads * head_size] * 2], axis=2))
+    return tuple(split_heads(writer, part, count) for part, count in zip(parts, (heads, kv_heads, kv_heads)))
+
+
+def _scores(writer: Writer, qk: tuple[str, str], bias: str, attributes: dict, sizes: tuple, head_size: int,
+            dtype) -> str:
+    """Q·Kᵀ times the scale, soft-capped, plus the attention bias: [batch, heads, sequence, keys]."""
+    scale = attributes.get("scale", 0.0) or 1 / np.sqrt(head_size)
+    scores = _grouped_scores(writer, *qk, sizes, scale, dtype)
+    softcap = attributes.get("softcap", 0.0)
+    if softcap > 0:
+        scores = writer.op("Mul", writer.op("Tanh", writer.op("Div", scores, writer.const(softcap, dtype))),
+                           writer.const(softcap, dtype))
+    return writer.op("Add", scores, bias) if bias else scores
 
 
 def _check_gqa(label: str, node, attributes: dict, named: dict) -> None:

@@ -162,6 +162,11 @@ def test_options_it_does_not_write_are_refused_naming_the_node():
     packed = _rotary_model([1, 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS, is_packed_batching=1)
     with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': .* with is_packed_batching"):
         relay_amp.frontend.from_onnx(packed)
+    unknown_past = _gqa_model(1, 2, 3)
+    for value in unknown_past.graph.input[1:3]:
+        value.type.tensor_type.shape.dim[2].dim_param = "past"
+    with pytest.raises(ModelLoadError, match="GroupQueryAttention node 'y': its past key 'past_key' needs a known"):
+        relay_amp.frontend.from_onnx(unknown_past)
     unsized = _rotary_model(["batch", 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS)
     with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': 'x' needs a known shape"):
         relay_amp.frontend.from_onnx(unsized)
