@@ -27,7 +27,7 @@ from .onnx_attention import joined_heads, split_heads
 CONTRIB = "com.microsoft"
 GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
               "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink")
-GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type")
+GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type", "sliding_window_cache")
 INT64 = 7  # onnx.TensorProto.INT64
 
 

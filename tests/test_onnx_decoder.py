@@ -156,9 +156,10 @@ def test_rotary_embedding_matches_onnx_runtime(case):
 
 
 def test_options_it_does_not_write_are_refused_naming_the_node():
-    model = _gqa_model(1, 2, 2, smooth_softmax=1)
-    with pytest.raises(ModelLoadError, match="GroupQueryAttention node 'y': .* with smooth_softmax"):
-        relay_amp.frontend.from_onnx(model)
+    for option in ("smooth_softmax", "sliding_window_cache"):  # a softmax with a sink; a ring-buffer cache
+        model = _gqa_model(1, 2, 2, local_window_size=2, **{option: 1})
+        with pytest.raises(ModelLoadError, match=f"GroupQueryAttention node 'y': .* with {option}"):
+            relay_amp.frontend.from_onnx(model)
     packed = _rotary_model([1, 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS, is_packed_batching=1)
     with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': .* with is_packed_batching"):
         relay_amp.frontend.from_onnx(packed)
