@@ -13,7 +13,9 @@ has neither, so such files failed to import. `decoder_ops_as_onnx` writes them a
   cached tokens (the present outputs: one row's after the cache input, several rows' by a gather, later
   positions zero); each group of query heads multiplied by its key/value head (no key/value head copied); scores
   times the scale, soft-capped, plus the attention bias; keys after a query's own position (or the row's last
-  one), or before the last `local_window_size` positions up to it, masked; softmax; times V.
+  one), or before the last `local_window_size` positions up to it, masked; softmax; times V. With
+  `sliding_window_cache` (GenAI's Gemma 2 and 3) the cache inputs hold each row's last tokens up to their
+  capacity, and the present outputs the last `capacity` tokens of the cache and the new ones.
 Everything matches ONNX Runtime's kernels on its CPU, where the present outputs are their own buffers (a plain
 InferenceSession; GenAI's loop shares them with the past inputs, holding the cache at its full length).
 """
@@ -27,7 +29,7 @@ from .onnx_attention import joined_heads, split_heads
 CONTRIB = "com.microsoft"
 GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
               "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink")
-GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type", "sliding_window_cache")
+GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type")
 INT64 = 7  # onnx.TensorProto.INT64
 
 
@@ -172,11 +174,15 @@ def _group_query_attention(node, writer: Writer, values: dict) -> None:
         interleaved = bool(attributes.get("rotary_interleaved", 0))
         q, k = (rotated(writer, part, angles, width, head_size, interleaved) for part in (q, k))
     sizes = (heads, kv_heads, dims[1], past + dims[1])
-    rows = offsets if dims[0] > 1 else None  # one row's cached tokens are the cache input's
-    k, v = (_appended(writer, named[name], part, rows, sizes, dtype, node.output, index)
-            for name, part, index in (("past_key", k, 1), ("past_value", v, 2)))
+    if attributes.get("sliding_window_cache", 0):
+        k, v, *keys = _window_cache(writer, named, (k, v), offsets, sizes, dtype, node.output)
+    else:
+        rows = offsets if dims[0] > 1 else None  # one row's cached tokens are the cache input's
+        k, v = (_appended(writer, named[name], part, rows, sizes, dtype, node.output, index)
+                for name, part, index in (("past_key", k, 1), ("past_value", v, 2)))
+        keys = (writer.const(np.arange(sizes[3]).reshape(1, 1, -1)), None)
     scores = _scores(writer, (q, k), named["attention_bias"], attributes, sizes, head_size, dtype)
-    mask = _causal_mask(writer, (offsets, last), sizes, attributes.get("local_window_size", -1), dtype)
+    mask = _causal_mask(writer, (offsets, last), keys, sizes, attributes.get("local_window_size", -1), dtype)
     probabilities = writer.op("Softmax", writer.op("Add", scores, mask), axis=-1)
     grouped = writer.op("Reshape", probabilities, writer.const([0, kv_heads, -1, sizes[3]]))
     output = writer.op("Reshape", writer.op("MatMul", grouped, v), writer.const([0, heads, dims[1], head_size]))
@@ -210,6 +216,8 @@ def _check_gqa(label: str, node, attributes: dict, named: dict) -> None:
     refused += ["a key without a value"] if bool(named["key"]) != bool(named["value"]) else []
     refused += ["do_rotary without cos and sin caches"] if attributes.get("do_rotary", 0) and not (
         named["cos_cache"] and named["sin_cache"]) else []
+    refused += ["sliding_window_cache without a window and a cache"] if attributes.get("sliding_window_cache", 0) and (
+        attributes.get("local_window_size", -1) <= 0 or not named["past_key"]) else []
     if refused:
         raise ModelLoadError(f"{label}: relay_amp does not write a GroupQueryAttention with {', '.join(refused)}")
 
@@ -229,18 +237,55 @@ def _appended(writer: Writer, past: str, current: str, offsets: "str | None", si
     present = writer.op("Concat", past, current, axis=2) if past and keys > length else current
     if offsets is not None and keys > length:
         positions = writer.const(np.arange(keys).reshape(1, keys))
-        starts = writer.op("Unsqueeze", offsets, writer.const([1]))  # [batch, 1]
-        written = writer.op("Sub", positions, starts)
+        written = writer.op("Sub", positions, writer.op("Unsqueeze", offsets, writer.const([1])))
         is_new = writer.op("And", writer.op("GreaterOrEqual", written, writer.const(0)),
                            writer.op("Less", written, writer.const(length)))
         read = writer.op("Where", is_new, writer.op("Add", written, writer.const(keys - length)), positions)
-        rows = writer.op("Unsqueeze", read, writer.const([1, 3]))  # [batch, 1, keys, 1]
-        moved = writer.op("GatherElements", present, writer.op("Expand", rows, writer.op("Shape", present)), axis=2)
-        kept = writer.op("Unsqueeze", writer.op("Less", written, writer.const(length)), writer.const([1, 3]))
-        present = writer.op("Where", kept, moved, writer.const(0.0, dtype))
-    if len(outputs) > index and outputs[index]:
-        writer.op("Identity", present, out=outputs[index])
+        present = _gathered(writer, present, read, writer.op("Less", written, writer.const(length)), dtype)
+    _name_output(writer, present, outputs, index)
     return present
+
+
+def _name_output(writer: Writer, value: str, outputs, index: int) -> None:
+    if len(outputs) > index and outputs[index]:
+        writer.op("Identity", value, out=outputs[index])
+
+
+def _gathered(writer: Writer, cache: str, read: str, kept: str, dtype) -> str:
+    """`cache` [batch, heads, slots, size] with slot j of row b reading slot read[b, j], or 0 where kept[b, j] is
+    false."""
+    rows = writer.op("Unsqueeze", read, writer.const([1, 3]))  # [batch, 1, slots, 1]
+    per_slot = writer.op("Add", writer.op("Mul", writer.op("Shape", cache), writer.const([1, 1, 0, 1])),
+                         writer.const([0, 0, 1, 0]))  # [batch, heads, 1, size]
+    moved = writer.op("GatherElements", cache, writer.op("Expand", rows, per_slot), axis=2)
+    return writer.op("Where", writer.op("Unsqueeze", kept, writer.const([1, 3])), moved, writer.const(0.0, dtype))
+
+
+def _window_cache(writer: Writer, named: dict, kv: tuple[str, str], offsets: str, sizes: tuple, dtype,
+                  outputs) -> tuple:
+    """ONNX Runtime's sliding-window cache (sliding_window_cache): the past inputs hold each row's last tokens, up
+    to their capacity; attention reads them and the new ones; the present outputs keep the last `capacity` of both.
+    The keys and values, and each key's position and whether it holds a token: [batch, 1, keys]."""
+    _, _, length, keys = sizes
+    capacity = keys - length
+    slots = writer.const(np.arange(keys).reshape(1, keys))
+    cached, counts = writer.op("Less", slots, writer.const(capacity)), writer.op("Min", offsets, writer.const(capacity))
+    row = {name: writer.op("Unsqueeze", value, writer.const([1])) for name, value in
+           (("offsets", offsets), ("held", counts))}  # [batch, 1]
+    first = writer.op("Sub", row["offsets"], row["held"])  # the position of slot 0
+    positions = writer.op("Where", cached, writer.op("Add", first, slots),
+                          writer.op("Add", row["offsets"], writer.op("Sub", slots, writer.const(capacity))))
+    held = writer.op("Or", writer.op("Not", cached), writer.op("Less", slots, row["held"]))
+    start = writer.op("Max", writer.op("Add", row["held"], writer.const(length - capacity)), writer.const(0))
+    kept_index = writer.op("Add", start, writer.const(np.arange(capacity).reshape(1, capacity)))  # [batch, capacity]
+    read = writer.op("Min", writer.op("Where", writer.op("Less", kept_index, row["held"]), kept_index, writer.op(
+        "Add", writer.op("Sub", kept_index, row["held"]), writer.const(capacity))), writer.const(keys - 1))
+    kept = writer.op("Less", kept_index, writer.op("Add", row["held"], writer.const(length)))
+    full = []
+    for past, current, index in ((named["past_key"], kv[0], 1), (named["past_value"], kv[1], 2)):
+        full.append(writer.op("Concat", past, current, axis=2))
+        _name_output(writer, _gathered(writer, full[-1], read, kept, dtype), outputs, index)
+    return (*full, *(writer.op("Unsqueeze", value, writer.const([1])) for value in (positions, held)))
 
 
 def _grouped_scores(writer: Writer, q: str, k: str, sizes: tuple, scale: float, dtype) -> str:
@@ -253,17 +298,20 @@ def _grouped_scores(writer: Writer, q: str, k: str, sizes: tuple, scale: float, 
     return writer.op("Reshape", scaled, writer.const([0, heads, length, keys]))
 
 
-def _causal_mask(writer: Writer, rows: tuple[str, str], sizes: tuple, window: int, dtype) -> str:
-    """0 where query i of a row with P cached tokens sees key j (j <= P + i, and j > P + i - window for a
-    window), -inf elsewhere: [batch, 1, sequence, keys]."""
-    _, _, length, keys = sizes
+def _causal_mask(writer: Writer, rows: tuple[str, str], keys: tuple, sizes: tuple, window: int, dtype) -> str:
+    """0 where query i of a row with P cached tokens (at position P + i) sees a key (held, at a position up to its
+    own, and within the window), -inf elsewhere: [batch, 1, sequence, keys]. `keys`: the keys' positions and
+    whether each holds a token ([batch or 1, 1, keys]; None: every key)."""
+    length = sizes[2]
+    positions, held = keys
     offsets, last = (writer.op("Unsqueeze", row, writer.const([1, 2])) for row in rows)
     own = writer.op("Min", writer.op("Add", offsets, writer.const(np.arange(length).reshape(1, length, 1))),
                     last)  # [batch, sequence, 1]: a padded prompt's padding queries see its tokens
-    key_positions = writer.const(np.arange(keys).reshape(1, 1, keys))
-    seen = writer.op("LessOrEqual", key_positions, own)
+    seen = writer.op("LessOrEqual", positions, own)
     if window > 0:
-        recent = writer.op("GreaterOrEqual", key_positions, writer.op("Sub", own, writer.const(window - 1)))
-        seen = writer.op("And", seen, recent)
+        seen = writer.op("And", seen, writer.op("GreaterOrEqual", positions,
+                                                writer.op("Sub", own, writer.const(window - 1))))
+    if held is not None:
+        seen = writer.op("And", seen, held)
     mask = writer.op("Where", seen, writer.const(0.0, dtype), writer.const(-np.inf, dtype))
     return writer.op("Unsqueeze", mask, writer.const([1]))

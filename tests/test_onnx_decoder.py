@@ -94,6 +94,23 @@ def test_rows_of_a_batch_with_other_lengths_match_onnx_runtime():
     _check_against_onnx_runtime(prompt, _feeds(prompt, [3, 1]))
 
 
+@pytest.mark.parametrize("length, tokens", [(1, 2), (1, 4), (1, 9), (6, 6), (3, 7), (3, 3)])
+def test_a_sliding_window_cache_matches_onnx_runtime(length, tokens):
+    """sliding_window_cache (GenAI's Gemma 2 and 3): a cache of the window's capacity holds each row's last tokens;
+    the present keeps the last of them and the new ones. ONNX Runtime leaves the slots of a cache it does not fill
+    unwritten, so the presents are compared where it fills them."""
+    window = 4
+    model = _gqa_model(1, length, window, local_window_size=window, sliding_window_cache=1)
+    for value in model.graph.output[1:]:
+        value.type.tensor_type.shape.dim[2].dim_value = window
+    feeds = _feeds(model, [tokens - 1])
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)
+    got = relay_amp.run(relay_amp.frontend.from_onnx(model), list(feeds.values()))
+    compared = got if tokens >= window else got[:1]
+    for ours, theirs in zip(compared, expected):
+        np.testing.assert_allclose(ours, theirs, rtol=TOLERANCE, atol=TOLERANCE)
+
+
 def test_a_decoder_of_two_layers_with_symbolic_dims_imports_once_they_are_sized():
     """Shape inference stops at ONNX Runtime's ops, so the second layer's input shape comes from the first's
     outputs (what GenAI's builder writes: symbolic batch and sequence, value infos in the same names)."""
@@ -156,9 +173,9 @@ def test_rotary_embedding_matches_onnx_runtime(case):
 
 
 def test_options_it_does_not_write_are_refused_naming_the_node():
-    for option in ("smooth_softmax", "sliding_window_cache"):  # a softmax with a sink; a ring-buffer cache
-        model = _gqa_model(1, 2, 2, local_window_size=2, **{option: 1})
-        with pytest.raises(ModelLoadError, match=f"GroupQueryAttention node 'y': .* with {option}"):
+    for options in ({"smooth_softmax": 1}, {"sliding_window_cache": 1}):  # a softmax with a sink; no window
+        model = _gqa_model(1, 2, 2, **options)
+        with pytest.raises(ModelLoadError, match=f"GroupQueryAttention node 'y': .* with {next(iter(options))}"):
             relay_amp.frontend.from_onnx(model)
     packed = _rotary_model([1, 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS, is_packed_batching=1)
     with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': .* with is_packed_batching"):
