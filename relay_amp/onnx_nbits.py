@@ -1,4 +1,4 @@
-"""ONNX Runtime's MatMulNBits (weights of a few bits in blocks) as a MatMul by the weights it holds, dequantized.
+"""Weights of a few bits (ONNX Runtime's MatMulNBits, ONNX's int4 DequantizeLinear) dequantized at import.
 
 ONNX Runtime GenAI's model builder (`-p int4`) and ONNX Runtime's MatMulNBitsQuantizer write each linear layer of
 an LLM as one com.microsoft MatMulNBits node: B [N, blocks, block_size x bits / 8] packs the codes of the
@@ -7,6 +7,11 @@ column, zero points packed the same way (or as floats; by default the middle cod
 has no such op. `nbits_matmuls_as_onnx` writes each as MatMul(A, W) (+ bias) with W[k, n] = (code - zero point) x
 scale computed here: the weights ONNX Runtime's kernels compute with. The model then takes any relay_amp dtype;
 `int4w` packs them again in relay_amp's own int4 layout.
+
+ONNX's own int4 weights (a DequantizeLinear of an INT4 or UINT4 constant, per tensor, per axis or in blocks:
+opset 21's QDQ form, which ONNX Runtime's quantizer writes with `quant_format=QDQ`) failed to import too: TVM
+cannot hold a 4-bit tensor ("TensorCopyFromBytes: size mismatch"). `low_bit_dequantizes_folded` replaces each
+such node by the constant it computes.
 """
 
 import numpy as np
@@ -15,6 +20,7 @@ from ._onnx_graph import Writer, constant_values, node_attributes, node_label, r
 from .errors import ModelLoadError
 
 CONTRIB = "com.microsoft"
+LOW_BIT_TYPES = (21, 22, 25, 26)  # onnx.TensorProto's UINT4, INT4, UINT2, INT2: element types TVM cannot hold
 INPUTS = ("A", "B", "scales", "zero_points", "g_idx", "bias")
 BITS = (2, 4, 8)  # code widths that divide a byte
 
@@ -72,3 +78,52 @@ def unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
     shifts = np.arange(0, 8, bits, dtype="uint8")
     codes = (packed.astype("uint8")[..., None] >> shifts) & np.uint8(2 ** bits - 1)
     return codes.reshape(*packed.shape[:-1], -1).astype("float32")
+
+
+def low_bit_dequantizes_folded(proto):
+    """`proto` with each DequantizeLinear of a constant of 2 or 4 bits a constant of the values it computes (a
+    copy; `proto` is unchanged)."""
+    low_bit = {tensor.name for tensor in proto.graph.initializer if tensor.data_type in LOW_BIT_TYPES}
+    if not any(node.op_type == "DequantizeLinear" and node.input[0] in low_bit for node in proto.graph.node):
+        return proto
+    constants = constant_values(proto.graph)
+    return rewrite_nodes(proto, ["DequantizeLinear"],
+                         lambda node, writer: _folded_dequantize(node, writer, constants, low_bit))
+
+
+def _folded_dequantize(node, writer: Writer, constants: dict, low_bit: set) -> None:
+    inputs = [*node.input, "", ""]
+    if inputs[0] not in low_bit:
+        writer.nodes.append(node)
+        return
+    missing = [name for name in inputs[1:3] if name and name not in constants]
+    if missing:
+        raise ModelLoadError(f"{node_label(node)}: relay_amp folds a dequantize of 2- or 4-bit codes whose scale "
+                             f"and zero point are constants; {', '.join(missing)} is not")
+    attributes = node_attributes(node)
+    codes = constants[inputs[0]].astype("float32")
+    scale = constants[inputs[1]]
+    points = constants[inputs[2]].astype("float32") if inputs[2] else np.zeros((), "float32")
+    axis = attributes.get("axis", 1) % max(codes.ndim, 1)
+    values = (codes - _spread(points, codes, axis, attributes)) * _spread(scale.astype("float32"), codes, axis,
+                                                                          attributes)
+    dtype = scale.dtype if "output_dtype" not in attributes else _element_dtype(attributes["output_dtype"])
+    writer.op("Identity", writer.const(values, dtype), out=node.output[0])
+
+
+def _spread(factor: np.ndarray, codes: np.ndarray, axis: int, attributes: dict) -> np.ndarray:
+    """A per-tensor, per-axis or blocked scale or zero point broadcast to the codes' shape."""
+    if factor.ndim == 0 or factor.size == 1:
+        return factor.reshape(())
+    block = attributes.get("block_size", 0)
+    if block:
+        return np.repeat(factor, block, axis=axis).take(range(codes.shape[axis]), axis=axis)
+    shape = [1] * codes.ndim
+    shape[axis] = codes.shape[axis]
+    return factor.reshape(shape)
+
+
+def _element_dtype(element: int) -> np.dtype:
+    import onnx
+
+    return onnx.helper.tensor_dtype_to_np_dtype(element)

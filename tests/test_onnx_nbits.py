@@ -85,3 +85,46 @@ def test_int4_weights_from_onnx_runtime_pack_as_their_own_codes():
     a = RNG.standard_normal((ROWS, 128)).astype("float32")
     expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"A": a})[0]
     np.testing.assert_allclose(relay_amp.run(packed, [a])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("element, axis, block, zero_point", [
+    (TensorProto.INT4, 0, 32, False),  # blocks along K: ONNX Runtime's QDQ int4 weights
+    (TensorProto.INT4, 1, 16, False),
+    (TensorProto.UINT4, 0, 16, True),
+    (TensorProto.INT4, 1, 0, False),  # per output column
+    (TensorProto.UINT4, None, 0, True),  # per tensor
+])
+def test_a_dequantize_of_int4_weights_is_folded_and_matches_onnx(element, axis, block, zero_point):
+    """TVM cannot hold a 4-bit tensor: such files failed to import. Checked against ONNX's reference evaluator
+    (ONNX Runtime 1.32 departs from it on three of these layouts)."""
+    from onnx.reference import ReferenceEvaluator
+
+    depth, columns = 64, 32
+    low, high = (-8, 8) if element == TensorProto.INT4 else (0, 16)
+    scale_shape = ([depth // block, columns] if axis == 0 else [depth, columns // block]) if block else (
+        [] if axis is None else [columns])
+    constants = [helper.make_tensor("w", element, [depth, columns], RNG.integers(low, high, depth * columns).tolist()),
+                 numpy_helper.from_array(RNG.uniform(0.05, 0.2, scale_shape).astype("float32"), "scale")]
+    if zero_point:
+        constants.append(helper.make_tensor("zero", element, scale_shape,
+                                            RNG.integers(low, high, max(int(np.prod(scale_shape)), 1)).tolist()))
+    attributes = {**({"axis": axis} if axis is not None else {}), **({"block_size": block} if block else {})}
+    nodes = [helper.make_node("DequantizeLinear", ["w", "scale", *(["zero"] if zero_point else [])], ["weight"],
+                              **attributes), helper.make_node("MatMul", ["A", "weight"], ["Y"])]
+    graph = helper.make_graph(nodes, "int4", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [ROWS, depth])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [ROWS, columns])], constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    a = RNG.standard_normal((ROWS, depth)).astype("float32")
+    expected = ReferenceEvaluator(model).run(None, {"A": a})[0]
+    np.testing.assert_allclose(relay_amp.run(relay_amp.frontend.from_onnx(model), [a])[0], expected, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_dequantize_of_int4_codes_by_a_computed_scale_is_refused_naming_the_node():
+    nodes = [helper.make_node("DequantizeLinear", ["w", "scale"], ["Y"], name="dq")]
+    graph = helper.make_graph(nodes, "int4", [helper.make_tensor_value_info("scale", TensorProto.FLOAT, [])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor("w", TensorProto.INT4, [4], [1, -2, 3, -4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    with pytest.raises(ModelLoadError, match="DequantizeLinear node 'dq': .* scale and zero point are constants"):
+        relay_amp.frontend.from_onnx(model)
