@@ -96,7 +96,7 @@ def test_int4_weights_from_onnx_runtime_pack_as_their_own_codes():
 ])
 def test_a_dequantize_of_int4_weights_is_folded_and_matches_onnx(element, axis, block, zero_point):
     """TVM cannot hold a 4-bit tensor: such files failed to import. Checked against ONNX's reference evaluator
-    (ONNX Runtime 1.32 departs from it on three of these layouts)."""
+    (ONNX Runtime's optimizer fuses the dequantize and MatMul into its MatMulNBits, which moves the product)."""
     from onnx.reference import ReferenceEvaluator
 
     depth, columns = 64, 32
