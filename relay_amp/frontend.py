@@ -23,6 +23,7 @@ from .onnx_contrib import contrib_ops_as_onnx
 from .onnx_decoder import decoder_ops_as_onnx
 from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down,
                           upsamples_with_attribute_scales)
+from .onnx_multihead import multihead_attentions_as_onnx
 from .onnx_nbits import low_bit_dequantizes_folded, nbits_matmuls_as_onnx
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 from .onnx_recurrent import recurrences_unrolled
@@ -174,10 +175,10 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     maximum and minimum, pads as relax.nn.pad, QOperator and integer ops as QDQ pairs around float ops, dequantized
     scalar constants as float constants, LSTM, GRU and RNN nodes unrolled over their static sequence length,
     STFT and DFT nodes as a conv and a matmul by their DFT basis, opset 23's Attention as its matmuls and softmax,
-    ONNX Runtime's fused norms, matmuls and activations (its transformer optimizer's) and its GroupQueryAttention
-    and RotaryEmbedding (GenAI's model builder's) as ONNX ops, MatMulNBits as a MatMul by its dequantized weights,
-    dequantizes of 2- and 4-bit constants folded, opset-9
-    Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
+    ONNX Runtime's fused norms, matmuls and activations (its transformer optimizer's), its MultiHeadAttention, and
+    its GroupQueryAttention and RotaryEmbedding (GenAI's model builder's) as ONNX ops, MatMulNBits as a MatMul by
+    its dequantized weights, dequantizes of 2- and 4-bit constants folded, opset-9 Upsample nodes' scales read as
+    opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
     ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
@@ -187,8 +188,7 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     try:
         import onnx
 
-        # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
-        written = low_bit_dequantizes_folded(nbits_matmuls_as_onnx(decoder_ops_as_onnx(contrib_ops_as_onnx(proto))))
+        written = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
         onnx.checker.check_model(written)
         with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
             warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
@@ -199,6 +199,14 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     if has_upsamples(proto):
         imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)
+
+
+def _as_onnx_ops(proto):
+    """`proto` with ONNX Runtime's ops and the low-bit weights TVM cannot hold written as ONNX ops it reads."""
+    for rewrite in (contrib_ops_as_onnx, multihead_attentions_as_onnx, decoder_ops_as_onnx, nbits_matmuls_as_onnx,
+                    low_bit_dequantizes_folded):
+        proto = rewrite(proto)
+    return proto
 
 
 def _empty_inputs(proto) -> dict[str, list[int]]:

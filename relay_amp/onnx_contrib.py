@@ -170,8 +170,8 @@ def _attention(node, writer: Writer, values: dict, widths: dict) -> None:
     scores = writer.op("Mul", writer.op("MatMul", q, writer.op("Transpose", k, perm=[0, 1, 3, 2])),
                        writer.const(attributes.get("scale", 1 / np.sqrt(sizes[0] // heads)), dtype))
     fill = attributes.get("mask_filter_value", MASK_FILTER_VALUE)
-    for bias in (_mask_bias(label, writer, inputs[3], values, dims[1], fill, dtype),
-                 _causal_bias(writer, dims[1], fill, dtype) if attributes.get("unidirectional", 0) else "",
+    for bias in (mask_bias(label, writer, inputs[3], values, dims[1], fill, dtype),
+                 causal_bias(writer, dims[1], dims[1], fill, dtype) if attributes.get("unidirectional", 0) else "",
                  inputs[5]):
         if bias:
             scores = writer.op("Add", scores, bias)
@@ -179,7 +179,7 @@ def _attention(node, writer: Writer, values: dict, widths: dict) -> None:
     joined_heads(writer, output, out=node.output[0])
 
 
-def _mask_bias(label: str, writer: Writer, mask: str, values: dict, length: int, fill: float, dtype) -> str:
+def mask_bias(label: str, writer: Writer, mask: str, values: dict, length: int, fill: float, dtype) -> str:
     """mask_filter_value where a key is masked, broadcast to [batch, heads, queries, keys]: from key lengths
     [batch] (keys past the length), or a 0/1 mask [batch, keys] or [batch, queries, keys]."""
     if not mask:
@@ -199,6 +199,8 @@ def _mask_bias(label: str, writer: Writer, mask: str, values: dict, length: int,
     return writer.op("Unsqueeze", bias, writer.const(axes))
 
 
-def _causal_bias(writer: Writer, length: int, fill: float, dtype) -> str:
-    later = np.arange(length)[None, :] > np.arange(length)[:, None]
+def causal_bias(writer: Writer, length: int, keys: int, fill: float, dtype) -> str:
+    """mask_filter_value where a key comes after its query ([length, keys]: query i at position keys - length + i,
+    after a cache)."""
+    later = np.arange(keys)[None, :] > np.arange(length)[:, None] + keys - length
     return writer.const(np.where(later, fill, 0.0), dtype)
