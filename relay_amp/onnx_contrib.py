@@ -47,9 +47,29 @@ def contrib_ops_as_onnx(proto):
     values = inferred_values(proto)
     rewritten = rewrite_nodes(proto, [op for op in ops if op != "Attention"],
                               lambda node, writer: _rewrite(node, writer, opset, values), DOMAINS)
+    if not any(_is_contrib(node, ["Attention"]) for node in rewritten.graph.node):
+        return rewritten
+    values = inferred_values(rewritten, _attention_shapes)  # through the norms spelled out, and the attentions
     widths = {name: value.shape[-1] for name, value in constant_values(proto.graph).items() if value.ndim == 2}
     return rewrite_nodes(rewritten, ["Attention"], lambda node, writer: _attention(node, writer, values, widths),
                          [CONTRIB])
+
+
+def _attention_shapes(nodes, values: dict) -> list:
+    """Value infos of the fused attentions' outputs, [batch, sequence, V's width], where their input's and
+    weights' shapes are known (shape inference does not know ONNX Runtime's ops)."""
+    import onnx
+
+    infos = []
+    for node in nodes:
+        dims, dtype = values.get(node.input[0], (None, None)) if _is_contrib(node, ["Attention"]) else (None, None)
+        weights = values.get(node.input[1], (None,))[0] if dims else None
+        if dims is None or weights is None or None in weights:
+            continue
+        width = node_attributes(node).get("qkv_hidden_sizes", [weights[-1] // 3] * 3)[2]
+        element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        infos.append(onnx.helper.make_tensor_value_info(node.output[0], element, [*dims[:-1], width]))
+    return infos
 
 
 def _is_contrib(node, ops) -> bool:

@@ -179,3 +179,23 @@ def test_a_fused_attention_with_a_cache_is_refused_naming_the_node():
                    {"y": (2, 8, 32)}, num_heads=4)
     with pytest.raises(ModelLoadError, match="Attention node 'fused': relay_amp does not write an Attention with past"):
         relay_amp.frontend.from_onnx(model)
+
+
+def test_fused_attentions_in_a_row_import_through_shapes_inference_does_not_know():
+    """Shape inference stops at ONNX Runtime's ops: a second fused attention's input (after the first and a
+    SkipLayerNormalization: GenAI's Whisper encoder) had no known shape and was refused."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    weights = [(RNG.standard_normal((32, 96)) * 0.2).astype("float32") for _ in range(2)]
+    gamma = np.ones(32, "float32")
+    nodes = [helper.make_node("Attention", ["x", "w0"], ["a0"], domain=CONTRIB, num_heads=4),
+             helper.make_node("SkipLayerNormalization", ["a0", "x", "gamma"], ["n0"], domain=CONTRIB),
+             helper.make_node("Attention", ["n0", "w1"], ["y"], "second", domain=CONTRIB, num_heads=4)]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 8, 32))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, (2, 8, 32))],
+                              [numpy_helper.from_array(value, name) for name, value in
+                               (("w0", weights[0]), ("w1", weights[1]), ("gamma", gamma))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CONTRIB, 1)])
+    x = RNG.standard_normal((2, 8, 32)).astype("float32")
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(relay_amp.run(relay_amp.frontend.from_onnx(model), [x])[0], expected, rtol=1e-5,
+                               atol=1e-5)
