@@ -3,7 +3,9 @@
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
 kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
-time, one per batch element. A grouped conv's weight is made block-diagonal over 16-lane output blocks
+time, one per batch element, unless the matmul has a few rows (a decode step: Q.K^T becomes (K.Q^T)^T, the
+cached keys the kernel's rows; P.V reads V in place on the generic schedule), where packing would copy the whole
+cache for a few products of each value. A grouped conv's weight is made block-diagonal over 16-lane output blocks
 (`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products; groups whose width is off
 the 16 lanes (24) get zero outputs up to whole blocks each, and the result's groups are compacted after. A
 dilated (atrous) conv's kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the
@@ -36,6 +38,7 @@ from ...ops import call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
 from . import amx, kernels
 
+FEW_ROWS = 8  # a runtime matmul of this many rows or fewer packs no cache (_Dispatcher._few_rows)
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
 
 
@@ -193,6 +196,8 @@ class _Dispatcher(relax.PyExprMutator):
         column blocks (`_column_block`: 197 tokens) gets zero columns, sliced off the output; a depth off the
         instruction's group (P.V over 197 tokens in bf16) gets zero products: a zero column of the first operand, a
         zero row of the second."""
+        if shape[-2] <= FEW_ROWS:
+            return self._few_rows(call, shape)
         data, operand = call.args
         dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
         if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
@@ -211,6 +216,32 @@ class _Dispatcher(relax.PyExprMutator):
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
         result = self._emit_matmul(call, data, shape, operand_shape[-1], packed, batch)
         return self._first_channels(result, len(shape) - 1, width, operand_shape[-1])
+
+    def _few_rows(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
+        """A runtime matmul of a few rows (a decode step's Q.K^T and P.V): packing the second operand would copy
+        the whole key or value cache every step for a few products of each value. Q.K^T of the keys as stored,
+        K^T a transpose, is computed as (K.Q^T)^T, the keys the kernel's rows and the few queries its packed
+        operand; P.V is left to the generic schedule, which reads V in place."""
+        data, operand = call.args
+        keys = self._bound(operand)
+        cast = str(keys.attrs.dtype) if call_op_name(keys) == "relax.astype" else None  # AMP's, after the transpose
+        keys = self._bound(keys.args[0]) if cast else keys
+        rank = len(shape)
+        swapped = [*range(rank - 2), rank - 1, rank - 2]
+        if call_op_name(keys) != "relax.permute_dims" or [int(a) for a in keys.attrs.axes or []] != swapped:
+            return None
+        stored, keys_shape = keys.args[0], _static_shape(keys.args[0])
+        if keys_shape is None or keys_shape[:-2] != shape[:-2]:
+            return None
+        stored = self.builder_.emit(relax.op.astype(stored, cast)) if cast else stored
+        queries = self.builder_.emit(relax.op.permute_dims(data, swapped))
+        product = self.builder_.normalize(relax.op.matmul(stored, queries, out_dtype=call.attrs.out_dtype))
+        dispatched = self._runtime_matmul(product, keys_shape)
+        return relax.op.permute_dims(self.builder_.emit(product if dispatched is None else dispatched), swapped)
+
+    def _bound(self, expr: "relax.Expr | None") -> "relax.Expr | None":
+        """The value `expr` is bound to in this function, None for another expression."""
+        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
     def _column_block(self, dot: kernels.DotIntrin, dtype: str) -> int:
         """The multiple a runtime operand's width is padded to: two 16-lane columns for a dot-product instruction

@@ -466,6 +466,47 @@ def test_built_runtime_matmul_matches_exact_products(dtype, feature, tolerance, 
     assert np.abs(got - exact).max() <= tolerance * np.abs(exact).max()
 
 
+def _decode_scores(dtype: str, keys_dtype: "str | None" = None) -> tvm.IRModule:
+    """One query row's Q.K^T over 40 cached keys, the keys cast after their transpose where `keys_dtype` (AMP's)."""
+    def scores(q, k):
+        transposed = relax.op.permute_dims(k, [0, 1, 3, 2])
+        operand = relax.op.astype(transposed, dtype) if keys_dtype else transposed
+        return relax.op.matmul(q, operand, out_dtype="float32")
+
+    return single_output_module(scores, tensor("q", (1, 2, 1, 32), dtype),
+                                tensor("k", (1, 2, 40, 32), keys_dtype or dtype))
+
+
+@pytest.mark.parametrize("keys_dtype", [None, "float32"])
+def test_a_few_query_rows_take_the_cached_keys_as_the_kernels_rows(keys_dtype):
+    """Packing K^T for a decode step's one query row copied the whole cache every step: the kernel computes
+    (K.Q^T)^T instead, the keys as stored its rows and the query its packed operand."""
+    after = dispatch.UseDotKernels({BF16})(_decode_scores(BF16, keys_dtype))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    kernel = next(call for call in calls if call.op.name == "relax.call_tir")
+    assert [int(d) for d in kernel.ty.shape.values][-2] == 40  # a row per key
+    assert calls[-1].op.name == "relax.permute_dims" and [int(d) for d in calls[-1].ty.shape.values] == [1, 2, 1, 40]
+    relax.analysis.well_formed(after)
+
+
+def test_a_few_rows_times_a_runtime_operand_read_in_place_are_left_to_the_generic_schedule():
+    values = single_output_module(lambda p, v: relax.op.matmul(p, v, out_dtype="float32"),
+                                  tensor("p", (1, 2, 1, 40), BF16), tensor("v", (1, 2, 40, 32), BF16))
+    after = dispatch.UseDotKernels({BF16})(values)
+    assert not [gv for gv in after.get_global_vars() if "relay_amp_dot_kernel" in gv.name_hint]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(BF16, 8e-3), ("float32", 1e-6)])
+def test_built_decode_scores_match_exact_products(dtype, tolerance):
+    rng = np.random.default_rng(5)
+    numpy_dtype = ml_dtypes.bfloat16 if dtype == BF16 else "float32"
+    q, k = rng.standard_normal((1, 2, 1, 32)).astype(numpy_dtype), rng.standard_normal((1, 2, 40, 32)).astype(
+        numpy_dtype)
+    got = run_executable(build(_decode_scores(dtype), "cpu"), [q, k])[0].astype("float64")
+    exact = np.einsum("bhmk,bhnk->bhmn", q.astype("float64"), k.astype("float64"))
+    assert np.abs(got - exact).max() <= tolerance * np.abs(exact).max()
+
+
 def _grouped_conv_module(weight_hwio: np.ndarray, groups: int, dtype: str = BF16, out_dtype: str = "float32"):
     channels = weight_hwio.shape[2] * groups
     return single_output_module(
