@@ -15,6 +15,31 @@ def node_label(node) -> str:
     return f"{node.op_type} node {node.name or node.output[0]!r}"
 
 
+def named_inputs(node, names) -> dict[str, str]:
+    """A node's inputs by their names in its op's signature, "" for those it leaves out."""
+    return dict(zip(names, [*node.input, *[""] * len(names)]))
+
+
+def known_dims(label: str, values: dict, name: str, ranks=(3, 4)) -> tuple[list[int], object]:
+    """The dims and numpy dtype of `name` from `values` (inferred_values'), or ModelLoadError where its shape is
+    unknown or of another rank than `ranks`."""
+    from .errors import ModelLoadError
+
+    dims, dtype = values.get(name, (None, None))
+    if dims is None or None in dims or len(dims) not in ranks:
+        raise ModelLoadError(f"{label}: {name!r} needs a known shape of rank {' or '.join(map(str, ranks))}, "
+                             f"not {dims} (size the inputs' symbolic dims at import)")
+    return dims, dtype
+
+
+def value_info(name: str, dims, dtype):
+    """A value info of `name` with `dims` (None where unknown) and numpy `dtype`: an output shape the rewrites
+    give shape inference for an op it does not know."""
+    import onnx
+
+    return onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims)
+
+
 def node_attributes(node) -> dict:
     """A node's attributes by name, as Python values."""
     import onnx

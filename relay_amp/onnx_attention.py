@@ -13,8 +13,8 @@ then run on relay_amp's kernels and row schedules like any exporter's spelled-ou
 
 import numpy as np
 
-from ._onnx_graph import (DEFAULT_DOMAINS, Writer, default_opset, inferred_values, node_attributes, node_label,
-                          rewrite_nodes)
+from ._onnx_graph import (DEFAULT_DOMAINS, Writer, default_opset, inferred_values, known_dims, named_inputs,
+                          node_attributes, node_label, rewrite_nodes)
 from .errors import ModelLoadError
 
 ATTENTION_OPSET = 23  # the first opset with ONNX's own Attention
@@ -35,14 +35,14 @@ def attentions_as_matmuls(proto):
 def _attention(node, writer: Writer, values: dict) -> None:
     label = node_label(node)
     attributes = node_attributes(node)
-    named = dict(zip(INPUTS, [*node.input, *[""] * len(INPUTS)]))
+    named = named_inputs(node, INPUTS)
     _check_supported(label, node, attributes, named)
-    q_dims, dtype = _shape(label, values, named["q"])
+    q_dims, dtype = known_dims(label, values, named["q"])
     split = len(q_dims) == 3
     q = _heads(writer, named["q"], attributes.get("q_num_heads"), split)
     k = _heads(writer, named["k"], attributes.get("kv_num_heads"), split)
     v = _heads(writer, named["v"], attributes.get("kv_num_heads"), split)
-    k, v = (_with_past(writer, named[past], current, node.output, index) for past, current, index in
+    k, v = (with_past(writer, named[past], current, node.output, index) for past, current, index in
             (("past_key", k, 1), ("past_value", v, 2)))
     q_heads, q_length, head_size = _query_sizes(label, q_dims, attributes)
     kv_heads, kv_length, past = _key_sizes(label, values, named, attributes, split)
@@ -72,13 +72,6 @@ def _check_supported(label: str, node, attributes: dict, named: dict) -> None:
         raise ModelLoadError(f"{label}: relay_amp does not write an Attention with {', '.join(refused)}")
 
 
-def _shape(label: str, values: dict, name: str) -> tuple:
-    dims, dtype = values.get(name, (None, None))
-    if dims is None or None in dims or len(dims) not in (3, 4):
-        raise ModelLoadError(f"{label}: {name!r} needs a known 3-D or 4-D shape, not {dims}")
-    return dims, dtype
-
-
 def _heads(writer: Writer, tensor: str, heads: "int | None", split: bool) -> str:
     """A 3-D [batch, sequence, heads x size] input as [batch, heads, sequence, size]; a 4-D one as it is."""
     return split_heads(writer, tensor, heads) if split else tensor
@@ -94,12 +87,17 @@ def joined_heads(writer: Writer, tensor: str, out: "str | None" = None) -> str:
     return writer.op("Reshape", writer.op("Transpose", tensor, perm=[0, 2, 1, 3]), writer.const([0, 0, -1]), out=out)
 
 
-def _with_past(writer: Writer, past: str, current: str, outputs, index: int) -> str:
+def with_past(writer: Writer, past: str, current: str, outputs, index: int) -> str:
     """The keys or values after the cache's (the present output, where the node has it)."""
     present = current if not past else writer.op("Concat", past, current, axis=2)
-    if len(outputs) > index and outputs[index]:
-        writer.op("Identity", present, out=outputs[index])
+    named_output(writer, present, outputs, index)
     return present
+
+
+def named_output(writer: Writer, value: str, outputs, index: int) -> None:
+    """`value` as the node's output `index`, where the node names that output."""
+    if len(outputs) > index and outputs[index]:
+        writer.op("Identity", value, out=outputs[index])
 
 
 def _query_sizes(label: str, dims: list, attributes: dict) -> tuple[int, int, int]:
@@ -114,9 +112,9 @@ def _query_sizes(label: str, dims: list, attributes: dict) -> tuple[int, int, in
 
 def _key_sizes(label: str, values: dict, named: dict, attributes: dict, split: bool) -> tuple[int, int, int]:
     """Key/value heads, the keys' length with the cache's, and the cache's length."""
-    dims, _ = _shape(label, values, named["k"])
+    dims, _ = known_dims(label, values, named["k"])
     heads, length = (attributes["kv_num_heads"], dims[1]) if split else (dims[1], dims[2])
-    past = _shape(label, values, named["past_key"])[0][2] if named["past_key"] else 0
+    past = known_dims(label, values, named["past_key"])[0][2] if named["past_key"] else 0
     return heads, length + past, past
 
 

@@ -21,7 +21,7 @@ written (norms spelled out, which relay_amp's import folds into one layer norm),
 import numpy as np
 
 from ._onnx_graph import (Writer, constant_values, default_opset, inferred_values, node_attributes, node_label,
-                          rewrite_nodes)
+                          rewrite_nodes, value_info)
 from .errors import ModelLoadError
 from .onnx_attention import joined_heads, split_heads
 
@@ -58,8 +58,6 @@ def contrib_ops_as_onnx(proto):
 def _attention_shapes(nodes, values: dict) -> list:
     """Value infos of the fused attentions' outputs, [batch, sequence, V's width], where their input's and
     weights' shapes are known (shape inference does not know ONNX Runtime's ops)."""
-    import onnx
-
     infos = []
     for node in nodes:
         dims, dtype = values.get(node.input[0], (None, None)) if _is_contrib(node, ["Attention"]) else (None, None)
@@ -67,8 +65,7 @@ def _attention_shapes(nodes, values: dict) -> list:
         if dims is None or weights is None or None in weights:
             continue
         width = node_attributes(node).get("qkv_hidden_sizes", [weights[-1] // 3] * 3)[2]
-        element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        infos.append(onnx.helper.make_tensor_value_info(node.output[0], element, [*dims[:-1], width]))
+        infos.append(value_info(node.output[0], [*dims[:-1], width], dtype))
     return infos
 
 

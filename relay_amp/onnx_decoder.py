@@ -22,9 +22,10 @@ InferenceSession; GenAI's loop shares them with the past inputs, holding the cac
 
 import numpy as np
 
-from ._onnx_graph import DEFAULT_DOMAINS, Writer, inferred_values, node_attributes, node_label, rewrite_nodes
+from ._onnx_graph import (DEFAULT_DOMAINS, Writer, inferred_values, known_dims, named_inputs, node_attributes,
+                          node_label, rewrite_nodes, value_info)
 from .errors import ModelLoadError
-from .onnx_attention import joined_heads, split_heads
+from .onnx_attention import joined_heads, named_output, split_heads
 
 CONTRIB = "com.microsoft"
 GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
@@ -47,8 +48,6 @@ def decoder_ops_as_onnx(proto):
 def _output_shapes(nodes, values: dict) -> list:
     """Value infos of the decoder ops' outputs whose inputs' shapes are known (shape inference does not know
     ONNX Runtime's ops, so a second layer's would otherwise be unknown)."""
-    import onnx
-
     infos = []
     for node in nodes:
         dims, dtype = values.get(node.input[0], (None, None)) if _is_decoder_op(node) else (None, None)
@@ -60,16 +59,14 @@ def _output_shapes(nodes, values: dict) -> list:
             heads, kv_heads, head_size, past = _gqa_sizes(node, dims, values)
             cache = [dims[0], kv_heads, None if past is None else past + dims[1], head_size]
             shapes = [[dims[0], dims[1], heads * head_size], cache, cache]
-        element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        infos += [onnx.helper.make_tensor_value_info(name, element, shape)
-                  for name, shape in zip(node.output, shapes) if name]
+        infos += [value_info(name, shape, dtype) for name, shape in zip(node.output, shapes) if name]
     return infos
 
 
 def _gqa_sizes(node, dims: list, values: dict) -> tuple:
     """A GroupQueryAttention's query heads, key/value heads, head size and cached tokens (None where unknown)."""
     attributes = node_attributes(node)
-    named = dict(zip(GQA_INPUTS, [*node.input, *[""] * len(GQA_INPUTS)]))
+    named = named_inputs(node, GQA_INPUTS)
     heads, kv_heads = attributes["num_heads"], attributes["kv_num_heads"]
     head_size = dims[2] // (heads + 2 * kv_heads if not named["key"] else heads)
     past = values.get(named["past_key"], ([None] * 3,))[0][2] if named["past_key"] else 0
@@ -81,17 +78,9 @@ def _is_decoder_op(node) -> bool:
         node.op_type == "RotaryEmbedding" and node.domain in (CONTRIB, *DEFAULT_DOMAINS))
 
 
-def _known_dims(label: str, values: dict, name: str, ranks=(3, 4)) -> tuple[list[int], object]:
-    dims, dtype = values.get(name, (None, None))
-    if dims is None or None in dims or len(dims) not in ranks:
-        raise ModelLoadError(f"{label}: {name!r} needs a known shape of rank {' or '.join(map(str, ranks))}, "
-                             f"not {dims} (size the inputs' symbolic dims at import)")
-    return dims, dtype
-
-
 def _rotary_width(label: str, values: dict, cos_cache: str, head_size: int) -> int:
     """How many of each head's values the rotary embedding turns: twice the caches' width."""
-    width = 2 * _known_dims(label, values, cos_cache, ranks=(2, 3))[0][-1]
+    width = 2 * known_dims(label, values, cos_cache, ranks=(2, 3))[0][-1]
     if width > head_size:
         raise ModelLoadError(f"{label}: its caches turn {width} values of heads of {head_size}")
     return width
@@ -136,7 +125,7 @@ def _rotary_embedding(node, writer: Writer, values: dict) -> None:
         raise ModelLoadError(f"{label}: relay_amp does not write a RotaryEmbedding with is_packed_batching")
     inputs = [*node.input, "", "", ""]
     x, positions, cos, sin = inputs[:4] if node.domain == CONTRIB else (inputs[0], inputs[3], inputs[1], inputs[2])
-    dims, _ = _known_dims(label, values, x)
+    dims, _ = known_dims(label, values, x)
     heads = dims[1] if len(dims) == 4 else attributes.get("num_heads", 0)
     if not heads:
         raise ModelLoadError(f"{label}: a 3-D input needs num_heads")
@@ -158,9 +147,9 @@ def _rotary_embedding(node, writer: Writer, values: dict) -> None:
 def _group_query_attention(node, writer: Writer, values: dict) -> None:
     label = node_label(node)
     attributes = node_attributes(node)
-    named = dict(zip(GQA_INPUTS, [*node.input, *[""] * len(GQA_INPUTS)]))
+    named = named_inputs(node, GQA_INPUTS)
     _check_gqa(label, node, attributes, named)
-    dims, dtype = _known_dims(label, values, named["query"], ranks=(3,))
+    dims, dtype = known_dims(label, values, named["query"], ranks=(3,))
     heads, kv_heads, head_size, past = _gqa_sizes(node, dims, values)
     if past is None:
         raise ModelLoadError(f"{label}: its past key {named['past_key']!r} needs a known length")
@@ -242,13 +231,8 @@ def _appended(writer: Writer, past: str, current: str, offsets: "str | None", si
                            writer.op("Less", written, writer.const(length)))
         read = writer.op("Where", is_new, writer.op("Add", written, writer.const(keys - length)), positions)
         present = _gathered(writer, present, read, writer.op("Less", written, writer.const(length)), dtype)
-    _name_output(writer, present, outputs, index)
+    named_output(writer, present, outputs, index)
     return present
-
-
-def _name_output(writer: Writer, value: str, outputs, index: int) -> None:
-    if len(outputs) > index and outputs[index]:
-        writer.op("Identity", value, out=outputs[index])
 
 
 def _gathered(writer: Writer, cache: str, read: str, kept: str, dtype) -> str:
@@ -284,7 +268,7 @@ def _window_cache(writer: Writer, named: dict, kv: tuple[str, str], offsets: str
     full = []
     for past, current, index in ((named["past_key"], kv[0], 1), (named["past_value"], kv[1], 2)):
         full.append(writer.op("Concat", past, current, axis=2))
-        _name_output(writer, _gathered(writer, full[-1], read, kept, dtype), outputs, index)
+        named_output(writer, _gathered(writer, full[-1], read, kept, dtype), outputs, index)
     return (*full, *(writer.op("Unsqueeze", value, writer.const([1])) for value in (positions, held)))
 
 

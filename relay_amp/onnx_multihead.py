@@ -12,9 +12,10 @@ and the heads joined.
 
 import numpy as np
 
-from ._onnx_graph import Writer, inferred_values, node_attributes, node_label, rewrite_nodes
+from ._onnx_graph import (Writer, inferred_values, known_dims, named_inputs, node_attributes, node_label,
+                          rewrite_nodes, value_info)
 from .errors import ModelLoadError
-from .onnx_attention import joined_heads, split_heads
+from .onnx_attention import joined_heads, split_heads, with_past
 from .onnx_contrib import MASK_FILTER_VALUE, causal_bias, mask_bias
 
 CONTRIB = "com.microsoft"
@@ -40,21 +41,17 @@ def _is_multihead(node) -> bool:
 def _output_shapes(nodes, values: dict) -> list:
     """Value infos of the outputs whose inputs' shapes are known: [batch, sequence, heads x value size] and the
     present key and value."""
-    import onnx
-
     infos = []
     for node in filter(_is_multihead, nodes):
-        named = dict(zip(INPUTS, [*node.input, *[""] * len(INPUTS)]))
+        named = named_inputs(node, INPUTS)
         dims, dtype = values.get(named["query"], (None, None))
         sizes = _sizes(node, values, named) if dims and None not in dims else None
         if sizes is None:
             continue
         heads, value_size, keys = sizes
-        element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         cache = [dims[0], heads, keys]
         shapes = [[dims[0], dims[1], heads * value_size], [*cache, dims[2] // heads], [*cache, value_size]]
-        infos += [onnx.helper.make_tensor_value_info(name, element, shape)
-                  for name, shape in zip(node.output, shapes) if name]
+        infos += [value_info(name, shape, dtype) for name, shape in zip(node.output, shapes) if name]
     return infos
 
 
@@ -73,7 +70,7 @@ def _sizes(node, values: dict, named: dict) -> "tuple[int, int, int] | None":
 def _attention(node, writer: Writer, values: dict) -> None:
     label = node_label(node)
     attributes = node_attributes(node)
-    named = dict(zip(INPUTS, [*node.input, *[""] * len(INPUTS)]))
+    named = named_inputs(node, INPUTS)
     _check(label, node, named, values)
     dims, dtype = values[named["query"]]
     sizes = _sizes(node, values, named)
@@ -83,7 +80,7 @@ def _attention(node, writer: Writer, values: dict) -> None:
     q, k, v = _projected(writer, named, values, dims[2])
     q, k, v = (part if len(values[named[name]][0]) == 4 else split_heads(writer, part, heads)
                for part, name in ((q, "query"), (k, "key"), (v, "value")))
-    k, v = (_with_past(writer, named[past], part, node.output, index)
+    k, v = (with_past(writer, named[past], part, node.output, index)
             for past, part, index in (("past_key", k, 1), ("past_value", v, 2)))
     head_size = dims[2] // heads
     scale = attributes.get("scale", 0.0) or 1 / np.sqrt(head_size)
@@ -105,9 +102,7 @@ def _check(label: str, node, named: dict, values: dict) -> None:
     refused += ["a bias with 4-D keys"] if named["bias"] and len(values.get(named["key"], ([],))[0]) == 4 else []
     if refused:
         raise ModelLoadError(f"{label}: relay_amp does not write a MultiHeadAttention with {', '.join(refused)}")
-    dims = values.get(named["query"], (None,))[0]
-    if not dims or None in dims or len(dims) != 3:
-        raise ModelLoadError(f"{label}: its query needs a known 3-D shape, not {dims}")
+    known_dims(label, values, named["query"], ranks=(3,))
 
 
 def _projected(writer: Writer, named: dict, values: dict, hidden: int) -> tuple[str, str, str]:
@@ -117,10 +112,3 @@ def _projected(writer: Writer, named: dict, values: dict, hidden: int) -> tuple[
     value_hidden = values[named["value"]][0][-1]
     parts = writer.split(named["bias"], [hidden, hidden, value_hidden], axis=0)
     return tuple(writer.op("Add", named[name], part) for name, part in zip(("query", "key", "value"), parts))
-
-
-def _with_past(writer: Writer, past: str, current: str, outputs, index: int) -> str:
-    present = writer.op("Concat", past, current, axis=2) if past else current
-    if len(outputs) > index and outputs[index]:
-        writer.op("Identity", present, out=outputs[index])
-    return present

@@ -16,7 +16,7 @@ such node by the constant it computes.
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, node_attributes, node_label, rewrite_nodes
+from ._onnx_graph import Writer, constant_values, named_inputs, node_attributes, node_label, rewrite_nodes
 from .errors import ModelLoadError
 
 CONTRIB = "com.microsoft"
@@ -36,7 +36,7 @@ def nbits_matmuls_as_onnx(proto):
 
 def _matmul(node, writer: Writer, constants: dict) -> None:
     label = node_label(node)
-    named = dict(zip(INPUTS, [*node.input, *[""] * len(INPUTS)]))
+    named = named_inputs(node, INPUTS)
     missing = [name for name in ("B", "scales", "zero_points") if named[name] and named[name] not in constants]
     if missing or named["g_idx"]:
         reason = f"non-constant {', '.join(missing)}" if missing else "g_idx (act-order)"
