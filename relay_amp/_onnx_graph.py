@@ -1,7 +1,7 @@
 """Reading and rewriting an ONNX graph before import: its constant values, the shapes ONNX's shape inference
 gives, and nodes replaced by the nodes and constants a rewrite writes."""
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,14 +47,40 @@ def node_attributes(node) -> dict:
     return {attribute.name: onnx.helper.get_attribute_value(attribute) for attribute in node.attribute}
 
 
-def constant_values(graph) -> dict[str, np.ndarray]:
-    """The graph's initializers and Constant nodes' tensor values, by name."""
-    from onnx import numpy_helper
+def constant_values(graph) -> "Constants":
+    """The graph's initializers and Constant nodes' tensor values, by name (each converted when first read: an LLM's
+    weights are not copied to look one up)."""
+    return Constants(graph)
 
-    tensors = [(tensor.name, tensor) for tensor in graph.initializer]
-    tensors += [(node.output[0], attribute.t) for node in graph.node if node.op_type == "Constant"
-                for attribute in node.attribute if attribute.name == "value"]
-    return {name: numpy_helper.to_array(tensor) for name, tensor in tensors}
+
+class Constants(Mapping):
+    """The tensors of a graph's initializers and Constant nodes by name, as numpy arrays converted on first read."""
+
+    def __init__(self, graph):
+        self._tensors = {tensor.name: tensor for tensor in graph.initializer}
+        self._tensors.update({node.output[0]: attribute.t for node in graph.node if node.op_type == "Constant"
+                              for attribute in node.attribute if attribute.name == "value"})
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from onnx import numpy_helper
+
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self._tensors[name])
+        return self._arrays[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def dims(self, name: str) -> list[int]:
+        """The dims of constant `name`, without converting it."""
+        return list(self._tensors[name].dims)
 
 
 def inferred_values(proto, outputs_of: "Callable | None" = None) -> dict[str, tuple[list[int | None], np.dtype]]:

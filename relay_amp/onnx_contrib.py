@@ -50,7 +50,8 @@ def contrib_ops_as_onnx(proto):
     if not any(_is_contrib(node, ["Attention"]) for node in rewritten.graph.node):
         return rewritten
     values = inferred_values(rewritten, _attention_shapes)  # through the norms spelled out, and the attentions
-    widths = {name: value.shape[-1] for name, value in constant_values(proto.graph).items() if value.ndim == 2}
+    constants = constant_values(proto.graph)
+    widths = {name: constants.dims(name)[-1] for name in constants if len(constants.dims(name)) == 2}
     return rewrite_nodes(rewritten, ["Attention"], lambda node, writer: _attention(node, writer, values, widths),
                          [CONTRIB])
 

@@ -3,7 +3,7 @@
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from relay_amp._onnx_graph import SKELETON_VALUES, inferred_values
+from relay_amp._onnx_graph import SKELETON_VALUES, constant_values, inferred_values
 
 
 def _model(nodes, initializers, output: str):
@@ -33,3 +33,14 @@ def test_outputs_of_ops_the_inference_does_not_know_come_from_the_callback_and_f
                 for node in graph_nodes if node.op_type == "Twice" and "x" in known]
 
     assert inferred_values(model, outputs_of)["y"] == ([4, 16], np.float32)
+
+
+def test_constants_are_read_by_name_from_initializers_and_constant_nodes():
+    weights = np.arange(6, dtype="float32").reshape(2, 3)
+    nodes = [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array([7], "int64"))),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    constants = constant_values(_model(nodes, [numpy_helper.from_array(weights, "w")], "y").graph)
+    assert "w" in constants and "c" in constants and "x" not in constants and sorted(constants) == ["c", "w"]
+    assert constants.dims("w") == [2, 3]
+    np.testing.assert_array_equal(constants["w"], weights)
+    np.testing.assert_array_equal(constants["c"], [7])
