@@ -25,7 +25,8 @@ from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
 WIDENED_OPS = ("relax.erf", "relax.exp", "relax.tanh")
 # the activations computed as one TE function each, by the formulas kernels' epilogues use (relay_amp.backend.cpu
 # .formula)
-ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu", "relax.log")
+ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu", "relax.log", "relax.sin",
+               "relax.cos")
 # ops that compute each output element from the same element of their operands: a value read only by these, whose
 # results are in turn rounded to a narrow float, is itself kept only as accurately as that float
 ELEMENTWISE = (*formula.UNARY_OPS, *formula.BINARY_OPS, *ACTIVATIONS, "relax.astype", "relax.nn.relu", "relax.clip")

@@ -80,6 +80,19 @@ def test_fast_log_is_within_an_ulp_of_log_and_keeps_libms_special_values():
     np.testing.assert_array_equal(got[~finite], expected[~finite])  # -inf at zeros, inf, NaN elsewhere
 
 
+@pytest.mark.parametrize("op, exact", [(relax.op.sin, np.sin), (relax.op.cos, np.cos)])
+def test_fast_sin_and_cos_are_within_an_fp32_ulp_of_one_and_give_nan_where_libm_does(op, exact):
+    """sin and cos called libm per element: 3.6 ms over 64x112x112 on the Zen 4 host, 0.17-0.19 after."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-10, 10, 4000), rng.uniform(-5e4, 5e4, 4000), np.linspace(-np.pi, np.pi, 1001),
+                        rng.uniform(-1e-3, 1e-3, 200)]).astype("float32")
+    special = np.array([np.inf, -np.inf, np.nan, 1e30], "float32")
+    got = run_executable(build(single_output_module(op, tensor("x", (x.size + 4,))), "cpu"),
+                         [np.concatenate([x, special])])[0]
+    assert np.abs(got[:-4] - exact(x.astype("float64"))).max() <= np.spacing(np.float32(1.0))
+    assert np.isnan(got[-4:-1]).all() and abs(got[-1]) <= 1.0  # a huge argument: inaccurate, but a sine
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_narrow_log_is_computed_in_fp32_and_rounded_once(dtype):
     x = np.geomspace(1e-3, 1e3, 256).reshape(4, 64).astype(NUMPY_DTYPES[dtype])
@@ -112,10 +125,10 @@ def test_low_precision_erf_is_computed_in_fp32():
     assert_transforms(fastmath.FastMath(), Before, relax.transform.FastMathTransform()(Widened))
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh", "log"])
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh", "log", "sin", "cos"])
 def test_sigmoid_family_and_log_become_one_fast_primfunc(name):
     op = {"sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu_tanh": relax.op.nn.gelu_tanh,
-          "log": relax.op.log}[name]
+          "log": relax.op.log, "sin": relax.op.sin, "cos": relax.op.cos}[name]
     after = fastmath.FastMath()(single_output_module(op, tensor("x", (4, 64), "bfloat16")))
     relax.analysis.well_formed(after)
     calls = [b.value for b in after["main"].body.blocks[0].bindings]
