@@ -231,8 +231,8 @@ class _Dispatcher(relax.PyExprMutator):
         if call_op_name(keys) != "relax.permute_dims" or [int(a) for a in keys.attrs.axes or []] != swapped:
             return None
         stored, keys_shape = keys.args[0], _static_shape(keys.args[0])
-        if keys_shape is None or keys_shape[:-2] != shape[:-2]:
-            return None
+        if keys_shape is None or keys_shape[:-2] != shape[:-2] or keys_shape[-2] <= FEW_ROWS:
+            return None  # a few keys too: the generic schedule
         stored = self.builder_.emit(relax.op.astype(stored, cast)) if cast else stored
         queries = self.builder_.emit(relax.op.permute_dims(data, swapped))
         product = self.builder_.normalize(relax.op.matmul(stored, queries, out_dtype=call.attrs.out_dtype))

@@ -489,6 +489,15 @@ def test_a_few_query_rows_take_the_cached_keys_as_the_kernels_rows(keys_dtype):
     relax.analysis.well_formed(after)
 
 
+def test_a_few_queries_over_a_few_keys_are_left_to_the_generic_schedule():
+    """Swapped, the keys would be a few rows too (and swap back, without end)."""
+    scores = single_output_module(
+        lambda q, k: relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]), out_dtype="float32"),
+        tensor("q", (1, 2, 4, 32), BF16), tensor("k", (1, 2, 6, 32), BF16))
+    after = dispatch.UseDotKernels({BF16})(scores)
+    assert not [gv for gv in after.get_global_vars() if "relay_amp_dot_kernel" in gv.name_hint]
+
+
 def test_a_few_rows_times_a_runtime_operand_read_in_place_are_left_to_the_generic_schedule():
     values = single_output_module(lambda p, v: relax.op.matmul(p, v, out_dtype="float32"),
                                   tensor("p", (1, 2, 1, 40), BF16), tensor("v", (1, 2, 40, 32), BF16))
