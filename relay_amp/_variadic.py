@@ -10,6 +10,7 @@ import tvm
 from tvm import relax
 
 from ._ir import rewrite_op_calls
+from .ops import bound_call, tuple_fields
 
 BINARY = {"relax.max": relax.op.maximum, "relax.min": relax.op.minimum, "relax.sum": relax.op.add,
           "relax.mean": relax.op.add}
@@ -37,17 +38,11 @@ def _as_binary(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | N
 
 def _stacked(tensor: relax.Expr, builder: relax.BlockBuilder) -> "list[relax.Expr] | None":
     """The tensors stacked along a new first axis into `tensor` (each before its broadcast), or None."""
-    stack = builder.lookup_binding(tensor) if isinstance(tensor, relax.Var) else None
-    if not (isinstance(stack, relax.Call) and stack.op.same_as(tvm.ir.Op.get("relax.stack"))
-            and int(stack.attrs.axis) == 0):
-        return None
-    stacked = stack.args[0]
-    fields = builder.lookup_binding(stacked) if isinstance(stacked, relax.Var) else stacked
-    return [_unbroadcast(operand, builder) for operand in fields.fields] if isinstance(fields, relax.Tuple) else None
+    stack = bound_call(builder, tensor, "relax.stack")
+    fields = None if stack is None or int(stack.attrs.axis) != 0 else tuple_fields(builder, stack.args[0])
+    return None if fields is None else [_unbroadcast(operand, builder) for operand in fields]
 
 
 def _unbroadcast(tensor: relax.Expr, builder: relax.BlockBuilder) -> relax.Expr:
-    broadcast = builder.lookup_binding(tensor) if isinstance(tensor, relax.Var) else None
-    if isinstance(broadcast, relax.Call) and broadcast.op.same_as(tvm.ir.Op.get("relax.broadcast_to")):
-        return broadcast.args[0]
-    return tensor
+    broadcast = bound_call(builder, tensor, "relax.broadcast_to")
+    return tensor if broadcast is None else broadcast.args[0]

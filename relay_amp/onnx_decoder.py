@@ -130,8 +130,7 @@ def _rotary_embedding(node, writer: Writer, values: dict) -> None:
     if not heads:
         raise ModelLoadError(f"{label}: a 3-D input needs num_heads")
     head_size = dims[3] if len(dims) == 4 else dims[2] // heads
-    width = attributes.get("rotary_embedding_dim", 0) or (
-        _rotary_width(label, values, cos, head_size))
+    width = attributes.get("rotary_embedding_dim", 0) or _rotary_width(label, values, cos, head_size)
     if positions and len(values.get(positions, ([],))[0]) < 2:  # ONNX Runtime's [1]: the first token's position
         positions = writer.op("Add", positions, writer.const(np.arange(dims[-2 if len(dims) == 4 else 1])[None]))
     angles = (_angles(writer, (cos, sin), positions) if positions else

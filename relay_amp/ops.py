@@ -52,6 +52,13 @@ def bound_call(mutator: relax.PyExprMutator, expr: relax.Expr, op_name: str) -> 
     return bound if call_op_name(bound) == op_name else None
 
 
+def tuple_fields(mutator, expr: relax.Expr) -> "list[relax.Expr] | None":
+    """The fields of the tuple `expr` is, or the var `expr` is bound to (in `mutator`'s builder, or a block
+    builder); None for anything else."""
+    bound = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+    return list(bound.fields) if isinstance(bound, relax.Tuple) else None
+
+
 def sliced_by_binding(mutator: relax.PyExprMutator, expr: relax.Expr) -> relax.Expr | None:
     """What the strided_slice bound to the var `expr` (in `mutator`'s builder) slices; None for anything else."""
     bound = bound_call(mutator, expr, "relax.strided_slice")

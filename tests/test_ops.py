@@ -3,7 +3,7 @@
 from tvm import relax
 
 from relay_amp._ir import rewrite_function
-from relay_amp.ops import bound_call, call_op_name, sliced_by_binding
+from relay_amp.ops import bound_call, call_op_name, sliced_by_binding, tuple_fields
 
 from builders import single_output_module, tensor
 
@@ -44,3 +44,17 @@ def test_bound_call_finds_a_var_bound_to_a_call_of_the_op_named():
     exp_call, not_add = found["relax.negative"]
     assert call_op_name(exp_call) == "relax.exp" and exp_call.args[0].same_as(x) and not_add is None
     assert found["relax.exp"] == (None, None)  # x is a parameter: no binding
+
+
+def test_tuple_fields_reads_a_tuple_in_place_or_through_its_binding():
+    a, b = tensor("a", (2, 3)), tensor("b", (2, 3))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [a, b]):
+        with builder.dataflow():
+            pair = builder.emit(relax.Tuple([a, b]))
+            total = builder.emit_output(relax.op.add(a, b))
+        builder.emit_func_output(total)
+        bound, inline, other = (tuple_fields(builder, expr) for expr in (pair, relax.Tuple([b, a]), total))
+    assert [field.same_as(var) for field, var in zip(bound, (a, b))] == [True, True]
+    assert [field.same_as(var) for field, var in zip(inline, (b, a))] == [True, True]
+    assert other is None

@@ -10,7 +10,7 @@ from .._folding import FoldConstants
 from .._ir import clamps_as_max_min, rewrite_function, tensor_shape
 from .._pads import pads_as_ops
 from ..errors import OptionError
-from ..ops import call_op_name, canonical_op
+from ..ops import call_op_name, canonical_op, tuple_fields
 from .layers import layer_bindings, list_layers, resolve_layers
 from .transposes import BINARY, SinkTransposes
 
@@ -106,13 +106,11 @@ class _ConvertibleForms(relax.PyExprMutator):
         return relax.op.squeeze(data, counted) if name == "relax.squeeze" else relax.op.permute_dims(data, counted)
 
     def _concatenated(self, stack: relax.Call) -> relax.Expr:
-        tensors = stack.args[0]
-        fields = self.builder_.lookup_binding(tensors) if isinstance(tensors, relax.Var) else tensors
-        if not isinstance(fields, relax.Tuple):
+        fields = tuple_fields(self.builder_, stack.args[0])
+        if fields is None:
             return stack
         axis = int(stack.attrs.axis) % stack.ty.ndim
-        return relax.op.concat([self.builder_.emit(relax.op.expand_dims(tensor, [axis])) for tensor in fields.fields],
-                               axis)
+        return relax.op.concat([self.builder_.emit(relax.op.expand_dims(tensor, [axis])) for tensor in fields], axis)
 
 
 _AXES_ATTRS = {"relax.squeeze": "axis", "relax.permute_dims": "axes"}  # the ops _ConvertibleForms counts, their attr

@@ -34,7 +34,7 @@ from tvm import relax
 from ..._folding import fold_constants
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
-from ...ops import call_op_name, sliced_by_binding
+from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
 from . import amx, kernels
 
@@ -223,25 +223,21 @@ class _Dispatcher(relax.PyExprMutator):
         K^T a transpose, is computed as (K.Q^T)^T, the keys the kernel's rows and the few queries its packed
         operand; P.V is left to the generic schedule, which reads V in place."""
         data, operand = call.args
-        keys = self._bound(operand)
-        cast = str(keys.attrs.dtype) if call_op_name(keys) == "relax.astype" else None  # AMP's, after the transpose
-        keys = self._bound(keys.args[0]) if cast else keys
+        cast = bound_call(self, operand, "relax.astype")  # AMP's, after the transpose
+        keys = bound_call(self, operand if cast is None else cast.args[0], "relax.permute_dims")
         rank = len(shape)
         swapped = [*range(rank - 2), rank - 1, rank - 2]
-        if call_op_name(keys) != "relax.permute_dims" or [int(a) for a in keys.attrs.axes or []] != swapped:
+        if keys is None or [int(a) for a in keys.attrs.axes or []] != swapped:
             return None
         stored, keys_shape = keys.args[0], _static_shape(keys.args[0])
         if keys_shape is None or keys_shape[:-2] != shape[:-2] or keys_shape[-2] <= FEW_ROWS:
             return None  # a few keys too: the generic schedule
-        stored = self.builder_.emit(relax.op.astype(stored, cast)) if cast else stored
+        if cast is not None:
+            stored = self.builder_.emit(relax.op.astype(stored, cast.attrs.dtype))
         queries = self.builder_.emit(relax.op.permute_dims(data, swapped))
         product = self.builder_.normalize(relax.op.matmul(stored, queries, out_dtype=call.attrs.out_dtype))
         dispatched = self._runtime_matmul(product, keys_shape)
         return relax.op.permute_dims(self.builder_.emit(product if dispatched is None else dispatched), swapped)
-
-    def _bound(self, expr: "relax.Expr | None") -> "relax.Expr | None":
-        """The value `expr` is bound to in this function, None for another expression."""
-        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
     def _column_block(self, dot: kernels.DotIntrin, dtype: str) -> int:
         """The multiple a runtime operand's width is padded to: two 16-lane columns for a dot-product instruction
