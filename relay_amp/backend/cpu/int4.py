@@ -3,14 +3,19 @@
 
 bf16 activations on a target with `avx512bf16`: per 32-bit word of 16 columns x 8 rows, four shift-and-mask
 steps turn the nibbles into bf16 pairs `128 + code` (exponent bits OR-ed over the code: no conversion
-instruction) and four `vdpbf16ps` multiply them by broadcast activation pairs; per group of rows, the sum of the
-activations times `128 + 8` is subtracted and the group's scales applied. The loop over a group's words is LLVM IR
-(`llvm_ir`), with its accumulators in registers. A batch-1 matmul reads a quarter of its bf16 twin's bytes, and
-its speed is set by these unpacking instructions rather than by memory (README, 'int4').
+instruction) and four `vdpbf16ps` per activation row multiply them by broadcast activation pairs; per group of
+rows, the sum of the activations times `128 + 8` is subtracted and the group's scales applied. The loop over a
+group's words is LLVM IR (`llvm_ir`), with its accumulators in registers. One call unpacks each word once for
+up to `rows_per_call` activation rows (a prompt's tokens), so the unpacking is shared by the rows; a batch-1
+matmul reads a quarter of its bf16 twin's bytes, and its speed is set by these unpacking instructions rather than
+by memory (README, 'int4').
 
 Other activations or targets: the reference computation, parallel over 16-column blocks and vectorized across
 them.
 """
+
+import math
+from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir
@@ -32,31 +37,32 @@ MAGIC = 0x4300  # bf16 bits of 128.0: OR-ed over a 4-bit code it gives 128 + cod
 OFFSET = 128 + ZERO_POINT  # what the magic numbers add to each weight, taken back per group
 MAX_PANELS = 4  # 16-column blocks one parallel item computes: weight streams read at once
 MIN_ITEMS = 8  # parallel items wanted before blocks are grouped into panels
-MAX_ROW_BLOCK = 8  # activation rows computed per group of weights loaded (reuse from L1)
+MAX_ACCUMULATORS = 16  # zmm accumulators of one call (rows x panels); its unpacked words and temporaries use the rest
 DOT = "llvm.x86.avx512bf16.dpbf16ps.512"
 VEC = "<16 x float>"
 
 
-def symbol(panels: int) -> str:
-    """The LLVM function computing one group of rows for `panels` 16-column blocks."""
-    return f"relay_amp_int4_bf16_x{panels}"
+def symbol(panels: int, rows: int = 1) -> str:
+    """The LLVM function computing one group of `rows` activation rows for `panels` 16-column blocks."""
+    return f"relay_amp_int4_bf16_x{panels}_r{rows}"
 
 
-def _activation_pairs() -> list[str]:
-    """LLVM lines broadcasting the four bf16 activation pairs of word `%i` (pair j at bytes 4j)."""
-    lines = ["  %xoff = mul i64 %i, 16"]
+def _activation_pairs(row: int) -> list[str]:
+    """LLVM lines broadcasting the four bf16 activation pairs of word `%i` of `row` (pair j at bytes 4j)."""
+    lines = [f"  %xrow{row} = mul i64 %xstride, {row}", f"  %xoff{row} = add i64 %xrow{row}, %wordx"]
     for j in range(4):
-        lines += [f"  %xq{j} = add i64 %xoff, {4 * j}", f"  %xp{j} = getelementptr i8, ptr %x, i64 %xq{j}",
-                  f"  %xv{j} = load i32, ptr %xp{j}, align 2",
-                  f"  %xi{j} = insertelement <16 x i32> poison, i32 %xv{j}, i64 0",
-                  f"  %xs{j} = shufflevector <16 x i32> %xi{j}, <16 x i32> poison, <16 x i32> zeroinitializer",
-                  f"  %xb{j} = bitcast <16 x i32> %xs{j} to <32 x bfloat>"]
+        name = f"{row}_{j}"
+        lines += [f"  %xq{name} = add i64 %xoff{row}, {4 * j}", f"  %xp{name} = getelementptr i8, ptr %x, i64 %xq{name}",
+                  f"  %xv{name} = load i32, ptr %xp{name}, align 2",
+                  f"  %xi{name} = insertelement <16 x i32> poison, i32 %xv{name}, i64 0",
+                  f"  %xs{name} = shufflevector <16 x i32> %xi{name}, <16 x i32> poison, <16 x i32> zeroinitializer",
+                  f"  %xb{name} = bitcast <16 x i32> %xs{name} to <32 x bfloat>"]
     return lines
 
 
-def _panel_products(panel: int) -> list[str]:
-    """LLVM lines unpacking one 64-byte word block of `panel` and accumulating its four products: pairs 0 and 2 in
-    accumulator 0, pairs 1 and 3 in accumulator 1 (two chains, not one, to hide the instruction's latency)."""
+def _unpacked_weights(panel: int) -> list[str]:
+    """LLVM lines loading one 64-byte word block of `panel` and unpacking its four bf16 pair vectors `%v{p}_{j}`
+    (`128 + code`: the code's nibble with the exponent bits of 128.0 OR-ed over it)."""
     p = panel
     lines = [f"  %ps{p} = mul i64 %stride, {p}", f"  %bq{p} = add i64 %boff, %ps{p}",
              f"  %bp{p} = getelementptr i8, ptr %b, i64 %bq{p}", f"  %w{p} = load <32 x i16>, ptr %bp{p}, align 4"]
@@ -65,32 +71,58 @@ def _panel_products(panel: int) -> list[str]:
         if j:
             lines.append(f"  %sh{p}_{j} = lshr <32 x i16> %w{p}, splat (i16 {4 * j})")
             source = f"%sh{p}_{j}"
-        half, previous = j % 2, f"%a{p}_{j % 2}" if j < 2 else f"%r{p}_{j % 2}_0"
         lines += [f"  %n{p}_{j} = and <32 x i16> {source}, splat (i16 15)",
                   f"  %m{p}_{j} = or <32 x i16> %n{p}_{j}, splat (i16 {MAGIC})",
-                  f"  %v{p}_{j} = bitcast <32 x i16> %m{p}_{j} to <32 x bfloat>",
-                  f"  %r{p}_{half}_{j // 2} = call {VEC} @{DOT}({VEC} {previous}, <32 x bfloat> %xb{j}, "
-                  f"<32 x bfloat> %v{p}_{j})"]
+                  f"  %v{p}_{j} = bitcast <32 x i16> %m{p}_{j} to <32 x bfloat>"]
     return lines
 
 
-def llvm_ir(panels: int) -> str:
-    """LLVM IR of `symbol(panels)(out, x, b, words, stride)`: for `panels` blocks `stride` bytes apart from `b`,
-    out[block][16] = sum over `words` words of the bf16 activations at `x` times (128 + code)."""
-    lines = [f"declare {VEC} @{DOT}({VEC}, <32 x bfloat>, <32 x bfloat>)",
-             f"define void @{symbol(panels)}(ptr %out, ptr %x, ptr %b, i64 %words, i64 %stride) alwaysinline {{",
-             "entry:", "  br label %loop", "loop:", "  %i = phi i64 [0, %entry], [%next, %loop]"]
-    lines += [f"  %a{p}_{h} = phi {VEC} [zeroinitializer, %entry], [%r{p}_{h}_1, %loop]"
-              for p in range(panels) for h in range(2)]
-    lines += _activation_pairs() + ["  %boff = mul i64 %i, 64"]
+def _chains(rows: int) -> int:
+    """Accumulators per row and block: one row's four products per word go to two chains, to hide the
+    instruction's latency; several rows are independent chains already."""
+    return 2 if rows == 1 else 1
+
+
+def llvm_ir(panels: int, rows: int = 1) -> str:
+    """LLVM IR of `symbol(panels, rows)(out, x, xstride, b, words, stride)`: for `rows` rows `xstride` bytes apart
+    from `x` and `panels` blocks `stride` bytes apart from `b`, out[row][block][16] = sum over `words` words of the
+    row's bf16 activations times (128 + code). Each word is unpacked once for all the rows."""
+    chains = _chains(rows)
+    accumulators = [(r, p, h) for r in range(rows) for p in range(panels) for h in range(chains)]
+    current = {acc: "%a{}_{}_{}".format(*acc) for acc in accumulators}
+    body = ["  %wordx = mul i64 %i, 16", "  %boff = mul i64 %i, 64"]
+    for r in range(rows):
+        body += _activation_pairs(r)
     for p in range(panels):
-        lines += _panel_products(p)
-    lines += ["  %next = add i64 %i, 1", "  %done = icmp eq i64 %next, %words",
-              "  br i1 %done, label %exit, label %loop", "exit:"]
-    for p in range(panels):
-        lines += [f"  %t{p} = fadd {VEC} %r{p}_0_1, %r{p}_1_1", f"  %o{p} = getelementptr {VEC}, ptr %out, i64 {p}",
-                  f"  store {VEC} %t{p}, ptr %o{p}, align 4"]
+        body += _unpacked_weights(p)
+        for r in range(rows):
+            for j in range(4):
+                acc = (r, p, j % chains)
+                result = "%r{}_{}_{}_{}".format(r, p, j % chains, j)
+                body.append(f"  {result} = call {VEC} @{DOT}({VEC} {current[acc]}, <32 x bfloat> %v{p}_{j}, "
+                            f"<32 x bfloat> %xb{r}_{j})")  # the broadcast last: LLVM folds its load ({1to16})
+                current[acc] = result
+    lines = [f"define void @{symbol(panels, rows)}(ptr %out, ptr %x, i64 %xstride, ptr %b, i64 %words, i64 %stride) "
+             "alwaysinline {", "entry:", "  br label %loop", "loop:", "  %i = phi i64 [0, %entry], [%next, %loop]"]
+    lines += ["  %a{}_{}_{} = phi {} [zeroinitializer, %entry], [{}, %loop]".format(*acc, VEC, current[acc])
+              for acc in accumulators]
+    lines += body + ["  %next = add i64 %i, 1", "  %done = icmp eq i64 %next, %words",
+                     "  br i1 %done, label %exit, label %loop", "exit:"]
+    for r in range(rows):
+        for p in range(panels):
+            total = current[(r, p, 0)]
+            if chains == 2:
+                lines.append(f"  %t{r}_{p} = fadd {VEC} {total}, {current[(r, p, 1)]}")
+                total = f"%t{r}_{p}"
+            lines += [f"  %o{r}_{p} = getelementptr {VEC}, ptr %out, i64 {r * panels + p}",
+                      f"  store {VEC} {total}, ptr %o{r}_{p}, align 4"]
     return "\n".join(lines + ["  ret void", "}", ""])
+
+
+def llvm_module(panels: int, row_counts: list[int]) -> str:
+    """The LLVM IR a kernel imports: the instruction's declaration and `llvm_ir(panels, rows)` for each count."""
+    return "\n".join([f"declare {VEC} @{DOT}({VEC}, <32 x bfloat>, <32 x bfloat>)"]
+                     + [llvm_ir(panels, rows) for rows in row_counts])
 
 
 def panels_for(spec: PackedSpec) -> int:
@@ -99,14 +131,16 @@ def panels_for(spec: PackedSpec) -> int:
     return next(p for p in (MAX_PANELS, 2, 1) if blocks % p == 0 and (blocks // p >= MIN_ITEMS or p == 1))
 
 
-def _row_block(rows: int) -> int:
-    return max(d for d in range(1, MAX_ROW_BLOCK + 1) if rows % d == 0)
+def rows_per_call(panels: int) -> int:
+    """Activation rows one call computes with each word it unpacks: as many as MAX_ACCUMULATORS allow."""
+    return MAX_ACCUMULATORS // panels
 
 
 def bf16_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
-    """The scheduled `vdpbf16ps` kernel for `spec` (bf16 activations), same parameters as the reference."""
-    panels, block = panels_for(spec), _row_block(spec.rows)
-    groups, words = spec.depth // spec.group_size, spec.group_size // ROWS_PER_WORD
+    """The scheduled `vdpbf16ps` kernel for `spec` (bf16 activations), same parameters as the reference: blocks
+    of `rows_per_call` rows, then the rows left one at a time."""
+    panels = panels_for(spec)
+    block = min(rows_per_call(panels), spec.rows)
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
             T.func_name("main")
@@ -115,42 +149,74 @@ def bf16_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
             packed = T.arg("packed", T.Buffer(spec.packed_shape, "uint32"))
             scales = T.arg("scales", T.Buffer(spec.scales_shape, "float32"))
             out = T.arg("out", T.Buffer((spec.rows, spec.columns), spec.out_dtype))
-            sums = _group_sums(spec, data)
+            operands = _Operands(spec, data, packed, scales, _group_sums(spec, data), out)
+            groups = spec.depth // spec.group_size
             with T.parallel(0, spec.columns // (COLUMNS * panels)) as item:
                 with T.sblock("int4_panels"):
-                    T.reads([data[0:spec.rows, 0:spec.depth], packed[0:spec.packed_shape[0], 0:words * groups, 0:COLUMNS],
-                             scales[0:groups, 0:spec.columns], sums[0:spec.rows, 0:groups]])
+                    T.reads([data[0:spec.rows, 0:spec.depth], packed[0:spec.packed_shape[0], 0:spec.packed_shape[1], 0:COLUMNS],
+                             scales[0:groups, 0:spec.columns], operands.sums[0:spec.rows, 0:groups]])
                     T.writes(out[0:spec.rows, 0:spec.columns])
                     acc = T.alloc_buffer((block, panels, COLUMNS), "float32", scope="local")
-                    part = T.alloc_buffer((panels, COLUMNS), "float32", scope="local")
-                    with T.serial(0, spec.rows // block) as outer:
-                        _fill(acc, block, panels)
-                        with T.serial(0, groups) as group:
-                            with T.serial(0, block) as inner:
-                                row = outer * block + inner
-                                T.evaluate(T.call_extern(
-                                    "int32", symbol(panels), T.address_of(part[0, 0]),
-                                    T.address_of(data[row, group * spec.group_size]),
-                                    T.address_of(packed[item * panels, group * words, 0]), T.int64(words),
-                                    T.int64(spec.packed_shape[1] * COLUMNS * 4)))
-                                _add_group(acc, part, inner, (scales, group), sums[row, group], item * panels)
-                        _store(out, acc, outer * block, item * panels)
+                    part = T.alloc_buffer((block, panels, COLUMNS), "float32", scope="local")
+                    whole = spec.rows // block * block
+                    _row_blocks(operands, (acc, part), item, range(0, whole, block))
+                    if whole < spec.rows:
+                        _row_blocks(operands, (acc, part), item, range(whole, spec.rows))
     func = builder.get()
     sch = s_tir.Schedule(func)
-    sch.annotate(sch.get_loops(sch.get_sblock("int4_panels"))[0], "pragma_import_llvm", llvm_ir(panels))
+    imported = llvm_module(panels, sorted({block, 1}))
+    sch.annotate(sch.get_loops(sch.get_sblock("int4_panels"))[0], "pragma_import_llvm", imported)
     return _as_kernel(sch.mod["main"].without_attr("global_symbol"))
 
 
+@dataclass(frozen=True)
+class _Operands:
+    """A kernel's spec and buffers: activations, packed codes, scales, per-group activation sums, output."""
+    spec: PackedSpec
+    data: object
+    packed: object
+    scales: object
+    sums: object
+    out: object
+
+
+def _row_blocks(operands: _Operands, accumulators, item, first_rows: range) -> None:
+    """The loop over the blocks of rows starting at `first_rows` (`first_rows.step` rows each) for parallel item
+    `item`: per group of rows, one call of the LLVM function and the group's scales applied."""
+    spec, size = operands.spec, first_rows.step
+    acc, part = accumulators
+    panels, words = acc.shape[1], spec.group_size // ROWS_PER_WORD
+    with T.serial(0, len(first_rows)) as index:
+        first = first_rows.start + index * size
+        _fill(acc, size, panels)
+        with T.serial(0, spec.depth // spec.group_size) as group:
+            T.evaluate(T.call_extern(
+                "int32", symbol(panels, size), T.address_of(part[0, 0, 0]),
+                T.address_of(operands.data[first, group * spec.group_size]), T.int64(spec.depth * 2),
+                T.address_of(operands.packed[item * panels, group * words, 0]), T.int64(words),
+                T.int64(spec.packed_shape[1] * COLUMNS * 4)))
+            with T.serial(0, size) as row:
+                _add_group(acc, part, row, (operands.scales, group), operands.sums[first + row, group], item * panels)
+        _store(operands.out, acc, (first, size), item * panels)
+
+
 def _group_sums(spec: PackedSpec, data):
-    """A buffer of each row's activation sum per group of rows, filled before the parallel loop."""
-    groups = spec.depth // spec.group_size
+    """A buffer of each row's activation sum per group of rows, filled before the parallel loop: partial sums in
+    vector lanes, then the lanes added."""
+    groups, lanes = spec.depth // spec.group_size, math.gcd(spec.group_size, COLUMNS)
     sums = T.alloc_buffer((spec.rows, groups), "float32")
+    partial = T.alloc_buffer((spec.rows, lanes), "float32")
     with T.parallel(0, spec.rows) as row:
         with T.serial(0, groups) as group:
+            with T.vectorized(0, lanes) as lane:
+                T.buffer_store(partial, T.float32(0), (row, lane))
+            with T.serial(0, spec.group_size // lanes) as step:
+                with T.vectorized(0, lanes) as lane:
+                    value = data[row, group * spec.group_size + step * lanes + lane]
+                    T.buffer_store(partial, partial[row, lane] + T.Cast("float32", value), (row, lane))
             T.buffer_store(sums, T.float32(0), (row, group))
-            with T.serial(0, spec.group_size) as k:
-                T.buffer_store(sums, sums[row, group] + T.Cast("float32", data[row, group * spec.group_size + k]),
-                               (row, group))
+            with T.serial(0, lanes) as lane:
+                T.buffer_store(sums, sums[row, group] + partial[row, lane], (row, group))
     return sums
 
 
@@ -162,20 +228,22 @@ def _fill(acc, block: int, panels: int) -> None:
 
 
 def _add_group(acc, part, row, group_scales, activation_sum, first_block) -> None:
-    """acc[row] += scale x (part - OFFSET x the group's activation sum), per column; `group_scales` is the scales
-    buffer and the group's index in it."""
+    """acc[row] += scale x (part[row] - OFFSET x the group's activation sum), per column; `group_scales` is the
+    scales buffer and the group's index in it."""
     scales, group = group_scales
-    with T.unroll(0, part.shape[0]) as panel:
+    with T.unroll(0, part.shape[1]) as panel:
         with T.vectorized(0, COLUMNS) as lane:
             column = (first_block + panel) * COLUMNS + lane
             scale = scales[group, column]
-            T.buffer_store(acc, acc[row, panel, lane] + scale * (part[panel, lane] - T.float32(OFFSET) * activation_sum),
+            T.buffer_store(acc, acc[row, panel, lane] + scale * (part[row, panel, lane] - T.float32(OFFSET) * activation_sum),
                            (row, panel, lane))
 
 
-def _store(out, acc, first_row, first_block) -> None:
-    block, panels = acc.shape[:2]
-    with T.serial(0, block) as row:
+def _store(out, acc, rows, first_block) -> None:
+    """out[rows] = acc[:count], cast to the output dtype; `rows` is the first row and the count."""
+    first_row, count = rows
+    panels = acc.shape[1]
+    with T.serial(0, count) as row:
         with T.unroll(0, panels) as panel:
             with T.vectorized(0, COLUMNS) as lane:
                 T.buffer_store(out, T.Cast(str(out.dtype), acc[row, panel, lane]),

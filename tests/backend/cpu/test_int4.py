@@ -49,6 +49,18 @@ def test_the_bf16_kernel_is_chosen_for_bf16_activations_on_avx512_bf16():
         assert generic.attrs["tirx.is_scheduled"]
 
 
+def test_rows_share_each_unpacked_word_in_blocks_and_the_rest_go_one_at_a_time():
+    spec = PackedSpec(10, 256, 256, 64, "bfloat16", "float32")
+    panels = int4.panels_for(spec)
+    script = int4.kernel_for(spec, targets.get_target(BF16_TARGET)).script(show_meta=True)
+    assert int4.rows_per_call(panels) == 8 and f"{int4.symbol(panels, 8)}(" in script
+    assert f"{int4.symbol(panels, 1)}(" in script  # the 2 rows past the block of 8
+    one_row = int4.llvm_ir(panels, 1)
+    assert one_row.count("dpbf16ps.512(") == 4 * panels and one_row.count("fadd") == panels  # two chains per block
+    eight_rows = int4.llvm_ir(panels, 8)
+    assert eight_rows.count("dpbf16ps.512(") == 4 * panels * 8 and eight_rows.count("lshr") == 3 * panels
+
+
 def test_panels_keep_enough_parallel_items():
     assert int4.panels_for(PackedSpec(1, 64, 4096, 64, "bfloat16", "float32")) == 4
     assert int4.panels_for(PackedSpec(1, 64, 256, 64, "bfloat16", "float32")) == 2
@@ -67,14 +79,15 @@ def test_the_reference_stays_out_of_operator_fusion():
     assert int(reference_kernel(PackedSpec(1, 64, 16, 64, "float32", "float32")).attrs["op_pattern"]) == 8
 
 
-@pytest.mark.parametrize("rows, depth, columns", [(1, 256, 64), (3, 128, 32), (10, 256, 256), (1, 512, 1024)])
-def test_bf16_kernel_matches_the_dequantized_product(rows, depth, columns):
+@pytest.mark.parametrize("rows, depth, columns, group", [(1, 256, 64, 64), (3, 128, 32, 64), (10, 256, 256, 64),
+                                                        (1, 512, 1024, 64), (37, 96, 128, 32), (6, 48, 64, 24)])
+def test_bf16_kernel_matches_the_dequantized_product(rows, depth, columns, group):
     if not targets.host_supports("avx512_bf16"):
         pytest.skip("the host has no avx512_bf16")
-    mod, weight = _packed_module(rows, depth, columns, "bfloat16")
+    mod, weight = _packed_module(rows, depth, columns, "bfloat16", group)
     x = RNG.standard_normal((rows, depth)).astype("float32")
     (got,) = run_executable(build(mod, BF16_TARGET), [x])
-    expected = _expected(x, weight, "bfloat16")
+    expected = _expected(x, weight, "bfloat16", group)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
