@@ -92,7 +92,7 @@ def inferred_values(proto, outputs_of: "Callable | None" = None) -> dict[str, tu
 
     found = {tensor.name: (list(tensor.dims), onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
              for tensor in proto.graph.initializer}
-    skeleton = _shape_skeleton(proto)
+    skeleton = weights_as_inputs(proto)
     while True:
         try:
             inferred = onnx.shape_inference.infer_shapes(skeleton)
@@ -110,9 +110,10 @@ def inferred_values(proto, outputs_of: "Callable | None" = None) -> dict[str, tu
         skeleton.graph.value_info.extend(learned)
 
 
-def _shape_skeleton(proto):
-    """A copy of `proto` for shape inference whose initializers of more than SKELETON_VALUES values are typed graph
-    inputs: a model of gigabytes of weights infers as fast as its graph, and under protobuf's 2 GB."""
+def weights_as_inputs(proto, limit: int = SKELETON_VALUES):
+    """A copy of `proto` whose initializers of more than `limit` values are typed graph inputs, for shape
+    inference, the checker and TVM's importer: a model of gigabytes of weights is read as fast as its graph, and
+    under protobuf's 2 GB."""
     import onnx
 
     skeleton = onnx.ModelProto(ir_version=proto.ir_version, opset_import=proto.opset_import,
@@ -122,12 +123,48 @@ def _shape_skeleton(proto):
     for part in ("node", "input", "output", "value_info"):
         getattr(graph, part).extend(getattr(proto.graph, part))
     inputs = {value.name for value in proto.graph.input}  # files before IR 4 list initializers as inputs too
+    read = read_names(proto.graph)
     for tensor in proto.graph.initializer:
-        if int(np.prod(tensor.dims)) <= SKELETON_VALUES:
+        if int(np.prod(tensor.dims)) <= limit:
             graph.initializer.append(tensor)
-        elif tensor.name not in inputs:
+        elif tensor.name not in inputs and tensor.name in read:  # one no node reads is left out
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     return skeleton
+
+
+def rename_values(graph, names: Mapping[str, str]) -> None:
+    """Renames, in place, the values `names` maps wherever `graph` and its subgraphs name them: node inputs and
+    outputs, graph inputs, outputs and value infos."""
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        value.name = names.get(value.name, value.name)
+    for node in graph.node:
+        for field in (node.input, node.output):
+            field[:] = [names.get(name, name) for name in field]
+        for subgraph in _subgraphs(node):
+            rename_values(subgraph, names)
+
+
+def _subgraphs(node) -> list:
+    """The graphs a node's attributes hold (If's branches, Loop's and Scan's bodies)."""
+    import onnx
+
+    graphs = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            graphs.append(attribute.g)
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            graphs.extend(attribute.graphs)
+    return graphs
+
+
+def read_names(graph) -> set[str]:
+    """The names of the values the nodes of `graph` and of its subgraphs (If, Loop, Scan bodies) read."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for subgraph in _subgraphs(node):
+            names |= read_names(subgraph)
+    return names
 
 
 @dataclass

@@ -12,7 +12,7 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._onnx_graph import constant_values, inferred_values
+from ._onnx_graph import constant_values, inferred_values, rename_values, weights_as_inputs
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
@@ -30,6 +30,10 @@ from .onnx_recurrent import recurrences_unrolled
 from .onnx_spectral import dfts_as_matmuls, stfts_as_convs
 
 FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an ONNX import runs at most
+# initializers of more values reach the simplifier and TVM's importer as inputs and are bound after (onnxscript folds
+# no node with an input above 8192 values but a Transpose, which relay_amp._ir.fold_weights folds after binding)
+WEIGHT_INPUT_VALUES = 4096
+WEIGHT_PREFIX = "relay_amp_weight_"  # those inputs' names
 TINY_ADDEND = 1e-8  # onnxscript's no-op rules drop `x + c` and `x - c` for a scalar constant c this close to 0
 
 
@@ -151,14 +155,16 @@ def onnx_symbolic_dims(proto) -> list[str]:
     return list(dict.fromkeys(name for name in names if name))
 
 
-def _with_dims(proto, dims: Mapping[str, int]):
-    """A copy of `proto` whose symbolic dims named in `dims` have those sizes: in its inputs, and in the outputs and
-    value infos an exporter wrote with the same names (GenAI's builder: ["batch_size", "sequence_length", 384])."""
+def _with_dims(proto, dims: Mapping[str, int], in_place: bool = False):
+    """`proto` (or a copy: `in_place` False) whose symbolic dims named in `dims` have those sizes: in its inputs,
+    and in the outputs and value infos an exporter wrote with the same names (GenAI's builder: ["batch_size",
+    "sequence_length", 384])."""
     import onnx
 
     sizes = checked_dims(dims, onnx_symbolic_dims(proto))
-    bound = onnx.ModelProto()
-    bound.CopyFrom(proto)
+    bound = proto if in_place else onnx.ModelProto()
+    if not in_place:
+        bound.CopyFrom(proto)
     for tensor in [*bound.graph.input, *bound.graph.value_info, *bound.graph.output]:
         for dim in tensor.type.tensor_type.shape.dim:
             if dim.dim_param in sizes:
@@ -180,25 +186,60 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     its dequantized weights, dequantizes of 2- and 4-bit constants folded, opset-9 Upsample nodes' scales read as
     opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
     ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
-    from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
+    import onnx
 
+    owned = not isinstance(model, onnx.ModelProto)
     proto = _load_onnx(model)
     if dims:
-        proto = _with_dims(proto, dims)
+        proto = _with_dims(proto, dims, in_place=owned)
     try:
-        import onnx
-
-        written = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
-        onnx.checker.check_model(written)
+        proto = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
+        onnx.checker.check_model(weights_as_inputs(proto))  # a model over 2 GB cannot be serialized whole
         with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
             warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
-            shapes = {**_empty_inputs(written), **(shape_dict or {})}
-            imported = relax_from_onnx(_as_tvm_reads(written), shape_dict=shapes, keep_params_in_input=False)
+            shapes = {**_empty_inputs(proto), **(shape_dict or {})}
+            proto = _as_tvm_reads(proto)
+            imported = _imported_with_weights(proto, shapes)
     except Exception as err:  # the checker and the importer raise many error types
         raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
     if has_upsamples(proto):
         imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)
+
+
+def _imported_with_weights(proto, shapes: dict) -> tvm.IRModule:
+    """TVM's import of `proto` with its large weights apart: the graph, simplified, reaches TVM's importer with
+    them as typed inputs (named as TVM keeps names, without a warning each), and each is bound as a constant after:
+    one copy of the weights at a time, and no serialization of a model over protobuf's 2 GB."""
+    from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
+
+    lean = weights_as_inputs(proto, WEIGHT_INPUT_VALUES)
+    constants = {tensor.name for tensor in lean.graph.initializer}  # before IR 4 these are listed as inputs too
+    weights = {tensor.name: tensor for tensor in proto.graph.initializer if tensor.name not in constants}
+    names = {value.name: f"{WEIGHT_PREFIX}{index}" for index, value in enumerate(lean.graph.input)
+             if value.name in weights}
+    rename_values(lean.graph, names)
+    graph = upsamples_with_attribute_scales(_simplified(lean))
+    imported = relax_from_onnx(graph, shape_dict=shapes, keep_params_in_input=False)
+    params = imported["main"].params
+    inputs = [value.name for value in graph.graph.input if value.name not in constants]
+    if len(inputs) != len(params):
+        raise ModelLoadError(f"TVM's importer made {len(params)} parameters of {len(inputs)} graph inputs")
+    originals = {name: original for original, name in names.items()}
+    bound = {param: _tensor(weights[originals[name]]) for param, name in zip(params, inputs) if name in originals}
+    if not bound:
+        return imported
+    imported = tvm.relax.transform.BindParams("main", bound)(imported)
+    main = imported["main"]  # TVM's importer counted the weights among the inputs
+    imported["main"] = main.with_attr("num_input", len(main.params)) if "num_input" in main.attrs else main
+    return imported
+
+
+def _tensor(tensor) -> tvm.runtime.Tensor:
+    """An ONNX initializer's value as a TVM tensor, as TVM's importer makes one."""
+    from onnx import numpy_helper
+
+    return tvm.runtime.tensor(numpy_helper.to_array(tensor).reshape(tuple(tensor.dims)))
 
 
 def _as_onnx_ops(proto):
@@ -222,10 +263,10 @@ def _empty_inputs(proto) -> dict[str, list[int]]:
 
 
 def _as_tvm_reads(proto):
-    """`proto` with the ops TVM's importer lacks or misreads written as ops it reads, and its constants folded."""
+    """`proto` with the ops TVM's importer lacks or misreads written as ops it reads (those that read the weights'
+    values; simplification and Upsample's scales follow on the graph without its large weights)."""
     quantized = constant_dequantizes_folded(as_qdq(proto))
-    written = attentions_as_matmuls(recurrences_unrolled(quantized))
-    return upsamples_with_attribute_scales(_simplified(dfts_as_matmuls(stfts_as_convs(written))))
+    return dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(recurrences_unrolled(quantized))))
 
 
 def _sizing_hint(proto) -> str:

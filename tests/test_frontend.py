@@ -1,6 +1,7 @@
 """Frontends: ONNX and PyTorch models import with weights bound as constants and compute the same."""
 
 import sys
+import warnings
 
 import numpy as np
 import onnx
@@ -49,6 +50,34 @@ def test_from_onnx_binds_weights_and_matches_onnx_reference(tmp_path):
     x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype("float32")
     expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
     np.testing.assert_allclose(relay_amp.run(mod, [x])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_large_weights_reach_tvms_importer_as_inputs_and_are_bound_after(monkeypatch, tmp_path):
+    """TVM's importer and the simplifier see a graph without the large weights (a model over protobuf's 2 GB
+    imports; each weight is copied once, not once per step), and the import is the same as with every weight in it;
+    a weight no node reads is left out."""
+    import tvm.relax.frontend.onnx as tvm_onnx
+
+    model = conv_gemm_onnx()
+    model.graph.initializer.append(numpy_helper.from_array(np.ones((8, 64), "float32"), "unread"))
+    onnx.save(model, tmp_path / "model.onnx", save_as_external_data=True, size_threshold=0)
+    whole = frontend.from_onnx(tmp_path / "model.onnx")
+    reached, tvm_import = [], tvm_onnx.from_onnx
+
+    def recording(graph, **kwargs):
+        reached.append(graph)
+        return tvm_import(graph, **kwargs)
+
+    monkeypatch.setattr(tvm_onnx, "from_onnx", recording)
+    monkeypatch.setattr(frontend, "WEIGHT_INPUT_VALUES", 100)  # fc (720 values) and w (108) apart, b (4) kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TVM's importer warns for each input name it changes
+        apart = frontend.from_onnx(tmp_path / "model.onnx")
+    tvm.ir.assert_structural_equal(apart, whole)
+    (graph,) = reached
+    assert "b" in {tensor.name for tensor in graph.graph.initializer}
+    assert max(np.prod(tensor.dims) for tensor in graph.graph.initializer) <= 100
+    assert [value.name for value in graph.graph.input] == ["x", f"{frontend.WEIGHT_PREFIX}1", f"{frontend.WEIGHT_PREFIX}2"]
 
 
 def test_from_onnx_accepts_model_proto_and_shape_dict():

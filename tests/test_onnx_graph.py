@@ -3,7 +3,8 @@
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from relay_amp._onnx_graph import SKELETON_VALUES, constant_values, inferred_values
+from relay_amp._onnx_graph import (SKELETON_VALUES, constant_values, inferred_values, read_names, rename_values,
+                                   weights_as_inputs)
 
 
 def _model(nodes, initializers, output: str):
@@ -44,3 +45,33 @@ def test_constants_are_read_by_name_from_initializers_and_constant_nodes():
     assert constants.dims("w") == [2, 3]
     np.testing.assert_array_equal(constants["w"], weights)
     np.testing.assert_array_equal(constants["c"], [7])
+
+
+def _if_model():
+    """y = If(cond) then x + w else x - w: the weight is read inside the branches only."""
+    def branch(op: str):
+        out = helper.make_tensor_value_info(f"{op}_out", TensorProto.FLOAT, [2, 8])
+        return helper.make_graph([helper.make_node(op, ["x", "w"], [f"{op}_out"])], op, [], [out])
+
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=branch("Add"), else_branch=branch("Sub"))]
+    weights = [numpy_helper.from_array(np.ones((2, 8), "float32"), "w"),
+               numpy_helper.from_array(np.ones((SKELETON_VALUES + 1,), "float32"), "unread"),
+               numpy_helper.from_array(np.array(True), "cond")]
+    return _model(nodes, weights, "y")
+
+
+def test_values_read_inside_subgraphs_count_as_read_and_are_renamed_there():
+    model = _if_model()
+    assert read_names(model.graph) == {"cond", "x", "w"}
+    rename_values(model.graph, {"w": "weight", "y": "out"})
+    branches = [attribute.g for attribute in model.graph.node[0].attribute]
+    assert [list(graph.node[0].input) for graph in branches] == [["x", "weight"], ["x", "weight"]]
+    assert list(model.graph.node[0].output) == ["out"] and model.graph.output[0].name == "out"
+
+
+def test_weights_as_inputs_types_the_large_weights_and_leaves_out_those_no_node_reads():
+    model = _if_model()
+    skeleton = weights_as_inputs(model, limit=8)
+    assert [tensor.name for tensor in skeleton.graph.initializer] == ["cond"]
+    assert [value.name for value in skeleton.graph.input] == ["x", "w"]
+    assert [tensor.name for tensor in model.graph.initializer] == ["w", "unread", "cond"], "the input model changed"
