@@ -1,6 +1,8 @@
 """Reading and rewriting an ONNX graph before import: its constant values, the shapes ONNX's shape inference
 gives, and nodes replaced by the nodes and constants a rewrite writes."""
 
+import contextlib
+import contextvars
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -8,6 +10,27 @@ import numpy as np
 
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
 SKELETON_VALUES = 4096  # initializers larger than this take part in shape inference by their type alone
+_IN_PLACE = contextvars.ContextVar("relay_amp_onnx_rewrites_in_place", default=False)
+
+
+@contextlib.contextmanager
+def rewriting_in_place():
+    """Within it, the rewrites change the model they are given instead of a copy: for an importer that owns its
+    model (read from a file), so that a model of gigabytes is not copied once per rewrite that applies."""
+    token = _IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _IN_PLACE.reset(token)
+
+
+def writable(proto):
+    """The model a rewrite of `proto` changes: `proto` itself within rewriting_in_place(), else a copy."""
+    if _IN_PLACE.get():
+        return proto
+    rewritten = type(proto)()
+    rewritten.CopyFrom(proto)
+    return rewritten
 
 
 def node_label(node) -> str:
@@ -212,14 +235,13 @@ def default_opset(proto) -> int:
 
 def rewrite_nodes(proto, op_types: Collection[str], rewrite: Callable,
                   domains: Collection[str] = DEFAULT_DOMAINS) -> object:
-    """A copy of `proto` with each node of `op_types` in `domains` (the default one unless given) replaced by what
-    `rewrite(node, writer)` writes (nodes and constants of a fresh Writer, the node's outputs under their names)."""
-    import onnx
-
-    rewritten = onnx.ModelProto()
-    rewritten.CopyFrom(proto)
+    """`proto` (`writable`'s copy) with each node of `op_types` in `domains` (the default one unless given) replaced
+    by what `rewrite(node, writer)` writes (nodes and constants of a fresh Writer, the node's outputs under their
+    names)."""
+    nodes = list(proto.graph.node)
+    rewritten = writable(proto)
     del rewritten.graph.node[:]
-    for index, node in enumerate(proto.graph.node):
+    for index, node in enumerate(nodes):
         if node.op_type not in op_types or node.domain not in domains:
             rewritten.graph.node.append(node)
             continue

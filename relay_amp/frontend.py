@@ -12,7 +12,8 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._onnx_graph import constant_values, inferred_values, rename_values, weights_as_inputs
+from ._onnx_graph import (constant_values, inferred_values, rename_values, rewriting_in_place, weights_as_inputs,
+                          writable)
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
@@ -155,16 +156,12 @@ def onnx_symbolic_dims(proto) -> list[str]:
     return list(dict.fromkeys(name for name in names if name))
 
 
-def _with_dims(proto, dims: Mapping[str, int], in_place: bool = False):
-    """`proto` (or a copy: `in_place` False) whose symbolic dims named in `dims` have those sizes: in its inputs,
-    and in the outputs and value infos an exporter wrote with the same names (GenAI's builder: ["batch_size",
+def _with_dims(proto, dims: Mapping[str, int]):
+    """`proto` (`writable`'s copy) whose symbolic dims named in `dims` have those sizes: in its inputs, and in the
+    outputs and value infos an exporter wrote with the same names (GenAI's builder: ["batch_size",
     "sequence_length", 384])."""
-    import onnx
-
     sizes = checked_dims(dims, onnx_symbolic_dims(proto))
-    bound = proto if in_place else onnx.ModelProto()
-    if not in_place:
-        bound.CopyFrom(proto)
+    bound = writable(proto)
     for tensor in [*bound.graph.input, *bound.graph.value_info, *bound.graph.output]:
         for dim in tensor.type.tensor_type.shape.dim:
             if dim.dim_param in sizes:
@@ -188,20 +185,19 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     import onnx
 
-    owned = not isinstance(model, onnx.ModelProto)
     proto = _load_onnx(model)
-    if dims:
-        proto = _with_dims(proto, dims, in_place=owned)
-    try:
-        proto = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
-        onnx.checker.check_model(weights_as_inputs(proto))  # a model over 2 GB cannot be serialized whole
-        with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
-            warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
-            shapes = {**_empty_inputs(proto), **(shape_dict or {})}
-            proto = _as_tvm_reads(proto)
-            imported = _imported_with_weights(proto, shapes)
-    except Exception as err:  # the checker and the importer raise many error types
-        raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
+    with rewriting_in_place() if proto is not model else contextlib.nullcontext():  # a file's model is ours
+        proto = _with_dims(proto, dims) if dims else proto
+        try:
+            proto = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
+            onnx.checker.check_model(weights_as_inputs(proto))  # a model over 2 GB cannot be serialized whole
+            with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
+                warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
+                shapes = {**_empty_inputs(proto), **(shape_dict or {})}
+                proto = _as_tvm_reads(proto)
+                imported = _imported_with_weights(proto, shapes)
+        except Exception as err:  # the checker and the importer raise many error types
+            raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
     if has_upsamples(proto):
         imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from ._ir import rewrite_op_calls
-from ._onnx_graph import constant_values, inferred_values, node_attributes
+from ._onnx_graph import constant_values, inferred_values, node_attributes, writable
 from .errors import ModelLoadError
 
 UPSAMPLED_AXES = 2  # TVM's importer upsamples the last two axes of a 4-D (NCHW) tensor
@@ -24,15 +24,14 @@ UPSAMPLE_CHECK_WARNING = r"(?s).*OpType: Upsample"  # ONNX's checker on an opset
 
 
 def upsamples_with_attribute_scales(proto):
-    """`proto` (a copy, where it has any Upsample) with each Upsample's constant scales input (opset 9) as its
+    """`proto` (`writable`'s copy, where it has any Upsample) with each Upsample's constant scales input (opset 9) as its
     `scales` attribute (opset 7), the scales checked to be what TVM's importer takes."""
     import onnx
 
     if not has_upsamples(proto):
         return proto
     constants, values = constant_values(proto.graph), inferred_values(proto)
-    rewritten = onnx.ModelProto()
-    rewritten.CopyFrom(proto)
+    rewritten = writable(proto)
     for node in rewritten.graph.node:
         if node.op_type != "Upsample":
             continue

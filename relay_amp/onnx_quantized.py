@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._onnx_graph import writable
 from .errors import ModelLoadError
 
 
@@ -248,15 +249,14 @@ def _has_quantized_ops(proto) -> bool:
 
 
 def as_qdq(proto):
-    """A copy of `proto` with its QOperator ops and dynamic integer patterns written as QDQ pairs around float ops
-    (the model unchanged where it has none)."""
+    """`proto` (`writable`'s copy) with its QOperator ops and dynamic integer patterns written as QDQ pairs around
+    float ops (the model unchanged where it has none)."""
     if not _has_quantized_ops(proto):
         return proto
     rewriter = _Rewriter(proto.graph)
     for node in proto.graph.node:
         rewriter.visit(node)
-    rewritten = type(proto)()
-    rewritten.CopyFrom(proto)
+    rewritten = writable(proto)
     graph = rewritten.graph
     del graph.node[:]
     graph.node.extend(_live(rewriter.nodes, {output.name for output in graph.output}))
@@ -270,7 +270,7 @@ def as_qdq(proto):
 
 
 def constant_dequantizes_folded(proto):
-    """A copy of `proto` whose DequantizeLinear nodes of scalar constants (one code; scale, zero point and code all
+    """`proto` (`writable`'s copy) whose DequantizeLinear nodes of scalar constants (one code; scale, zero point and code all
     initializers) are float initializers (the model unchanged where it has none). Weights keep theirs: realize_qdq
     reads a weight's int8 codes from its DequantizeLinear."""
     from onnx import numpy_helper
@@ -282,15 +282,14 @@ def constant_dequantizes_folded(proto):
               and math.prod(constants[node.input[0]].dims) == 1]
     if not folded:
         return proto
-    rewritten = type(proto)()
-    rewritten.CopyFrom(proto)
+    removed = {id(node) for node in folded}
+    kept = [node for node in proto.graph.node if id(node) not in removed]
+    rewritten = writable(proto)
     for node in folded:
         codes, scale, *zero = (numpy_helper.to_array(constants[name]) if name else None for name in node.input)
         axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 1)
         values = _dequantized(codes, scale, zero[0] if zero else None, axis)
         rewritten.graph.initializer.append(numpy_helper.from_array(values, node.output[0]))
-    removed = {id(node) for node in folded}
-    kept = [node for node in proto.graph.node if id(node) not in removed]
     del rewritten.graph.node[:]
     rewritten.graph.node.extend(kept)
     return rewritten

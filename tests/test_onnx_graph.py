@@ -4,7 +4,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from relay_amp._onnx_graph import (SKELETON_VALUES, constant_values, inferred_values, read_names, rename_values,
-                                   weights_as_inputs)
+                                   rewrite_nodes, rewriting_in_place, weights_as_inputs, writable)
 
 
 def _model(nodes, initializers, output: str):
@@ -75,3 +75,17 @@ def test_weights_as_inputs_types_the_large_weights_and_leaves_out_those_no_node_
     assert [tensor.name for tensor in skeleton.graph.initializer] == ["cond"]
     assert [value.name for value in skeleton.graph.input] == ["x", "w"]
     assert [tensor.name for tensor in model.graph.initializer] == ["w", "unread", "cond"], "the input model changed"
+
+
+def test_rewrites_change_a_copy_unless_the_importer_owns_the_model():
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [], "y")
+    copy = writable(model)
+    assert copy is not model and copy == model
+    with rewriting_in_place():
+        assert writable(model) is model
+        rewritten = rewrite_nodes(model, ["Relu"], lambda node, writer: writer.op("Sigmoid", "x", out="y"))
+        assert rewritten is model and [node.op_type for node in model.graph.node] == ["Sigmoid"]
+    assert writable(model) is not model
+    untouched = _model([helper.make_node("Relu", ["x"], ["y"])], [], "y")
+    rewrite_nodes(untouched, ["Relu"], lambda node, writer: writer.op("Sigmoid", "x", out="y"))
+    assert [node.op_type for node in untouched.graph.node] == ["Relu"]
