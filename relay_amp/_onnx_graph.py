@@ -10,27 +10,50 @@ import numpy as np
 
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the names of ONNX's own operator set
 SKELETON_VALUES = 4096  # initializers larger than this take part in shape inference by their type alone
-_IN_PLACE = contextvars.ContextVar("relay_amp_onnx_rewrites_in_place", default=False)
+COMPUTED_LOCATION = "relay_amp:computed"  # the external-data location of a constant computed when it is read
+
+
+@dataclass
+class _FileImport:
+    """An import of a model read from a file: its directory, and the constants rewrites compute when read."""
+    model_dir: str
+    computed: dict = field(default_factory=dict)  # name -> a function computing the constant's value
+
+
+_IMPORT = contextvars.ContextVar("relay_amp_onnx_file_import", default=None)
 
 
 @contextlib.contextmanager
-def rewriting_in_place():
-    """Within it, the rewrites change the model they are given instead of a copy: for an importer that owns its
-    model (read from a file), so that a model of gigabytes is not copied once per rewrite that applies."""
-    token = _IN_PLACE.set(True)
+def importing_file(model_dir: str):
+    """Within it, the rewrites change the model they are given instead of a copy (an importer's own model, read from
+    a file in `model_dir`: a model of gigabytes is not copied once per rewrite that applies), `tensor_value` reads
+    the weights the file keeps in external data from `model_dir`, and the large constants a rewrite derives are
+    computed when read (Writer.computed_const)."""
+    token = _IMPORT.set(_FileImport(model_dir))
     try:
         yield
     finally:
-        _IN_PLACE.reset(token)
+        _IMPORT.reset(token)
 
 
 def writable(proto):
-    """The model a rewrite of `proto` changes: `proto` itself within rewriting_in_place(), else a copy."""
-    if _IN_PLACE.get():
+    """The model a rewrite of `proto` changes: `proto` itself within importing_file(), else a copy."""
+    if _IMPORT.get() is not None:
         return proto
     rewritten = type(proto)()
     rewritten.CopyFrom(proto)
     return rewritten
+
+
+def tensor_value(tensor) -> np.ndarray:
+    """A TensorProto's value as a numpy array: a computed constant's computed now, external data (a file's weights
+    left on disk) read from the directory importing_file() names."""
+    from onnx import numpy_helper
+
+    session = _IMPORT.get()
+    if session is not None and tensor.name in session.computed:
+        return session.computed[tensor.name]()
+    return numpy_helper.to_array(tensor, base_dir=session.model_dir if session else "")
 
 
 def node_label(node) -> str:
@@ -86,10 +109,8 @@ class Constants(Mapping):
         self._arrays: dict[str, np.ndarray] = {}
 
     def __getitem__(self, name: str) -> np.ndarray:
-        from onnx import numpy_helper
-
         if name not in self._arrays:
-            self._arrays[name] = numpy_helper.to_array(self._tensors[name])
+            self._arrays[name] = tensor_value(self._tensors[name])
         return self._arrays[name]
 
     def __contains__(self, name) -> bool:
@@ -134,9 +155,9 @@ def inferred_values(proto, outputs_of: "Callable | None" = None) -> dict[str, tu
 
 
 def weights_as_inputs(proto, limit: int = SKELETON_VALUES):
-    """A copy of `proto` whose initializers of more than `limit` values are typed graph inputs, for shape
-    inference, the checker and TVM's importer: a model of gigabytes of weights is read as fast as its graph, and
-    under protobuf's 2 GB."""
+    """A copy of `proto` whose initializers of more than `limit` values, and those whose data is still on disk, are
+    typed graph inputs, for shape inference, the checker and TVM's importer: a model of gigabytes of weights is read
+    as fast as its graph, and under protobuf's 2 GB."""
     import onnx
 
     skeleton = onnx.ModelProto(ir_version=proto.ir_version, opset_import=proto.opset_import,
@@ -148,7 +169,7 @@ def weights_as_inputs(proto, limit: int = SKELETON_VALUES):
     inputs = {value.name for value in proto.graph.input}  # files before IR 4 list initializers as inputs too
     read = read_names(proto.graph)
     for tensor in proto.graph.initializer:
-        if int(np.prod(tensor.dims)) <= limit:
+        if int(np.prod(tensor.dims)) <= limit and tensor.data_location != onnx.TensorProto.EXTERNAL:
             graph.initializer.append(tensor)
         elif tensor.name not in inputs and tensor.name in read:  # one no node reads is left out
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
@@ -217,6 +238,23 @@ class Writer:
 
         name = self._name()
         self.constants.append(onnx.numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
+        return name
+
+    def computed_const(self, compute: Callable[[], np.ndarray], dims, dtype) -> str:
+        """The name of a new constant of `dims` and numpy `dtype` that `compute()` gives: computed when it is read
+        within importing_file() (the importer binding it: a weight a rewrite derives is never held in the model),
+        else now."""
+        import onnx
+
+        session = _IMPORT.get()
+        if session is None:
+            return self.const(compute(), dtype)
+        name = self._name()
+        tensor = onnx.TensorProto(name=name, dims=dims, data_type=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                                  data_location=onnx.TensorProto.EXTERNAL)
+        tensor.external_data.add(key="location", value=COMPUTED_LOCATION)
+        session.computed[name] = lambda: np.asarray(compute(), dtype)
+        self.constants.append(tensor)
         return name
 
     def row(self, tensor: str, index: int) -> str:

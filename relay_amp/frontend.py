@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -12,8 +13,8 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._onnx_graph import (constant_values, inferred_values, rename_values, rewriting_in_place, weights_as_inputs,
-                          writable)
+from ._onnx_graph import (constant_values, importing_file, inferred_values, rename_values, tensor_value,
+                          weights_as_inputs, writable)
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
@@ -39,7 +40,8 @@ TINY_ADDEND = 1e-8  # onnxscript's no-op rules drop `x + c` and `x - c` for a sc
 
 
 def _load_onnx(model):
-    """A ModelProto from a ModelProto or a path, or ModelLoadError."""
+    """A ModelProto from a ModelProto or a path, or ModelLoadError. A file's large weights in external data stay on
+    disk (importing_file reads each when it is needed)."""
     import onnx
 
     if isinstance(model, onnx.ModelProto):
@@ -48,9 +50,37 @@ def _load_onnx(model):
     if not os.path.isfile(path):
         raise ModelLoadError(f"ONNX model file not found: {path}")
     try:
-        return onnx.load(path)
+        proto = onnx.load(path, load_external_data=False)
+        _small_external_data_loaded(proto, os.path.dirname(path))
     except Exception as err:  # protobuf raises DecodeError, onnx raises its own types
         raise ModelLoadError(f"cannot parse ONNX model {path}: {err}") from err
+    return proto
+
+
+def _small_external_data_loaded(proto, model_dir: str) -> None:
+    """Reads the external data of every tensor of `proto` but its large initializers (more than WEIGHT_INPUT_VALUES
+    values), which reach TVM's importer as inputs: the simplifier and the importer read the rest."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    for tensor in _tensors(proto.graph, top=True):
+        if uses_external_data(tensor):
+            load_external_data_for_tensor(tensor, model_dir)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+
+
+def _tensors(graph, top: bool = False):
+    """The tensors of `graph` and its subgraphs (initializers, node attributes), less the top graph's large
+    initializers."""
+    for tensor in graph.initializer:
+        if not top or math.prod(tensor.dims) <= WEIGHT_INPUT_VALUES:
+            yield tensor
+    for node in graph.node:
+        for attribute in node.attribute:
+            yield from ([attribute.t] if attribute.HasField("t") else []) + list(attribute.tensors)
+            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _tensors(subgraph)
 
 
 @contextlib.contextmanager
@@ -186,11 +216,12 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     import onnx
 
     proto = _load_onnx(model)
-    with rewriting_in_place() if proto is not model else contextlib.nullcontext():  # a file's model is ours
+    owned = proto is not model  # read from a file: rewritten in place, its large weights read when bound
+    with importing_file(os.path.dirname(os.fspath(model))) if owned else contextlib.nullcontext():
         proto = _with_dims(proto, dims) if dims else proto
         try:
             proto = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
-            onnx.checker.check_model(weights_as_inputs(proto))  # a model over 2 GB cannot be serialized whole
+            onnx.checker.check_model(weights_as_inputs(proto, WEIGHT_INPUT_VALUES))  # over 2 GB: not serializable
             with warnings.catch_warnings():  # TVM's importer checks the graph again: opset 7's Upsample in a later one
                 warnings.filterwarnings("ignore", message=UPSAMPLE_CHECK_WARNING)
                 shapes = {**_empty_inputs(proto), **(shape_dict or {})}
@@ -233,9 +264,7 @@ def _imported_with_weights(proto, shapes: dict) -> tvm.IRModule:
 
 def _tensor(tensor) -> tvm.runtime.Tensor:
     """An ONNX initializer's value as a TVM tensor, as TVM's importer makes one."""
-    from onnx import numpy_helper
-
-    return tvm.runtime.tensor(numpy_helper.to_array(tensor).reshape(tuple(tensor.dims)))
+    return tvm.runtime.tensor(tensor_value(tensor).reshape(tuple(tensor.dims)))
 
 
 def _as_onnx_ops(proto):

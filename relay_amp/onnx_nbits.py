@@ -47,8 +47,11 @@ def _matmul(node, writer: Writer, constants: dict) -> None:
         raise ModelLoadError(f"{label}: relay_amp unpacks codes of {', '.join(map(str, BITS))} bits, not "
                              f"{attributes['bits']}")
     scales = constants[named["scales"]]
-    weight = dequantized(constants[named["B"]], scales, constants.get(named["zero_points"]), attributes)
-    product = writer.op("MatMul", named["A"], writer.const(weight.T, scales.dtype))
+    weight = writer.computed_const(
+        lambda: np.ascontiguousarray(
+            dequantized(constants[named["B"]], scales, constants.get(named["zero_points"]), attributes).T),
+        [attributes["K"], attributes["N"]], scales.dtype)
+    product = writer.op("MatMul", named["A"], weight)
     if named["bias"]:
         writer.op("Add", product, named["bias"], out=node.output[0])
     else:
@@ -69,7 +72,9 @@ def dequantized(packed: np.ndarray, scales: np.ndarray, zero_points: "np.ndarray
     else:
         points = unpacked(zero_points, bits).reshape(columns, -1)[:, :blocks].astype("float32")
     steps = scales.reshape(columns, blocks).astype("float32")
-    values = (codes.reshape(columns, blocks, block) - points[..., None]) * steps[..., None]
+    values = codes.reshape(columns, blocks, block)
+    values -= points[..., None]  # in place: an LLM's output projection is hundreds of megabytes
+    values *= steps[..., None]
     return values.reshape(columns, blocks * block)[:, :depth]
 
 

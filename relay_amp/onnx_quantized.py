@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import writable
+from ._onnx_graph import tensor_value, writable
 from .errors import ModelLoadError
 
 
@@ -95,9 +95,7 @@ class _Rewriter:
     """One pass over a graph's nodes, writing the QDQ form."""
 
     def __init__(self, graph):
-        from onnx import numpy_helper
-
-        self.constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+        self.constants = {init.name: tensor_value(init) for init in graph.initializer}
         self.params: dict[str, tuple[str, str]] = {}  # a quantized activation -> its scale and zero point
         self.readers = defaultdict(list)
         for node in graph.node:
@@ -286,7 +284,7 @@ def constant_dequantizes_folded(proto):
     kept = [node for node in proto.graph.node if id(node) not in removed]
     rewritten = writable(proto)
     for node in folded:
-        codes, scale, *zero = (numpy_helper.to_array(constants[name]) if name else None for name in node.input)
+        codes, scale, *zero = (tensor_value(constants[name]) if name else None for name in node.input)
         axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 1)
         values = _dequantized(codes, scale, zero[0] if zero else None, axis)
         rewritten.graph.initializer.append(numpy_helper.from_array(values, node.output[0]))

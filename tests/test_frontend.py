@@ -54,14 +54,17 @@ def test_from_onnx_binds_weights_and_matches_onnx_reference(tmp_path):
 
 def test_large_weights_reach_tvms_importer_as_inputs_and_are_bound_after(monkeypatch, tmp_path):
     """TVM's importer and the simplifier see a graph without the large weights (a model over protobuf's 2 GB
-    imports; each weight is copied once, not once per step), and the import is the same as with every weight in it;
-    a weight no node reads is left out."""
+    imports; a file's large weights stay on disk until each is bound), and the import is the same as with every
+    weight in it; a weight no node reads is left out."""
     import tvm.relax.frontend.onnx as tvm_onnx
 
     model = conv_gemm_onnx()
     model.graph.initializer.append(numpy_helper.from_array(np.ones((8, 64), "float32"), "unread"))
     onnx.save(model, tmp_path / "model.onnx", save_as_external_data=True, size_threshold=0)
     whole = frontend.from_onnx(tmp_path / "model.onnx")
+    monkeypatch.setattr(frontend, "WEIGHT_INPUT_VALUES", 100)  # fc (720 values) and w (108) apart, b (4) kept
+    loaded = {tensor.name: tensor for tensor in frontend._load_onnx(tmp_path / "model.onnx").graph.initializer}
+    assert loaded["b"].raw_data and not loaded["fc"].raw_data and not loaded["w"].raw_data  # read when bound
     reached, tvm_import = [], tvm_onnx.from_onnx
 
     def recording(graph, **kwargs):
@@ -69,7 +72,6 @@ def test_large_weights_reach_tvms_importer_as_inputs_and_are_bound_after(monkeyp
         return tvm_import(graph, **kwargs)
 
     monkeypatch.setattr(tvm_onnx, "from_onnx", recording)
-    monkeypatch.setattr(frontend, "WEIGHT_INPUT_VALUES", 100)  # fc (720 values) and w (108) apart, b (4) kept
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # TVM's importer warns for each input name it changes
         apart = frontend.from_onnx(tmp_path / "model.onnx")

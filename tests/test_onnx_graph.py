@@ -4,7 +4,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from relay_amp._onnx_graph import (SKELETON_VALUES, constant_values, inferred_values, read_names, rename_values,
-                                   rewrite_nodes, rewriting_in_place, weights_as_inputs, writable)
+                                   importing_file, rewrite_nodes, weights_as_inputs, writable)
 
 
 def _model(nodes, initializers, output: str):
@@ -81,7 +81,7 @@ def test_rewrites_change_a_copy_unless_the_importer_owns_the_model():
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [], "y")
     copy = writable(model)
     assert copy is not model and copy == model
-    with rewriting_in_place():
+    with importing_file(""):
         assert writable(model) is model
         rewritten = rewrite_nodes(model, ["Relu"], lambda node, writer: writer.op("Sigmoid", "x", out="y"))
         assert rewritten is model and [node.op_type for node in model.graph.node] == ["Sigmoid"]

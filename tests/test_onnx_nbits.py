@@ -62,6 +62,29 @@ def test_matmul_nbits_matches_onnx_runtime(depth, block, bits, zero_points, bias
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_files_dequantized_weights_are_computed_when_bound_and_import_the_same(tmp_path):
+    """From a file, the rewrite writes no dequantized weights into the model: each is computed as the importer
+    binds it (an int4 LLM's weights are not held twice in fp32), and the import equals the in-memory one's."""
+    import onnx
+    import tvm
+
+    from relay_amp._onnx_graph import COMPUTED_LOCATION, importing_file, tensor_value
+    from relay_amp.onnx_nbits import dequantized, nbits_matmuls_as_onnx
+
+    model = _model(64, 16, 4, "packed", True)
+    onnx.save(model, tmp_path / "nbits.onnx")
+    tvm.ir.assert_structural_equal(relay_amp.frontend.from_onnx(tmp_path / "nbits.onnx"),
+                                   relay_amp.frontend.from_onnx(model))
+    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    expected = dequantized(constants["B"], constants["scales"], constants["zero_points"],
+                           {"bits": 4, "block_size": 16, "K": 64, "N": COLUMNS}).T
+    with importing_file(str(tmp_path)):
+        rewritten = nbits_matmuls_as_onnx(model)
+        (weight,) = [tensor for tensor in rewritten.graph.initializer if list(tensor.dims) == [64, COLUMNS]]
+        assert not weight.raw_data and weight.external_data[0].value == COMPUTED_LOCATION
+        np.testing.assert_array_equal(tensor_value(weight), expected)
+
+
 def test_weights_it_cannot_dequantize_are_refused_naming_the_node():
     model = _model(64, 32, 4, None, False)
     model.graph.node[0].input.append("g_idx")
