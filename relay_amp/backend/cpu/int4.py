@@ -39,6 +39,7 @@ MAX_PANELS = 4  # 16-column blocks one parallel item computes: weight streams re
 MIN_ITEMS = 8  # parallel items wanted before blocks are grouped into panels
 MAX_ACCUMULATORS = 16  # zmm accumulators of one call (rows x panels); its unpacked words and temporaries use the rest
 DOT = "llvm.x86.avx512bf16.dpbf16ps.512"
+FMA = "llvm.fma.v16f32"
 VEC = "<16 x float>"
 
 
@@ -83,46 +84,83 @@ def _chains(rows: int) -> int:
     return 2 if rows == 1 else 1
 
 
-def llvm_ir(panels: int, rows: int = 1) -> str:
-    """LLVM IR of `symbol(panels, rows)(out, x, xstride, b, words, stride)`: for `rows` rows `xstride` bytes apart
-    from `x` and `panels` blocks `stride` bytes apart from `b`, out[row][block][16] = sum over `words` words of the
-    row's bf16 activations times (128 + code). Each word is unpacked once for all the rows."""
-    chains = _chains(rows)
-    accumulators = [(r, p, h) for r in range(rows) for p in range(panels) for h in range(chains)]
-    current = {acc: "%a{}_{}_{}".format(*acc) for acc in accumulators}
-    body = ["  %wordx = mul i64 %i, 16", "  %boff = mul i64 %i, 64"]
+def _products(panels: int, rows: int, current: dict) -> list[str]:
+    """LLVM lines of one word's products: its activation pairs and unpacked weights, each word unpacked once for all
+    the rows; `current` maps each accumulator to its latest value and is updated."""
+    lines = ["  %gw = mul i64 %g, %words", "  %w = add i64 %gw, %i", "  %wordx = mul i64 %w, 16", "  %boff = mul i64 %w, 64"]
     for r in range(rows):
-        body += _activation_pairs(r)
+        lines += _activation_pairs(r)
+    chains = _chains(rows)
     for p in range(panels):
-        body += _unpacked_weights(p)
+        lines += _unpacked_weights(p)
         for r in range(rows):
             for j in range(4):
                 acc = (r, p, j % chains)
                 result = "%r{}_{}_{}_{}".format(r, p, j % chains, j)
-                body.append(f"  {result} = call {VEC} @{DOT}({VEC} {current[acc]}, <32 x bfloat> %v{p}_{j}, "
-                            f"<32 x bfloat> %xb{r}_{j})")  # the broadcast last: LLVM folds its load ({1to16})
+                lines.append(f"  {result} = call {VEC} @{DOT}({VEC} {current[acc]}, <32 x bfloat> %v{p}_{j}, "
+                             f"<32 x bfloat> %xb{r}_{j})")  # the broadcast last: LLVM folds its load ({1to16})
                 current[acc] = result
-    lines = [f"define void @{symbol(panels, rows)}(ptr %out, ptr %x, i64 %xstride, ptr %b, i64 %words, i64 %stride) "
-             "alwaysinline {", "entry:", "  br label %loop", "loop:", "  %i = phi i64 [0, %entry], [%next, %loop]"]
-    lines += ["  %a{}_{}_{} = phi {} [zeroinitializer, %entry], [{}, %loop]".format(*acc, VEC, current[acc])
-              for acc in accumulators]
-    lines += body + ["  %next = add i64 %i, 1", "  %done = icmp eq i64 %next, %words",
-                     "  br i1 %done, label %exit, label %loop", "exit:"]
+    return lines
+
+
+def _scaled_group(panels: int, rows: int, current: dict) -> list[str]:
+    """LLVM lines adding a finished group to the totals: %U = %T + scale x (part - OFFSET x activation sum), the
+    group's scales per block and each row's activation sum loaded once."""
+    lines = []
+    for r in range(rows):
+        lines += [f"  %so{r} = mul i64 %sumstride, {r}", f"  %sg{r} = mul i64 %g, 4", f"  %sq{r} = add i64 %so{r}, %sg{r}",
+                  f"  %sp{r} = getelementptr i8, ptr %sums, i64 %sq{r}", f"  %s{r} = load float, ptr %sp{r}, align 4",
+                  f"  %sm{r} = fmul float %s{r}, {float(OFFSET):e}",
+                  f"  %si{r} = insertelement {VEC} poison, float %sm{r}, i64 0",
+                  f"  %sv{r} = shufflevector {VEC} %si{r}, {VEC} poison, <16 x i32> zeroinitializer"]
+    for p in range(panels):
+        lines += [f"  %cg{p} = mul i64 %g, %sstride", f"  %cq{p} = add i64 %cg{p}, {p * COLUMNS * 4}",
+                  f"  %cp{p} = getelementptr i8, ptr %scales, i64 %cq{p}", f"  %c{p} = load {VEC}, ptr %cp{p}, align 4"]
     for r in range(rows):
         for p in range(panels):
-            total = current[(r, p, 0)]
-            if chains == 2:
-                lines.append(f"  %t{r}_{p} = fadd {VEC} {total}, {current[(r, p, 1)]}")
-                total = f"%t{r}_{p}"
-            lines += [f"  %o{r}_{p} = getelementptr {VEC}, ptr %out, i64 {r * panels + p}",
-                      f"  store {VEC} {total}, ptr %o{r}_{p}, align 4"]
+            part = current[(r, p, 0)]
+            if _chains(rows) == 2:
+                lines.append(f"  %t{r}_{p} = fadd {VEC} {part}, {current[(r, p, 1)]}")
+                part = f"%t{r}_{p}"
+            lines += [f"  %d{r}_{p} = fsub {VEC} {part}, %sv{r}",
+                      f"  %U{r}_{p} = call {VEC} @{FMA}({VEC} %c{p}, {VEC} %d{r}_{p}, {VEC} %T{r}_{p})"]
+    return lines
+
+
+def llvm_ir(panels: int, rows: int = 1) -> str:
+    """LLVM IR of `symbol(panels, rows)(out, x, xstride, b, words, stride, scales, sstride, sums, sumstride,
+    groups)`: for `rows` rows `xstride` bytes apart from `x`, `panels` blocks `stride` bytes apart from `b` and
+    `groups` groups of `words` words, out[row][block][16] = sum over groups of the group's scales (`sstride` bytes
+    a group from `scales`) times (the row's bf16 activations times (128 + code), less OFFSET times the row's
+    activation sum in the group (`sumstride` bytes a row from `sums`)). The totals stay in registers."""
+    chains = _chains(rows)
+    accumulators = [(r, p, h) for r in range(rows) for p in range(panels) for h in range(chains)]
+    totals = [(r, p) for r in range(rows) for p in range(panels)]
+    current = {acc: "%a{}_{}_{}".format(*acc) for acc in accumulators}
+    body = _products(panels, rows, current)
+    lines = [f"define void @{symbol(panels, rows)}(ptr %out, ptr %x, i64 %xstride, ptr %b, i64 %words, i64 %stride, "
+             "ptr %scales, i64 %sstride, ptr %sums, i64 %sumstride, i64 %groups) alwaysinline {",
+             "entry:", "  br label %group", "group:", "  %g = phi i64 [0, %entry], [%gnext, %scaled]"]
+    lines += ["  %T{}_{} = phi {} [zeroinitializer, %entry], [%U{}_{}, %scaled]".format(r, p, VEC, r, p)
+              for r, p in totals]
+    lines += ["  br label %loop", "loop:", "  %i = phi i64 [0, %group], [%next, %loop]"]
+    lines += ["  %a{}_{}_{} = phi {} [zeroinitializer, %group], [{}, %loop]".format(*acc, VEC, current[acc])
+              for acc in accumulators]
+    lines += body + ["  %next = add i64 %i, 1", "  %done = icmp eq i64 %next, %words",
+                     "  br i1 %done, label %scaled, label %loop", "scaled:"]
+    lines += _scaled_group(panels, rows, current)
+    lines += ["  %gnext = add i64 %g, 1", "  %gdone = icmp eq i64 %gnext, %groups",
+              "  br i1 %gdone, label %exit, label %group", "exit:"]
+    for r, p in totals:
+        lines += [f"  %o{r}_{p} = getelementptr {VEC}, ptr %out, i64 {r * panels + p}",
+                  f"  store {VEC} %U{r}_{p}, ptr %o{r}_{p}, align 4"]
     return "\n".join(lines + ["  ret void", "}", ""])
 
 
 def llvm_module(panels: int, row_counts: list[int]) -> str:
-    """The LLVM IR a kernel imports: the instruction's declaration and `llvm_ir(panels, rows)` for each count."""
-    return "\n".join([f"declare {VEC} @{DOT}({VEC}, <32 x bfloat>, <32 x bfloat>)"]
-                     + [llvm_ir(panels, rows) for rows in row_counts])
+    """The LLVM IR a kernel imports: the instructions' declarations and `llvm_ir(panels, rows)` for each count."""
+    return "\n".join([f"declare {VEC} @{DOT}({VEC}, <32 x bfloat>, <32 x bfloat>)",
+                      f"declare {VEC} @{FMA}({VEC}, {VEC}, {VEC})"] + [llvm_ir(panels, rows) for rows in row_counts])
 
 
 def panels_for(spec: PackedSpec) -> int:
@@ -156,12 +194,11 @@ def bf16_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
                     T.reads([data[0:spec.rows, 0:spec.depth], packed[0:spec.packed_shape[0], 0:spec.packed_shape[1], 0:COLUMNS],
                              scales[0:groups, 0:spec.columns], operands.sums[0:spec.rows, 0:groups]])
                     T.writes(out[0:spec.rows, 0:spec.columns])
-                    acc = T.alloc_buffer((block, panels, COLUMNS), "float32", scope="local")
-                    part = T.alloc_buffer((block, panels, COLUMNS), "float32", scope="local")
+                    totals = T.alloc_buffer((block, panels, COLUMNS), "float32", scope="local")
                     whole = spec.rows // block * block
-                    _row_blocks(operands, (acc, part), item, range(0, whole, block))
+                    _row_blocks(operands, totals, item, range(0, whole, block))
                     if whole < spec.rows:
-                        _row_blocks(operands, (acc, part), item, range(whole, spec.rows))
+                        _row_blocks(operands, totals, item, range(whole, spec.rows))
     func = builder.get()
     sch = s_tir.Schedule(func)
     imported = llvm_module(panels, sorted({block, 1}))
@@ -180,24 +217,20 @@ class _Operands:
     out: object
 
 
-def _row_blocks(operands: _Operands, accumulators, item, first_rows: range) -> None:
+def _row_blocks(operands: _Operands, totals, item, first_rows: range) -> None:
     """The loop over the blocks of rows starting at `first_rows` (`first_rows.step` rows each) for parallel item
-    `item`: per group of rows, one call of the LLVM function and the group's scales applied."""
+    `item`: one call of the LLVM function per block, its totals then stored."""
     spec, size = operands.spec, first_rows.step
-    acc, part = accumulators
-    panels, words = acc.shape[1], spec.group_size // ROWS_PER_WORD
+    panels, groups = totals.shape[1], spec.depth // spec.group_size
     with T.serial(0, len(first_rows)) as index:
         first = first_rows.start + index * size
-        _fill(acc, size, panels)
-        with T.serial(0, spec.depth // spec.group_size) as group:
-            T.evaluate(T.call_extern(
-                "int32", symbol(panels, size), T.address_of(part[0, 0, 0]),
-                T.address_of(operands.data[first, group * spec.group_size]), T.int64(spec.depth * 2),
-                T.address_of(operands.packed[item * panels, group * words, 0]), T.int64(words),
-                T.int64(spec.packed_shape[1] * COLUMNS * 4)))
-            with T.serial(0, size) as row:
-                _add_group(acc, part, row, (operands.scales, group), operands.sums[first + row, group], item * panels)
-        _store(operands.out, acc, (first, size), item * panels)
+        T.evaluate(T.call_extern(
+            "int32", symbol(panels, size), T.address_of(totals[0, 0, 0]), T.address_of(operands.data[first, 0]),
+            T.int64(spec.depth * 2), T.address_of(operands.packed[item * panels, 0, 0]),
+            T.int64(spec.group_size // ROWS_PER_WORD), T.int64(spec.packed_shape[1] * COLUMNS * 4),
+            T.address_of(operands.scales[0, item * panels * COLUMNS]), T.int64(spec.columns * 4),
+            T.address_of(operands.sums[first, 0]), T.int64(groups * 4), T.int64(groups)))
+        _store(operands.out, totals, (first, size), item * panels)
 
 
 def _group_sums(spec: PackedSpec, data):
@@ -218,25 +251,6 @@ def _group_sums(spec: PackedSpec, data):
             with T.serial(0, lanes) as lane:
                 T.buffer_store(sums, sums[row, group] + partial[row, lane], (row, group))
     return sums
-
-
-def _fill(acc, block: int, panels: int) -> None:
-    with T.serial(0, block) as row:
-        with T.unroll(0, panels) as panel:
-            with T.vectorized(0, COLUMNS) as lane:
-                T.buffer_store(acc, T.float32(0), (row, panel, lane))
-
-
-def _add_group(acc, part, row, group_scales, activation_sum, first_block) -> None:
-    """acc[row] += scale x (part[row] - OFFSET x the group's activation sum), per column; `group_scales` is the
-    scales buffer and the group's index in it."""
-    scales, group = group_scales
-    with T.unroll(0, part.shape[1]) as panel:
-        with T.vectorized(0, COLUMNS) as lane:
-            column = (first_block + panel) * COLUMNS + lane
-            scale = scales[group, column]
-            T.buffer_store(acc, acc[row, panel, lane] + scale * (part[row, panel, lane] - T.float32(OFFSET) * activation_sum),
-                           (row, panel, lane))
 
 
 def _store(out, acc, rows, first_block) -> None:
