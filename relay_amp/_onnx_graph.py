@@ -184,11 +184,11 @@ def rename_values(graph, names: Mapping[str, str]) -> None:
     for node in graph.node:
         for field in (node.input, node.output):
             field[:] = [names.get(name, name) for name in field]
-        for subgraph in _subgraphs(node):
+        for subgraph in subgraphs(node):
             rename_values(subgraph, names)
 
 
-def _subgraphs(node) -> list:
+def subgraphs(node) -> list:
     """The graphs a node's attributes hold (If's branches, Loop's and Scan's bodies)."""
     import onnx
 
@@ -206,7 +206,7 @@ def read_names(graph) -> set[str]:
     names = set()
     for node in graph.node:
         names.update(node.input)
-        for subgraph in _subgraphs(node):
+        for subgraph in subgraphs(node):
             names |= read_names(subgraph)
     return names
 

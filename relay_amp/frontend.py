@@ -13,7 +13,7 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._onnx_graph import (constant_values, importing_file, inferred_values, rename_values, tensor_value,
+from ._onnx_graph import (constant_values, importing_file, inferred_values, rename_values, subgraphs, tensor_value,
                           weights_as_inputs, writable)
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
@@ -79,8 +79,8 @@ def _tensors(graph, top: bool = False):
     for node in graph.node:
         for attribute in node.attribute:
             yield from ([attribute.t] if attribute.HasField("t") else []) + list(attribute.tensors)
-            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _tensors(subgraph)
+        for subgraph in subgraphs(node):
+            yield from _tensors(subgraph)
 
 
 @contextlib.contextmanager

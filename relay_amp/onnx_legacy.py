@@ -24,8 +24,8 @@ UPSAMPLE_CHECK_WARNING = r"(?s).*OpType: Upsample"  # ONNX's checker on an opset
 
 
 def upsamples_with_attribute_scales(proto):
-    """`proto` (`writable`'s copy, where it has any Upsample) with each Upsample's constant scales input (opset 9) as its
-    `scales` attribute (opset 7), the scales checked to be what TVM's importer takes."""
+    """`proto` (`writable`'s copy, where it has any Upsample) with each Upsample's constant scales input (opset 9)
+    as its `scales` attribute (opset 7), the scales checked to be what TVM's importer takes."""
     import onnx
 
     if not has_upsamples(proto):

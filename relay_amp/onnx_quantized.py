@@ -268,9 +268,9 @@ def as_qdq(proto):
 
 
 def constant_dequantizes_folded(proto):
-    """`proto` (`writable`'s copy) whose DequantizeLinear nodes of scalar constants (one code; scale, zero point and code all
-    initializers) are float initializers (the model unchanged where it has none). Weights keep theirs: realize_qdq
-    reads a weight's int8 codes from its DequantizeLinear."""
+    """`proto` (`writable`'s copy) whose DequantizeLinear nodes of scalar constants (one code; scale, zero point
+    and code all initializers) are float initializers (the model unchanged where it has none). Weights keep theirs:
+    realize_qdq reads a weight's int8 codes from its DequantizeLinear."""
     from onnx import numpy_helper
 
     constants = {init.name: init for init in proto.graph.initializer}

@@ -79,7 +79,7 @@ def test_large_weights_reach_tvms_importer_as_inputs_and_are_bound_after(monkeyp
     (graph,) = reached
     assert "b" in {tensor.name for tensor in graph.graph.initializer}
     assert max(np.prod(tensor.dims) for tensor in graph.graph.initializer) <= 100
-    assert [value.name for value in graph.graph.input] == ["x", f"{frontend.WEIGHT_PREFIX}1", f"{frontend.WEIGHT_PREFIX}2"]
+    assert [value.name for value in graph.graph.input] == ["x", *(f"{frontend.WEIGHT_PREFIX}{i}" for i in (1, 2))]
 
 
 def test_from_onnx_accepts_model_proto_and_shape_dict():

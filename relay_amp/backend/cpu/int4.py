@@ -53,7 +53,8 @@ def _activation_pairs(row: int) -> list[str]:
     lines = [f"  %xrow{row} = mul i64 %xstride, {row}", f"  %xoff{row} = add i64 %xrow{row}, %wordx"]
     for j in range(4):
         name = f"{row}_{j}"
-        lines += [f"  %xq{name} = add i64 %xoff{row}, {4 * j}", f"  %xp{name} = getelementptr i8, ptr %x, i64 %xq{name}",
+        lines += [f"  %xq{name} = add i64 %xoff{row}, {4 * j}",
+                  f"  %xp{name} = getelementptr i8, ptr %x, i64 %xq{name}",
                   f"  %xv{name} = load i32, ptr %xp{name}, align 2",
                   f"  %xi{name} = insertelement <16 x i32> poison, i32 %xv{name}, i64 0",
                   f"  %xs{name} = shufflevector <16 x i32> %xi{name}, <16 x i32> poison, <16 x i32> zeroinitializer",
@@ -87,7 +88,8 @@ def _chains(rows: int) -> int:
 def _products(panels: int, rows: int, current: dict) -> list[str]:
     """LLVM lines of one word's products: its activation pairs and unpacked weights, each word unpacked once for all
     the rows; `current` maps each accumulator to its latest value and is updated."""
-    lines = ["  %gw = mul i64 %g, %words", "  %w = add i64 %gw, %i", "  %wordx = mul i64 %w, 16", "  %boff = mul i64 %w, 64"]
+    lines = ["  %gw = mul i64 %g, %words", "  %w = add i64 %gw, %i", "  %wordx = mul i64 %w, 16",
+             "  %boff = mul i64 %w, 64"]
     for r in range(rows):
         lines += _activation_pairs(r)
     chains = _chains(rows)
@@ -108,7 +110,8 @@ def _scaled_group(panels: int, rows: int, current: dict) -> list[str]:
     group's scales per block and each row's activation sum loaded once."""
     lines = []
     for r in range(rows):
-        lines += [f"  %so{r} = mul i64 %sumstride, {r}", f"  %sg{r} = mul i64 %g, 4", f"  %sq{r} = add i64 %so{r}, %sg{r}",
+        lines += [f"  %so{r} = mul i64 %sumstride, {r}", f"  %sg{r} = mul i64 %g, 4",
+                  f"  %sq{r} = add i64 %so{r}, %sg{r}",
                   f"  %sp{r} = getelementptr i8, ptr %sums, i64 %sq{r}", f"  %s{r} = load float, ptr %sp{r}, align 4",
                   f"  %sm{r} = fmul float %s{r}, {float(OFFSET):e}",
                   f"  %si{r} = insertelement {VEC} poison, float %sm{r}, i64 0",
@@ -191,7 +194,8 @@ def bf16_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
             groups = spec.depth // spec.group_size
             with T.parallel(0, spec.columns // (COLUMNS * panels)) as item:
                 with T.sblock("int4_panels"):
-                    T.reads([data[0:spec.rows, 0:spec.depth], packed[0:spec.packed_shape[0], 0:spec.packed_shape[1], 0:COLUMNS],
+                    T.reads([data[0:spec.rows, 0:spec.depth],
+                             packed[0:spec.packed_shape[0], 0:spec.packed_shape[1], 0:COLUMNS],
                              scales[0:groups, 0:spec.columns], operands.sums[0:spec.rows, 0:groups]])
                     T.writes(out[0:spec.rows, 0:spec.columns])
                     totals = T.alloc_buffer((block, panels, COLUMNS), "float32", scope="local")
