@@ -18,6 +18,12 @@ its parts, each part gets the ops instead, so each kernel's epilogue (or its dep
 them and the concat moves bf16. A kernel whose channels were padded to whole vectors is sliced back: an op moves
 before such a slice where nothing else reads the sliced tensor (the padding's few extra values are computed in
 the epilogue).
+
+A concat that only narrowing casts to one dtype read (a decode step's key or value cache with bf16 inputs and
+outputs: the present output and the attention's operand) becomes one concat of narrowed parts that all its readers
+share, and a part that widened a value of that dtype (the past cache, widened at the input) takes the value itself:
+the cache is concatenated as it came in and only the new token is cast, instead of the whole cache widened and
+narrowed again each step.
 """
 
 import tvm
@@ -72,7 +78,15 @@ class _Hoister(relax.PyExprMutator):
             if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
                 self.items_of.setdefault(value.tuple_value, []).append(var)
         self.narrow_splits: dict[relax.Var, relax.Var] = {}  # a split whose outputs are all cast -> its cast source's
+        self.narrow_concats: dict[relax.Var, relax.Var] = {}  # a concat read only by casts -> the concat of cast parts
+        self.in_dataflow = False  # whether the binding being visited is in a dataflow block
         self.changed = False
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        self.in_dataflow = True
+        visited = super().visit_dataflow_block_(block)
+        self.in_dataflow = False
+        return visited
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -81,7 +95,8 @@ class _Hoister(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         self.changed = True
-        emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
+        output = self.in_dataflow and not isinstance(binding.var, relax.DataflowVar)
+        emit = self.builder_.emit_output if output else self.builder_.emit
         self.set_var_remap(binding.var, emit(hoisted))
 
     def _hoisted(self, call: relax.Call) -> "relax.Expr | None":
@@ -91,6 +106,8 @@ class _Hoister(relax.PyExprMutator):
             return None
         if (concat := self._over_concat(call, index)) is not None:
             return concat
+        if call_op_name(call) == "relax.astype" and (narrow := self._narrow_concat(call)) is not None:
+            return narrow
         if call_op_name(call) == "relax.astype" and (split_item := self._over_split(call)) is not None:
             return split_item
         moves, source = [], call.args[index]
@@ -130,6 +147,31 @@ class _Hoister(relax.PyExprMutator):
             args[index] = self.visit_expr(part)
             parts.append(self.builder_.emit(relax.Call(call.op, args, call.attrs)))
         return relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs)
+
+    def _narrow_concat(self, cast: relax.Call) -> "relax.Expr | None":
+        """The concat of narrowed parts that every reader of the concat `cast` reads shares, where each reader is a
+        cast to its dtype (a decode step's key or value cache in bf16: the present output and the attention's operand
+        both narrowed) and no part is read elsewhere; a part that widened a value of that dtype (the cache input)
+        takes the value itself. Else None."""
+        source, dtype = cast.args[0], tensor_dtype(cast)
+        concat = self.value_of.get(source)
+        if (call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple)
+                or self.cast_dtypes.get(source, []) != [dtype] * self.uses.get(source, 0)
+                or any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields)):
+            return None
+        if source not in self.narrow_concats:
+            parts = [self._narrowed(part, dtype) for part in concat.args[0].fields]
+            shared = not isinstance(source, relax.DataflowVar) and self.in_dataflow
+            emit = self.builder_.emit_output if shared else self.builder_.emit  # readers after the block, too
+            self.narrow_concats[source] = emit(relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs))
+        return self.narrow_concats[source]
+
+    def _narrowed(self, part: relax.Expr, dtype: str) -> relax.Expr:
+        """`part` cast to `dtype`: the value it widened where it is a widening cast of a `dtype` value (exact)."""
+        value = self.value_of.get(part)
+        if call_op_name(value) == "relax.astype" and tensor_dtype(value.args[0]) == dtype:
+            return self.visit_expr(value.args[0])
+        return self.builder_.emit(relax.op.astype(self.visit_expr(part), dtype))
 
     def _over_split(self, cast: relax.Call) -> "relax.Expr | None":
         """The output of a split of the cast source that `cast` reads, where every output of the split is read only

@@ -158,6 +158,31 @@ def test_keep_io_types_false_lowers_the_signature():
     tvm.ir.assert_structural_equal(convert(Before, keep_io_types=True), KeptIO)
 
 
+def test_keep_io_types_false_lowers_every_output_of_a_returned_tuple_var():
+    """A decoder returns a var bound to a tuple (logits, present keys): each float field is lowered, so the present
+    cache comes back in the dtype its past goes in (fed back step after step)."""
+    @I.ir_module
+    class Decoder:
+        @R.function
+        def main(x: R.Tensor((1, 4), "float32"), past: R.Tensor((3, 4), "float32"), w: R.Tensor((4, 4), "float32")):
+            with R.dataflow():
+                logits = R.matmul(x, w)
+                present = R.concat((past, x), axis=0)
+                gv = (logits, present)
+                R.output(gv)
+            return gv
+
+    lowered = convert(Decoder, keep_io_types=False)
+    relax.analysis.well_formed(lowered)
+    assert [field.dtype for field in lowered["main"].body.body.ty.fields] == ["float16", "float16"]
+    rng = np.random.default_rng(0)
+    x, past, w = (rng.standard_normal(shape).astype("float16") for shape in [(1, 4), (3, 4), (4, 4)])
+    logits, present = relay_amp.run(lowered, [x, past, w])
+    assert present.dtype == np.float16
+    np.testing.assert_array_equal(present, np.concatenate([past, x]))
+    np.testing.assert_allclose(logits, x.astype("float32") @ w.astype("float32"), rtol=1e-2, atol=1e-2)
+
+
 def _dense_module(weight_dtype: str, low: str | None) -> tvm.IRModule:
     """x @ W with W a constant; with `low` the expected AMP output (weights stored in `weight_dtype`)."""
     weight = (np.arange(12, dtype="float32").reshape(4, 3) - 6.0) / 8.0

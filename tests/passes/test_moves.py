@@ -3,6 +3,8 @@
 import ml_dtypes
 import numpy as np
 import pytest
+import tvm
+from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
@@ -186,6 +188,61 @@ def test_a_concat_read_elsewhere_or_with_a_part_read_elsewhere_keeps_its_ops_aft
                 joined = R.concat((first, second), axis=3)
                 act = R.nn.relu(joined)
                 gv = outputs(act, joined, first)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
+
+
+@I.ir_module
+class Cache:  # a decode step with bf16 I/O: the past keys widened at the input, the present cast at the output
+    @R.function
+    def main(past: R.Tensor((1, 2, 3, 4), "bfloat16"), new: R.Tensor((1, 2, 1, 4), "float32")):
+        with R.dataflow():
+            wide = R.astype(past, "float32")
+            present = R.concat((wide, new), axis=2)
+            keys = R.permute_dims(present, axes=[0, 1, 3, 2])
+            narrow_keys = R.astype(keys, "bfloat16")
+            R.output(present, narrow_keys)
+        out = R.astype(present, "bfloat16")
+        gv = (narrow_keys, out)
+        return gv
+
+
+def test_a_concat_read_only_by_narrowing_casts_is_one_narrow_concat_of_the_narrow_past():
+    """The cache is concatenated in bf16, read as it came in, and only the new token is cast: no copy of the whole
+    cache is widened and narrowed again each step."""
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(past: R.Tensor((1, 2, 3, 4), "bfloat16"), new: R.Tensor((1, 2, 1, 4), "float32")):
+            with R.dataflow():
+                narrow_new = R.astype(new, "bfloat16")
+                present = R.concat((past, narrow_new), axis=2)
+                narrow_keys = R.permute_dims(present, axes=[0, 1, 3, 2])
+                R.output(present, narrow_keys)
+            gv = (narrow_keys, present)
+            return gv
+
+    assert_transforms(tvm.transform.Sequential([HoistOverMoves(), relax.transform.CanonicalizeBindings()]), Cache,
+                      Expected)
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal((1, 2, 3, 4)).astype(ml_dtypes.bfloat16),
+              rng.standard_normal((1, 2, 1, 4)).astype("float32")]
+    for before, after in zip(relay_amp.run(Cache, inputs), relay_amp.run(HoistOverMoves()(Cache), inputs)):
+        np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))  # exact
+
+
+def test_a_concat_also_read_at_its_own_dtype_keeps_its_casts():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(past: R.Tensor((1, 2, 3, 4), "bfloat16"), new: R.Tensor((1, 2, 1, 4), "float32")):
+            with R.dataflow():
+                wide = R.astype(past, "float32")
+                present = R.concat((wide, new), axis=2)
+                narrow = R.astype(present, "bfloat16")
+                gv = (present, narrow)  # an fp32 present output (AMP's keep_io_types)
                 R.output(gv)
             return gv
 

@@ -207,11 +207,21 @@ class _AmpMutator(relax.PyExprMutator):
         return self.builder_.emit(relax.op.astype(expr, dtype))
 
 
+def _tuple_items(result: relax.Var) -> list[relax.Var]:
+    """A var for each field of the tuple `result` holds (a function returning a var bound to a tuple: an LLM's logits
+    and present keys and values)."""
+    return [relax.Var(f"item{index}", field) for index, field in enumerate(result.ty.fields)]
+
+
 def _output_casts(result: relax.Expr, dtype_of) -> tuple[list[relax.VarBinding], relax.Expr]:
-    """Bindings that cast each float tensor of `result` to dtype_of(its dtype), and the new result."""
-    if isinstance(result, relax.Tuple):
-        bindings, fields = [], []
-        for item in result.fields:
+    """Bindings that cast each float tensor of `result` (a tuple's, or a tuple var's, fields included) to
+    dtype_of(its dtype), and the new result."""
+    if isinstance(result, relax.Tuple) or isinstance(result.ty, relax.TupleType):
+        items = result.fields if isinstance(result, relax.Tuple) else _tuple_items(result)
+        bindings = [] if isinstance(result, relax.Tuple) else [relax.VarBinding(item, relax.TupleGetItem(result, index))
+                                                              for index, item in enumerate(items)]
+        fields = []
+        for item in items:
             more, field = _output_casts(item, dtype_of)
             bindings += more
             fields.append(field)
