@@ -116,12 +116,22 @@ class _Hoister(relax.PyExprMutator):
             source = moves[-1].args[0]
         if not moves:
             return None
-        args = list(call.args)
-        args[index] = self.visit_expr(source)
-        result = relax.Call(call.op, args, call.attrs)
-        for move in reversed(moves):
-            result = relax.Call(move.op, [self.builder_.emit(result), *move.args[1:]], move.attrs)
+        result = self._applied(call, index, source)
+        for position, move in enumerate(reversed(moves)):
+            result = relax.Call(move.op, [self.builder_.emit(result) if position else result, *move.args[1:]],
+                                move.attrs)
         return result
+
+    def _applied(self, call: relax.Call, index: int, operand: relax.Expr) -> relax.Expr:
+        """`call` applied to `operand` in place of its operand `index`, emitted; a narrowing cast of a value that
+        was widened from its dtype (an input AMP widened) is that value, exactly."""
+        value = self.value_of.get(operand)
+        if (call_op_name(call) == "relax.astype" and call_op_name(value) == "relax.astype"
+                and tensor_dtype(value.args[0]) == tensor_dtype(call)):
+            return self.visit_expr(value.args[0])
+        args = list(call.args)
+        args[index] = self.visit_expr(operand)
+        return self.builder_.emit(relax.Call(call.op, args, call.attrs))
 
     def _is_move(self, var: relax.Var) -> bool:
         """Whether `var` is bound to a move, or to a slice of a tensor nothing else reads (a kernel's output padded
@@ -141,11 +151,7 @@ class _Hoister(relax.PyExprMutator):
             return None
         if any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields):
             return None  # a part other concats read too (DenseNet's features) would be cast once per reader
-        parts = []
-        for part in concat.args[0].fields:
-            args = list(call.args)
-            args[index] = self.visit_expr(part)
-            parts.append(self.builder_.emit(relax.Call(call.op, args, call.attrs)))
+        parts = [self._applied(call, index, part) for part in concat.args[0].fields]
         return relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs)
 
     def _narrow_concat(self, cast: relax.Call) -> "relax.Expr | None":
@@ -160,18 +166,11 @@ class _Hoister(relax.PyExprMutator):
                 or any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields)):
             return None
         if source not in self.narrow_concats:
-            parts = [self._narrowed(part, dtype) for part in concat.args[0].fields]
+            parts = [self._applied(cast, 0, part) for part in concat.args[0].fields]
             shared = not isinstance(source, relax.DataflowVar) and self.in_dataflow
             emit = self.builder_.emit_output if shared else self.builder_.emit  # readers after the block, too
             self.narrow_concats[source] = emit(relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs))
         return self.narrow_concats[source]
-
-    def _narrowed(self, part: relax.Expr, dtype: str) -> relax.Expr:
-        """`part` cast to `dtype`: the value it widened where it is a widening cast of a `dtype` value (exact)."""
-        value = self.value_of.get(part)
-        if call_op_name(value) == "relax.astype" and tensor_dtype(value.args[0]) == dtype:
-            return self.visit_expr(value.args[0])
-        return self.builder_.emit(relax.op.astype(self.visit_expr(part), dtype))
 
     def _over_split(self, cast: relax.Call) -> "relax.Expr | None":
         """The output of a split of the cast source that `cast` reads, where every output of the split is read only

@@ -233,6 +233,31 @@ def test_a_concat_read_only_by_narrowing_casts_is_one_narrow_concat_of_the_narro
         np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))  # exact
 
 
+def test_a_cast_moved_onto_a_widened_input_takes_the_input_itself():
+    """Whisper's cross-attention keys with bf16 I/O: widened at the input, transposed, narrowed for the matmul."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(keys: R.Tensor((1, 2, 6, 4), "bfloat16")):
+            with R.dataflow():
+                wide = R.astype(keys, "float32")
+                moved = R.permute_dims(wide, axes=[0, 1, 3, 2])
+                gv = R.astype(moved, "bfloat16")
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(keys: R.Tensor((1, 2, 6, 4), "bfloat16")):
+            with R.dataflow():
+                gv = R.permute_dims(keys, axes=[0, 1, 3, 2])
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Expected)
+
+
 def test_a_concat_also_read_at_its_own_dtype_keeps_its_casts():
     @I.ir_module
     class Before:
