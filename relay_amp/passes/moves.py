@@ -162,7 +162,7 @@ class _Hoister(relax.PyExprMutator):
         source, dtype = cast.args[0], tensor_dtype(cast)
         concat = self.value_of.get(source)
         if (call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple)
-                or self.cast_dtypes.get(source, []) != [dtype] * self.uses.get(source, 0)
+                or not self._cast_only(source, dtype)
                 or any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields)):
             return None
         if source not in self.narrow_concats:
@@ -187,8 +187,11 @@ class _Hoister(relax.PyExprMutator):
 
     def _read_only_by_casts(self, split_var: relax.Var, dtype: str) -> bool:
         items = self.items_of.get(split_var, [])
-        return self.uses.get(split_var, 0) == len(items) and all(
-            self.cast_dtypes.get(item, []) == [dtype] * self.uses.get(item, 0) for item in items)
+        return self.uses.get(split_var, 0) == len(items) and all(self._cast_only(item, dtype) for item in items)
+
+    def _cast_only(self, var: relax.Var, dtype: str) -> bool:
+        """Whether every reader of `var` is a narrowing cast to `dtype`."""
+        return self.cast_dtypes.get(var, []) == [dtype] * self.uses.get(var, 0)
 
 
 def _narrowing_casts_reading(value_of: dict[relax.Var, relax.Expr]) -> dict[relax.Var, list[str]]:
