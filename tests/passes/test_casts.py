@@ -114,6 +114,43 @@ def test_float_round_trip_folds_back_to_the_source():
     check(RoundTrip, Folded)
 
 
+def test_an_exact_round_trip_across_reshapes_and_transposes_folds_to_the_moves_of_the_source():
+    """A bf16 input AMP widened, moved in fp32, then narrowed for a bf16 matmul (a decoder's cross-attention keys
+    with bf16 I/O): the moves apply to the input itself. A narrowing first (fp32 -> bf16 -> fp32) is not exact
+    across moves and stays."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(keys: R.Tensor((1, 2, 6, 4), "bfloat16"), x: R.Tensor((2, 6), "float32")):
+            with R.dataflow():
+                wide = R.astype(keys, "float32")
+                flat = R.reshape(wide, R.shape([2, 6, 4]))
+                moved = R.permute_dims(flat, axes=[0, 2, 1])
+                narrow = R.astype(moved, "bfloat16")
+                low = R.astype(x, "bfloat16")
+                flat_x = R.reshape(low, R.shape([12]))
+                kept = R.astype(flat_x, "float32")
+                gv = (narrow, kept)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(keys: R.Tensor((1, 2, 6, 4), "bfloat16"), x: R.Tensor((2, 6), "float32")):
+            with R.dataflow():
+                flat = R.reshape(keys, R.shape([2, 6, 4]))
+                narrow = R.permute_dims(flat, axes=[0, 2, 1])
+                low = R.astype(x, "bfloat16")
+                flat_x = R.reshape(low, R.shape([12]))
+                kept = R.astype(flat_x, "float32")
+                gv = (narrow, kept)
+                R.output(gv)
+            return gv
+
+    check(Before, Expected)
+
+
 def test_integer_round_trip_is_kept():
     @I.ir_module
     class Before:
