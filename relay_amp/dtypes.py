@@ -46,6 +46,12 @@ def is_float(dtype: str) -> bool:
     return dtype in FLOAT_DTYPES or dtype.startswith("float8")
 
 
+def widens_exactly(narrow: str, wide: str) -> bool:
+    """Whether both are float dtypes and `narrow` has fewer bytes: a cast from it to `wide` and back is the
+    identity."""
+    return is_float(narrow) and is_float(wide) and numpy_dtype(narrow).itemsize < numpy_dtype(wide).itemsize
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     """The numpy dtype that stores `dtype` exactly (ml_dtypes for bfloat16, int4, float8)."""
     return np.dtype(_ML_DTYPES.get(dtype, dtype))

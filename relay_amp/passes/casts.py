@@ -5,16 +5,11 @@ import tvm
 from tvm import relax
 
 from .._ir import cast_constant, tensor_dtype
-from ..dtypes import can_cast_offline, is_float, numpy_dtype
+from ..dtypes import can_cast_offline, is_float, widens_exactly
 from ..ops import call_op_name
 
 _ASTYPE = "relax.astype"
 _MOVES = ("relax.reshape", "relax.permute_dims")
-
-
-def _widens(narrow: str, wide: str) -> bool:
-    """Whether a cast from float dtype `narrow` to `wide` is exact (its round trip back is the identity)."""
-    return is_float(narrow) and is_float(wide) and numpy_dtype(narrow).itemsize < numpy_dtype(wide).itemsize
 
 
 @relax.expr_functor.mutator
@@ -54,11 +49,12 @@ class _CastSimplifier(relax.PyExprMutator):
         """Where `source` is reshapes and transposes of a value widened from `dtype` (an input AMP widened, moved in
         fp32 before its cast back: Whisper's cross-attention keys), the moves applied to that value, exactly."""
         moves = []
-        while isinstance(source, relax.Var) and call_op_name(self.lookup_binding(source)) in _MOVES:
-            moves.append(self.lookup_binding(source))
-            source = moves[-1].args[0]
+        while isinstance(source, relax.Var) and call_op_name(bound := self.lookup_binding(source)) in _MOVES:
+            moves.append(bound)
+            source = bound.args[0]
         origin = self._cast_origin(source) if moves else None
-        if origin is None or tensor_dtype(origin) != dtype or not _widens(tensor_dtype(origin), tensor_dtype(source)):
+        if (origin is None or tensor_dtype(origin) != dtype
+                or not widens_exactly(tensor_dtype(origin), tensor_dtype(source))):
             return None
         for move in reversed(moves):
             origin = self.builder_.emit(relax.Call(move.op, [origin, *move.args[1:]], move.attrs))

@@ -30,7 +30,7 @@ import tvm
 from tvm import relax
 
 from .._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
-from ..dtypes import MODEL_FLOAT_DTYPES, numpy_dtype
+from ..dtypes import MODEL_FLOAT_DTYPES, widens_exactly
 from ..ops import call_op_name
 
 MOVES = ("relax.reshape", "relax.permute_dims")
@@ -44,8 +44,7 @@ ACTIVATIONS = frozenset(f"relax.{name}" for name in (
 
 def _narrowing_cast(call: relax.Call) -> bool:
     source, target = tensor_dtype(call.args[0]), tensor_dtype(call)
-    return (source in MODEL_FLOAT_DTYPES and target in MODEL_FLOAT_DTYPES
-            and numpy_dtype(target).itemsize < numpy_dtype(source).itemsize)
+    return source in MODEL_FLOAT_DTYPES and target in MODEL_FLOAT_DTYPES and widens_exactly(target, source)
 
 
 def _scalar_constant(expr: relax.Expr) -> bool:
@@ -146,11 +145,9 @@ class _Hoister(relax.PyExprMutator):
         concat or its parts (MixNet's mixed convs: each part's conv then takes the op into its own function); else
         None."""
         operand = call.args[index]
-        concat = self.value_of.get(operand) if self.uses.get(operand, 0) == 1 else None
-        if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple):
+        concat = self._lone_parts_concat(operand) if self.uses.get(operand, 0) == 1 else None
+        if concat is None:
             return None
-        if any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields):
-            return None  # a part other concats read too (DenseNet's features) would be cast once per reader
         parts = [self._applied(call, index, part) for part in concat.args[0].fields]
         return relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs)
 
@@ -160,10 +157,8 @@ class _Hoister(relax.PyExprMutator):
         both narrowed) and no part is read elsewhere; a part that widened a value of that dtype (the cache input)
         takes the value itself. Else None."""
         source, dtype = cast.args[0], tensor_dtype(cast)
-        concat = self.value_of.get(source)
-        if (call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple)
-                or not self._cast_only(source, dtype)
-                or any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields)):
+        concat = self._lone_parts_concat(source) if self._cast_only(source, dtype) else None
+        if concat is None:
             return None
         if source not in self.narrow_concats:
             parts = [self._applied(cast, 0, part) for part in concat.args[0].fields]
@@ -171,6 +166,14 @@ class _Hoister(relax.PyExprMutator):
             emit = self.builder_.emit_output if shared else self.builder_.emit  # readers after the block, too
             self.narrow_concats[source] = emit(relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs))
         return self.narrow_concats[source]
+
+    def _lone_parts_concat(self, var: relax.Expr) -> "relax.Call | None":
+        """The concat of a tuple `var` is bound to, where nothing but the concat reads each part (a part other
+        concats read too, DenseNet's features, would be cast once per reader); else None."""
+        concat = self.value_of.get(var)
+        if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple):
+            return None
+        return None if any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields) else concat
 
     def _over_split(self, cast: relax.Call) -> "relax.Expr | None":
         """The output of a split of the cast source that `cast` reads, where every output of the split is read only

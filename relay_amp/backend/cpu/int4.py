@@ -4,8 +4,8 @@
 bf16 activations on a target with `avx512bf16`: per 32-bit word of 16 columns x 8 rows, four shift-and-mask
 steps turn the nibbles into bf16 pairs `128 + code` (exponent bits OR-ed over the code: no conversion
 instruction) and four `vdpbf16ps` per activation row multiply them by broadcast activation pairs; per group of
-rows, the sum of the activations times `128 + 8` is subtracted and the group's scales applied. The loop over a
-group's words is LLVM IR (`llvm_ir`), with its accumulators in registers. One call unpacks each word once for
+rows, the sum of the activations times `128 + 8` is subtracted and the group's scales applied. The loops over the
+groups and their words are LLVM IR (`llvm_ir`), with the accumulators and totals in registers. One call unpacks each word once for
 up to `rows_per_call` activation rows (a prompt's tokens), so the unpacking is shared by the rows; a batch-1
 matmul reads a quarter of its bf16 twin's bytes, and its speed is set by these unpacking instructions rather than
 by memory (README, 'int4').
@@ -44,7 +44,7 @@ VEC = "<16 x float>"
 
 
 def symbol(panels: int, rows: int = 1) -> str:
-    """The LLVM function computing one group of `rows` activation rows for `panels` 16-column blocks."""
+    """The LLVM function computing a block of `rows` activation rows for `panels` 16-column blocks."""
     return f"relay_amp_int4_bf16_x{panels}_r{rows}"
 
 
