@@ -7,7 +7,8 @@ conv). `fold_constants` gathers the same computations (ops with a legalization, 
 parameters, compiles it once without fusion-level folding, runs it, and puts the results in place of the values
 other calls read. Constants bound to vars are inlined into their readers and bindings left unused are removed, as
 FoldConstant does. Where the one build fails (a computation that does not build or run on the host), TVM's
-FoldConstant folds the module op by op, skipping what fails, as it always did.
+FoldConstant folds the module op by op, skipping what fails, as it always did. A file's packed int4 weights (calls
+of relay_amp.packed_int4's dequantization PrimFunc) are not folded: they stay packed until a backend needs them.
 """
 
 import tvm
@@ -16,6 +17,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
 from .dtypes import can_cast_offline
 from .ops import call_op_name
+from .packed_int4 import weight_spec_of
 
 CALL_TIR = "relax.call_tir"
 RUNTIME_OPS = ("relax.shape_to_tensor",)  # no legalization: the VM runs it as a builtin
@@ -90,7 +92,8 @@ def _foldable(mod: tvm.IRModule, value: relax.Expr, constant: set) -> bool:
     if value.op.name == CALL_TIR:
         callee = value.args[0]
         prim_func = isinstance(callee, relax.GlobalVar) and isinstance(mod[callee], tvm.tirx.PrimFunc)
-        return prim_func and _all_constant(value.args[1], constant)
+        held = prim_func and weight_spec_of(mod[callee]) is not None  # a file's packed weight: kept packed
+        return prim_func and not held and _all_constant(value.args[1], constant)
     legalized = value.op.get_attr("FLegalize") is not None or value.op.name in RUNTIME_OPS
     return legalized and all(_all_constant(arg, constant) for arg in value.args)
 

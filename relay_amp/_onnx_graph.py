@@ -14,13 +14,16 @@ COMPUTED_LOCATION = "relay_amp:computed"  # the external-data location of a cons
 
 
 @dataclass
-class _FileImport:
-    """An import of a model read from a file: its directory, and the constants rewrites compute when read."""
+class _Import:
+    """An import: the directory of the model's file ("" for a model given in memory), whether the rewrites change
+    the model in place (the importer's own, read from that file), and the constants rewrites compute when read."""
     model_dir: str
+    in_place: bool
     computed: dict = field(default_factory=dict)  # name -> a function computing the constant's value
+    held: dict = field(default_factory=dict)  # name -> a function giving the constant in a held form (packed int4)
 
 
-_IMPORT = contextvars.ContextVar("relay_amp_onnx_file_import", default=None)
+_IMPORT = contextvars.ContextVar("relay_amp_onnx_import", default=None)
 
 
 @contextlib.contextmanager
@@ -29,7 +32,21 @@ def importing_file(model_dir: str):
     a file in `model_dir`: a model of gigabytes is not copied once per rewrite that applies), `tensor_value` reads
     the weights the file keeps in external data from `model_dir`, and the large constants a rewrite derives are
     computed when read (Writer.computed_const)."""
-    token = _IMPORT.set(_FileImport(model_dir))
+    with _importing(_Import(model_dir, in_place=True)):
+        yield
+
+
+@contextlib.contextmanager
+def importing_model():
+    """importing_file() for a model given in memory: the rewrites copy it, and derived constants are computed when
+    read."""
+    with _importing(_Import("", in_place=False)):
+        yield
+
+
+@contextlib.contextmanager
+def _importing(session: _Import):
+    token = _IMPORT.set(session)
     try:
         yield
     finally:
@@ -38,7 +55,8 @@ def importing_file(model_dir: str):
 
 def writable(proto):
     """The model a rewrite of `proto` changes: `proto` itself within importing_file(), else a copy."""
-    if _IMPORT.get() is not None:
+    session = _IMPORT.get()
+    if session is not None and session.in_place:
         return proto
     rewritten = type(proto)()
     rewritten.CopyFrom(proto)
@@ -54,6 +72,14 @@ def tensor_value(tensor) -> np.ndarray:
     if session is not None and tensor.name in session.computed:
         return session.computed[tensor.name]()
     return numpy_helper.to_array(tensor, base_dir=session.model_dir if session else "")
+
+
+def held_value(tensor):
+    """The held form (a relay_amp.packed_int4.PackedWeight) a rewrite gave the constant `tensor` within an import
+    (Writer.computed_const), else None."""
+    session = _IMPORT.get()
+    hold = session.held.get(tensor.name) if session is not None else None
+    return None if hold is None else hold()
 
 
 def node_label(node) -> str:
@@ -240,10 +266,10 @@ class Writer:
         self.constants.append(onnx.numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
         return name
 
-    def computed_const(self, compute: Callable[[], np.ndarray], dims, dtype) -> str:
+    def computed_const(self, compute: Callable[[], np.ndarray], dims, dtype, held: Callable | None = None) -> str:
         """The name of a new constant of `dims` and numpy `dtype` that `compute()` gives: computed when it is read
-        within importing_file() (the importer binding it: a weight a rewrite derives is never held in the model),
-        else now."""
+        within an import (the importer binding it: a weight a rewrite derives is never held in the model), else
+        now. `held()` gives the importer the constant in a form it keeps instead (packed int4 weights)."""
         import onnx
 
         session = _IMPORT.get()
@@ -254,6 +280,8 @@ class Writer:
                                   data_location=onnx.TensorProto.EXTERNAL)
         tensor.external_data.add(key="location", value=COMPUTED_LOCATION)
         session.computed[name] = lambda: np.asarray(compute(), dtype)
+        if held is not None:
+            session.held[name] = held
         self.constants.append(tensor)
         return name
 

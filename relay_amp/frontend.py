@@ -13,8 +13,8 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._onnx_graph import (constant_values, importing_file, inferred_values, rename_values, subgraphs, tensor_value,
-                          weights_as_inputs, writable)
+from ._onnx_graph import (constant_values, held_value, importing_file, importing_model, inferred_values,
+                          rename_values, subgraphs, tensor_value, weights_as_inputs, writable)
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._torch_export import CONVERTERS, as_torch_runs_it
@@ -30,6 +30,7 @@ from .onnx_nbits import low_bit_dequantizes_folded, nbits_matmuls_as_onnx
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 from .onnx_recurrent import recurrences_unrolled
 from .onnx_spectral import dfts_as_matmuls, stfts_as_convs
+from .packed_int4 import with_dequantize_kernel
 
 FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an ONNX import runs at most
 # initializers of more values reach the simplifier and TVM's importer as inputs and are bound after (onnxscript folds
@@ -210,14 +211,14 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     STFT and DFT nodes as a conv and a matmul by their DFT basis, opset 23's Attention as its matmuls and softmax,
     ONNX Runtime's fused norms, matmuls and activations (its transformer optimizer's), its MultiHeadAttention, and
     its GroupQueryAttention and RotaryEmbedding (GenAI's model builder's) as ONNX ops, MatMulNBits as a MatMul by
-    its dequantized weights, dequantizes of 2- and 4-bit constants folded, opset-9 Upsample nodes' scales read as
+    its weights (4-bit ones held packed: relay_amp.packed_int4), dequantizes of 2- and 4-bit constants folded, opset-9 Upsample nodes' scales read as
     opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
     ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     import onnx
 
     proto = _load_onnx(model)
     owned = proto is not model  # read from a file: rewritten in place, its large weights read when bound
-    with importing_file(os.path.dirname(os.fspath(model))) if owned else contextlib.nullcontext():
+    with importing_file(os.path.dirname(os.fspath(model))) if owned else importing_model():
         proto = _with_dims(proto, dims) if dims else proto
         try:
             proto = _as_onnx_ops(proto)  # first: the checker refuses ONNX Runtime's ops in ONNX's own domain
@@ -253,13 +254,27 @@ def _imported_with_weights(proto, shapes: dict) -> tvm.IRModule:
     if len(inputs) != len(params):
         raise ModelLoadError(f"TVM's importer made {len(params)} parameters of {len(inputs)} graph inputs")
     originals = {name: original for original, name in names.items()}
-    bound = {param: _tensor(weights[originals[name]]) for param, name in zip(params, inputs) if name in originals}
+    bound = {param: weights[originals[name]] for param, name in zip(params, inputs) if name in originals}
     if not bound:
         return imported
-    imported = tvm.relax.transform.BindParams("main", bound)(imported)
-    main = imported["main"]  # TVM's importer counted the weights among the inputs
+    imported, values = _bound_values(imported, bound)
+    main = imported["main"].bind_params(values)  # TVM's importer counted the weights among the inputs
     imported["main"] = main.with_attr("num_input", len(main.params)) if "num_input" in main.attrs else main
     return imported
+
+
+def _bound_values(mod: tvm.IRModule, tensors: dict) -> tuple[tvm.IRModule, dict]:
+    """`mod` with the dequantization PrimFuncs of the weights held packed, and {param: the value it is bound to}:
+    a constant, or a call of such a PrimFunc on a packed weight's constants (an int4 file's bytes, not fp32)."""
+    values = {}
+    for param, tensor in tensors.items():
+        held = held_value(tensor)
+        if held is None:
+            values[param] = _tensor(tensor)
+        else:
+            mod, kernel = with_dequantize_kernel(mod, held.spec)
+            values[param] = held.call(kernel)
+    return mod, values
 
 
 def _tensor(tensor) -> tvm.runtime.Tensor:

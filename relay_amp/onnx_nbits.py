@@ -1,12 +1,15 @@
-"""Weights of a few bits (ONNX Runtime's MatMulNBits, ONNX's int4 DequantizeLinear) dequantized at import.
+"""Weights of a few bits (ONNX Runtime's MatMulNBits, ONNX's int4 DequantizeLinear) at import.
 
 ONNX Runtime GenAI's model builder (`-p int4`) and ONNX Runtime's MatMulNBitsQuantizer write each linear layer of
 an LLM as one com.microsoft MatMulNBits node: B [N, blocks, block_size x bits / 8] packs the codes of the
 transposed weight (the low bits of each byte first), one scale per block of `block_size` codes along K and output
 column, zero points packed the same way (or as floats; by default the middle code, 2^(bits - 1)). TVM's importer
 has no such op. `nbits_matmuls_as_onnx` writes each as MatMul(A, W) (+ bias) with W[k, n] = (code - zero point) x
-scale computed here: the weights ONNX Runtime's kernels compute with. The model then takes any relay_amp dtype;
-`int4w` packs them again in relay_amp's own int4 layout.
+scale: the weights ONNX Runtime's kernels compute with. Within an import, W is bound when the importer reads it:
+4-bit codes in whole blocks of a multiple of 8 rows, 16-column blocks and fp32 scales (GenAI's and ONNX Runtime's
+CPU files) are held packed (relay_amp.packed_int4: the codes repacked as they are, zero points kept), so the module
+holds the file's bytes, not 8x them in fp32; a backend computes W in the dtype it is read in (AMP's bf16), and
+`int4w` (quantize_weights) takes the codes themselves. Other weights are computed in fp32 as each is bound.
 
 ONNX's own int4 weights (a DequantizeLinear of an INT4 or UINT4 constant, per tensor, per axis or in blocks:
 opset 21's QDQ form, which ONNX Runtime's quantizer writes with `quant_format=QDQ`) failed to import too: TVM
@@ -18,6 +21,7 @@ import numpy as np
 
 from ._onnx_graph import Writer, constant_values, named_inputs, node_attributes, node_label, rewrite_nodes
 from .errors import ModelLoadError
+from .packed_int4 import COLUMNS, ROWS_PER_WORD, ZERO_POINT, PackedWeight, pack_nibbles
 
 CONTRIB = "com.microsoft"
 LOW_BIT_TYPES = (21, 22, 25, 26)  # onnx.TensorProto's UINT4, INT4, UINT2, INT2: element types TVM cannot hold
@@ -50,7 +54,9 @@ def _matmul(node, writer: Writer, constants: dict) -> None:
     weight = writer.computed_const(
         lambda: np.ascontiguousarray(
             dequantized(constants[named["B"]], scales, constants.get(named["zero_points"]), attributes).T),
-        [attributes["K"], attributes["N"]], scales.dtype)
+        [attributes["K"], attributes["N"]], scales.dtype,
+        held=lambda: held_packed(constants[named["B"]], scales, constants.get(named["zero_points"]), attributes)
+        if packable(attributes, scales.dtype) else None)
     product = writer.op("MatMul", named["A"], weight)
     if named["bias"]:
         writer.op("Add", product, named["bias"], out=node.output[0])
@@ -76,6 +82,38 @@ def dequantized(packed: np.ndarray, scales: np.ndarray, zero_points: "np.ndarray
     values -= points[..., None]  # in place: an LLM's output projection is hundreds of megabytes
     values *= steps[..., None]
     return values.reshape(columns, blocks * block)[:, :depth]
+
+
+def packable(attributes: dict, dtype) -> bool:
+    """Whether a MatMulNBits weight keeps its codes packed through import (relay_amp.packed_int4's layout): 4-bit
+    codes in whole blocks of a multiple of 8 rows, columns in blocks of 16, fp32 scales."""
+    depth, block = attributes["K"], attributes["block_size"]
+    return (attributes.get("bits", 4) == 4 and depth % block == 0 and block % ROWS_PER_WORD == 0
+            and attributes["N"] % COLUMNS == 0 and np.dtype(dtype) == np.float32)
+
+
+def held_packed(packed: np.ndarray, scales: np.ndarray, zero_points: "np.ndarray | None",
+                attributes: dict) -> PackedWeight:
+    """A packable MatMulNBits weight as a PackedWeight: its codes repacked, scales and zero points transposed
+    (integer zero points all 8, the default, read as symmetric codes)."""
+    blocks, columns = attributes["K"] // attributes["block_size"], attributes["N"]
+    nibbles = _nibbles(packed).reshape(columns, -1)
+    steps = np.ascontiguousarray(scales.reshape(columns, blocks).T, dtype="float32")
+    if zero_points is None:
+        points = None
+    elif np.issubdtype(zero_points.dtype, np.floating):
+        points = zero_points.reshape(columns, blocks).T.astype("float32")
+    else:
+        points = _nibbles(zero_points).reshape(columns, -1)[:, :blocks].T.astype("float32")
+    if points is not None and (points == ZERO_POINT).all():
+        points = None
+    return PackedWeight(pack_nibbles(nibbles.T), steps, None if points is None else np.ascontiguousarray(points))
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """4-bit codes packed two per byte, low bits first, as uint8 (the last axis doubled)."""
+    pairs = np.stack([packed & np.uint8(15), packed >> np.uint8(4)], axis=-1).astype("uint8")
+    return pairs.reshape(*packed.shape[:-1], -1)
 
 
 def unpacked(packed: np.ndarray, bits: int) -> np.ndarray:

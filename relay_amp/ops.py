@@ -52,10 +52,16 @@ def bound_call(mutator: relax.PyExprMutator, expr: relax.Expr, op_name: str) -> 
     return bound if call_op_name(bound) == op_name else None
 
 
+def bound_value(mutator, expr: relax.Expr) -> "relax.Expr | None":
+    """The value the var `expr` is bound to (in `mutator`'s builder, or a block builder; None where it is bound to
+    nothing), or `expr` itself where it is not a var."""
+    return mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+
+
 def tuple_fields(mutator, expr: relax.Expr) -> "list[relax.Expr] | None":
     """The fields of the tuple `expr` is, or the var `expr` is bound to (in `mutator`'s builder, or a block
     builder); None for anything else."""
-    bound = mutator.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+    bound = bound_value(mutator, expr)
     return list(bound.fields) if isinstance(bound, relax.Tuple) else None
 
 

@@ -99,3 +99,21 @@ def test_a_function_whose_one_build_fails_is_folded_op_by_op_as_tvm_does(monkeyp
 
     monkeypatch.setattr(tvm, "compile", failing_build)
     tvm.ir.assert_structural_equal(fold_constants(before), relax.transform.FoldConstant()(before))
+
+
+def test_a_weight_held_packed_is_not_folded():
+    """A file's int4 weight (a call of packed_int4's dequantization PrimFunc on its packed constants) stays packed:
+    folded, it would be 8x its bytes in fp32 (a backend makes it dense, in the dtype it is read in)."""
+    from relay_amp.packed_int4 import PackedWeight, with_dequantize_kernel
+
+    held = PackedWeight(np.arange(16, dtype="uint32").reshape(1, 1, 16), np.ones((1, 16), "float32"))
+    mod, kernel = with_dequantize_kernel(tvm.IRModule(), held.spec)
+    builder = relax.BlockBuilder(mod)
+    x = relax.Var("x", relax.TensorType((2, 8), "float32"))
+    with builder.function("main", [x]):
+        with builder.dataflow():
+            weight = builder.emit(held.call(kernel))
+            output = builder.emit_output(relax.op.matmul(x, weight))
+        builder.emit_func_output(output)
+    before = builder.get()
+    assert_transforms(FoldConstants, before, before)

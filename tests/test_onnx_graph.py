@@ -3,8 +3,9 @@
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from relay_amp._onnx_graph import (SKELETON_VALUES, constant_values, inferred_values, read_names, rename_values,
-                                   importing_file, rewrite_nodes, weights_as_inputs, writable)
+from relay_amp._onnx_graph import (COMPUTED_LOCATION, SKELETON_VALUES, Writer, constant_values, held_value,
+                                   importing_file, importing_model, inferred_values, read_names, rename_values,
+                                   rewrite_nodes, tensor_value, weights_as_inputs, writable)
 
 
 def _model(nodes, initializers, output: str):
@@ -89,3 +90,24 @@ def test_rewrites_change_a_copy_unless_the_importer_owns_the_model():
     untouched = _model([helper.make_node("Relu", ["x"], ["y"])], [], "y")
     rewrite_nodes(untouched, ["Relu"], lambda node, writer: writer.op("Sigmoid", "x", out="y"))
     assert [node.op_type for node in untouched.graph.node] == ["Relu"]
+    with importing_model():  # a model given in memory: its rewrites copy it
+        assert writable(model) is not model
+
+
+def test_a_computed_constant_is_computed_when_read_and_may_have_a_held_form():
+    """Within an import a derived weight is computed when the importer binds it, or taken in the form it holds
+    (packed int4); outside one it is computed at once."""
+    computed = []
+    with importing_model():
+        writer = Writer("w")
+        name = writer.computed_const(lambda: computed.append(1) or np.ones((2, 3)), [2, 3], "float32",
+                                     held=lambda: "held form")
+        (tensor,) = writer.constants
+        assert tensor.name == name and tensor.external_data[0].value == COMPUTED_LOCATION and not computed
+        assert held_value(tensor) == "held form"
+        np.testing.assert_array_equal(tensor_value(tensor), np.ones((2, 3), "float32"))
+        assert computed
+    writer = Writer("w")
+    writer.computed_const(lambda: np.zeros(2), [2], "float32", held=lambda: "held form")
+    assert held_value(writer.constants[0]) is None
+    np.testing.assert_array_equal(numpy_helper.to_array(writer.constants[0]), np.zeros(2, "float32"))

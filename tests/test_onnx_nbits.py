@@ -96,18 +96,56 @@ def test_weights_it_cannot_dequantize_are_refused_naming_the_node():
         relay_amp.frontend.from_onnx(odd)
 
 
-def test_int4_weights_from_onnx_runtime_pack_as_their_own_codes():
-    """GenAI's symmetric int4 blocks of 32, dequantized at import, come back as the same codes in relay_amp's int4
-    layout (quantize_weights keeps blocks the codes hold), so the int4 model computes what ONNX Runtime's does."""
-    model = _model(128, 32, 4, None, False, columns=32, accuracy_level=0)  # int4 packs columns by 16
-    codes = RNG.integers(0, 16, (32, 4, 32))
-    codes[:, :, 0] = 0  # each block's value of largest magnitude is code 0 (-8): ONNX Runtime's symmetric quantizer
-    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(_packed(codes, 4), "B"))
+@pytest.mark.parametrize("zero_points", [None, "packed", "float"])
+def test_int4_weights_from_onnx_runtime_pack_as_their_own_codes(zero_points):
+    """An int4 file's weights (GenAI's symmetric blocks of 32, or ONNX Runtime's quantizer's with zero points) are
+    held packed through import, and quantize_weights takes their codes, scales and zero points as they are, so the
+    int4 model computes what ONNX Runtime's does."""
+    model = _model(128, 32, 4, zero_points, False, columns=32, accuracy_level=0)  # int4 packs columns by 16
     packed = relay_amp.quantize_weights(relay_amp.frontend.from_onnx(model))
     assert "relay_amp_int4_matmul" in packed.script()
     a = RNG.standard_normal((ROWS, 128)).astype("float32")
     expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"A": a})[0]
     np.testing.assert_allclose(relay_amp.run(packed, [a])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def _constants(mod) -> list:
+    import tvm
+
+    found = []
+    tvm.relax.analysis.post_order_visit(
+        mod["main"], lambda expr: found.append(expr.value) if isinstance(expr, tvm.ir.expr.GenericConst) else None)
+    return found
+
+
+@pytest.mark.parametrize("zero_points", [None, "packed", "float"])
+def test_a_files_int4_weights_are_held_packed_until_a_backend_needs_them(tmp_path, zero_points):
+    """An int4 LLM's weights imported dense were 8x the file's bytes in fp32; held packed, the module holds the
+    file's codes (uint32 words), fp32 scales and zero points, and computes what ONNX Runtime does."""
+    import onnx
+    import tvm
+
+    model = _model(128, 32, 4, zero_points, True, columns=32, accuracy_level=0)
+    onnx.save(model, tmp_path / "nbits.onnx")
+    mod = relay_amp.frontend.from_onnx(tmp_path / "nbits.onnx")
+    tvm.ir.assert_structural_equal(mod, relay_amp.frontend.from_onnx(model))
+    shapes = sorted((str(value.dtype), tuple(value.shape)) for value in _constants(mod))
+    assert ("uint32", (2, 16, 16)) in shapes and not [shape for _, shape in shapes if shape == (128, 32)]
+    a = RNG.standard_normal((ROWS, 128)).astype("float32")
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"A": a})[0]
+    np.testing.assert_allclose(relay_amp.run(mod, [a])[0], expected, rtol=1e-5, atol=1e-5)
+    executable = relay_amp.build(relay_amp.to_mixed_precision(mod, "bfloat16"), relay_amp.targets.host_preset())
+    got = relay_amp.runtime.run_executable(executable, [a])[0].astype("float32")
+    np.testing.assert_allclose(got, expected, atol=0.02 * np.abs(expected).max())  # bf16 weights and activations
+
+
+@pytest.mark.parametrize("changes", [{"columns": 24}, {"bits": 8}, {"depth": 48}],
+                         ids=["columns-off-16", "8-bit", "partial-block"])
+def test_weights_off_the_packed_layout_import_dense(changes):
+    options = {"depth": 128, "bits": 4, "columns": 32, **changes}
+    model = _model(options["depth"], 32, options["bits"], None, False, columns=options["columns"])
+    shapes = [tuple(value.shape) for value in _constants(relay_amp.frontend.from_onnx(model))]
+    assert (options["depth"], options["columns"]) in shapes
 
 
 @pytest.mark.parametrize("element, axis, block, zero_point", [

@@ -3,7 +3,7 @@
 from tvm import relax
 
 from relay_amp._ir import rewrite_function
-from relay_amp.ops import bound_call, call_op_name, sliced_by_binding, tuple_fields
+from relay_amp.ops import bound_call, bound_value, call_op_name, sliced_by_binding, tuple_fields
 
 from builders import single_output_module, tensor
 
@@ -58,3 +58,16 @@ def test_tuple_fields_reads_a_tuple_in_place_or_through_its_binding():
     assert [field.same_as(var) for field, var in zip(bound, (a, b))] == [True, True]
     assert [field.same_as(var) for field, var in zip(inline, (b, a))] == [True, True]
     assert other is None
+
+
+def test_bound_value_reads_through_a_vars_binding_and_passes_anything_else():
+    a = tensor("a", (2, 3))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [a]):
+        with builder.dataflow():
+            doubled = builder.emit(relax.op.add(a, a))
+            total = builder.emit_output(relax.op.multiply(doubled, a))
+        builder.emit_func_output(total)
+        inline = relax.op.exp(a)
+        found = [bound_value(builder, expr) for expr in (doubled, inline, a)]
+    assert call_op_name(found[0]) == "relax.add" and found[1].same_as(inline) and found[2] is None

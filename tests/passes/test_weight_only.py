@@ -7,9 +7,10 @@ import tvm
 from tvm import relax
 
 import relay_amp
-from relay_amp.passes import weight_only
-from relay_amp.passes.weight_only import (PackedSpec, QuantizeWeights, held_codes, pack_int4, quantize_int4,
-                                          quantize_weights, unpack_int4)
+from relay_amp import packed_int4
+from relay_amp.packed_int4 import PackedSpec, PackedWeight, pack_int4, pack_nibbles, with_dequantize_kernel
+from relay_amp.passes.weight_only import (DenseWeights, QuantizeWeights, dense_weights, held_codes, quantize_int4,
+                                          quantize_weights)
 
 from builders import single_output_module, tensor
 from pass_checks import assert_transforms
@@ -27,20 +28,6 @@ def _dequantized(weight: np.ndarray, group: int = GROUP) -> np.ndarray:
     codes, scales = quantize_int4(weight, group)
     depth, columns = weight.shape
     return (codes.reshape(depth // group, group, columns) * scales[:, None]).reshape(depth, columns)
-
-
-def test_packing_round_trips_every_code():
-    codes = RNG.integers(-8, 8, (256, 48)).astype("int8")
-    codes[0, 0], codes[1, 0] = -8, 7
-    packed = pack_int4(codes)
-    assert packed.dtype == np.uint32 and packed.shape == (3, 32, 16)
-    np.testing.assert_array_equal(unpack_int4(packed), codes)
-
-
-def test_packing_puts_even_rows_low_and_odd_rows_high():
-    codes = np.full((8, 16), -8, "int8")  # nibble 0 everywhere
-    codes[2, 0], codes[3, 0] = -7, -6  # rows 2 and 3: pair 1, low and high half
-    assert pack_int4(codes)[0, 0, 0] == (1 << 4) | (2 << 20)
 
 
 def test_codes_are_symmetric_per_group_and_column():
@@ -65,15 +52,17 @@ def test_weights_onnx_runtime_quantized_come_back_as_its_codes_and_scales():
     np.testing.assert_array_equal(again_scales, scales)
 
 
-def _expected(weight: np.ndarray, spec: PackedSpec, batch: tuple) -> tvm.IRModule:
-    codes, scales = quantize_int4(weight, spec.group_size)
+def _expected(weight: np.ndarray, spec: PackedSpec, batch: tuple, held: PackedWeight | None = None) -> tvm.IRModule:
+    if held is None:
+        codes, scales = quantize_int4(weight, spec.group_size)
+        held = PackedWeight(pack_int4(codes), scales)
     x = tensor("x", (*batch, spec.depth), spec.data_dtype)
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
             rows = bb.emit(relax.op.reshape(x, (spec.rows, spec.depth)))
-            gvar = bb.add_func(weight_only.reference_kernel(spec), "relay_amp_int4_matmul")
-            product = bb.emit(relax.call_tir(gvar, [rows, relax.const(pack_int4(codes)), relax.const(scales)],
+            gvar = bb.add_func(packed_int4.reference_kernel(spec), "relay_amp_int4_matmul")
+            product = bb.emit(relax.call_tir(gvar, [rows, relax.const(held.packed), relax.const(held.scales)],
                                              relax.TensorType((spec.rows, spec.columns), spec.out_dtype)))
             out = bb.emit_output(relax.op.reshape(product, (*batch, spec.columns)))
         bb.emit_func_output(out)
@@ -89,8 +78,8 @@ def test_a_constant_weight_matmul_becomes_a_packed_kernel_call():
 def test_after_amp_the_bf16_weight_is_packed_and_the_fp32_output_kept():
     before = relay_amp.to_mixed_precision(_matmul_module(data_shape=(1, DEPTH)), "bfloat16")
     after = quantize_weights(before, group_size=GROUP)
-    (func,) = [f for _, f in after.functions_items() if weight_only.spec_of(f) is not None]
-    assert weight_only.spec_of(func) == PackedSpec(1, DEPTH, COLUMNS, GROUP, "bfloat16", "float32")
+    (func,) = [f for _, f in after.functions_items() if packed_int4.spec_of(f) is not None]
+    assert packed_int4.spec_of(func) == PackedSpec(1, DEPTH, COLUMNS, GROUP, "bfloat16", "float32")
 
 
 @pytest.mark.parametrize("before", [
@@ -143,3 +132,68 @@ def test_weights_quantized_in_smaller_groups_keep_them():
         assert size == 32
         np.testing.assert_array_equal(again, codes)
     assert held_codes(RNG.standard_normal((256, 16)).astype("float32"), 128)[2] == 128
+
+
+def _held(zero_points: bool = False) -> PackedWeight:
+    """A weight held packed as a file's int4 weights are (random nibbles, scales and zero points, groups of 16)."""
+    scales = RNG.uniform(0.01, 0.1, (DEPTH // 16, COLUMNS)).astype("float32")
+    zeros = RNG.integers(0, 16, scales.shape).astype("float32") if zero_points else None
+    return PackedWeight(pack_nibbles(RNG.integers(0, 16, (DEPTH, COLUMNS)).astype("uint8")), scales, zeros)
+
+
+def _held_module(held: PackedWeight, dtype: str = "float32") -> tvm.IRModule:
+    """x @ the held weight: its dequantization call, cast to `dtype` as AMP casts it."""
+    mod, kernel = with_dequantize_kernel(tvm.IRModule(), held.spec)
+    x = tensor("x", (3, DEPTH), dtype)
+    bb = relax.BlockBuilder(mod)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            weight = bb.emit(held.call(kernel))
+            weight = bb.emit(relax.op.astype(weight, dtype)) if dtype != "float32" else weight
+            out = bb.emit_output(relax.op.matmul(x, weight))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_held_weight_is_packed_with_its_own_codes_and_scales(dtype):
+    """A file's int4 weight (its dequantization call, cast by AMP or not) keeps its codes, scales and groups of 16,
+    not the default 128: no second quantization."""
+    held = _held()
+    spec = PackedSpec(3, DEPTH, COLUMNS, 16, dtype, dtype)
+    assert_transforms(QuantizeWeights(), _held_module(held, dtype), _expected(None, spec, (3,), held))
+
+
+def test_a_held_weight_with_zero_points_matches_its_dense_product_on_the_vm():
+    held = _held(zero_points=True)
+    x = RNG.standard_normal((3, DEPTH)).astype("float32")
+    after = quantize_weights(_held_module(held))
+    assert "relay_amp_int4_matmul" in after.script() and "relay_amp_int4_weight" not in after.script()
+    expected = x @ held.dense()
+    np.testing.assert_allclose(relay_amp.run(after, [x])[0], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_weights_computes_each_held_weight_in_the_dtype_its_cast_asks_for(dtype):
+    held = _held(zero_points=True)
+    x = tensor("x", (3, DEPTH), dtype)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            weight = bb.emit(relax.const(held.dense(dtype), dtype))
+            out = bb.emit_output(relax.op.matmul(x, weight))
+        bb.emit_func_output(out)
+    assert_transforms(DenseWeights(), _held_module(held, dtype), bb.get())
+
+
+def test_dense_weights_leaves_a_module_without_held_weights_as_it_is():
+    before = _matmul_module()
+    assert dense_weights(before).same_as(before)
+
+
+def test_a_held_weight_builds_dense_for_the_host():
+    held = _held(zero_points=True)
+    x = RNG.standard_normal((3, DEPTH)).astype("float32")
+    executable = relay_amp.build(_held_module(held), relay_amp.targets.host_preset())
+    np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, [x])[0], x @ held.dense(), rtol=1e-5,
+                               atol=1e-5)

@@ -23,7 +23,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ..._ir import OPAQUE_PATTERN
-from ...passes.weight_only import (
+from ...packed_int4 import (
     COLUMNS,
     ROWS_PER_WORD,
     SPEC_ATTR,

@@ -10,6 +10,7 @@ from ...passes.layout import conv_layout_passes
 from ...passes.moves import HoistOverMoves
 from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
+from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from . import amx
 from .affine import FoldAffineClamps
@@ -38,7 +39,8 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Identical bindings computed once, int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions
+    """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, int4
+    values held in int8 (relay_amp.passes.sub_byte), transposed convolutions
     as convolutions of their output phases (relay_amp.passes.conv_transpose), convolutions to NHWC
     (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1; conv3d to NDHWC,
     then a conv2d over its frames, relay_amp.backend.cpu.conv3d), convs with a channel multiplier as depthwise
@@ -56,6 +58,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     """
     dtypes = target_dtypes(target)
     return tvm.transform.Sequential([
+        DenseWeights(),
         *deduplication_passes(),
         HoldSubByteInBytes(),
         TransposedConvsAsConvs(),

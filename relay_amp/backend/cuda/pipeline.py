@@ -8,6 +8,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_lowering
 from ...passes.layout import conv_layout_passes
 from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
+from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from .int4 import PackInt4Operands, UseS4TensorCores
 from .tensorcore import gpu_schedules
@@ -25,14 +26,14 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Identical bindings computed once, int4 values held in int8, legalization and fusion; convolutions keep their
+    """Weights a file held packed made dense, identical bindings computed once, int4 values held in int8, legalization and fusion; convolutions keep their
     layout unless `conv_layout` names one (the tensor-core rule takes NCHW, NHWC and HWNC), and lose the taps that
     read only padding (relay_amp.passes.padding_taps); matmuls and NHWC/HWNC
     convolutions over int4 values on packed words and s4 tensor cores. `fast_math` is a CPU option: CUDA's exact
     functions are already fast."""
-    return tvm.transform.Sequential([*deduplication_passes(), HoldSubByteInBytes(), *layout_passes(conv_layout),
-                                     DropPaddingTaps(), PackInt4Operands(), UseS4TensorCores(), *fusion_passes(target)],
-                                    name="relay_amp_cuda_prepare")
+    return tvm.transform.Sequential([DenseWeights(), *deduplication_passes(), HoldSubByteInBytes(),
+                                     *layout_passes(conv_layout), DropPaddingTaps(), PackInt4Operands(),
+                                     UseS4TensorCores(), *fusion_passes(target)], name="relay_amp_cuda_prepare")
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:

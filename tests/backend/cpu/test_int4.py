@@ -11,7 +11,8 @@ from relay_amp import targets
 from relay_amp.backend.cpu import int4
 from relay_amp.backend.cpu.int4 import UsePackedInt4Kernels
 from relay_amp.compile.build import build
-from relay_amp.passes.weight_only import PackedSpec, quantize_int4, quantize_weights, reference_kernel, spec_of
+from relay_amp.packed_int4 import PackedSpec, reference_kernel, spec_of
+from relay_amp.passes.weight_only import quantize_int4, quantize_weights
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor
