@@ -211,8 +211,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
     STFT and DFT nodes as a conv and a matmul by their DFT basis, opset 23's Attention as its matmuls and softmax,
     ONNX Runtime's fused norms, matmuls and activations (its transformer optimizer's), its MultiHeadAttention, and
     its GroupQueryAttention and RotaryEmbedding (GenAI's model builder's) as ONNX ops, MatMulNBits as a MatMul by
-    its weights (4-bit ones held packed: relay_amp.packed_int4), dequantizes of 2- and 4-bit constants folded, opset-9 Upsample nodes' scales read as
-    opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
+    its weights (4-bit ones held packed: relay_amp.packed_int4), dequantizes of 2- and 4-bit constants folded,
+    opset-9 Upsample nodes' scales read as opset 7's attribute. `dims` sizes the inputs' symbolic dims by name
     ({"batch": 1}: an export's dynamic axes), before shapes are folded."""
     import onnx
 

@@ -70,7 +70,7 @@ def dequantized(packed: np.ndarray, scales: np.ndarray, zero_points: "np.ndarray
     bits, block, depth, columns = (attributes.get("bits", 4), attributes["block_size"], attributes["K"],
                                    attributes["N"])
     blocks = -(-depth // block)
-    codes = unpacked(packed, bits).reshape(columns, blocks * block)
+    codes = unpacked(packed, bits).astype("float32").reshape(columns, blocks * block)
     if zero_points is None:
         points = np.full((columns, blocks), 2 ** (bits - 1), "float32")
     elif np.issubdtype(zero_points.dtype, np.floating):
@@ -97,30 +97,24 @@ def held_packed(packed: np.ndarray, scales: np.ndarray, zero_points: "np.ndarray
     """A packable MatMulNBits weight as a PackedWeight: its codes repacked, scales and zero points transposed
     (integer zero points all 8, the default, read as symmetric codes)."""
     blocks, columns = attributes["K"] // attributes["block_size"], attributes["N"]
-    nibbles = _nibbles(packed).reshape(columns, -1)
+    nibbles = unpacked(packed, 4).reshape(columns, -1)
     steps = np.ascontiguousarray(scales.reshape(columns, blocks).T, dtype="float32")
     if zero_points is None:
         points = None
     elif np.issubdtype(zero_points.dtype, np.floating):
         points = zero_points.reshape(columns, blocks).T.astype("float32")
     else:
-        points = _nibbles(zero_points).reshape(columns, -1)[:, :blocks].T.astype("float32")
+        points = unpacked(zero_points, 4).reshape(columns, -1)[:, :blocks].T.astype("float32")
     if points is not None and (points == ZERO_POINT).all():
         points = None
     return PackedWeight(pack_nibbles(nibbles.T), steps, None if points is None else np.ascontiguousarray(points))
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """4-bit codes packed two per byte, low bits first, as uint8 (the last axis doubled)."""
-    pairs = np.stack([packed & np.uint8(15), packed >> np.uint8(4)], axis=-1).astype("uint8")
-    return pairs.reshape(*packed.shape[:-1], -1)
-
-
 def unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
-    """The codes of `bits` bits each packed in bytes, lowest bits first, as float32 (the last axis widened)."""
+    """The codes of `bits` bits each packed in bytes, lowest bits first, as uint8 (the last axis widened)."""
     shifts = np.arange(0, 8, bits, dtype="uint8")
     codes = (packed.astype("uint8")[..., None] >> shifts) & np.uint8(2 ** bits - 1)
-    return codes.reshape(*packed.shape[:-1], -1).astype("float32")
+    return codes.reshape(*packed.shape[:-1], -1)
 
 
 def low_bit_dequantizes_folded(proto):

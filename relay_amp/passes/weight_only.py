@@ -127,8 +127,9 @@ class _PackWeights(relax.PyExprMutator):
         """What the weight's zero points add to a symmetric reading of its codes: each row's activation sums per
         group times zero_point_shift, in fp32."""
         count, depth = tensor_shape(rows)
+        size = held.spec.group_size
         wide = self.builder_.emit(relax.op.astype(rows, "float32"))
-        groups = self.builder_.emit(relax.op.reshape(wide, (count, depth // held.spec.group_size, held.spec.group_size)))
+        groups = self.builder_.emit(relax.op.reshape(wide, (count, depth // size, size)))
         sums = self.builder_.emit(relax.op.sum(groups, axis=[2]))
         return self.builder_.emit(relax.op.matmul(sums, relax.const(held.zero_point_shift())))
 
