@@ -9,7 +9,8 @@ bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrin
 `conv2d_nhwc` builds a tensorized NHWC convolution (a matmul is the 1x1 case) over weights packed once, at
 compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` = 2 for bf16, 4 for int8).
 Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
-fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic.
+fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic, on AVX2 hosts too
+(each 16-lane vector then two ymm registers, in a smaller register tile: `tile_vectors`).
 
 `Epilogue` lists the elementwise ops a kernel applies to its accumulators as it stores them (bias, scale,
 residual add, clamp, activation, cast): `conv2d_nhwc_compute` puts them in its output stage, `amx` in its tile
@@ -42,6 +43,7 @@ from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injec
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
 MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
+AVX2_TILE_VECTORS = 6  # without AVX-512 each 16-lane vector is two of the 16 ymm registers: 12 accumulate
 MAX_GROUP_WASTE = 4  # products per useful one a grouped conv's block-diagonal weight may cost (see grouped_weight)
 MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: pad the rows instead
 RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
@@ -107,7 +109,7 @@ BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32
                      "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>", commutes=True)
 INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
-FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "avx512f")
+FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "fma")  # AVX2 hosts too
 INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
 
 
@@ -436,10 +438,19 @@ def spec_from_json(text: str) -> ConvSpec:
     return dataclass_from_json(ConvSpec, text)
 
 
+def tile_vectors() -> int:
+    """The 16-lane accumulator vectors an untuned register tile holds on the current target: MAX_ROWS with
+    AVX-512's 32 zmm registers, AVX2_TILE_VECTORS on an llvm target without AVX-512 (fp32 FMA kernels on AVX2)."""
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm" or tvm.target.codegen.target_has_features("avx512f", target):
+        return MAX_ROWS
+    return AVX2_TILE_VECTORS
+
+
 def default_tile(width: int, out_channels: int) -> tuple[int, int]:
     """The untuned register tile for an output row of `width` pixels: (16-lane columns, pixel rows)."""
     columns = 2 if out_channels % (2 * LANES) == 0 else 1
-    return columns, largest_divisor(width, MAX_ROWS // columns)
+    return columns, largest_divisor(width, tile_vectors() // columns)
 
 
 def padded_width(width: int, out_channels: int) -> int:
@@ -447,7 +458,7 @@ def padded_width(width: int, out_channels: int) -> int:
     MIN_ROWS rows (197 tokens: a 1-row tile runs two accumulator chains, latency-bound); dispatch adds the zero
     rows and slices them off."""
     columns, rows = default_tile(width, out_channels)
-    tile = MAX_ROWS // columns
+    tile = tile_vectors() // columns
     if rows >= MIN_ROWS or width <= tile:  # a narrow output is one tile already
         return width
     return -(-width // tile) * tile

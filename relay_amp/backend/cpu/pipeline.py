@@ -26,7 +26,7 @@ from .multiplier import RepeatMultiplierInputs
 from .norms import GroupNormsOverChannels
 from .rows import PadSoftmaxRows
 from .schedules import default_schedule, default_schedules
-from .widen import NormsReadNarrow, WidenArithmetic
+from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 PASS_CONFIG: dict = {}  # TVM's defaults
@@ -40,17 +40,17 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, int4
-    values held in int8 (relay_amp.passes.sub_byte), transposed convolutions
-    as convolutions of their output phases (relay_amp.passes.conv_transpose), convolutions to NHWC
-    (`conv_layout` overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1; conv3d to NDHWC,
-    then a conv2d over its frames, relay_amp.backend.cpu.conv3d), convs with a channel multiplier as depthwise
-    convs of repeated channels (relay_amp.backend.cpu.multiplier), taps that read
-    only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and
-    clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, dot-product kernel
-    dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations before fast
-    math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel that reads
-    it; merged earlier, two casts of one output would join an epilogue and store it wide), fast math
-    (unless turned off) and packed int4 kernels, then legalization and fusion.
+    values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as convolutions of their output phases
+    (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout` overrides; None keeps the model's; conv1d
+    to NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames, relay_amp.backend.cpu.conv3d),
+    convs with a channel multiplier as depthwise convs of repeated channels (relay_amp.backend.cpu.multiplier), taps
+    that read only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as
+    per-channel sums (relay_amp.backend.cpu.norms), bf16 chains widened, runs of scales, biases and clamps folded
+    (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
+    fp32 has kernels (AVX2), dot-product kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to
+    the kernels first; activations before fast math splits them), identical bindings computed once again (dispatch
+    pads a tensor once per kernel that reads it; merged earlier, two casts of one output would join an epilogue and
+    store it wide), fast math (unless turned off) and packed int4 kernels, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -71,7 +71,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         WidenArithmetic(),
         FoldAffineClamps(),
         PadSoftmaxRows(),
-        *([UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
+        *([WidenContractions(dtypes), UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),
         *([FastMath()] if fast_math else []),
         NormsReadNarrow(),

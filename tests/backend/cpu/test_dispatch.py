@@ -237,7 +237,8 @@ def test_built_dilated_conv_matches_the_generic_build(dtype, feature):
 def test_target_dtypes_follow_the_cpu_features():
     assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
     assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}
-    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == set()
+    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == {"float32"}  # FMA
+    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "sandybridge"})) == set()
     assert dispatch.target_dtypes(targets.get_target("cuda-tensorcore")) == set()
 
 

@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp import models
-from relay_amp.backend.cpu.widen import NormsReadNarrow, WidenArithmetic
+from relay_amp.backend.cpu.widen import NormsReadNarrow, WidenArithmetic, WidenContractions
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
 
@@ -461,3 +461,49 @@ def test_norms_read_narrow_names_a_missing_function():
 
     with pytest.raises(relay_amp.ModuleError, match="encoder"):
         NormsReadNarrow(func="encoder")(Module)
+
+
+def _bf16_matmul_module(weight: np.ndarray) -> tvm.IRModule:
+    x = relax.Var("x", relax.TensorType((4, 16), "bfloat16"))
+    y = relax.Var("y", relax.TensorType((4, 16), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            product = bb.emit(relax.op.matmul(x, relax.const(weight), out_dtype="float32"))
+            scores = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(y))))
+            out = bb.emit_output(relax.Tuple([product, scores]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_contractions_of_a_dtype_without_kernels_are_computed_in_fp32_on_the_fp32_kernels():
+    """On an AVX2 host (no vdpbf16ps, fp32 FMA kernels) a bf16 matmul, by a constant weight or a runtime operand,
+    widens its operands (the constant at compile time) and casts its result back to its own dtype."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    before = _bf16_matmul_module(weight)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4, 16), "bfloat16"), y: R.Tensor((4, 16), "bfloat16")):
+            with R.dataflow():
+                wide_x = R.astype(x, "float32")
+                wide_product = R.matmul(wide_x, R.const(weight.astype("float32")), out_dtype="float32")
+                product = R.astype(wide_product, "float32")
+                transposed = R.permute_dims(y)
+                wide_x2 = R.astype(x, "float32")
+                wide_y = R.astype(transposed, "float32")
+                wide_scores = R.matmul(wide_x2, wide_y, out_dtype="float32")
+                scores = R.astype(wide_scores, "bfloat16")
+                out = (product, scores)
+                R.output(out)
+            return out
+
+    assert_transforms(WidenContractions(frozenset({"float32"})), before, Expected)
+    assert_transforms(WidenContractions(frozenset({"float32", "bfloat16"})), before, before)  # AVX-512 BF16
+    inputs = [rng.standard_normal((4, 16)).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    got = relay_amp.run(WidenContractions(frozenset({"float32"}))(before), inputs)
+    x, y = (value.astype("float32") for value in inputs)
+    for wide, exact in zip(got, (x @ weight.astype("float32"), x @ y.T)):  # fp32 sums, one bf16 rounding at most
+        np.testing.assert_allclose(wide.astype("float32"), exact, rtol=2 ** -8, atol=1e-6)
