@@ -139,7 +139,7 @@ def nibble_shift(row):
     return row % 2 * 16 + row % ROWS_PER_WORD // 2 * 4
 
 
-def _weight_compute(spec: WeightSpec, packed, scales, zeros):
+def _weight_compute(spec: WeightSpec, packed, scales, zeros=None):
     """A TE function (row, col) -> the fp32 weight the packed operands hold."""
 
     def weight(row, col):
@@ -161,7 +161,7 @@ def reference_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
     """The unscheduled PrimFunc (data, packed, scales) -> out computing `spec` in fp32, marked with SPEC_ATTR."""
     data = te.placeholder((spec.rows, spec.depth), spec.data_dtype, "data")
     operands = _weight_operands(spec.weight)
-    weight = _weight_compute(spec.weight, *operands, *([None] * (3 - len(operands))))
+    weight = _weight_compute(spec.weight, *operands)
     k = te.reduce_axis((0, spec.depth), "k")
     acc = te.compute((spec.rows, spec.columns),
                      lambda i, j: te.sum(data[i, k].astype("float32") * weight(k, j), axis=k), name="acc")
@@ -173,7 +173,7 @@ def reference_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
 def dequantize_kernel(spec: WeightSpec) -> tvm.tirx.PrimFunc:
     """The PrimFunc (packed, scales[, zeros]) -> the [depth, columns] fp32 weight, marked with WEIGHT_ATTR."""
     operands = _weight_operands(spec)
-    weight = _weight_compute(spec, *operands, *([None] * (3 - len(operands))))
+    weight = _weight_compute(spec, *operands)
     out = te.compute((spec.depth, spec.columns), weight, name="weight")
     func = te.create_prim_func([*operands, out]).without_attr("global_symbol")
     return func.with_attrs({WEIGHT_ATTR: json.dumps(asdict(spec)), "op_pattern": _ir.OPAQUE_PATTERN})
