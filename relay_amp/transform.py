@@ -5,7 +5,7 @@ from .backend.cpu.dispatch import UseDotKernels
 from .backend.cpu.epilogue import FuseKernelEpilogues
 from .backend.cpu.fastmath import FastMath
 from .backend.cpu.int4 import UsePackedInt4Kernels
-from .backend.cpu.widen import WidenArithmetic
+from .backend.cpu.widen import WidenArithmetic, WidenContractions
 from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
@@ -22,10 +22,11 @@ from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 from .passes.selection import WidenedSelections
 from .passes.shapes import Specialize
-from .passes.weight_only import QuantizeWeights
+from .passes.weight_only import DenseWeights, QuantizeWeights
 
-__all__ = ["ConvertLayout", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts", "FastMath",
-           "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows", "GroupNormsAsOps",
-           "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ",
-           "Recast", "SeparableMaxPools", "Specialize", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels",
-           "UsePackedInt4Kernels", "WidenArithmetic", "WidenedSelections"]
+__all__ = ["ConvertLayout", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts",
+           "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
+           "GroupNormsAsOps", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize",
+           "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "Specialize", "ToMixedPrecision",
+           "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic", "WidenContractions",
+           "WidenedSelections"]

@@ -9,8 +9,8 @@ from tvm import relax
 import relay_amp
 from relay_amp import packed_int4
 from relay_amp.packed_int4 import PackedSpec, PackedWeight, pack_int4, pack_nibbles, with_dequantize_kernel
-from relay_amp.passes.weight_only import (DenseWeights, QuantizeWeights, dense_weights, held_codes, quantize_int4,
-                                          quantize_weights)
+from relay_amp.passes.weight_only import dense_weights, held_codes, quantize_int4, quantize_weights
+from relay_amp.transform import DenseWeights, QuantizeWeights
 
 from builders import single_output_module, tensor
 from pass_checks import assert_transforms

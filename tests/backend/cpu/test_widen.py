@@ -11,7 +11,8 @@ from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp import models
-from relay_amp.backend.cpu.widen import NormsReadNarrow, WidenArithmetic, WidenContractions
+from relay_amp.backend.cpu.widen import NormsReadNarrow, WidenArithmetic
+from relay_amp.transform import WidenContractions
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
 
