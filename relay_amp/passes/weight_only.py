@@ -94,10 +94,9 @@ class _PackWeights(relax.PyExprMutator):
     """Replaces the chosen matmuls with reference-kernel calls on packed constants: a weight's own codes where a file
     held it packed, else its codes quantized here."""
 
-    def __init__(self, mod: tvm.IRModule, chosen: set[relax.Call], group_size: int):
+    def __init__(self, mod: tvm.IRModule, chosen: "dict[relax.Call, PackedWeight | None]", group_size: int):
         super().__init__(mod)
-        self.mod = mod
-        self.chosen = chosen
+        self.chosen = chosen  # each chosen matmul and the weight a file held packed for it (None: quantize here)
         self.group_size = group_size
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -106,7 +105,7 @@ class _PackWeights(relax.PyExprMutator):
             return new_call
         data, weight = new_call.args[:2]
         *batch, depth = tensor_shape(data)
-        held = held_weight(self.mod, lambda expr: bound_value(self, expr), weight)
+        held = self.chosen[call]
         if held is None:
             codes, scales, group_size = held_codes(weight.value.numpy(), self.group_size)
             held = PackedWeight(pack_int4(codes), scales)
@@ -157,8 +156,10 @@ class QuantizeWeights:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         excluded = resolve_layers(list_layers(mod, self.ops, self.func), self.excluded)
         lookup = _binding_lookup(mod[self.func])
-        chosen = {b.value for i, b in enumerate(layer_bindings(mod, self.ops, self.func)) if i not in excluded
-                  and unpackable(b.value, self.group_size, held_weight(mod, lookup, b.value.args[1])) is None}
+        candidates = {b.value: held_weight(mod, lookup, b.value.args[1])
+                      for i, b in enumerate(layer_bindings(mod, self.ops, self.func)) if i not in excluded}
+        chosen = {call: held for call, held in candidates.items()
+                  if unpackable(call, self.group_size, held) is None}
         return _unread_dropped(rewrite_function(_PackWeights(mod, chosen, self.group_size), mod, self.func))
 
 
