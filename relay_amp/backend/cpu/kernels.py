@@ -10,7 +10,7 @@ bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrin
 compile time, by `pack_weight` into [O/16, KH, KW, I/group, 16, group] (`group` = 2 for bf16, 4 for int8).
 Signed int8 activations are shifted to uint8 (+128) and the shift is subtracted again through the weight sums.
 fp32 (`FP32_FMA`) takes the same packed layout with vectorized FMAs instead of an intrinsic, on AVX2 hosts too
-(each 16-lane vector then two ymm registers, in a smaller register tile: `tile_vectors`).
+(each 16-lane vector then two ymm registers, in a smaller register tile: `row_budget`).
 
 `Epilogue` lists the elementwise ops a kernel applies to its accumulators as it stores them (bias, scale,
 residual add, clamp, activation, cast): `conv2d_nhwc_compute` puts them in its output stage, `amx` in its tile
@@ -43,9 +43,10 @@ from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injec
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
 MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
-AVX2_TILE_VECTORS = 6  # without AVX-512 each 16-lane vector is two of the 16 ymm registers: 12 accumulate
 MAX_GROUP_WASTE = 4  # products per useful one a grouped conv's block-diagonal weight may cost (see grouped_weight)
 MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: pad the rows instead
+COLUMN_CHOICES = (2, 3, 4, 1)  # 16-lane output-channel columns of an untuned tile, preferred in this order on ties
+ISSUE_PER_CYCLE = 2  # vector products a core issues a cycle (Zen 4 and 5, Sapphire Rapids)
 RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
 SPEC_ANNOTATION = "relay_amp.conv_spec"
 _RULE_ATTRS = {"schedule_rule": RULE}
@@ -438,30 +439,89 @@ def spec_from_json(text: str) -> ConvSpec:
     return dataclass_from_json(ConvSpec, text)
 
 
-def tile_vectors() -> int:
-    """The 16-lane accumulator vectors an untuned register tile holds on the current target: MAX_ROWS with
-    AVX-512's 32 zmm registers, AVX2_TILE_VECTORS on an llvm target without AVX-512 (fp32 FMA kernels on AVX2)."""
+@dataclass(frozen=True)
+class RegisterFile:
+    """What an untuned register tile is sized for: the target's vector registers, how many of them a 16-lane vector
+    takes, the cycles a product's accumulator chain needs to stay busy, and the operand loads a core issues a
+    cycle. AVX-512's figures are fitted on Zen 5 (bf16 tiles of 15 accumulators ran 5-9% faster than tiles of 12
+    at ViT's shapes; a lone column of 14 or 15 rows, whose every product loads its own broadcast, 10% slower than
+    two or three columns of as many accumulators); AVX2's are an FMA's latency, its only instruction, and two
+    loads a cycle."""
+    registers: int
+    per_vector: int
+    chain_cycles: int
+    loads_per_cycle: float
+
+
+AVX512_REGISTERS = RegisterFile(32, 1, 8, 1.75)
+AVX2_REGISTERS = RegisterFile(16, 2, 4, 2)
+
+
+def register_file() -> RegisterFile:
+    """The current target's RegisterFile: AVX-512's, or AVX2's on an llvm target without AVX-512 (fp32 FMA kernels
+    on AVX2)."""
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name != "llvm" or tvm.target.codegen.target_has_features("avx512f", target):
-        return MAX_ROWS
-    return AVX2_TILE_VECTORS
+        return AVX512_REGISTERS
+    return AVX2_REGISTERS
 
 
 def default_tile(width: int, out_channels: int) -> tuple[int, int]:
-    """The untuned register tile for an output row of `width` pixels: (16-lane columns, pixel rows)."""
-    columns = 2 if out_channels % (2 * LANES) == 0 else 1
-    return columns, largest_divisor(width, tile_vectors() // columns)
+    """The untuned register tile for an output row of `width` pixels, (16-lane columns, pixel rows): of the tiles
+    whose rows divide `width`, the one `_products_per_cycle` rates best."""
+    return _best_tile(width, out_channels, padding=False)
 
 
 def padded_width(width: int, out_channels: int) -> int:
-    """`width`, or rounded up to whole row tiles where it spans several tiles and its own best tile is under
-    MIN_ROWS rows (197 tokens: a 1-row tile runs two accumulator chains, latency-bound); dispatch adds the zero
-    rows and slices them off."""
-    columns, rows = default_tile(width, out_channels)
-    tile = tile_vectors() // columns
-    if rows >= MIN_ROWS or width <= tile:  # a narrow output is one tile already
-        return width
-    return -(-width // tile) * tile
+    """`width`, or rounded up to whole row tiles where a tile with zero rows beats every tile that divides it
+    (197 tokens); dispatch adds the zero rows and slices them off, and `default_tile` of the result divides it."""
+    return padded_rows(width, _best_tile(width, out_channels, padding=True)[1])
+
+
+def padded_rows(width: int, rows: int) -> int:
+    """`width` rounded up to whole tiles of `rows`."""
+    return -(-width // rows) * rows
+
+
+def row_budget(columns: int) -> int:
+    """The most pixel rows a tile of `columns` may take: its accumulators stay on the stack (MAX_ROWS vectors),
+    and they, a weight vector per column and the broadcast input fit the target's registers (0: none fit)."""
+    registers = register_file()
+    return min(MAX_ROWS // columns, (registers.registers - 1) // registers.per_vector // columns - 1)
+
+
+def _column_choices(out_channels: int) -> list[int]:
+    """The 16-lane column counts a tile of `out_channels` may take: those that divide its blocks and fit a row."""
+    return [c for c in COLUMN_CHOICES if out_channels // LANES % c == 0 and row_budget(c) > 0]
+
+
+def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
+    tiles = [(c, rows) for c in _column_choices(out_channels) for rows in _tile_rows(width, c, padding)]
+
+    def rank(tile):  # on equal rates: no zero rows, then more accumulators, then COLUMN_CHOICES' order
+        padded = padded_rows(width, tile[1])
+        rate = _products_per_cycle(*tile) * width / padded
+        return round(rate, 3), padded == width, tile[0] * tile[1], -tiles.index(tile)
+    return max(tiles, key=rank)
+
+
+def _tile_rows(width: int, columns: int, padding: bool) -> list[int]:
+    """Pixel rows a tile of `columns` may take: the most that divide `width` and fit `row_budget`, and, with
+    `padding` where those are under MIN_ROWS (197 tokens: a 1-row tile runs two accumulator chains,
+    latency-bound), the budget, zero rows completing the last tile."""
+    budget = row_budget(columns)
+    rows = largest_divisor(width, budget)
+    return [rows, budget] if padding and rows < MIN_ROWS and width > budget else [rows]
+
+
+def _products_per_cycle(columns: int, rows: int) -> float:
+    """Vector products a (columns, rows) tile issues a cycle in a model of the core: ISSUE_PER_CYCLE products, the
+    RegisterFile's loads (a weight vector per column and a broadcast per row each step of the reduction), and its
+    chain cycles before an accumulator takes its next product. BERT's 128 tokens in 4-row tiles of 2 columns, 8
+    accumulators, latency-bound, ran a 768x768 bf16 matmul 1.29x slower than 3 columns' 12 on Zen 5."""
+    registers = register_file()
+    products, loads = columns * rows * registers.per_vector, columns * registers.per_vector + rows
+    return products / max(products / ISSUE_PER_CYCLE, loads / registers.loads_per_cycle, registers.chain_cycles)
 
 
 def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
@@ -469,9 +529,9 @@ def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
     (output-channel columns and pixel rows) for MetaSchedule instead of taking the default one."""
     spec = kernel_spec(sch, block)
     _, _, out_x, *_ = sch.get_loops(block)
-    wide = spec.out_channels % (2 * LANES) == 0
     if tunable:
-        columns = sch.sample_categorical([1, 2], [0.5, 0.5]) if wide else 1
+        choices = sorted(_column_choices(spec.out_channels))
+        columns = sch.sample_categorical(choices, [1 / len(choices)] * len(choices)) if len(choices) > 1 else 1
         rows = sch.sample_perfect_tile(out_x, n=2, max_innermost_factor=MAX_ROWS)[1]
     else:
         columns, rows = default_tile(spec.out_shape[2], spec.out_channels)

@@ -224,18 +224,41 @@ def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_fu
     assert kernels.DotKernelRule().apply(te.create_prim_func([a, b, matmul]), target, False) is None
 
 
-@pytest.mark.parametrize("mcpu, vectors", [("znver3", kernels.AVX2_TILE_VECTORS),
-                                           ("haswell", kernels.AVX2_TILE_VECTORS),
-                                           ("znver4", kernels.MAX_ROWS), ("sapphirerapids", kernels.MAX_ROWS)])
-def test_the_untuned_register_tile_fits_the_targets_registers(mcpu, vectors):
+@pytest.mark.parametrize("mcpu, registers", [("znver3", kernels.AVX2_REGISTERS), ("haswell", kernels.AVX2_REGISTERS),
+                                             ("znver4", kernels.AVX512_REGISTERS),
+                                             ("sapphirerapids", kernels.AVX512_REGISTERS)])
+def test_the_untuned_register_tile_fits_the_targets_registers(mcpu, registers):
     """AVX-512's 32 zmm registers hold 15 accumulator vectors; on AVX2 each 16-lane vector takes two of 16 ymm
-    registers, so fp32 FMA kernels there take 6 (their first tile, 15, spilled: ResNet-50 fp32 137 against 131 ms
-    on Zen 3)."""
+    registers, so a tile's accumulators, a weight vector per column and the broadcast fit in 16 (a 2 x 3 tile
+    spilled: ResNet-50 fp32 in AVX2 code ran 1.84x slower than in 2 x 2 tiles on Zen 5)."""
     with tvm.target.Target({"kind": "llvm", "mcpu": mcpu}):
-        assert kernels.tile_vectors() == vectors
-        columns, rows = kernels.default_tile(56, 64)
-        assert columns * rows <= vectors and kernels.padded_width(197, 64) % (vectors // columns) == 0
-    assert kernels.tile_vectors() == kernels.MAX_ROWS  # no target: AVX-512's
+        assert kernels.register_file() == registers
+        for width, channels in [(56, 64), (128, 768), (197, 384), (7, 2048), (28, 144)]:
+            columns, rows = kernels.default_tile(kernels.padded_width(width, channels), channels)
+            assert registers.per_vector * (columns * rows + columns) + 1 <= registers.registers
+            assert columns * rows <= kernels.MAX_ROWS
+    assert kernels.register_file() == kernels.AVX512_REGISTERS  # no target: AVX-512's
+
+
+@pytest.mark.parametrize("width, channels, tile, padded", [
+    (56, 64, (2, 7), 56),  # ResNet's convs: 14 accumulators, as before
+    (56, 144, (1, 14), 56),  # one column where two do not divide the outputs
+    (128, 768, (3, 4), 128),  # BERT's 128 tokens: 12 accumulators, not 2 x 4
+    (128, 512, (4, 3), 129),  # 4 x 3 with one zero row, not 2 x 4
+    (197, 384, (3, 5), 200),  # ViT's 197 tokens: 3 zero rows
+    (394, 32, (2, 7), 399),
+])
+def test_the_untuned_tile_on_avx512_takes_the_most_accumulators_it_can_feed(width, channels, tile, padded):
+    assert kernels.padded_width(width, channels) == padded
+    assert kernels.default_tile(padded, channels) == tile
+
+
+def test_the_untuned_tile_on_avx2_keeps_one_column_where_two_would_spill_rows():
+    with tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}):
+        assert [kernels.row_budget(c) for c in (1, 2, 3, 4)] == [6, 2, 1, 0]
+        assert kernels.default_tile(56, 144) == (1, 4)  # not 3 x 1: three accumulators, latency-bound
+        assert kernels.default_tile(56, 64) == (2, 2)
+        assert kernels.default_tile(kernels.padded_width(197, 384), 384) == (1, 6)
 
 
 def test_an_epilogue_stored_in_bf16_computes_its_exps_to_bf16s_accuracy():
