@@ -475,10 +475,10 @@ def default_tile(width: int, out_channels: int) -> tuple[int, int]:
 def padded_width(width: int, out_channels: int) -> int:
     """`width`, or rounded up to whole row tiles where a tile with zero rows beats every tile that divides it
     (197 tokens); dispatch adds the zero rows and slices them off, and `default_tile` of the result divides it."""
-    return padded_rows(width, _best_tile(width, out_channels, padding=True)[1])
+    return _padded_rows(width, _best_tile(width, out_channels, padding=True)[1])
 
 
-def padded_rows(width: int, rows: int) -> int:
+def _padded_rows(width: int, rows: int) -> int:
     """`width` rounded up to whole tiles of `rows`."""
     return -(-width // rows) * rows
 
@@ -496,10 +496,11 @@ def _column_choices(out_channels: int) -> list[int]:
 
 
 def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
+    """The (columns, rows) tile `_products_per_cycle` rates best for `width` rows, with zero rows where `padding`."""
     tiles = [(c, rows) for c in _column_choices(out_channels) for rows in _tile_rows(width, c, padding)]
 
     def rank(tile):  # on equal rates: no zero rows, then more accumulators, then COLUMN_CHOICES' order
-        padded = padded_rows(width, tile[1])
+        padded = _padded_rows(width, tile[1])
         rate = _products_per_cycle(*tile) * width / padded
         return round(rate, 3), padded == width, tile[0] * tile[1], -tiles.index(tile)
     return max(tiles, key=rank)

@@ -249,6 +249,7 @@ def test_the_untuned_register_tile_fits_the_targets_registers(mcpu, registers):
     (394, 32, (2, 7), 399),
 ])
 def test_the_untuned_tile_on_avx512_takes_the_most_accumulators_it_can_feed(width, channels, tile, padded):
+    assert [kernels.row_budget(c) for c in (1, 2, 3, 4)] == [15, 7, 5, 3]  # the stack's 15 accumulators bind
     assert kernels.padded_width(width, channels) == padded
     assert kernels.default_tile(padded, channels) == tile
 
