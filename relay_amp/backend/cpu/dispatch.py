@@ -260,12 +260,9 @@ class _Dispatcher(relax.PyExprMutator):
             spec = _fewest_padded_rows(spec, dataclasses.replace(spec, data_shape=(images, rows, 1, in_ch)))
         flat = self.builder_.emit(relax.op.reshape(data, spec.data_shape))
         extra = 0 if on_amx else kernels.padded_width(rows, out_ch) - rows
-        if extra:  # zero rows complete the last register tile; the slice drops their outputs
-            flat = self.builder_.emit(pad_after(flat, 4, 2, extra))
-            spec = dataclasses.replace(spec, data_shape=(images, 1, rows + extra, in_ch))
+        if extra:  # the last register tile computes rows past the data, which the kernel does not store
+            spec = dataclasses.replace(spec, data_shape=(images, 1, rows + extra, in_ch), stored_width=rows)
         result = self._emit_kernel(spec, flat, packed)
-        if extra:
-            result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[rows]))
         return relax.op.reshape(result, (*shape[:-1], out_ch))
 
     def _conv2d(self, call: relax.Call) -> relax.Expr | None:
@@ -297,9 +294,9 @@ class _Dispatcher(relax.PyExprMutator):
                                 _out_dtype(call, dtype), groups=groups, dilation=tuple(int(d) for d in attrs.dilation))
         width = spec.out_shape[2]
         extra_width = 0 if self._on_amx(spec) else kernels.padded_width(width, out_ch) - width
-        # zero pixels on the right complete the last register tile (an audio conv's 799 outputs); sliced off after
-        right += extra_width * spec.strides[1]
-        spec = dataclasses.replace(spec, data_shape=(*padded_shape[:2], shape[2] + left + right, in_ch))
+        if extra_width:  # the last register tile computes pixels past the row (an audio conv's 799 outputs), unstored
+            computed = (*padded_shape[:2], padded_shape[2] + extra_width * spec.strides[1], in_ch)
+            spec = dataclasses.replace(spec, data_shape=computed, stored_width=width)
         widened = self._unsliced(data, extra) if extra else None
         if widened is not None:  # the zero channels come from the producing kernel: nothing to pad
             data, extra = widened, 0
@@ -307,8 +304,6 @@ class _Dispatcher(relax.PyExprMutator):
         if any(pad_width):
             data = self.builder_.emit(relax.op.nn.pad(data, pad_width))
         result = self._emit_kernel(spec, data, kernels.pack_weight(weight, layout, dot))
-        if extra_width:
-            result = self.builder_.emit(relax.op.strided_slice(result, axes=[2], begin=[0], end=[width]))
         if int(attrs.groups) != 1 and kernels.padded_group_width(group_width) != group_width:
             return self._groups_compacted(result, int(attrs.groups), group_width)
         return self._first_channels(result, 3, channels, out_ch)
@@ -355,7 +350,7 @@ class _Dispatcher(relax.PyExprMutator):
             args.append(relax.const(kernels.weight_sums(packed)) if isinstance(packed, np.ndarray)
                         else self.builder_.emit(_run_time_weight_sums(packed, spec)))
         gvar = self.builder_.add_func(kernels.conv2d_nhwc_compute(spec), name)
-        return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.out_shape, spec.out_dtype)))
+        return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.stored_shape, spec.out_dtype)))
 
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
         return spec.data_dtype in self.amx_dtypes and amx.supports(spec)

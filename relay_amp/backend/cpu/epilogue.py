@@ -64,7 +64,7 @@ class _Chain:
     @property
     def out_shape(self) -> tuple:
         """The shape the fused call stores."""
-        return amx.padded_out_shape(self.spec) if self.tile_rows_out else self.spec.out_shape
+        return amx.padded_out_shape(self.spec) if self.tile_rows_out else self.spec.stored_shape
 
 
 def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
@@ -361,7 +361,7 @@ class _Fuser(relax.PyExprMutator):
     def _fused_call(self, chain: _Chain) -> relax.Expr:
         spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
         epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
-        operands = [self._as_operand_shape(self.visit_expr(operand), epilogue.operand_buffer(step, spec.out_shape)[0])
+        operands = [self._as_operand_shape(self.visit_expr(operand), epilogue.operand_buffer(step, chain.out_shape)[0])
                     for step, operand in zip(epilogue.operand_steps, chain.operands)]
         kernel = chain.make(spec, epilogue, tile_rows_out=True) if chain.tile_rows_out else chain.make(spec, epilogue)
         gvar = self.builder_.add_func(kernel, "relay_amp_dot_kernel")

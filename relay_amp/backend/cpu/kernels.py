@@ -56,7 +56,7 @@ BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  #
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
 PER_PIXEL = (RESIDUAL, ROW_SCALE)  # steps whose operand has a value for each output pixel, not one per channel
-LATER_FIELDS = {"dilation": (1, 1)}  # ConvSpec fields spec_json leaves out at these values
+LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0}  # ConvSpec fields spec_json leaves out at these values
 
 
 @dataclass(frozen=True)
@@ -313,14 +313,30 @@ class ConvSpec:
     weight_batch: int = 0  # 0: one weight for the whole batch; else one packed weight per batch element
     groups: int = 1
     dilation: tuple[int, int] = (1, 1)
+    stored_width: int = 0  # 0: every output pixel; else the leading output pixels of each row the kernel stores
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
-        """The NHWC output shape."""
+        """The NHWC output the register tiles compute."""
         batch, height, width, _ = self.data_shape
         out_h = (height - self.window[0]) // self.strides[0] + 1
         out_w = (width - self.window[1]) // self.strides[1] + 1
         return batch, out_h, out_w, self.out_channels
+
+    @property
+    def stored_shape(self) -> tuple[int, int, int, int]:
+        """The NHWC output the kernel stores: `out_shape`, or its first `stored_width` pixels of each row (the
+        last register tile's zero rows, 197 tokens computed as 200, are not stored)."""
+        batch, height, width, channels = self.out_shape
+        return batch, height, self.stored_width or width, channels
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int]:
+        """The NHWC data the kernel reads: `data_shape`, less the pixels only unstored outputs read (the kernel's
+        last tile reads the row's last pixel again for them)."""
+        batch, height, width, channels = self.data_shape
+        unstored = self.out_shape[2] - self.stored_shape[2]
+        return batch, height, width - unstored * self.strides[1], channels
 
     @property
     def window(self) -> tuple[int, int]:
@@ -350,12 +366,12 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
     A bf16 operand must be a parameter: TVM's bf16 legalization would store an intermediate bf16 buffer as fp32.
     """
     dot, channels = spec.dot, spec.depth
-    data = te.placeholder(spec.data_shape, spec.data_dtype, "data")
+    data = te.placeholder(spec.input_shape, spec.data_dtype, "data")
     blocks = (spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group)
     packed = te.placeholder((spec.weight_batch, *blocks) if spec.weight_batch else blocks, dot.b_dtype, "packed")
     operand = data
     if spec.shifted:
-        operand = te.compute(spec.data_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
+        operand = te.compute(spec.input_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
                              name="shifted", attrs=_RULE_ATTRS)
     row = te.reduce_axis((0, spec.kernel_size[0]), "row")
     col = te.reduce_axis((0, spec.kernel_size[1]), "col")
@@ -371,13 +387,17 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
     def channel(o, k):  # the input channel of output channel o's k-th product; its 16-lane block's group
         return k if spec.groups == 1 else o // LANES // blocks_per_group * channels + k
 
+    def pixel(x, c):  # the input pixel; an unstored output's reads stay in the input
+        at = x * stride_w + c * step_w
+        return te.min(at, spec.input_shape[2] - 1) if spec.stored_width else at
+
     acc = te.compute(spec.out_shape, lambda b, y, x, o: te.sum(
-        operand[b, y * stride_h + row * step_h, x * stride_w + col * step_w, channel(o, chan)].astype(dot.acc_dtype)
+        operand[b, y * stride_h + row * step_h, pixel(x, col), channel(o, chan)].astype(dot.acc_dtype)
         * weight(b, o, row, col, chan).astype(dot.acc_dtype),
         axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: spec_json(spec)})
     sums = [te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
                            "int32", "sums")] if spec.shifted else []
-    operands = [te.placeholder(*epilogue.operand_buffer(step, spec.out_shape), f"operand{i}")
+    operands = [te.placeholder(*epilogue.operand_buffer(step, spec.stored_shape), f"operand{i}")
                 for i, step in enumerate(epilogue.operand_steps)]
 
     def output(*i):
@@ -385,7 +405,7 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
         return epilogue.apply(value, epilogue.out_dtype or spec.out_dtype,
                               lambda k, step: operands[k](*epilogue.operand_index(step, i)))
 
-    return [data, packed, *sums, *operands, te.compute(spec.out_shape, output, name="out", attrs=_RULE_ATTRS)]
+    return [data, packed, *sums, *operands, te.compute(spec.stored_shape, output, name="out", attrs=_RULE_ATTRS)]
 
 
 def mark_fusable(func: tvm.tirx.PrimFunc, spec: ConvSpec, epilogue: Epilogue, attr: str) -> tvm.tirx.PrimFunc:
@@ -473,8 +493,9 @@ def default_tile(width: int, out_channels: int) -> tuple[int, int]:
 
 
 def padded_width(width: int, out_channels: int) -> int:
-    """`width`, or rounded up to whole row tiles where a tile with zero rows beats every tile that divides it
-    (197 tokens); dispatch adds the zero rows and slices them off, and `default_tile` of the result divides it."""
+    """`width`, or rounded up to whole row tiles where a tile with rows past the width beats every tile that
+    divides it (197 tokens): dispatch gives the kernel this computed width and the stored one (`ConvSpec.stored_width`),
+    and `default_tile` of the result divides it."""
     return _padded_rows(width, _best_tile(width, out_channels, padding=True)[1])
 
 
@@ -496,10 +517,10 @@ def _column_choices(out_channels: int) -> list[int]:
 
 
 def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
-    """The (columns, rows) tile `_products_per_cycle` rates best for `width` rows, with zero rows where `padding`."""
+    """The (columns, rows) tile `_products_per_cycle` rates best for `width` rows, with rows past it where `padding`."""
     tiles = [(c, rows) for c in _column_choices(out_channels) for rows in _tile_rows(width, c, padding)]
 
-    def rank(tile):  # on equal rates: no zero rows, then more accumulators, then COLUMN_CHOICES' order
+    def rank(tile):  # on equal rates: no rows past the width, then more accumulators, then COLUMN_CHOICES' order
         padded = _padded_rows(width, tile[1])
         rate = _products_per_cycle(*tile) * width / padded
         return round(rate, 3), padded == width, tile[0] * tile[1], -tiles.index(tile)
@@ -509,7 +530,7 @@ def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
 def _tile_rows(width: int, columns: int, padding: bool) -> list[int]:
     """Pixel rows a tile of `columns` may take: the most that divide `width` and fit `row_budget`, and, with
     `padding` where those are under MIN_ROWS (197 tokens: a 1-row tile runs two accumulator chains,
-    latency-bound), the budget, zero rows completing the last tile."""
+    latency-bound), the budget, rows past the width completing the last tile."""
     budget = row_budget(columns)
     rows = largest_divisor(width, budget)
     return [rows, budget] if padding and rows < MIN_ROWS and width > budget else [rows]

@@ -149,12 +149,17 @@ def test_int8_conv_is_padded_then_dispatched():
     assert ops == ["relax.nn.pad", "relax.call_tir"]
 
 
-def test_rows_that_tile_badly_get_zero_rows_in_and_a_slice_out():
+def _kernel_spec(mod: tvm.IRModule, call: relax.Call) -> kernels.ConvSpec:
+    return kernels.fusable_spec(mod[call.args[0]], kernels.FUSABLE_ATTR)
+
+
+def test_rows_that_tile_badly_are_computed_in_whole_tiles_and_only_their_own_stored():
     after = dispatch.UseDotKernels({BF16})(_matmul_module(BF16, _bf16_weight((64, 32)), rows=197))
     calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
-    assert [c.op.name for c in calls] == ["relax.reshape", "relax.nn.pad", "relax.call_tir",
-                                          "relax.strided_slice", "relax.reshape"]
-    assert [int(p) for p in calls[1].attrs.pad_width] == [0, 0, 0, 0, 0, 5, 0, 0]  # 2 x 197 rows: 394 -> 399, 7-row tiles
+    assert [c.op.name for c in calls] == ["relax.reshape", "relax.call_tir", "relax.reshape"]  # no pad, no slice
+    spec = _kernel_spec(after, calls[1])  # 2 x 197 rows: 394 computed as 399, in 7-row tiles
+    assert (spec.data_shape, spec.input_shape, spec.stored_width) == ((1, 1, 399, 64), (1, 1, 394, 64), 394)
+    assert tensor_shape(calls[1]) == (1, 1, 394, 32)
     assert kernels.padded_width(2, 32) == 2 and kernels.padded_width(128, 32) == 128  # one tile; 4-row tiles
     relax.analysis.well_formed(after)
 
@@ -179,12 +184,13 @@ def _audio_conv_module(dtype: str = "int8"):
         tensor("x", (1, 1, 1600, 16), dtype))
 
 
-def test_conv_outputs_that_tile_badly_get_zero_pixels_in_and_a_slice_out():
+def test_conv_outputs_that_tile_badly_are_computed_in_whole_tiles_and_only_their_own_stored():
     after = dispatch.UseDotKernels({"int8"})(_audio_conv_module())
     calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
-    assert [c.op.name for c in calls] == ["relax.nn.pad", "relax.call_tir", "relax.strided_slice"]
-    assert [int(p) for p in calls[0].attrs.pad_width] == [0, 0, 0, 0, 0, 12, 0, 0]  # 799 -> 805 outputs: 7-pixel
-    assert tensor_shape(calls[1]) == (1, 1, 805, 32) and tensor_shape(calls[2]) == (1, 1, 799, 32)  # tiles, stride 2
+    assert [c.op.name for c in calls] == ["relax.call_tir"]  # no pad, no slice
+    spec = _kernel_spec(after, calls[0])  # 799 outputs computed as 805 (7-pixel tiles, stride 2) from 1612 pixels
+    assert (spec.out_shape, spec.stored_shape) == ((1, 1, 805, 32), (1, 1, 799, 32))
+    assert spec.input_shape == (1, 1, 1600, 16) and tensor_shape(calls[0]) == (1, 1, 799, 32)
     relax.analysis.well_formed(after)
 
 

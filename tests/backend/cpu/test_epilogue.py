@@ -10,6 +10,7 @@ from tvm import relax
 
 import relay_amp
 from relay_amp import targets
+from relay_amp._ir import tensor_shape
 from relay_amp.backend.cpu import amx, dispatch, kernels
 from relay_amp.backend.cpu.affine import FoldAffineClamps
 from relay_amp.backend.cpu.epilogue import FuseKernelEpilogues
@@ -541,6 +542,19 @@ def test_a_dynamic_matmuls_row_scales_join_its_epilogue_through_the_int32_reshap
                                    kernels.conv2d_nhwc_compute(spec, kernels.Epilogue(steps, "", F32)))
 
 
+def test_a_matmul_whose_rows_are_off_its_tiles_takes_its_epilogue_on_the_rows_it_stores():
+    """32 rows in tiles of 3: the kernel computes 33 and stores 32, so nothing slices its result and the dequantizing
+    ops, row scales included (one per stored row), join its epilogue."""
+    after = FuseKernelEpilogues()(dispatch.UseDotKernels({"int8"})(_dynamic_matmul(32)))
+    relax.analysis.well_formed(after)
+    bindings = after["main"].body.blocks[0].bindings
+    assert [call_op_name(b.value) for b in bindings] == ["relax.reshape", "relax.reshape", "relax.call_tir",
+                                                         "relax.reshape"]
+    call = bindings[-2].value
+    assert tensor_shape(call) == (1, 1, 32, 64) and tensor_shape(call.args[1].fields[0]) == (1, 1, 32, 64)
+    assert [int(d) for d in call.args[1].fields[-2].ty.shape] == [1, 1, 32, 1]  # s, one value per stored row
+
+
 def test_a_multiply_by_a_tensor_of_other_rows_stays_out_of_the_epilogue():
     """A (1, 1, 1) tensor is one value for every row, not a row scale: the multiply is left to a function."""
     x, s = tensor("x", (1, 32, 64), "int8"), tensor("s", (1, 1, 1), F32)
@@ -554,7 +568,7 @@ def test_a_multiply_by_a_tensor_of_other_rows_stays_out_of_the_epilogue():
 def test_a_built_dynamic_matmul_matches_the_unfused_ops():
     if not targets.host_supports("avx512_vnni"):
         pytest.skip("host CPU has no avx512_vnni")
-    mod = _dynamic_matmul(32)  # rows padded to whole tiles of 3 and sliced after
+    mod = _dynamic_matmul(32)  # computed in whole tiles of 3 rows, 32 stored: the row scales read at the stored rows
     x = RNG.integers(-127, 128, (1, 32, 64)).astype("int8")
     s = RNG.uniform(0.01, 0.1, (1, 32, 1)).astype(F32)
     got = run_executable(build(mod, "cpu-avx512-bf16"), [x, s])[0]

@@ -36,6 +36,11 @@ CASES = {
                                            dilation=(2, 3)), "avx512_bf16"),
     "int8_dilated_conv_stride2": (kernels.ConvSpec((1, 13, 13, 8), (3, 3), 16, (2, 2), "int8", "int32",
                                                    dilation=(3, 3)), "avx512_vnni"),
+    # rows off the register tiles: the last tile's rows past the data are computed from its last pixel, not stored
+    "bf16_matmul_stored_rows": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "bfloat16", "float32",
+                                                 stored_width=23), "avx512_bf16"),
+    "int8_conv_stride2_stored_pixels": (kernels.ConvSpec((1, 9, 11, 8), (3, 3), 32, (2, 2), "int8", "int32",
+                                                         stored_width=4), "avx512_vnni"),
     # a 557 KB weight: output-channel panels outermost
     "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
                                  "avx512f"),
@@ -85,12 +90,14 @@ def test_a_bf16_kernel_reads_its_broadcast_operand_in_the_product_instruction():
 def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     """Run a compiled kernel on random operands (packed weight, + weight sums for int8) and compare with numpy."""
     data, weight = random_operands(spec, np.random.default_rng(0))
+    expected = reference_conv(data, weight, spec)[:, :, :spec.stored_shape[2]]
     packed = kernels.pack_weight(weight, "OIHW", spec.dot)
-    args = [data, packed] + ([kernels.weight_sums(packed)] if spec.shifted else [])
-    tensors = [tvm.runtime.tensor(a) for a in args] + [tvm.runtime.empty(spec.out_shape, spec.out_dtype, tvm.cpu())]
+    args = [np.ascontiguousarray(data[:, :, :spec.input_shape[2]]), packed]
+    args += [kernels.weight_sums(packed)] if spec.shifted else []
+    tensors = [tvm.runtime.tensor(a) for a in args] + [tvm.runtime.empty(spec.stored_shape, spec.out_dtype, tvm.cpu())]
     lib["main"](*tensors)
     tolerance = 0 if "int" in spec.data_dtype else 1e-5  # fp32 sums in another order; integers are exact
-    assert max_relative_error(tensors[-1].numpy(), reference_conv(data, weight, spec)) <= tolerance
+    assert max_relative_error(tensors[-1].numpy(), expected) <= tolerance
 
 
 def test_a_spec_at_its_default_dilation_writes_the_json_earlier_tuning_records_hold():
@@ -102,6 +109,15 @@ def test_a_spec_at_its_default_dilation_writes_the_json_earlier_tuning_records_h
     assert kernels.spec_from_json(kernels.spec_json(spec)) == spec
     assert kernels.spec_from_json(kernels.spec_json(dilated)) == dilated
     assert dilated.window == (5, 7) and dilated.out_shape == (1, 4, 2, 32)
+
+
+def test_a_spec_storing_fewer_pixels_reads_only_the_input_they_need():
+    spec = kernels.ConvSpec((1, 9, 11, 8), (3, 3), 32, (2, 2), stored_width=4)  # 5 outputs computed, 4 stored
+    assert (spec.out_shape, spec.stored_shape, spec.input_shape) == ((1, 4, 5, 32), (1, 4, 4, 32), (1, 9, 9, 8))
+    assert json.loads(kernels.spec_json(spec))["stored_width"] == 4
+    assert kernels.spec_from_json(kernels.spec_json(spec)) == spec
+    whole = dataclasses.replace(spec, stored_width=0)
+    assert whole.stored_shape == whole.out_shape and whole.input_shape == whole.data_shape
 
 
 def test_grouped_weights_are_block_diagonal_over_16_lane_blocks():
