@@ -47,7 +47,8 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     if target.kind.name != "llvm":
         return frozenset()
     has = tvm.target.codegen.target_has_features
-    return frozenset(dtype for dtype in DATA_DTYPES if has(kernels.intrinsic_for(dtype).llvm_feature, target))
+    return frozenset(dtype for dtype in DATA_DTYPES
+                     if has(kernels.target_intrinsic(dtype, target).llvm_feature, target))
 
 
 def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
@@ -76,8 +77,11 @@ def _out_dtype(call: relax.Call, data_dtype: str) -> str:
 
 def _packed_at_run_time(operand: relax.Expr, shape: tuple[int, ...], dot: kernels.DotIntrin, batch: int) -> relax.Expr:
     """A runtime [..., K, N] operand in the kernel's weight layout [batch, N/16, 1, 1, K/group, 16, group]: the
-    same order kernels.pack_weight gives a constant, by a reshape and a transpose (fused with its producer)."""
+    same order kernels.pack_weight gives a constant, by a reshape and a transpose (fused with its producer), in the
+    instruction's dtype (int8 codes widened to INT16_DOT's int16)."""
     (k, n), lanes, group = shape[-2:], kernels.LANES, dot.group
+    if tensor_dtype(operand) != dot.b_dtype:
+        operand = relax.op.astype(operand, dot.b_dtype)
     split = relax.op.reshape(operand, (batch, k // group, group, n // lanes, lanes))
     blocked = relax.op.permute_dims(split, [0, 3, 1, 4, 2])
     return relax.op.reshape(blocked, (batch, n // lanes, 1, 1, k // group, lanes, group))
@@ -123,7 +127,7 @@ class _Dispatcher(relax.PyExprMutator):
         if shape is None:
             return None
         if weight is not None:
-            dot = kernels.intrinsic_for(dtype)
+            dot = kernels.target_intrinsic(dtype)
             if weight.ndim > 2 and weight.ndim <= len(shape) and all(d == 1 for d in weight.shape[:-2]):
                 weight = weight.reshape(weight.shape[-2:])  # a batch of one (torch.export's einsum as bmm)
             if weight.ndim != 2:
@@ -199,8 +203,9 @@ class _Dispatcher(relax.PyExprMutator):
         if shape[-2] <= FEW_ROWS:
             return self._few_rows(call, shape)
         data, operand = call.args
-        dot, operand_shape = kernels.intrinsic_for(tensor_dtype(data)), _static_shape(operand)
-        if (tensor_dtype(operand) != dot.b_dtype or operand_shape is None or len(operand_shape) < 2
+        dot, operand_shape = kernels.target_intrinsic(tensor_dtype(data)), _static_shape(operand)
+        weight_dtype = kernels.intrinsic_for(tensor_dtype(data)).b_dtype  # the model's: int8, widened as it is packed
+        if (tensor_dtype(operand) != weight_dtype or operand_shape is None or len(operand_shape) < 2
                 or operand_shape[-2] != shape[-1] or operand_shape[:-2] not in ((), shape[:-2])):
             return None  # broadcast batches
         width, batch = operand_shape[-1], math.prod(operand_shape[:-2])
@@ -254,7 +259,7 @@ class _Dispatcher(relax.PyExprMutator):
         dtype, in_ch = tensor_dtype(call.args[0]), shape[-1]
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
-                                weight_batch)
+                                weight_batch, instruction=kernels.instruction_name(dtype))
         on_amx = self._on_amx(spec)
         if on_amx:
             spec = _fewest_padded_rows(spec, dataclasses.replace(spec, data_shape=(images, rows, 1, in_ch)))
@@ -271,7 +276,7 @@ class _Dispatcher(relax.PyExprMutator):
         shape = _static_shape(data)
         if weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or shape is None:
             return None
-        layout, dot, groups = str(attrs.kernel_layout), kernels.intrinsic_for(dtype), 1
+        layout, dot, groups = str(attrs.kernel_layout), kernels.target_intrinsic(dtype), 1
         channels = weight.shape[layout.index("O")]  # outputs padded up to the 16 lanes are sliced off after
         group_width = channels // int(attrs.groups)
         if int(attrs.groups) == 1:
@@ -291,7 +296,8 @@ class _Dispatcher(relax.PyExprMutator):
         padded_shape = (shape[0], shape[1] + top + bottom, shape[2] + left + right, in_ch)
         kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
         spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
-                                _out_dtype(call, dtype), groups=groups, dilation=tuple(int(d) for d in attrs.dilation))
+                                _out_dtype(call, dtype), groups=groups, dilation=tuple(int(d) for d in attrs.dilation),
+                                instruction=kernels.instruction_name(dtype))
         width = spec.out_shape[2]
         extra_width = 0 if self._on_amx(spec) else kernels.padded_width(width, out_ch) - width
         if extra_width:  # the last register tile computes pixels past the row (an audio conv's 799 outputs), unstored

@@ -1,8 +1,11 @@
 """kernels: AVX-512 dot-product tensor intrinsics and the packed-weight conv/matmul kernels that use them.
 
-Two TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
+Three TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
 - `BF16_DOT` on `vdpbf16ps`: 16 fp32 lanes, each += a bf16 pair of A times a bf16 pair of B.
 - `INT8_DOT` on `vpdpbusd`: 16 int32 lanes, each += four uint8 of A times four int8 of B.
+- `INT16_DOT` on two 256-bit `vpmaddwd`: 16 int32 lanes, each += an int16 pair of A times an int16 pair of B; the
+  8-bit codes of AVX2 hosts (no vpdpbusd), widened to int16 in the kernel and in its packed weight
+  (`target_intrinsic`).
 Their bodies call a small LLVM IR function that TVM links in and inlines (`pragma_import_llvm`), because TVM's
 bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrinsic cannot be called from TIR.
 
@@ -56,7 +59,7 @@ BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  #
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
 PER_PIXEL = (RESIDUAL, ROW_SCALE)  # steps whose operand has a value for each output pixel, not one per channel
-LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0}  # ConvSpec fields spec_json leaves out at these values
+LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": ""}  # fields spec_json leaves out at these values
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class DotIntrin:
     # that may be a memory operand, so LLVM folds the broadcast load into it ({1to16}) instead of issuing a
     # broadcast of its own for every product; vpdpbusd's unsigned operand must stay first
     commutes: bool = False
+    halves: int = 1  # 2: the instruction takes 256-bit registers, and each 16-lane product is two of them (AVX2)
 
     @property
     def symbol(self) -> str:
@@ -89,6 +93,8 @@ class DotIntrin:
 
     def llvm_ir(self) -> str:
         """LLVM IR of the inlined function: acc[16] = instruction(acc, broadcast(a group), b[16 x group])."""
+        if self.halves == 2:
+            return self._halves_llvm_ir()
         group_bits = 32
         return f"""
 declare <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}>, {self.llvm_operand}, {self.llvm_operand})
@@ -106,12 +112,43 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
 """
 
 
+    def _halves_llvm_ir(self) -> str:
+        """LLVM IR of a 256-bit instruction that returns its products (`vpmaddwd`): acc[0:8] and acc[8:16] each add
+        the products of the broadcast group by their half of b."""
+        return f"""
+declare <8 x {self.llvm_acc}> @{self.llvm_intrinsic}({self.llvm_operand}, {self.llvm_operand})
+define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
+  %group = load i32, ptr %a, align 1
+  %one = insertelement <8 x i32> poison, i32 %group, i64 0
+  %all = shufflevector <8 x i32> %one, <8 x i32> poison, <8 x i32> zeroinitializer
+  %av = bitcast <8 x i32> %all to {self.llvm_operand}
+  %b_high = getelementptr i8, ptr %b, i64 32
+  %c_high = getelementptr i8, ptr %c, i64 32
+  %b0 = load {self.llvm_operand}, ptr %b, align 1
+  %b1 = load {self.llvm_operand}, ptr %b_high, align 1
+  %p0 = call <8 x {self.llvm_acc}> @{self.llvm_intrinsic}({self.llvm_operand} %av, {self.llvm_operand} %b0)
+  %p1 = call <8 x {self.llvm_acc}> @{self.llvm_intrinsic}({self.llvm_operand} %av, {self.llvm_operand} %b1)
+  %acc0 = load <8 x {self.llvm_acc}>, ptr %c, align 4
+  %acc1 = load <8 x {self.llvm_acc}>, ptr %c_high, align 4
+  %r0 = add <8 x {self.llvm_acc}> %acc0, %p0
+  %r1 = add <8 x {self.llvm_acc}> %acc1, %p1
+  store <8 x {self.llvm_acc}> %r0, ptr %c, align 4
+  store <8 x {self.llvm_acc}> %r1, ptr %c_high, align 4
+  ret void
+}}
+"""
+
+
 BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512bf16",
                      "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>", commutes=True)
 INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
+# int8 and uint8 codes on AVX2 hosts, which have no vpdpbusd: widened to int16, pairs of products summed in int32
+INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16", "int16", "int16", "int32", 2, "avx2", "llvm.x86.avx2.pmadd.wd", "i32",
+                      "<16 x i16>", halves=2)
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "fma")  # AVX2 hosts too
-INTRINSICS = (BF16_DOT, INT8_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
+INTRINSICS = (BF16_DOT, INT8_DOT, INT16_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
+INTRINSICS_BY_NAME = {dot.name: dot for dot in INTRINSICS}
 
 
 @dataclass(frozen=True)
@@ -243,6 +280,24 @@ def intrinsic_for(dtype: str) -> DotIntrin:
     raise DTypeError(f"no AVX-512 dot-product kernel for {dtype!r}: relay_amp has them for float32, bfloat16, int8 and uint8")
 
 
+def target_intrinsic(dtype: str, target: "tvm.target.Target | None" = None) -> DotIntrin:
+    """The dot product `target` (the current one by default) computes `dtype` operands with: `intrinsic_for`'s, or
+    INT16_DOT for 8-bit codes on a target without vpdpbusd that has AVX2."""
+    dot = intrinsic_for(dtype)
+    target = target or tvm.target.Target.current(allow_none=True)
+    if dot is not INT8_DOT or target is None or target.kind.name != "llvm":
+        return dot
+    has = tvm.target.codegen.target_has_features
+    return INT16_DOT if not has(dot.llvm_feature, target) and has(INT16_DOT.llvm_feature, target) else dot
+
+
+def instruction_name(dtype: str) -> str:
+    """`ConvSpec.instruction` for a kernel of `dtype` operands on the current target: its `target_intrinsic`'s
+    name where that is not `intrinsic_for`'s, else ""."""
+    dot = target_intrinsic(dtype)
+    return "" if dot is intrinsic_for(dtype) else dot.name
+
+
 def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
     """Reorder a conv weight (`layout` a permutation of "OIHW") or a [I, O] matmul weight into the kernel's layout."""
     if layout == "IO":
@@ -250,7 +305,8 @@ def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
     ohwi = np.transpose(weight, [layout.index(axis) for axis in "OHWI"])
     out_ch, height, width, in_ch = ohwi.shape
     blocked = ohwi.reshape(out_ch // LANES, LANES, height, width, in_ch // dot.group, dot.group)
-    return np.ascontiguousarray(blocked.transpose(0, 2, 3, 4, 1, 5))
+    packed = np.ascontiguousarray(blocked.transpose(0, 2, 3, 4, 1, 5))
+    return packed.astype(dot.b_dtype, copy=False) if packed.dtype.kind in "iu" else packed  # int8 codes for INT16_DOT
 
 
 def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, int] | None":
@@ -314,6 +370,7 @@ class ConvSpec:
     groups: int = 1
     dilation: tuple[int, int] = (1, 1)
     stored_width: int = 0  # 0: every output pixel; else the leading output pixels of each row the kernel stores
+    instruction: str = ""  # the DotIntrin's name where it is not intrinsic_for(data_dtype)'s (INT16_DOT)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -350,13 +407,13 @@ class ConvSpec:
 
     @property
     def dot(self) -> DotIntrin:
-        """The intrinsic for the data dtype."""
-        return intrinsic_for(self.data_dtype)
+        """The intrinsic: `instruction`'s, or the data dtype's."""
+        return INTRINSICS_BY_NAME[self.instruction] if self.instruction else intrinsic_for(self.data_dtype)
 
     @property
     def shifted(self) -> bool:
         """Whether signed int8 data is shifted to uint8 (and corrected through the weight sums)."""
-        return self.data_dtype == "int8"
+        return self.data_dtype == "int8" and self.dot is INT8_DOT
 
 
 def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
@@ -373,6 +430,9 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
     if spec.shifted:
         operand = te.compute(spec.input_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
                              name="shifted", attrs=_RULE_ATTRS)
+    elif spec.data_dtype != dot.a_dtype:  # 8-bit codes for INT16_DOT
+        operand = te.compute(spec.input_shape, lambda *i: data[i].astype(dot.a_dtype), name="widened",
+                             attrs=_RULE_ATTRS)
     row = te.reduce_axis((0, spec.kernel_size[0]), "row")
     col = te.reduce_axis((0, spec.kernel_size[1]), "col")
     chan = te.reduce_axis((0, channels), "chan")
@@ -599,8 +659,8 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, ve
     if tensorized:
         sch.tensorize(out_c_lane, spec.dot.name)
         sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
-    if spec.shifted:
-        schedule_injective(sch, sch.get_sblock("shifted"))
+    if spec.data_dtype != spec.dot.a_dtype:
+        schedule_injective(sch, sch.get_sblock("shifted" if spec.shifted else "widened"))
 
 
 def _kernel_block(sch: s_tir.Schedule):

@@ -13,6 +13,7 @@ from relay_amp.backend.cpu import amx, dispatch, kernels
 from relay_amp.backend.cpu.epilogue import FuseKernelEpilogues
 from relay_amp.compile.build import build
 from relay_amp.ops import call_op_name
+from relay_amp.passes.shapes import static_input_shape
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor
@@ -203,6 +204,31 @@ def test_built_conv_with_padded_pixels_matches_the_generic_build():
                                   relay_amp.run(mod, inputs)[0])  # integer arithmetic is exact
 
 
+def _runtime_int8_matmul() -> tvm.IRModule:
+    return single_output_module(lambda a, b: relax.op.matmul(a, b, out_dtype="int32"),
+                                tensor("a", (2, 16, 32), "int8"), tensor("b", (2, 32, 32), "int8"))
+
+
+@pytest.mark.parametrize("module", [_audio_conv_module, lambda: _conv_module(np.ones((3, 3, 8, 16), "int8")),
+                                    _runtime_int8_matmul])
+def test_int8_kernels_for_an_avx2_target_take_int16_pairs_and_match_the_generic_build(module):
+    """An AVX2 host has no vpdpbusd: its 8-bit codes are widened to int16 in the kernel and its weights packed in
+    int16 (kernels.INT16_DOT; a runtime operand as it is packed), exact as the generic build's integer sums."""
+    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    assert {"float32", "int8", "uint8"} <= dispatch.target_dtypes(avx2) and BF16 not in dispatch.target_dtypes(avx2)
+    mod = module()
+    with avx2:
+        after = dispatch.UseDotKernels({"int8"})(mod)
+    (kernel,) = [b.value for b in after["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"
+                 and b.value.args[0].name_hint.startswith("relay_amp_dot_kernel")]
+    assert _kernel_spec(after, kernel).dot is kernels.INT16_DOT and tensor_dtype(kernel.args[1].fields[1]) == "int16"
+    if not targets.host_supports("avx2"):
+        pytest.skip("host CPU lacks avx2")
+    rng = np.random.default_rng(7)
+    data = [rng.integers(-128, 128, static_input_shape(p)).astype("int8") for p in mod["main"].params]
+    np.testing.assert_array_equal(run_executable(build(mod, avx2), data)[0], relay_amp.run(mod, data)[0])
+
+
 def _dilated_conv_module(dtype: str, weight_hwio: np.ndarray):
     """An atrous 3x3 conv as DeepLab's ASPP has them: taps 2 pixels apart, padded to keep the 9 x 10 image."""
     return single_output_module(
@@ -242,8 +268,8 @@ def test_built_dilated_conv_matches_the_generic_build(dtype, feature):
 
 def test_target_dtypes_follow_the_cpu_features():
     assert dispatch.target_dtypes(targets.get_target("cpu-avx512-bf16")) == {"float32", BF16, "int8", "uint8"}
-    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})) == {"float32"}
-    assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})) == {"float32"}  # FMA
+    for mcpu in ("skylake-avx512", "haswell"):  # FMA; 8-bit codes in int16 pairs without VNNI
+        assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})) == {"float32", "int8", "uint8"}
     assert dispatch.target_dtypes(tvm.target.Target({"kind": "llvm", "mcpu": "sandybridge"})) == set()
     assert dispatch.target_dtypes(targets.get_target("cuda-tensorcore")) == set()
 

@@ -41,35 +41,43 @@ CASES = {
                                                  stored_width=23), "avx512_bf16"),
     "int8_conv_stride2_stored_pixels": (kernels.ConvSpec((1, 9, 11, 8), (3, 3), 32, (2, 2), "int8", "int32",
                                                          stored_width=4), "avx512_vnni"),
+    # 8-bit codes on AVX2 hosts (no vpdpbusd): widened to int16, pairs of products summed by vpmaddwd
+    "int8_conv_stride2_int16_pairs": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
+                                                       instruction=kernels.INT16_DOT.name), "avx2"),
+    "uint8_matmul_int16_pairs_stored_rows": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "uint8", "int32",
+                                                              stored_width=23, instruction=kernels.INT16_DOT.name),
+                                             "avx2"),
     # a 557 KB weight: output-channel panels outermost
     "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
                                  "avx512f"),
 }
-INSTRUCTION = {"bfloat16": "vdpbf16ps", "int8": "vpdpbusd", "uint8": "vpdpbusd", "float32": "vfmadd"}
+INSTRUCTION = {kernels.BF16_DOT: "vdpbf16ps", kernels.INT8_DOT: "vpdpbusd", kernels.INT16_DOT: "vpmaddwd",
+               kernels.FP32_FMA: "vfmadd"}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][1] != "avx2"))  # AVX2's: the test after
 def test_kernel_uses_the_instruction_and_matches_numpy(case):
     spec, feature = CASES[case]
     func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
     lib = tvm.compile(tvm.IRModule({"main": func}), target=targets.get_target("cpu-avx512-bf16"))
-    assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
+    assert INSTRUCTION[spec.dot] in lib.mod.inspect_source("asm")
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}: the code is checked, not run")
     _assert_matches_numpy(lib, spec)
 
 
-@pytest.mark.parametrize("case", ["fp32_conv", "fp32_matmul_large_weight"])
-def test_an_fp32_kernel_runs_on_avx2_in_ymm_registers_and_matches_numpy(case):
-    """AVX2 hosts (Zen 3, Intel client CPUs) have no AVX-512: their fp32 FMA kernels split each 16-lane vector into
-    two ymm halves, in AVX2's register tile."""
+@pytest.mark.parametrize("case", ["fp32_conv", "fp32_matmul_large_weight", "int8_conv_stride2_int16_pairs",
+                                  "uint8_matmul_int16_pairs_stored_rows"])
+def test_an_avx2_kernel_runs_in_ymm_registers_and_matches_numpy(case):
+    """AVX2 hosts (Zen 3, Intel client CPUs) have no AVX-512: their fp32 FMA and int16-pair kernels split each
+    16-lane vector into two ymm halves, in AVX2's register tile."""
     spec, _ = CASES[case]
     target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
     with target:
         func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
     lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
     asm = lib.mod.inspect_source("asm")
-    assert "vfmadd" in asm and "ymm" in asm and "zmm" not in asm
+    assert INSTRUCTION[spec.dot] in asm and "ymm" in asm and "zmm" not in asm
     if not (targets.host_supports("avx2") and targets.host_supports("fma")):
         pytest.skip("host CPU lacks AVX2 and FMA: the code is checked, not run")
     _assert_matches_numpy(lib, spec)
@@ -109,6 +117,18 @@ def test_a_spec_at_its_default_dilation_writes_the_json_earlier_tuning_records_h
     assert kernels.spec_from_json(kernels.spec_json(spec)) == spec
     assert kernels.spec_from_json(kernels.spec_json(dilated)) == dilated
     assert dilated.window == (5, 7) and dilated.out_shape == (1, 4, 2, 32)
+
+
+def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_avx2():
+    avx2, avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}), targets.get_target("cpu-avx512-bf16")
+    assert kernels.target_intrinsic("int8", avx2) is kernels.target_intrinsic("uint8", avx2) is kernels.INT16_DOT
+    assert kernels.target_intrinsic("int8", avx512) is kernels.target_intrinsic("int8") is kernels.INT8_DOT
+    assert kernels.target_intrinsic("bfloat16", avx2) is kernels.BF16_DOT  # dispatch widens bf16 there instead
+    with avx2:
+        assert kernels.instruction_name("int8") == kernels.INT16_DOT.name and kernels.instruction_name("float32") == ""
+    spec = kernels.ConvSpec((1, 4, 4, 8), (1, 1), 16, data_dtype="int8", instruction=kernels.INT16_DOT.name)
+    assert spec.dot is kernels.INT16_DOT and not spec.shifted  # widened, not shifted: no weight sums
+    assert kernels.pack_weight(np.ones((16, 8, 1, 1), "int8"), "OIHW", kernels.INT16_DOT).dtype == np.int16
 
 
 def test_a_spec_storing_fewer_pixels_reads_only_the_input_they_need():
@@ -223,7 +243,7 @@ def test_metaschedule_samples_register_tiles_of_the_tensorized_kernel(case):
         for postproc in context.space_generator.postprocs:
             assert postproc.apply(sch)
         lib = tvm.compile(sch.mod, target=context.target)
-        assert INSTRUCTION[spec.data_dtype] in lib.mod.inspect_source("asm")
+        assert INSTRUCTION[spec.dot] in lib.mod.inspect_source("asm")
         if targets.host_supports(feature):
             _assert_matches_numpy(lib, spec)
 
