@@ -1,11 +1,13 @@
 """kernels: AVX-512 dot-product tensor intrinsics and the packed-weight conv/matmul kernels that use them.
 
-Three TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
+Four TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
 - `BF16_DOT` on `vdpbf16ps`: 16 fp32 lanes, each += a bf16 pair of A times a bf16 pair of B.
 - `INT8_DOT` on `vpdpbusd`: 16 int32 lanes, each += four uint8 of A times four int8 of B.
+- `AVX_VNNI_DOT`: the same on two 256-bit `vpdpbusd` (AVX-VNNI), for 8-bit codes on hosts without AVX-512 that have
+  it (Intel's client CPUs since Alder Lake).
 - `INT16_DOT` on two 256-bit `vpmaddwd`: 16 int32 lanes, each += an int16 pair of A times an int16 pair of B; the
-  8-bit codes of AVX2 hosts (no vpdpbusd), widened to int16 in the kernel and in its packed weight
-  (`target_intrinsic`).
+  8-bit codes of other AVX2 hosts (Zen 3), widened to int16 in the kernel and in its packed weight.
+`target_intrinsic` picks among the 8-bit ones by the target's features.
 Their bodies call a small LLVM IR function that TVM links in and inlines (`pragma_import_llvm`), because TVM's
 bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrinsic cannot be called from TIR.
 
@@ -79,6 +81,7 @@ class DotIntrin:
     # broadcast of its own for every product; vpdpbusd's unsigned operand must stay first
     commutes: bool = False
     halves: int = 1  # 2: the instruction takes 256-bit registers, and each 16-lane product is two of them (AVX2)
+    accumulates: bool = True  # the instruction adds its products to an accumulator operand (not vpmaddwd)
 
     @property
     def symbol(self) -> str:
@@ -113,10 +116,21 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
 
 
     def _halves_llvm_ir(self) -> str:
-        """LLVM IR of a 256-bit instruction that returns its products (`vpmaddwd`): acc[0:8] and acc[8:16] each add
-        the products of the broadcast group by their half of b."""
+        """LLVM IR of a 256-bit instruction on each half: acc[0:8] and acc[8:16] each take the products of the
+        broadcast group by their half of b (added by the instruction, or after it: `vpmaddwd`)."""
+        acc = f"<8 x {self.llvm_acc}>"
+        if self.accumulates:
+            declared, products = f"{acc}, {self.llvm_operand}, {self.llvm_operand}", [
+                f"%r{i} = call {acc} @{self.llvm_intrinsic}({acc} %acc{i}, {self._operands.replace('%bv', f'%b{i}')})"
+                for i in range(2)]
+        else:
+            declared, products = f"{self.llvm_operand}, {self.llvm_operand}", [
+                line for i in range(2) for line in (
+                    f"%p{i} = call {acc} @{self.llvm_intrinsic}({self._operands.replace('%bv', f'%b{i}')})",
+                    f"%r{i} = add {acc} %acc{i}, %p{i}")]
+        body = "\n  ".join(products)
         return f"""
-declare <8 x {self.llvm_acc}> @{self.llvm_intrinsic}({self.llvm_operand}, {self.llvm_operand})
+declare {acc} @{self.llvm_intrinsic}({declared})
 define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
   %group = load i32, ptr %a, align 1
   %one = insertelement <8 x i32> poison, i32 %group, i64 0
@@ -126,14 +140,11 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
   %c_high = getelementptr i8, ptr %c, i64 32
   %b0 = load {self.llvm_operand}, ptr %b, align 1
   %b1 = load {self.llvm_operand}, ptr %b_high, align 1
-  %p0 = call <8 x {self.llvm_acc}> @{self.llvm_intrinsic}({self.llvm_operand} %av, {self.llvm_operand} %b0)
-  %p1 = call <8 x {self.llvm_acc}> @{self.llvm_intrinsic}({self.llvm_operand} %av, {self.llvm_operand} %b1)
-  %acc0 = load <8 x {self.llvm_acc}>, ptr %c, align 4
-  %acc1 = load <8 x {self.llvm_acc}>, ptr %c_high, align 4
-  %r0 = add <8 x {self.llvm_acc}> %acc0, %p0
-  %r1 = add <8 x {self.llvm_acc}> %acc1, %p1
-  store <8 x {self.llvm_acc}> %r0, ptr %c, align 4
-  store <8 x {self.llvm_acc}> %r1, ptr %c_high, align 4
+  %acc0 = load {acc}, ptr %c, align 4
+  %acc1 = load {acc}, ptr %c_high, align 4
+  {body}
+  store {acc} %r0, ptr %c, align 4
+  store {acc} %r1, ptr %c_high, align 4
   ret void
 }}
 """
@@ -145,10 +156,14 @@ INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "av
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
 # int8 and uint8 codes on AVX2 hosts, which have no vpdpbusd: widened to int16, pairs of products summed in int32
 INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16", "int16", "int16", "int32", 2, "avx2", "llvm.x86.avx2.pmadd.wd", "i32",
-                      "<16 x i16>", halves=2)
+                      "<16 x i16>", halves=2, accumulates=False)
+# int8 codes on hosts with AVX-VNNI but no AVX-512 (Intel's client CPUs since Alder Lake): vpdpbusd on 256 bits
+AVX_VNNI_DOT = DotIntrin("relay_amp.dot_16x4_u8i8_ymm", "uint8", "int8", "int32", 4, "avxvnni",
+                         "llvm.x86.avx512.vpdpbusd.256", "i32", "<8 x i32>", halves=2)
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "fma")  # AVX2 hosts too
-INTRINSICS = (BF16_DOT, INT8_DOT, INT16_DOT)  # registered as tensor intrinsics; FP32_FMA is plain vectorized code
+INTRINSICS = (BF16_DOT, INT8_DOT, AVX_VNNI_DOT, INT16_DOT)  # registered tensor intrinsics; FP32_FMA: vectorized code
 INTRINSICS_BY_NAME = {dot.name: dot for dot in INTRINSICS}
+EIGHT_BIT_CHOICES = (INT8_DOT, AVX_VNNI_DOT, INT16_DOT)  # 8-bit codes' instructions, in order of preference
 
 
 @dataclass(frozen=True)
@@ -282,13 +297,13 @@ def intrinsic_for(dtype: str) -> DotIntrin:
 
 def target_intrinsic(dtype: str, target: "tvm.target.Target | None" = None) -> DotIntrin:
     """The dot product `target` (the current one by default) computes `dtype` operands with: `intrinsic_for`'s, or
-    INT16_DOT for 8-bit codes on a target without vpdpbusd that has AVX2."""
+    for 8-bit codes on a target without AVX-512's vpdpbusd, AVX-VNNI's 256-bit one, else AVX2's INT16_DOT."""
     dot = intrinsic_for(dtype)
     target = target or tvm.target.Target.current(allow_none=True)
     if dot is not INT8_DOT or target is None or target.kind.name != "llvm":
         return dot
     has = tvm.target.codegen.target_has_features
-    return INT16_DOT if not has(dot.llvm_feature, target) and has(INT16_DOT.llvm_feature, target) else dot
+    return next((choice for choice in EIGHT_BIT_CHOICES if has(choice.llvm_feature, target)), dot)
 
 
 def instruction_name(dtype: str) -> str:
@@ -413,7 +428,7 @@ class ConvSpec:
     @property
     def shifted(self) -> bool:
         """Whether signed int8 data is shifted to uint8 (and corrected through the weight sums)."""
-        return self.data_dtype == "int8" and self.dot is INT8_DOT
+        return self.data_dtype == "int8" and self.dot.a_dtype == "uint8"
 
 
 def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:

@@ -209,24 +209,27 @@ def _runtime_int8_matmul() -> tvm.IRModule:
                                 tensor("a", (2, 16, 32), "int8"), tensor("b", (2, 32, 32), "int8"))
 
 
+@pytest.mark.parametrize("mcpu, dot, feature", [("haswell", kernels.INT16_DOT, "avx2"),
+                                                ("alderlake", kernels.AVX_VNNI_DOT, "avx_vnni")])
 @pytest.mark.parametrize("module", [_audio_conv_module, lambda: _conv_module(np.ones((3, 3, 8, 16), "int8")),
                                     _runtime_int8_matmul])
-def test_int8_kernels_for_an_avx2_target_take_int16_pairs_and_match_the_generic_build(module):
-    """An AVX2 host has no vpdpbusd: its 8-bit codes are widened to int16 in the kernel and its weights packed in
-    int16 (kernels.INT16_DOT; a runtime operand as it is packed), exact as the generic build's integer sums."""
-    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
-    assert {"float32", "int8", "uint8"} <= dispatch.target_dtypes(avx2) and BF16 not in dispatch.target_dtypes(avx2)
+def test_int8_kernels_for_a_target_without_avx512_vnni_match_the_generic_build(module, mcpu, dot, feature):
+    """A host without AVX-512 VNNI computes 8-bit codes with AVX-VNNI's 256-bit vpdpbusd where it has it, else
+    widened to int16 pairs (kernels.INT16_DOT: the weights packed in int16, a runtime operand as it is packed),
+    exact as the generic build's integer sums."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    assert {"float32", "int8", "uint8"} <= dispatch.target_dtypes(target) and BF16 not in dispatch.target_dtypes(target)
     mod = module()
-    with avx2:
+    with target:
         after = dispatch.UseDotKernels({"int8"})(mod)
     (kernel,) = [b.value for b in after["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"
                  and b.value.args[0].name_hint.startswith("relay_amp_dot_kernel")]
-    assert _kernel_spec(after, kernel).dot is kernels.INT16_DOT and tensor_dtype(kernel.args[1].fields[1]) == "int16"
-    if not targets.host_supports("avx2"):
-        pytest.skip("host CPU lacks avx2")
+    assert _kernel_spec(after, kernel).dot is dot and tensor_dtype(kernel.args[1].fields[1]) == dot.b_dtype
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}")
     rng = np.random.default_rng(7)
     data = [rng.integers(-128, 128, static_input_shape(p)).astype("int8") for p in mod["main"].params]
-    np.testing.assert_array_equal(run_executable(build(mod, avx2), data)[0], relay_amp.run(mod, data)[0])
+    np.testing.assert_array_equal(run_executable(build(mod, target), data)[0], relay_amp.run(mod, data)[0])
 
 
 def _dilated_conv_module(dtype: str, weight_hwio: np.ndarray):

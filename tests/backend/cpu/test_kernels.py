@@ -47,15 +47,19 @@ CASES = {
     "uint8_matmul_int16_pairs_stored_rows": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "uint8", "int32",
                                                               stored_width=23, instruction=kernels.INT16_DOT.name),
                                              "avx2"),
+    # ... on AVX-VNNI hosts without AVX-512 (Intel's client CPUs): vpdpbusd on ymm registers
+    "int8_conv_stride2_avx_vnni": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
+                                                    instruction=kernels.AVX_VNNI_DOT.name), "avx_vnni"),
     # a 557 KB weight: output-channel panels outermost
     "fp32_matmul_large_weight": (kernels.ConvSpec((1, 2, 7, 256), (1, 1), 544, (1, 1), "float32", "float32"),
                                  "avx512f"),
 }
-INSTRUCTION = {kernels.BF16_DOT: "vdpbf16ps", kernels.INT8_DOT: "vpdpbusd", kernels.INT16_DOT: "vpmaddwd",
-               kernels.FP32_FMA: "vfmadd"}
+INSTRUCTION = {kernels.BF16_DOT: "vdpbf16ps", kernels.INT8_DOT: "vpdpbusd", kernels.AVX_VNNI_DOT: "vpdpbusd",
+               kernels.INT16_DOT: "vpmaddwd", kernels.FP32_FMA: "vfmadd"}
+YMM_HOSTS = {"avx2": "haswell", "avx_vnni": "alderlake"}  # host feature -> an LLVM cpu with it and no AVX-512
 
 
-@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][1] != "avx2"))  # AVX2's: the test after
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][1] not in YMM_HOSTS))  # those: the test after
 def test_kernel_uses_the_instruction_and_matches_numpy(case):
     spec, feature = CASES[case]
     func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
@@ -66,20 +70,20 @@ def test_kernel_uses_the_instruction_and_matches_numpy(case):
     _assert_matches_numpy(lib, spec)
 
 
-@pytest.mark.parametrize("case", ["fp32_conv", "fp32_matmul_large_weight", "int8_conv_stride2_int16_pairs",
-                                  "uint8_matmul_int16_pairs_stored_rows"])
-def test_an_avx2_kernel_runs_in_ymm_registers_and_matches_numpy(case):
-    """AVX2 hosts (Zen 3, Intel client CPUs) have no AVX-512: their fp32 FMA and int16-pair kernels split each
-    16-lane vector into two ymm halves, in AVX2's register tile."""
-    spec, _ = CASES[case]
-    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+@pytest.mark.parametrize("case", ["fp32_conv", "fp32_matmul_large_weight",
+                                  *(c for c in CASES if CASES[c][1] in YMM_HOSTS)])
+def test_a_kernel_for_a_host_without_avx512_runs_in_ymm_registers_and_matches_numpy(case):
+    """AVX2 hosts (Zen 3, Intel client CPUs) have no AVX-512: their fp32 FMA, int16-pair and AVX-VNNI kernels
+    split each 16-lane vector into two ymm halves, in AVX2's register tile."""
+    spec, feature = CASES[case]
+    target = tvm.target.Target({"kind": "llvm", "mcpu": YMM_HOSTS.get(feature, "haswell")})
     with target:
         func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
     lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
     asm = lib.mod.inspect_source("asm")
     assert INSTRUCTION[spec.dot] in asm and "ymm" in asm and "zmm" not in asm
-    if not (targets.host_supports("avx2") and targets.host_supports("fma")):
-        pytest.skip("host CPU lacks AVX2 and FMA: the code is checked, not run")
+    if not all(targets.host_supports(needed) for needed in ("avx2", "fma", feature)):
+        pytest.skip(f"host CPU lacks AVX2, FMA or {feature}: the code is checked, not run")
     _assert_matches_numpy(lib, spec)
 
 
@@ -119,9 +123,11 @@ def test_a_spec_at_its_default_dilation_writes_the_json_earlier_tuning_records_h
     assert dilated.window == (5, 7) and dilated.out_shape == (1, 4, 2, 32)
 
 
-def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_avx2():
+def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_avx2_without_it():
     avx2, avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}), targets.get_target("cpu-avx512-bf16")
     assert kernels.target_intrinsic("int8", avx2) is kernels.target_intrinsic("uint8", avx2) is kernels.INT16_DOT
+    alder_lake = tvm.target.Target({"kind": "llvm", "mcpu": "alderlake"})  # AVX-VNNI, no AVX-512
+    assert kernels.target_intrinsic("int8", alder_lake) is kernels.AVX_VNNI_DOT
     assert kernels.target_intrinsic("int8", avx512) is kernels.target_intrinsic("int8") is kernels.INT8_DOT
     assert kernels.target_intrinsic("bfloat16", avx2) is kernels.BF16_DOT  # dispatch widens bf16 there instead
     with avx2:
