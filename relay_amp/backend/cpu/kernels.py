@@ -114,21 +114,11 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
 }}
 """
 
-
     def _halves_llvm_ir(self) -> str:
         """LLVM IR of a 256-bit instruction on each half: acc[0:8] and acc[8:16] each take the products of the
         broadcast group by their half of b (added by the instruction, or after it: `vpmaddwd`)."""
-        acc = f"<8 x {self.llvm_acc}>"
-        if self.accumulates:
-            declared, products = f"{acc}, {self.llvm_operand}, {self.llvm_operand}", [
-                f"%r{i} = call {acc} @{self.llvm_intrinsic}({acc} %acc{i}, {self._operands.replace('%bv', f'%b{i}')})"
-                for i in range(2)]
-        else:
-            declared, products = f"{self.llvm_operand}, {self.llvm_operand}", [
-                line for i in range(2) for line in (
-                    f"%p{i} = call {acc} @{self.llvm_intrinsic}({self._operands.replace('%bv', f'%b{i}')})",
-                    f"%r{i} = add {acc} %acc{i}, %p{i}")]
-        body = "\n  ".join(products)
+        acc, sources = f"<8 x {self.llvm_acc}>", f"{self.llvm_operand}, {self.llvm_operand}"
+        declared = f"{acc}, {sources}" if self.accumulates else sources
         return f"""
 declare {acc} @{self.llvm_intrinsic}({declared})
 define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
@@ -142,12 +132,20 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
   %b1 = load {self.llvm_operand}, ptr %b_high, align 1
   %acc0 = load {acc}, ptr %c, align 4
   %acc1 = load {acc}, ptr %c_high, align 4
-  {body}
+  {self._half_products(0)}
+  {self._half_products(1)}
   store {acc} %r0, ptr %c, align 4
   store {acc} %r1, ptr %c_high, align 4
   ret void
 }}
 """
+
+    def _half_products(self, half: int) -> str:
+        """The IR computing %r<half>: accumulator half `half` plus the products of the broadcast group by b's half."""
+        acc, operands = f"<8 x {self.llvm_acc}>", self._operands.replace("%bv", f"%b{half}")
+        if self.accumulates:
+            return f"%r{half} = call {acc} @{self.llvm_intrinsic}({acc} %acc{half}, {operands})"
+        return f"%p{half} = call {acc} @{self.llvm_intrinsic}({operands})\n  %r{half} = add {acc} %acc{half}, %p{half}"
 
 
 BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512bf16",
