@@ -1,7 +1,8 @@
 """dispatch: route fp32, bf16 and int8 matmuls and NHWC convolutions to relay_amp.backend.cpu.kernels.
 
 `UseDotKernels` replaces each eligible `relax.matmul` / `relax.nn.conv2d` by a `call_tir` of a tensorized
-kernel (vdpbf16ps or vpdpbusd, or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
+kernel (vdpbf16ps or vpdpbusd, their 8-bit codes' substitutes on targets without AVX-512 VNNI
+(`kernels.target_intrinsic`), or AMX tiles through relay_amp.backend.cpu.amx). A constant weight is packed
 once, here, into a new constant; a matmul's runtime second operand (attention) is packed by Relax ops at run
 time, one per batch element, unless the matmul has a few rows (a decode step: Q.K^T becomes (K.Q^T)^T, the
 cached keys the kernel's rows; P.V reads V in place on the generic schedule), where packing would copy the whole

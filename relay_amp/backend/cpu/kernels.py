@@ -152,7 +152,7 @@ BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32
                      "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>", commutes=True)
 INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
-# int8 and uint8 codes on AVX2 hosts, which have no vpdpbusd: widened to int16, pairs of products summed in int32
+# int8 and uint8 codes on AVX2 hosts without any vpdpbusd: widened to int16, pairs of products summed in int32
 INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16", "int16", "int16", "int32", 2, "avx2", "llvm.x86.avx2.pmadd.wd", "i32",
                       "<16 x i16>", halves=2, accumulates=False)
 # int8 codes on hosts with AVX-VNNI but no AVX-512 (Intel's client CPUs since Alder Lake): vpdpbusd on 256 bits
@@ -383,7 +383,7 @@ class ConvSpec:
     groups: int = 1
     dilation: tuple[int, int] = (1, 1)
     stored_width: int = 0  # 0: every output pixel; else the leading output pixels of each row the kernel stores
-    instruction: str = ""  # the DotIntrin's name where it is not intrinsic_for(data_dtype)'s (INT16_DOT)
+    instruction: str = ""  # the DotIntrin's name where it is not intrinsic_for(data_dtype)'s (target_intrinsic)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -396,7 +396,7 @@ class ConvSpec:
     @property
     def stored_shape(self) -> tuple[int, int, int, int]:
         """The NHWC output the kernel stores: `out_shape`, or its first `stored_width` pixels of each row (the
-        last register tile's zero rows, 197 tokens computed as 200, are not stored)."""
+        last register tile's rows past the width, 197 tokens computed as 200, are not stored)."""
         batch, height, width, channels = self.out_shape
         return batch, height, self.stored_width or width, channels
 
