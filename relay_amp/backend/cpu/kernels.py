@@ -1,12 +1,13 @@
 """kernels: AVX-512 dot-product tensor intrinsics and the packed-weight conv/matmul kernels that use them.
 
-Four TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
+Five TIR tensor intrinsics, registered with `tvm.s_tir.TensorIntrin.register`:
 - `BF16_DOT` on `vdpbf16ps`: 16 fp32 lanes, each += a bf16 pair of A times a bf16 pair of B.
 - `INT8_DOT` on `vpdpbusd`: 16 int32 lanes, each += four uint8 of A times four int8 of B.
 - `AVX_VNNI_DOT`: the same on two 256-bit `vpdpbusd` (AVX-VNNI), for 8-bit codes on hosts without AVX-512 that have
   it (Intel's client CPUs since Alder Lake).
-- `INT16_DOT` on two 256-bit `vpmaddwd`: 16 int32 lanes, each += an int16 pair of A times an int16 pair of B; the
-  8-bit codes of other AVX2 hosts (Zen 3), widened to int16 in the kernel and in its packed weight.
+- `AVX512_INT16_DOT` on `vpmaddwd`: 16 int32 lanes, each += an int16 pair of A times an int16 pair of B; the 8-bit
+  codes of AVX-512 hosts without VNNI (Skylake-SP), widened to int16 in the kernel and in its packed weight;
+  `INT16_DOT` the same on two 256-bit halves, for other AVX2 hosts (Zen 3).
 `target_intrinsic` picks among the 8-bit ones by the target's features.
 Their bodies call a small LLVM IR function that TVM links in and inlines (`pragma_import_llvm`), because TVM's
 bf16 legalization rewrites bfloat16 vectors before LLVM sees them, so the intrinsic cannot be called from TIR.
@@ -95,73 +96,58 @@ class DotIntrin:
         return f"{self.llvm_operand} {first}, {self.llvm_operand} {second}"
 
     def llvm_ir(self) -> str:
-        """LLVM IR of the inlined function: acc[16] = instruction(acc, broadcast(a group), b[16 x group])."""
-        if self.halves == 2:
-            return self._halves_llvm_ir()
-        group_bits = 32
+        """LLVM IR of the inlined function: acc[16] = instruction(acc, broadcast(a group), b[16 x group]), on each
+        half of the lanes for a 256-bit instruction (`halves`), the products added after it where it does not
+        accumulate (`vpmaddwd`)."""
+        lanes = LANES // self.halves
+        acc = f"<{lanes} x {self.llvm_acc}>"
+        sources = f"{self.llvm_operand}, {self.llvm_operand}"
+        parts = "\n".join(self._part_ir(part, acc) for part in range(self.halves))
         return f"""
-declare <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}>, {self.llvm_operand}, {self.llvm_operand})
-define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
-  %acc = load <16 x {self.llvm_acc}>, ptr %c, align 4
-  %group = load i{group_bits}, ptr %a, align 1
-  %one = insertelement <16 x i32> poison, i32 %group, i64 0
-  %all = shufflevector <16 x i32> %one, <16 x i32> poison, <16 x i32> zeroinitializer
-  %av = bitcast <16 x i32> %all to {self.llvm_operand}
-  %bv = load {self.llvm_operand}, ptr %b, align 1
-  %r = call <16 x {self.llvm_acc}> @{self.llvm_intrinsic}(<16 x {self.llvm_acc}> %acc, {self._operands})
-  store <16 x {self.llvm_acc}> %r, ptr %c, align 4
-  ret void
-}}
-"""
-
-    def _halves_llvm_ir(self) -> str:
-        """LLVM IR of a 256-bit instruction on each half: acc[0:8] and acc[8:16] each take the products of the
-        broadcast group by their half of b (added by the instruction, or after it: `vpmaddwd`)."""
-        acc, sources = f"<8 x {self.llvm_acc}>", f"{self.llvm_operand}, {self.llvm_operand}"
-        declared = f"{acc}, {sources}" if self.accumulates else sources
-        return f"""
-declare {acc} @{self.llvm_intrinsic}({declared})
+declare {acc} @{self.llvm_intrinsic}({f"{acc}, {sources}" if self.accumulates else sources})
 define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
   %group = load i32, ptr %a, align 1
-  %one = insertelement <8 x i32> poison, i32 %group, i64 0
-  %all = shufflevector <8 x i32> %one, <8 x i32> poison, <8 x i32> zeroinitializer
-  %av = bitcast <8 x i32> %all to {self.llvm_operand}
-  %b_high = getelementptr i8, ptr %b, i64 32
-  %c_high = getelementptr i8, ptr %c, i64 32
-  %b0 = load {self.llvm_operand}, ptr %b, align 1
-  %b1 = load {self.llvm_operand}, ptr %b_high, align 1
-  %acc0 = load {acc}, ptr %c, align 4
-  %acc1 = load {acc}, ptr %c_high, align 4
-  {self._half_products(0)}
-  {self._half_products(1)}
-  store {acc} %r0, ptr %c, align 4
-  store {acc} %r1, ptr %c_high, align 4
+  %one = insertelement <{lanes} x i32> poison, i32 %group, i64 0
+  %all = shufflevector <{lanes} x i32> %one, <{lanes} x i32> poison, <{lanes} x i32> zeroinitializer
+  %av = bitcast <{lanes} x i32> %all to {self.llvm_operand}
+{parts}
   ret void
 }}
 """
 
-    def _half_products(self, half: int) -> str:
-        """The IR computing %r<half>: accumulator half `half` plus the products of the broadcast group by b's half."""
-        acc, operands = f"<8 x {self.llvm_acc}>", self._operands.replace("%bv", f"%b{half}")
-        if self.accumulates:
-            return f"%r{half} = call {acc} @{self.llvm_intrinsic}({acc} %acc{half}, {operands})"
-        return f"%p{half} = call {acc} @{self.llvm_intrinsic}({operands})\n  %r{half} = add {acc} %acc{half}, %p{half}"
+    def _part_ir(self, part: int, acc: str) -> str:
+        """The IR of one register's share of the lanes: load its accumulators and its b vector, add the products."""
+        offset = part * LANES // self.halves * 4  # bytes: 32-bit accumulators, and b's groups of 32 bits per lane
+        operands = self._operands.replace("%bv", f"%b{part}")
+        product = (f"%r{part} = call {acc} @{self.llvm_intrinsic}({acc} %acc{part}, {operands})" if self.accumulates
+                   else f"%p{part} = call {acc} @{self.llvm_intrinsic}({operands})\n"
+                        f"  %r{part} = add {acc} %acc{part}, %p{part}")
+        return f"""  %c{part} = getelementptr i8, ptr %c, i64 {offset}
+  %bp{part} = getelementptr i8, ptr %b, i64 {offset}
+  %acc{part} = load {acc}, ptr %c{part}, align 4
+  %b{part} = load {self.llvm_operand}, ptr %bp{part}, align 1
+  {product}
+  store {acc} %r{part}, ptr %c{part}, align 4"""
 
 
 BF16_DOT = DotIntrin("relay_amp.dot_16x2_bf16", "bfloat16", "bfloat16", "float32", 2, "avx512bf16",
                      "llvm.x86.avx512bf16.dpbf16ps.512", "float", "<32 x bfloat>", commutes=True)
 INT8_DOT = DotIntrin("relay_amp.dot_16x4_u8i8", "uint8", "int8", "int32", 4, "avx512vnni",
                      "llvm.x86.avx512.vpdpbusd.512", "i32", "<16 x i32>")
-# int8 and uint8 codes on AVX2 hosts without any vpdpbusd: widened to int16, pairs of products summed in int32
+# int8 and uint8 codes on hosts without any vpdpbusd: widened to int16, pairs of products summed in int32, on
+# AVX-512 (Skylake-SP) or on AVX2's two 256-bit halves (Zen 3)
+AVX512_INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16_zmm", "int16", "int16", "int32", 2, "avx512bw",
+                             "llvm.x86.avx512.pmaddw.d.512", "i32", "<32 x i16>", accumulates=False)
 INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16", "int16", "int16", "int32", 2, "avx2", "llvm.x86.avx2.pmadd.wd", "i32",
                       "<16 x i16>", halves=2, accumulates=False)
 # int8 codes on hosts with AVX-VNNI but no AVX-512 (Intel's client CPUs since Alder Lake): vpdpbusd on 256 bits
 AVX_VNNI_DOT = DotIntrin("relay_amp.dot_16x4_u8i8_ymm", "uint8", "int8", "int32", 4, "avxvnni",
                          "llvm.x86.avx512.vpdpbusd.256", "i32", "<8 x i32>", halves=2)
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "fma")  # AVX2 hosts too
-INTRINSICS = (BF16_DOT, INT8_DOT, AVX_VNNI_DOT, INT16_DOT)  # registered tensor intrinsics; FP32_FMA: vectorized code
+# registered as tensor intrinsics; FP32_FMA is plain vectorized code
+INTRINSICS = (BF16_DOT, INT8_DOT, AVX_VNNI_DOT, AVX512_INT16_DOT, INT16_DOT)
 INTRINSICS_BY_NAME = {dot.name: dot for dot in INTRINSICS}
-EIGHT_BIT_CHOICES = (INT8_DOT, AVX_VNNI_DOT, INT16_DOT)  # 8-bit codes' instructions, in order of preference
+EIGHT_BIT_CHOICES = (INT8_DOT, AVX_VNNI_DOT, AVX512_INT16_DOT, INT16_DOT)  # 8-bit codes' instructions, best first
 
 
 @dataclass(frozen=True)
@@ -295,7 +281,8 @@ def intrinsic_for(dtype: str) -> DotIntrin:
 
 def target_intrinsic(dtype: str, target: "tvm.target.Target | None" = None) -> DotIntrin:
     """The dot product `target` (the current one by default) computes `dtype` operands with: `intrinsic_for`'s, or
-    for 8-bit codes on a target without AVX-512's vpdpbusd, AVX-VNNI's 256-bit one, else AVX2's INT16_DOT."""
+    for 8-bit codes on a target without AVX-512's vpdpbusd, AVX-VNNI's 256-bit one, else int16 pairs on AVX-512
+    (AVX512_INT16_DOT) or AVX2 (INT16_DOT)."""
     dot = intrinsic_for(dtype)
     target = target or tvm.target.Target.current(allow_none=True)
     if dot is not INT8_DOT or target is None or target.kind.name != "llvm":

@@ -210,13 +210,14 @@ def _runtime_int8_matmul() -> tvm.IRModule:
 
 
 @pytest.mark.parametrize("mcpu, dot, feature", [("haswell", kernels.INT16_DOT, "avx2"),
-                                                ("alderlake", kernels.AVX_VNNI_DOT, "avx_vnni")])
+                                                ("alderlake", kernels.AVX_VNNI_DOT, "avx_vnni"),
+                                                ("skylake-avx512", kernels.AVX512_INT16_DOT, "avx512bw")])
 @pytest.mark.parametrize("module", [_audio_conv_module, lambda: _conv_module(np.ones((3, 3, 8, 16), "int8")),
                                     _runtime_int8_matmul])
 def test_int8_kernels_for_a_target_without_avx512_vnni_match_the_generic_build(module, mcpu, dot, feature):
     """A host without AVX-512 VNNI computes 8-bit codes with AVX-VNNI's 256-bit vpdpbusd where it has it, else
-    widened to int16 pairs (kernels.INT16_DOT: the weights packed in int16, a runtime operand as it is packed),
-    exact as the generic build's integer sums."""
+    widened to int16 pairs (kernels.INT16_DOT, AVX512_INT16_DOT: the weights packed in int16, a runtime operand as
+    it is packed), exact as the generic build's integer sums."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     assert {"float32", "int8", "uint8"} <= dispatch.target_dtypes(target) and BF16 not in dispatch.target_dtypes(target)
     mod = module()

@@ -47,6 +47,9 @@ CASES = {
     "uint8_matmul_int16_pairs_stored_rows": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "uint8", "int32",
                                                               stored_width=23, instruction=kernels.INT16_DOT.name),
                                              "avx2"),
+    # ... on AVX-512 hosts without VNNI (Skylake-SP): vpmaddwd on zmm registers
+    "int8_conv_stride2_int16_pairs_zmm": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
+                                                           instruction=kernels.AVX512_INT16_DOT.name), "avx512bw"),
     # ... on AVX-VNNI hosts without AVX-512 (Intel's client CPUs): vpdpbusd on ymm registers
     "int8_conv_stride2_avx_vnni": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
                                                     instruction=kernels.AVX_VNNI_DOT.name), "avx_vnni"),
@@ -55,11 +58,12 @@ CASES = {
                                  "avx512f"),
 }
 INSTRUCTION = {kernels.BF16_DOT: "vdpbf16ps", kernels.INT8_DOT: "vpdpbusd", kernels.AVX_VNNI_DOT: "vpdpbusd",
-               kernels.INT16_DOT: "vpmaddwd", kernels.FP32_FMA: "vfmadd"}
+               kernels.AVX512_INT16_DOT: "vpmaddwd", kernels.INT16_DOT: "vpmaddwd", kernels.FP32_FMA: "vfmadd"}
 YMM_HOSTS = {"avx2": "haswell", "avx_vnni": "alderlake"}  # host feature -> an LLVM cpu with it and no AVX-512
+NO_VNNI_CPU = "skylake-avx512"  # AVX-512 without VNNI: LLVM fuses no vpmaddwd and add into vpdpwssd there
 
 
-@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][1] not in YMM_HOSTS))  # those: the test after
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][1] not in (*YMM_HOSTS, "avx512bw")))  # see below
 def test_kernel_uses_the_instruction_and_matches_numpy(case):
     spec, feature = CASES[case]
     func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
@@ -84,6 +88,18 @@ def test_a_kernel_for_a_host_without_avx512_runs_in_ymm_registers_and_matches_nu
     assert INSTRUCTION[spec.dot] in asm and "ymm" in asm and "zmm" not in asm
     if not all(targets.host_supports(needed) for needed in ("avx2", "fma", feature)):
         pytest.skip(f"host CPU lacks AVX2, FMA or {feature}: the code is checked, not run")
+    _assert_matches_numpy(lib, spec)
+
+
+def test_8_bit_codes_on_avx512_without_vnni_take_int16_pairs_in_zmm_registers():
+    spec, feature = CASES["int8_conv_stride2_int16_pairs_zmm"]
+    target = tvm.target.Target({"kind": "llvm", "mcpu": NO_VNNI_CPU})
+    with target:
+        func = kernels.conv2d_nhwc(spec).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    assert "vpmaddwd" in lib.mod.inspect_source("asm") and "zmm" in lib.mod.inspect_source("asm")
+    if not targets.host_supports(feature):
+        pytest.skip(f"host CPU lacks {feature}: the code is checked, not run")
     _assert_matches_numpy(lib, spec)
 
 
@@ -128,6 +144,8 @@ def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_av
     assert kernels.target_intrinsic("int8", avx2) is kernels.target_intrinsic("uint8", avx2) is kernels.INT16_DOT
     alder_lake = tvm.target.Target({"kind": "llvm", "mcpu": "alderlake"})  # AVX-VNNI, no AVX-512
     assert kernels.target_intrinsic("int8", alder_lake) is kernels.AVX_VNNI_DOT
+    skylake = tvm.target.Target({"kind": "llvm", "mcpu": NO_VNNI_CPU})
+    assert kernels.target_intrinsic("uint8", skylake) is kernels.AVX512_INT16_DOT
     assert kernels.target_intrinsic("int8", avx512) is kernels.target_intrinsic("int8") is kernels.INT8_DOT
     assert kernels.target_intrinsic("bfloat16", avx2) is kernels.BF16_DOT  # dispatch widens bf16 there instead
     with avx2:
