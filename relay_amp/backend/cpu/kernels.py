@@ -408,7 +408,12 @@ class ConvSpec:
     @property
     def dot(self) -> DotIntrin:
         """The intrinsic: `instruction`'s, or the data dtype's."""
-        return INTRINSICS_BY_NAME[self.instruction] if self.instruction else intrinsic_for(self.data_dtype)
+        if not self.instruction:
+            return intrinsic_for(self.data_dtype)
+        if self.instruction not in INTRINSICS_BY_NAME:
+            raise DTypeError(f"no dot-product instruction named {self.instruction!r}; relay_amp's are "
+                             f"{', '.join(INTRINSICS_BY_NAME)}")
+        return INTRINSICS_BY_NAME[self.instruction]
 
     @property
     def shifted(self) -> bool:
