@@ -420,6 +420,14 @@ class ConvSpec:
         """Whether signed int8 data is shifted to uint8 (and corrected through the weight sums)."""
         return self.data_dtype == "int8" and self.dot.a_dtype == "uint8"
 
+    @property
+    def input_stage(self) -> str:
+        """The stage that brings the data to the instruction's dtype: "shifted" (int8 to uint8), "widened" (8-bit
+        codes to INT16_DOT's int16), or "" (none)."""
+        if self.shifted:
+            return "shifted"
+        return "widened" if self.data_dtype != self.dot.a_dtype else ""
+
 
 def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
     """TE stages: [shift int8 to uint8,] the blocked dot product, the output stage ([weight sums subtracted,]
@@ -432,12 +440,12 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
     blocks = (spec.out_channels // LANES, *spec.kernel_size, channels // dot.group, LANES, dot.group)
     packed = te.placeholder((spec.weight_batch, *blocks) if spec.weight_batch else blocks, dot.b_dtype, "packed")
     operand = data
-    if spec.shifted:
-        operand = te.compute(spec.input_shape, lambda *i: (data[i].astype("int32") + INT8_SHIFT).astype("uint8"),
-                             name="shifted", attrs=_RULE_ATTRS)
-    elif spec.data_dtype != dot.a_dtype:  # 8-bit codes for INT16_DOT
-        operand = te.compute(spec.input_shape, lambda *i: data[i].astype(dot.a_dtype), name="widened",
-                             attrs=_RULE_ATTRS)
+    if spec.input_stage:
+        def converted(*i):
+            if spec.shifted:
+                return (data[i].astype("int32") + INT8_SHIFT).astype("uint8")
+            return data[i].astype(dot.a_dtype)
+        operand = te.compute(spec.input_shape, converted, name=spec.input_stage, attrs=_RULE_ATTRS)
     row = te.reduce_axis((0, spec.kernel_size[0]), "row")
     col = te.reduce_axis((0, spec.kernel_size[1]), "col")
     chan = te.reduce_axis((0, channels), "chan")
@@ -664,8 +672,8 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, ve
     if tensorized:
         sch.tensorize(out_c_lane, spec.dot.name)
         sch.annotate(tile, "pragma_import_llvm", spec.dot.llvm_ir())
-    if spec.data_dtype != spec.dot.a_dtype:
-        schedule_injective(sch, sch.get_sblock("shifted" if spec.shifted else "widened"))
+    if spec.input_stage:
+        schedule_injective(sch, sch.get_sblock(spec.input_stage))
 
 
 def _kernel_block(sch: s_tir.Schedule):

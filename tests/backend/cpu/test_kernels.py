@@ -152,6 +152,8 @@ def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_av
         assert kernels.instruction_name("int8") == kernels.INT16_DOT.name and kernels.instruction_name("float32") == ""
     spec = kernels.ConvSpec((1, 4, 4, 8), (1, 1), 16, data_dtype="int8", instruction=kernels.INT16_DOT.name)
     assert spec.dot is kernels.INT16_DOT and not spec.shifted  # widened, not shifted: no weight sums
+    assert spec.input_stage == "widened" and dataclasses.replace(spec, instruction="").input_stage == "shifted"
+    assert dataclasses.replace(spec, data_dtype="uint8", instruction="").input_stage == ""
     with pytest.raises(relay_amp.DTypeError, match="vpdpwssd"):
         _ = dataclasses.replace(spec, instruction="vpdpwssd").dot
     assert kernels.pack_weight(np.ones((16, 8, 1, 1), "int8"), "OIHW", kernels.INT16_DOT).dtype == np.int16
