@@ -12,6 +12,7 @@ from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
 from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
+from ..views import OutputReshapesAsViews
 from . import amx
 from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
@@ -82,11 +83,13 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
     """For a prepared module: apply tuning records (when `tuned`), default schedules for the rest, bf16 roundings
-    dropped in registers and native elsewhere (on avx512_bf16 targets), lower."""
+    dropped in registers and native elsewhere (on avx512_bf16 targets), reshapes of the outputs made views
+    (relay_amp.backend.views), lower."""
     return tvm.transform.Sequential([
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
         *rounding_passes(target),
+        OutputReshapesAsViews(),
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ], name="relay_amp_cpu_lower")

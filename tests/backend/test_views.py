@@ -1,0 +1,133 @@
+"""OutputReshapesAsViews: a reshape bound to a block's output is a view of a tensor the block computed for it
+alone; a kernel result that is the model's output (logits) is not copied."""
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+import relay_amp
+from relay_amp.backend.views import OutputReshapesAsViews
+from relay_amp.runtime import virtual_machine
+
+from pass_checks import assert_transforms
+
+
+@I.ir_module
+class ReshapedOutput:
+    @T.prim_func(private=True, s_tir=True)
+    def double(x: T.Buffer((T.int64(1), T.int64(8)), "float32"), y: T.Buffer((T.int64(1), T.int64(8)), "float32")):
+        for i in range(T.int64(8)):
+            with T.sblock("double"):
+                v = T.axis.spatial(T.int64(8), i)
+                y[T.int64(0), v] = x[T.int64(0), v] * T.float32(2)
+
+    @T.prim_func(private=True, s_tir=True)
+    def reshape(x: T.Buffer((T.int64(1), T.int64(8)), "float32"), y: T.Buffer((T.int64(2), T.int64(4)), "float32")):
+        for i, j in T.grid(T.int64(2), T.int64(4)):
+            with T.sblock("reshape"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[T.int64(0), vi * T.int64(4) + vj]
+
+    @T.prim_func(private=True, s_tir=True)
+    def leading(x: T.Buffer((T.int64(1), T.int64(8)), "float32"), y: T.Buffer((T.int64(1), T.int64(5)), "float32")):
+        for j in range(T.int64(5)):
+            with T.sblock("leading"):
+                vj = T.axis.spatial(T.int64(5), j)
+                y[T.int64(0), vj] = x[T.int64(0), vj]
+
+    @R.function
+    def main(x: R.Tensor((1, 8), "float32")) -> R.Tuple(R.Tensor((2, 4), "float32"), R.Tensor((2, 4), "float32")):
+        cls = ReshapedOutput
+        with R.dataflow():
+            doubled = R.call_tir(cls.double, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            viewed = R.call_tir(cls.reshape, (doubled,), out_ty=R.Tensor((2, 4), "float32"))
+            shared = R.call_tir(cls.double, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            copied = R.call_tir(cls.reshape, (shared,), out_ty=R.Tensor((2, 4), "float32"))
+            input_copy = R.call_tir(cls.reshape, (x,), out_ty=R.Tensor((2, 4), "float32"))
+            doubled_again = R.call_tir(cls.double, (x,), out_ty=R.Tensor((1, 8), "float32"))
+            first = R.call_tir(cls.leading, (doubled_again,), out_ty=R.Tensor((1, 5), "float32"))
+            gv = (viewed, copied, shared, input_copy, first)
+            R.output(viewed, copied, shared, input_copy, first, gv)
+        return (viewed, copied)
+
+
+def test_only_a_reshape_of_a_tensor_computed_for_it_alone_becomes_a_view():
+    """Not one of a tensor another output holds, not one of an input, not a slice of leading values (a reshape's
+    pattern, fewer values)."""
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True, s_tir=True)
+        def double(x: T.Buffer((T.int64(1), T.int64(8)), "float32"),
+                   y: T.Buffer((T.int64(1), T.int64(8)), "float32")):
+            for i in range(T.int64(8)):
+                with T.sblock("double"):
+                    v = T.axis.spatial(T.int64(8), i)
+                    y[T.int64(0), v] = x[T.int64(0), v] * T.float32(2)
+
+        @T.prim_func(private=True, s_tir=True)
+        def reshape(x: T.Buffer((T.int64(1), T.int64(8)), "float32"),
+                    y: T.Buffer((T.int64(2), T.int64(4)), "float32")):
+            for i, j in T.grid(T.int64(2), T.int64(4)):
+                with T.sblock("reshape"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = x[T.int64(0), vi * T.int64(4) + vj]
+
+        @T.prim_func(private=True, s_tir=True)
+        def leading(x: T.Buffer((T.int64(1), T.int64(8)), "float32"),
+                    y: T.Buffer((T.int64(1), T.int64(5)), "float32")):
+            for j in range(T.int64(5)):
+                with T.sblock("leading"):
+                    vj = T.axis.spatial(T.int64(5), j)
+                    y[T.int64(0), vj] = x[T.int64(0), vj]
+
+        @R.function
+        def main(x: R.Tensor((1, 8), "float32")) -> R.Tuple(R.Tensor((2, 4), "float32"),
+                                                             R.Tensor((2, 4), "float32")):
+            cls = Expected
+            with R.dataflow():
+                doubled = R.call_tir(cls.double, (x,), out_ty=R.Tensor((1, 8), "float32"))
+                viewed = R.reshape(doubled, R.shape([2, 4]))
+                shared = R.call_tir(cls.double, (x,), out_ty=R.Tensor((1, 8), "float32"))
+                copied = R.call_tir(cls.reshape, (shared,), out_ty=R.Tensor((2, 4), "float32"))
+                input_copy = R.call_tir(cls.reshape, (x,), out_ty=R.Tensor((2, 4), "float32"))
+                doubled_again = R.call_tir(cls.double, (x,), out_ty=R.Tensor((1, 8), "float32"))
+                first = R.call_tir(cls.leading, (doubled_again,), out_ty=R.Tensor((1, 5), "float32"))
+                gv = (viewed, copied, shared, input_copy, first)
+                R.output(viewed, copied, shared, input_copy, first, gv)
+            return (viewed, copied)
+
+    assert_transforms(OutputReshapesAsViews(), ReshapedOutput, Expected)
+
+
+def test_a_module_without_main_is_left_as_it_is():
+    kernels_only = tvm.IRModule({"double": ReshapedOutput["double"]})
+    assert OutputReshapesAsViews()(kernels_only).same_as(kernels_only)
+
+
+def _logits_model(weight: np.ndarray) -> tvm.IRModule:
+    builder = relax.BlockBuilder()
+    hidden = relax.Var("hidden", relax.TensorType((1, 24, weight.shape[0]), "float32"))
+    with builder.function("main", [hidden]):
+        with builder.dataflow():
+            logits = builder.emit_output(relax.op.matmul(hidden, relax.const(weight)))
+        builder.emit_func_output(logits)
+    return builder.get()
+
+
+def test_a_kernel_result_returned_by_the_model_is_its_own_storage_on_every_run():
+    """The logits come from the kernel through a view, not a copy (the build has no reshape PrimFunc), and the
+    view is fresh storage per run: a second run leaves the first run's output as it was (fp32, within 1e-5)."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((32, 48)).astype("float32")
+    executable = relay_amp.build(_logits_model(weight), relay_amp.targets.host_preset())
+    called = {line.split()[1] for line in executable.as_text().splitlines() if line.strip().startswith("call ")}
+    assert not [name for name in called if "reshape" in name and not name.startswith("vm.")], called
+    vm = virtual_machine(executable)
+    first, second = (rng.standard_normal((1, 24, 32)).astype("float32") for _ in range(2))
+    kept = vm["main"](tvm.runtime.tensor(first))
+    vm["main"](tvm.runtime.tensor(second))
+    np.testing.assert_allclose(kept.numpy(), first @ weight, rtol=1e-5, atol=1e-5)
