@@ -1,0 +1,83 @@
+"""operand_scales: a matmul of operands scaled by constants as the matmul of the operands, its product scaled.
+
+Exporters scale attention's query and key before their product: the dynamo exporter's scaled-dot-product
+attention multiplies each by d^-1/4 (GPT-2: `matmul(q * 0.354, kᵀ * 0.354)`), others the query by d^-1/2. Each
+multiply is an elementwise pass of its own over an operand, and the key's joins its run-time packing: a gathered
+transpose that cannot vectorize in bf16 (GPT-2's bf16 packing ran 1.49x its fp32). A product is linear in each
+operand, so `ScalesAfterMatmuls` multiplies the product by the scales' product instead: a scalar step in the
+kernel's epilogue, computed on the fp32 accumulator (in bf16 more exactly than on the rounded operands).
+"""
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ...dtypes import MODEL_FLOAT_DTYPES
+from ...ops import bound_call, bound_value, call_op_name
+
+PASSED = ("relax.astype", "relax.permute_dims", "relax.reshape")  # ops a scale commutes with
+
+
+def scalar_constant(expr: relax.Expr) -> "float | None":
+    """The value of a constant holding one value (of any rank), else None."""
+    if not isinstance(expr, tvm.ir.expr.Constant) or int(np.prod(tensor_shape(expr) or (), dtype=np.int64)) != 1:
+        return None
+    return float(expr.value.numpy().astype("float64").flat[0])
+
+
+@relax.expr_functor.mutator
+class _ScaleMover(relax.PyExprMutator):
+    """Rewrites matmul(x * s, y * t) as matmul(x, y) * (s * t), casts, transposes and reshapes between a multiply
+    and the matmul applied to the unscaled operand instead."""
+
+    def __init__(self, mod: tvm.IRModule, func: relax.Function):
+        super().__init__(mod)
+        self.uses = read_counts(func)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new_call = super().visit_call_(call)
+        if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name != "relax.matmul":
+            return new_call
+        if tensor_dtype(new_call) not in MODEL_FLOAT_DTYPES:
+            return new_call
+        unscaled = [self._unscaled(operand) for operand in new_call.args]
+        if all(scale == 1.0 for _, scale in unscaled):
+            return new_call
+        product = self.builder_.emit(relax.Call(new_call.op, [operand for operand, _ in unscaled], new_call.attrs))
+        scale = float(np.prod([scale for _, scale in unscaled]))
+        return relax.op.multiply(product, relax.const(scale, tensor_dtype(new_call)))
+
+    def _unscaled(self, operand: relax.Expr) -> "tuple[relax.Expr, float]":
+        """`operand` computed from the input of its multiply by a scalar constant, and the scale; (`operand`, 1.0)
+        where it has none, or the casts and moves between them have other readers."""
+        moves, source = [], operand
+        while self.uses.get(source, 0) == 1 and call_op_name(bound := bound_value(self, source)) in PASSED:
+            moves.append(bound)
+            source = bound.args[0]
+        multiply = bound_call(self, source, "relax.multiply")
+        if multiply is None or tensor_dtype(multiply) not in MODEL_FLOAT_DTYPES:
+            return operand, 1.0
+        data, factor = multiply.args
+        if scalar_constant(data) is not None:
+            data, factor = factor, data
+        scale = scalar_constant(factor)
+        if scale is None or tensor_shape(data) != tensor_shape(multiply) or tensor_dtype(data) != tensor_dtype(multiply):
+            return operand, 1.0
+        for move in reversed(moves):
+            data = self.builder_.emit(relax.Call(move.op, [data, *move.args[1:]], move.attrs))
+        return data, scale
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.ScalesAfterMatmuls")
+class ScalesAfterMatmuls:
+    """Rewrite each float matmul whose operands are multiplied by scalar constants (before casts, transposes and
+    reshapes that nothing else reads) as the matmul of the unscaled operands times the scales' product; multiplies
+    nothing else reads are dropped."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod`; the input module is left as it was."""
+        return relax.transform.DeadCodeElimination()(rewrite_function(_ScaleMover(mod, get_function(mod, self.func)), mod, self.func))
