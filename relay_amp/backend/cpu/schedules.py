@@ -29,6 +29,7 @@ STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can ke
 ACCUMULATOR_LANES = 16  # fp32 lanes per zmm; bf16/int8 contractions accumulate in 32-bit lanes too
 MIN_LANES = 8  # an output axis vectorizing by fewer lanes than this is padded to whole vectors
 MAX_INLINED_NODES = 32768  # a block whose stored value has more expression nodes is not inlined further
+ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div)  # not a cast, a pad's select or a concat's
 BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
 MIN_PARALLEL_VALUES = 4096  # a spatial block writing fewer values runs serially (a pool launch costs more)
 PARALLEL_TILES = 16  # a contraction's parallel loop gets at least this many tiles where its rows allow: a cache
@@ -559,32 +560,53 @@ class ElementwiseRule(_CpuRule):
         if any(info.is_reduction() or any(it.kind != "S" for it in info.iters) for info in infos):
             return None
         broadcast = _broadcast_operands(sch, infos)
-        remaining = _inline_within_bounds(sch, [info for info in infos if info not in broadcast])
-        for info in [*broadcast, *remaining]:
+        packed = [info for info in _packed_pairs_source(sch, infos) if info not in broadcast]
+        remaining = _inline_within_bounds(sch, [info for info in infos if info not in broadcast + packed],
+                                          kept=[sch.get(info.block_rv).name_hint for info in packed])
+        for info in [*broadcast, *packed, *remaining]:
             schedule_injective(sch, info.block_rv)
         return sch
 
 
-def _inline_within_bounds(sch: s_tir.Schedule, infos: list) -> list:
-    """Inline blocks into their consumers (else their consumers into them) while TIR allows it, as dlight's
-    try_inline does, except a block whose stored value has grown past MAX_INLINED_NODES: it stays a buffer. A
-    chain of reshapes that alternate between two shapes would otherwise grow exponentially, each one's
-    floordiv/floormod indices reading the index before it twice. Returns the blocks left."""
+def _packed_pairs_source(sch: s_tir.Schedule, infos: list) -> list:
+    """The last block computing floats in a function that stores bf16 pairs (a runtime operand packed for the
+    bf16 kernel, [..., 16, 2]), where one does: it stays a buffer in its own layout, computed in contiguous vectors,
+    and the packing reads it as a copy. Inlined, its arithmetic (LLaMA's rotary on the keys) would run in the
+    packing's gathered order, in which bf16 loads do not vectorize: element by element, and once per repeated
+    head (grouped-query attention)."""
+    store = sch.get(infos[-1].block_rv).body
+    if not isinstance(store, tirx.BufferStore) or str(store.buffer.dtype) != "bfloat16":
+        return []
+    if _const(store.buffer.shape[-1]) != 2 or len(store.buffer.shape) < 3:
+        return []
+    computing = [info for info in infos[:-1] if _computes_floats(sch, info.block_rv) and any(
+        isinstance(node, ARITHMETIC) for node in _subexpressions(sch.get(info.block_rv).body.value))]
+    return computing[-1:]
+
+
+def _inline_within_bounds(sch: s_tir.Schedule, infos: list, kept: "list[str]" = ()) -> list:
+    """Inline blocks into their consumers (else their consumers into them, but not into the blocks named in
+    `kept`) while TIR allows it, as dlight's try_inline does, except a block whose stored value has grown past
+    MAX_INLINED_NODES: it stays a buffer. A chain of reshapes that alternate between two shapes would otherwise
+    grow exponentially, each one's floordiv/floormod indices reading the index before it twice. Returns the blocks
+    left."""
     remaining, small = list(infos), _SmallValues(sch)
-    while (inlined := _inline_one(sch, remaining, small)) is not None:
+    while (inlined := _inline_one(sch, remaining, small, kept)) is not None:
         remaining.pop(inlined)
     return remaining
 
 
-def _inline_one(sch: s_tir.Schedule, infos: list, small: "_SmallValues") -> "int | None":
+def _inline_one(sch: s_tir.Schedule, infos: list, small: "_SmallValues", kept: "list[str]") -> "int | None":
     """The position in `infos` of the first block inlined into its consumers, else of the first consumer inlined
-    into its producer, each within MAX_INLINED_NODES; None where no block could be."""
+    into its producer (not one named in `kept`), each within MAX_INLINED_NODES; None where no block could be."""
     for position, info in enumerate(infos):
         if small([info.block_rv]) and _applies(sch.compute_inline, info.block_rv):
             return position
     for position, info in enumerate(infos):
-        if small([info.block_rv, *sch.get_producers(info.block_rv)]) and _applies(sch.reverse_compute_inline,
-                                                                                   info.block_rv):
+        producers = sch.get_producers(info.block_rv)
+        if any(sch.get(producer).name_hint in kept for producer in producers):
+            continue
+        if small([info.block_rv, *producers]) and _applies(sch.reverse_compute_inline, info.block_rv):
             return position
     return None
 

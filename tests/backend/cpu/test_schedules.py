@@ -621,6 +621,41 @@ def test_a_bf16_packing_with_a_column_block_of_padding_only_builds_and_matches_n
 
 
 @T.prim_func(private=True, s_tir=True)
+def _rotated_pairs(x: T.Buffer((T.int64(16), T.int64(8)), "bfloat16"), angle: T.Buffer((T.int64(16), T.int64(8)), "float32"),
+                   out: T.Buffer((T.int64(4), T.int64(16), T.int64(2)), "bfloat16")):
+    T.func_attr({"tirx.noalias": True})
+    rotated = T.sblock_alloc_buffer((T.int64(16), T.int64(8)))
+    for t, c in T.grid(T.int64(16), T.int64(8)):
+        with T.sblock("rotated"):
+            vt, vc = T.axis.remap("SS", [t, c])
+            rotated[vt, vc] = (T.Cast("float32", x[vt, vc]) * angle[vt, vc]
+                               - T.Cast("float32", x[vt, (vc + T.int64(4)) % T.int64(8)]) * angle[vt, vc])
+    for p, t, k in T.grid(T.int64(4), T.int64(16), T.int64(2)):
+        with T.sblock("packed"):
+            vp, vt, vk = T.axis.remap("SSS", [p, t, k])
+            out[vp, vt, vk] = T.Cast("bfloat16", rotated[vt, vp * T.int64(2) + vk])
+
+
+def test_the_arithmetic_before_a_bf16_pair_packing_runs_in_its_own_layout():
+    """A rotary on the keys before their bf16 run-time packing (LLaMA's) is computed in contiguous vectors into a
+    buffer the packing copies from: inlined, it ran a value at a time in the packing's gathered order (LLaMA's
+    4 K packings 0.263 -> 0.052 ms). The build matches numpy's bf16 rounding."""
+    target = targets.get_target("cpu")
+    sch = schedules.ElementwiseRule().apply(_rotated_pairs, target, False)
+    assert [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))] == ["rotated", "packed"]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16)
+    angle = rng.standard_normal((16, 8)).astype("float32")
+    out = tvm.runtime.empty((4, 16, 2), "bfloat16")
+    tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=target)["main"](
+        tvm.runtime.tensor(x), tvm.runtime.tensor(angle), out)
+    wide = x.astype("float32")
+    rotated = (wide * angle - np.roll(wide, -4, axis=1) * angle).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(out.numpy().view("uint16"),
+                                  rotated.reshape(16, 4, 2).transpose(1, 0, 2).view("uint16"))
+
+
+@T.prim_func(private=True, s_tir=True)
 def _gated(x: T.Buffer((T.int64(64), T.int64(16)), "float32"), s: T.Buffer((T.int64(16),), "float32"),
            out: T.Buffer((T.int64(64), T.int64(16)), "float32")):
     T.func_attr({"tirx.noalias": True})
