@@ -117,6 +117,22 @@ def tensor_shape(expr: relax.Expr) -> tuple | None:
     return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
 
 
+def slice_window(call: relax.Call) -> "tuple[list, list] | None":
+    """A strided_slice's begin and end on every axis of its static input, where it takes unit steps within the
+    bounds (as exporters' Split and Slice do), else None."""
+    shape = tensor_shape(call.args[0])
+    steps = call.args[4].fields if len(call.args) > 4 else []
+    if not shape or not all(isinstance(extent, int) for extent in shape) or any(int(step) != 1 for step in steps):
+        return None
+    begin, end = [0] * len(shape), list(shape)
+    for axis, start, stop in zip(*(arg.fields for arg in call.args[1:4])):
+        axis, start, stop = int(axis) % len(shape), int(start), int(stop)
+        if not 0 <= start < stop <= shape[axis]:
+            return None
+        begin[axis], end[axis] = start, stop
+    return begin, end
+
+
 def with_attr(attrs: tvm.ir.Attrs, **changes) -> tvm.ir.Attrs:
     """A copy of an attrs node with some fields replaced."""
     fields = type(attrs).__tvm_ffi_type_info__.fields

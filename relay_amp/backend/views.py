@@ -1,4 +1,4 @@
-"""views: a reshape that is the function's own output made a view of the tensor it reshapes.
+"""views: reshapes made views of the tensors they reshape, the function's own output's too.
 
 TVM's RewriteDataflowReshape makes reshapes of dataflow values views (`vm.builtin.reshape`) and leaves the ones
 bound to a dataflow block's outputs as copies. A model whose output comes straight from a kernel (a classifier's
@@ -6,6 +6,9 @@ or a language model's logits: the kernel computes them as pixels of a 1x1 conv, 
 copies them once more: 0.88 of 8.86 ms for a 128-token prefill's logits over a 32000-word vocabulary in bf16.
 The view is safe where the reshaped tensor is computed in the block and read by nothing else: TVM's memory
 planner gives a returned tensor storage of its own, and it follows a reshape to the tensor it views.
+
+Both run before any schedule: TVM tells a reshape by its PrimFunc's unscheduled pattern, and relay_amp's
+schedules (a row of 50257 channels split into whole vectors and a serial rest) hide it.
 """
 
 import tvm
@@ -86,3 +89,10 @@ class OutputReshapesAsViews:
         if not any(gv.name_hint == self.func for gv in mod.get_global_vars()):
             return mod  # a module of PrimFuncs alone
         return rewrite_function(_OutputViewer(mod), mod, self.func)
+
+
+def view_passes() -> list[tvm.transform.Pass]:
+    """Reshapes made views, dataflow values' (TVM's RewriteDataflowReshape) and outputs' (OutputReshapesAsViews),
+    before any schedule: TVM recognizes a reshape by its PrimFunc's unscheduled pattern, which a partitioned or
+    vectorized loop nest no longer shows (a reshape of 50257 channels stayed a 1.1 ms copy)."""
+    return [relax.transform.RewriteDataflowReshape(), OutputReshapesAsViews()]

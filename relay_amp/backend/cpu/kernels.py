@@ -62,7 +62,7 @@ BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  #
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
 PER_PIXEL = (RESIDUAL, ROW_SCALE)  # steps whose operand has a value for each output pixel, not one per channel
-LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": ""}  # fields spec_json leaves out at these values
+LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": "", "stored_channels": 0}  # fields spec_json leaves out at these values
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Epilogue:
         return any(step.kind in PER_PIXEL for step in self.steps)
 
     def operand_buffer(self, step: Step, out_shape: tuple) -> tuple[tuple, str]:
-        """(shape, dtype) of `step`'s operand for a kernel storing `out_shape`."""
+        """(shape, dtype) of `step`'s operand for a kernel computing the channels of `out_shape` at its pixels."""
         if step.kind == RESIDUAL:
             return tuple(out_shape), self.residual_dtype
         if step.kind == ROW_SCALE:
@@ -371,6 +371,7 @@ class ConvSpec:
     dilation: tuple[int, int] = (1, 1)
     stored_width: int = 0  # 0: every output pixel; else the leading output pixels of each row the kernel stores
     instruction: str = ""  # the DotIntrin's name where it is not intrinsic_for(data_dtype)'s (target_intrinsic)
+    stored_channels: int = 0  # 0: every output channel; else the leading output channels the kernel stores
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -383,7 +384,14 @@ class ConvSpec:
     @property
     def stored_shape(self) -> tuple[int, int, int, int]:
         """The NHWC output the kernel stores: `out_shape`, or its first `stored_width` pixels of each row (the
-        last register tile's rows past the width, 197 tokens computed as 200, are not stored)."""
+        last register tile's rows past the width, 197 tokens computed as 200, are not stored) and its first
+        `stored_channels` channels (the zero channels that padded a weight to whole vectors)."""
+        batch, height, width, channels = self.operand_shape
+        return batch, height, width, self.stored_channels or channels
+
+    @property
+    def operand_shape(self) -> tuple[int, int, int, int]:
+        """The NHWC shape the epilogue's operands are given for: the stored pixels, every computed channel."""
         batch, height, width, channels = self.out_shape
         return batch, height, self.stored_width or width, channels
 
@@ -470,7 +478,7 @@ def _compute(spec: ConvSpec, epilogue: Epilogue) -> list:
         axis=[row, col, chan]), name="acc", attrs={**_RULE_ATTRS, SPEC_ANNOTATION: spec_json(spec)})
     sums = [te.placeholder((spec.weight_batch, spec.out_channels) if spec.weight_batch else (spec.out_channels,),
                            "int32", "sums")] if spec.shifted else []
-    operands = [te.placeholder(*epilogue.operand_buffer(step, spec.stored_shape), f"operand{i}")
+    operands = [te.placeholder(*epilogue.operand_buffer(step, spec.operand_shape), f"operand{i}")
                 for i, step in enumerate(epilogue.operand_steps)]
 
     def output(*i):

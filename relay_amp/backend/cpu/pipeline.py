@@ -12,7 +12,7 @@ from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
 from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
-from ..views import OutputReshapesAsViews
+from ..views import view_passes
 from . import amx
 from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
@@ -85,14 +85,14 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
-    """For a prepared module: apply tuning records (when `tuned`), default schedules for the rest, bf16 roundings
-    dropped in registers and native elsewhere (on avx512_bf16 targets), reshapes of the outputs made views
-    (relay_amp.backend.views), lower."""
+    """For a prepared module: reshapes made views, outputs' too (relay_amp.backend.views), tuning records (when
+    `tuned`), default schedules for the rest, bf16 roundings dropped in registers and native elsewhere (on
+    avx512_bf16 targets), lower."""
     return tvm.transform.Sequential([
+        *view_passes(),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
         *rounding_passes(target),
-        OutputReshapesAsViews(),
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ], name="relay_amp_cpu_lower")

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax, te, topi
 
-from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape,
+from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, slice_window, tensor_dtype, tensor_shape,
                      with_attr)
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
@@ -265,7 +265,7 @@ class _NarrowNormInputs(relax.PyExprMutator):
             return None
         read = data if cast is None else cast.args[0]
         sliced = bound_call(self, read, "relax.strided_slice")
-        window = None if sliced is None else _slice_window(sliced)
+        window = None if sliced is None else slice_window(sliced)
         if window is not None:
             read = sliced.args[0]
         elif cast is None:
@@ -276,22 +276,6 @@ class _NarrowNormInputs(relax.PyExprMutator):
         producer = self.lookup_binding(origin) if isinstance(origin, relax.Var) else None
         stored = producer is None or call_op_name(producer) == "relax.call_tir"  # a kernel fuses nothing after it
         return (read, window) if stored else None
-
-
-def _slice_window(call: relax.Call) -> "tuple[list, list] | None":
-    """A strided_slice's begin and end on every axis of its static input, where it takes unit steps within the
-    bounds (as exporters' Split and Slice do), else None."""
-    shape = tensor_shape(call.args[0])
-    steps = call.args[4].fields if len(call.args) > 4 else []
-    if not shape or not all(isinstance(extent, int) for extent in shape) or any(int(step) != 1 for step in steps):
-        return None
-    begin, end = [0] * len(shape), list(shape)
-    for axis, start, stop in zip(*(arg.fields for arg in call.args[1:4])):
-        axis, start, stop = int(axis) % len(shape), int(start), int(stop)
-        if not 0 <= start < stop <= shape[axis]:
-            return None
-        begin[axis], end[axis] = start, stop
-    return begin, end
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.NormsReadNarrow")

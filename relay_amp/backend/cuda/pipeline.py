@@ -10,7 +10,7 @@ from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
 from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
-from ..views import OutputReshapesAsViews
+from ..views import view_passes
 from .int4 import PackInt4Operands, UseS4TensorCores
 from .tensorcore import gpu_schedules
 
@@ -38,12 +38,12 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
-    """For a prepared module: apply tuning records (when `tuned`), tensor cores and dlight, reshapes of the outputs
-    made views (relay_amp.backend.views), lower."""
+    """For a prepared module: reshapes made views, outputs' too (relay_amp.backend.views), tuning records (when
+    `tuned`), tensor cores and dlight, lower."""
     return tvm.transform.Sequential([
+        *view_passes(),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         gpu_schedules(),
-        OutputReshapesAsViews(),
         *cuda_lowering.dataflow_lower_passes(target),
         *cuda_lowering.finalize_passes(target),
     ], name="relay_amp_cuda_lower")

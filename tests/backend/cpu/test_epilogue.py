@@ -584,3 +584,37 @@ def test_an_amx_dynamic_matmul_reads_its_row_scales_in_the_tiles_write_back():
     kernel = after[call.args[0]]
     assert amx.PRODUCTS["int8"].symbol in kernel.script()
     tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=targets.get_target("cpu-amx"))
+
+
+def _linear_head(classes: int) -> tvm.IRModule:
+    """main(x): a bf16 classifier head of `classes` outputs, with a bias: the model's output."""
+    x = tensor("x", (1, 32, 64), BF16)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            logits = bb.emit(relax.op.matmul(x, relax.const(WEIGHT[0, 0, :, :classes]), out_dtype=F32))
+            out = bb.emit_output(relax.op.add(logits, relax.const(BIAS[:classes])))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_kernel_whose_weight_was_padded_stores_only_the_leading_channels():
+    """45 classes: dispatch pads the weight to 48 channels and slices the result back; the slice (after the bias,
+    which dispatch moves before it) is the epilogue's last step, so the kernel stores 45 channels and nothing
+    copies them. Its bias operand keeps all 48 channels the kernel computes."""
+    after = FuseKernelEpilogues()(dispatch.UseDotKernels({BF16})(_linear_head(45)))
+    relax.analysis.well_formed(after)
+    bindings = after["main"].body.blocks[0].bindings
+    assert [call_op_name(b.value) for b in bindings] == ["relax.reshape", "relax.call_tir", "relax.reshape"]
+    call = bindings[1].value
+    sch = tvm.s_tir.Schedule(after[call.args[0]])
+    spec = kernels.kernel_spec(sch, sch.get_sblock("acc"))
+    assert (spec.out_channels, spec.stored_channels, tensor_shape(call)) == (48, 45, (1, 1, 32, 45))
+    assert tensor_shape(call.args[1].fields[-1]) == (48,)
+
+
+def test_a_built_head_storing_its_leading_channels_matches_numpy():
+    x = RNG.standard_normal((1, 32, 64)).astype(ml_dtypes.bfloat16)
+    got = run_executable(build(_linear_head(45), targets.host_preset()), [x])[0]
+    expected = x.astype(F32) @ WEIGHT[0, 0, :, :45].astype(F32) + BIAS[:45]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)

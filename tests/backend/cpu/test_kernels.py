@@ -41,6 +41,9 @@ CASES = {
                                                  stored_width=23), "avx512_bf16"),
     "int8_conv_stride2_stored_pixels": (kernels.ConvSpec((1, 9, 11, 8), (3, 3), 32, (2, 2), "int8", "int32",
                                                          stored_width=4), "avx512_vnni"),
+    # channels off the weight's 16-lane blocks: 48 computed, the leading 45 (and 23 of 25 rows) stored
+    "bf16_matmul_stored_channels": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "bfloat16", "float32",
+                                                     stored_width=23, stored_channels=45), "avx512_bf16"),
     # 8-bit codes on AVX2 hosts (no vpdpbusd): widened to int16, pairs of products summed by vpmaddwd
     "int8_conv_stride2_int16_pairs": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
                                                        instruction=kernels.INT16_DOT.name), "avx2"),
@@ -118,7 +121,7 @@ def test_a_bf16_kernel_reads_its_broadcast_operand_in_the_product_instruction():
 def _assert_matches_numpy(lib, spec: kernels.ConvSpec) -> None:
     """Run a compiled kernel on random operands (packed weight, + weight sums for int8) and compare with numpy."""
     data, weight = random_operands(spec, np.random.default_rng(0))
-    expected = reference_conv(data, weight, spec)[:, :, :spec.stored_shape[2]]
+    expected = reference_conv(data, weight, spec)[:, :, :spec.stored_shape[2], :spec.stored_shape[3]]
     packed = kernels.pack_weight(weight, "OIHW", spec.dot)
     args = [np.ascontiguousarray(data[:, :, :spec.input_shape[2]]), packed]
     args += [kernels.weight_sums(packed)] if spec.shifted else []
@@ -166,6 +169,13 @@ def test_a_spec_storing_fewer_pixels_reads_only_the_input_they_need():
     assert kernels.spec_from_json(kernels.spec_json(spec)) == spec
     whole = dataclasses.replace(spec, stored_width=0)
     assert whole.stored_shape == whole.out_shape and whole.input_shape == whole.data_shape
+
+
+def test_a_spec_storing_fewer_channels_gives_its_operands_every_computed_channel():
+    spec = kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, stored_width=23, stored_channels=45)
+    assert (spec.stored_shape, spec.operand_shape) == ((1, 1, 23, 45), (1, 1, 23, 48))
+    assert json.loads(kernels.spec_json(spec))["stored_channels"] == 45
+    assert "stored_channels" not in json.loads(kernels.spec_json(dataclasses.replace(spec, stored_channels=0)))
 
 
 def test_grouped_weights_are_block_diagonal_over_16_lane_blocks():
