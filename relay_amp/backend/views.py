@@ -3,7 +3,7 @@
 TVM's RewriteDataflowReshape makes reshapes of dataflow values views (`vm.builtin.reshape`) and leaves the ones
 bound to a dataflow block's outputs as copies. A model whose output comes straight from a kernel (a classifier's
 or a language model's logits: the kernel computes them as pixels of a 1x1 conv, its result reshaped back) then
-copies them once more: 0.88 of 8.86 ms for a 128-token prefill's logits over a 32000-word vocabulary in bf16.
+copies them once more (a 128-token prefill's logits over a 32000-word vocabulary: 8.14 -> 7.59 ms in bf16).
 The view is safe where the reshaped tensor is computed in the block and read by nothing else: TVM's memory
 planner gives a returned tensor storage of its own, and it follows a reshape to the tensor it views.
 

@@ -119,13 +119,14 @@ def _logits_model(weight: np.ndarray) -> tvm.IRModule:
 
 
 def test_a_kernel_result_returned_by_the_model_is_its_own_storage_on_every_run():
-    """The logits come from the kernel through a view, not a copy (the build has no reshape or slice PrimFunc), and the
-    view is fresh storage per run: a second run leaves the first run's output as it was (fp32, within 1e-5)."""
+    """The logits come from the kernel through a view, not a copy (the build has no reshape or slice PrimFunc), and
+    the view is fresh storage per run: a second run leaves the first run's output as it was (fp32, within 1e-5)."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((32, 45)).astype("float32")  # 45 channels: the kernel computes 48, stores 45
     executable = relay_amp.build(_logits_model(weight), relay_amp.targets.host_preset())
     called = {line.split()[1] for line in executable.as_text().splitlines() if line.strip().startswith("call ")}
-    assert not [name for name in called if ("reshape" in name or "slice" in name) and not name.startswith("vm.")], called
+    copies = [name for name in called if ("reshape" in name or "slice" in name) and not name.startswith("vm.")]
+    assert not copies, called
     vm = virtual_machine(executable)
     first, second = (rng.standard_normal((1, 24, 32)).astype("float32") for _ in range(2))
     kept = vm["main"](tvm.runtime.tensor(first))

@@ -62,7 +62,8 @@ BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  #
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
 PER_PIXEL = (RESIDUAL, ROW_SCALE)  # steps whose operand has a value for each output pixel, not one per channel
-LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": "", "stored_channels": 0}  # fields spec_json leaves out at these values
+# fields spec_json leaves out at these values
+LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": "", "stored_channels": 0}
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ class _ScaleMover(relax.PyExprMutator):
         if scalar_constant(data) is not None:
             data, factor = factor, data
         scale = scalar_constant(factor)
-        if scale is None or tensor_shape(data) != tensor_shape(multiply) or tensor_dtype(data) != tensor_dtype(multiply):
+        same = tensor_shape(data) == tensor_shape(multiply) and tensor_dtype(data) == tensor_dtype(multiply)
+        if scale is None or not same:  # a scalar tensor times a constant, or a broadcast
             return operand, 1.0
         for move in reversed(moves):
             data = self.builder_.emit(relax.Call(move.op, [data, *move.args[1:]], move.attrs))
@@ -80,4 +81,5 @@ class ScalesAfterMatmuls:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        return relax.transform.DeadCodeElimination()(rewrite_function(_ScaleMover(mod, get_function(mod, self.func)), mod, self.func))
+        moved = rewrite_function(_ScaleMover(mod, get_function(mod, self.func)), mod, self.func)
+        return relax.transform.DeadCodeElimination()(moved)

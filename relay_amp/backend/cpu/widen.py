@@ -35,8 +35,8 @@ from collections.abc import Callable
 import tvm
 from tvm import relax, te, topi
 
-from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, slice_window, tensor_dtype, tensor_shape,
-                     with_attr)
+from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, slice_window, tensor_dtype,
+                     tensor_shape, with_attr)
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
 

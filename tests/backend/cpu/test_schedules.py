@@ -621,7 +621,8 @@ def test_a_bf16_packing_with_a_column_block_of_padding_only_builds_and_matches_n
 
 
 @T.prim_func(private=True, s_tir=True)
-def _rotated_pairs(x: T.Buffer((T.int64(16), T.int64(8)), "bfloat16"), angle: T.Buffer((T.int64(16), T.int64(8)), "float32"),
+def _rotated_pairs(x: T.Buffer((T.int64(16), T.int64(8)), "bfloat16"),
+                   angle: T.Buffer((T.int64(16), T.int64(8)), "float32"),
                    out: T.Buffer((T.int64(4), T.int64(16), T.int64(2)), "bfloat16")):
     T.func_attr({"tirx.noalias": True})
     rotated = T.sblock_alloc_buffer((T.int64(16), T.int64(8)))
