@@ -90,3 +90,15 @@ def test_reduces_exactly_reads_negative_axes_from_the_end_and_wants_them_kept():
     assert not reduces_exactly(relax.op.mean(x, axis=[-1], keepdims=False), [2])  # the axis is dropped
     assert not reduces_exactly(relax.op.mean(x, axis=[1], keepdims=True), [2])
     assert not reduces_exactly(relax.op.mean(x, keepdims=True), [2])  # every axis
+
+
+def test_slice_window_reads_begin_and_end_on_every_axis_of_unit_step_slices():
+    from tvm import relax
+
+    from relay_amp._ir import slice_window
+
+    x = relax.Var("x", relax.TensorType((2, 6, 48), "float32"))
+    assert slice_window(relax.op.strided_slice(x, axes=[-1], begin=[0], end=[45])) == ([0, 0, 0], [2, 6, 45])
+    assert slice_window(relax.op.strided_slice(x, axes=[1, 2], begin=[2, 8], end=[5, 16])) == ([0, 2, 8], [2, 5, 16])
+    assert slice_window(relax.op.strided_slice(x, axes=[2], begin=[0], end=[48], strides=[2])) is None  # every other
+    assert slice_window(relax.op.strided_slice(x, axes=[2], begin=[40], end=[60])) is None  # past the end
