@@ -149,8 +149,6 @@ class _ChainFinder:
     def _next_step(self, current: relax.Var, chain: _Chain) -> "relax.Var | None":
         """The var of the one op reading `current`, recorded in `chain`; None where the epilogue cannot take it."""
         binding = self.reader.get(current)
-        if chain.spec.stored_channels:  # a slice of the leading channels ends the chain
-            return None
         if self.uses.get(current, 0) != 1 or binding is None or binding.var in self.claimed:
             return None
         if self._step(binding.value, current, chain) is None:

@@ -15,15 +15,9 @@ from tvm import relax
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import bound_call, bound_value, call_op_name
+from .formula import scalar
 
 PASSED = ("relax.astype", "relax.permute_dims", "relax.reshape")  # ops a scale commutes with
-
-
-def scalar_constant(expr: relax.Expr) -> "float | None":
-    """The value of a constant holding one value (of any rank), else None."""
-    if not isinstance(expr, tvm.ir.expr.Constant) or int(np.prod(tensor_shape(expr) or (), dtype=np.int64)) != 1:
-        return None
-    return float(expr.value.numpy().astype("float64").flat[0])
 
 
 @relax.expr_functor.mutator
@@ -59,9 +53,9 @@ class _ScaleMover(relax.PyExprMutator):
         if multiply is None or tensor_dtype(multiply) not in MODEL_FLOAT_DTYPES:
             return operand, 1.0
         data, factor = multiply.args
-        if scalar_constant(data) is not None:
+        if scalar(data) is not None:
             data, factor = factor, data
-        scale = scalar_constant(factor)
+        scale = scalar(factor)
         same = tensor_shape(data) == tensor_shape(multiply) and tensor_dtype(data) == tensor_dtype(multiply)
         if scale is None or not same:  # a scalar tensor times a constant, or a broadcast
             return operand, 1.0

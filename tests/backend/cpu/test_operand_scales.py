@@ -6,7 +6,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relay_amp
-from relay_amp.backend.cpu.operand_scales import ScalesAfterMatmuls, scalar_constant
+from relay_amp.backend.cpu.formula import scalar
+from relay_amp.backend.cpu.operand_scales import ScalesAfterMatmuls
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
 
@@ -80,10 +81,10 @@ def test_a_scale_by_a_tensor_or_of_integer_codes_is_left():
     assert_transforms(ScalesAfterMatmuls(), Before, Before)
 
 
-def test_scalar_constant_reads_one_value_of_any_rank():
-    assert scalar_constant(tvm.relax.const(np.full((1, 1), 0.5, "float32"))) == 0.5
-    assert scalar_constant(tvm.relax.const(np.ones(2, "float32"))) is None
-    assert scalar_constant(tvm.relax.Var("x", tvm.relax.TensorType((), "float32"))) is None
+def test_a_scale_is_a_float_constant_of_one_value_of_any_rank():
+    assert scalar(tvm.relax.const(np.full((1, 1), 0.5, "float32"))) == 0.5
+    assert scalar(tvm.relax.const(np.ones(2, "float32"))) is None
+    assert scalar(tvm.relax.Var("x", tvm.relax.TensorType((), "float32"))) is None
 
 
 def test_the_built_bf16_attention_scores_match_fp32():
