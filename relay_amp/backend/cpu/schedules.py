@@ -22,7 +22,8 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from ..._ir import index_vars, try_primitive, vars_in
 
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
-MAX_WINDOW_ROW = 8  # a window's row (7 taps in ConvNeXt's depthwise convs) unrolled with the output rows
+MAX_WINDOW_TAPS = 1024  # a reduction over a window alone (a depthwise conv's, up to 31x31) reads its input in place
+MAX_WINDOW_ROW = 32  # a window's row (ConvNeXt's 7 taps, MixNet's 9 and 11, RepLKNet's 31) unrolled with the outputs
 CACHE_BYTES = 512 * 1024  # operand data a cache tile keeps in reach: a share of a core's L2
 MAX_ACCUMULATORS = 16  # zmm registers holding accumulators, of the 32; the rest hold operands
 STACK_BYTES = 1024  # TVM allocates a CPU buffer on the stack (where LLVM can keep it in registers) only below this
@@ -191,15 +192,20 @@ def _unless_inlined_window_padding(sch: s_tir.Schedule, block) -> list:
 
 
 def _slides_small_window(block: s_tir.SBlock) -> bool:
-    """Whether `block` reduces over at most MAX_WINDOW values along a window that slides with its outputs (an
-    index adds a reduction variable to an output one): a pool's, a depthwise conv's, a conv's over very few
-    channels; not a matmul's."""
-    reduced = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
-    if not reduced or math.prod(_const(iv.dom.extent) for iv in reduced) > MAX_WINDOW:
+    """Whether `block` reduces along a window that slides with its outputs (an index adds a reduction variable to
+    an output one), over at most MAX_WINDOW_TAPS values where the window is all it reduces (a pool's, a depthwise
+    conv's), else MAX_WINDOW (a conv's over very few channels); not a matmul's."""
+    reduced = {iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    spatial = {iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar}
+    sliding = set()
+    for index in (index for read in block.reads for index in read.region):
+        used = set(vars_in(index.min))
+        if used & spatial:
+            sliding |= used & reduced
+    if not sliding:
         return False
-    kinds = {iv.var: iv.iter_type for iv in block.iter_vars}
-    both = {tirx.IterVar.DataPar, tirx.IterVar.CommReduce}
-    return any({kinds.get(var) for var in vars_in(index.min)} >= both for read in block.reads for index in read.region)
+    limit = MAX_WINDOW_TAPS if sliding == reduced else MAX_WINDOW
+    return math.prod(_const(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced) <= limit
 
 
 def _inline_epilogue_operands(sch: s_tir.Schedule, block) -> None:

@@ -48,6 +48,10 @@ CASES = {
     "depthwise_conv_nhwc": (lambda x, w: relax.op.nn.conv2d(x, w, padding=2, groups=32, data_layout="NHWC",
                                                              kernel_layout="HWOI"),
                             ("x", (1, 14, 14, 32)), ("w", (5, 5, 32, 1))),
+    # MixNet's 9x9 depthwise conv: 81 taps, a window read in place and unrolled by rows of 9
+    "depthwise_conv_9x9": (lambda x, w: relax.op.nn.conv2d(x, w, padding=4, groups=16, data_layout="NHWC",
+                                                            kernel_layout="HWOI"),
+                           ("x", (1, 7, 7, 16)), ("w", (9, 9, 16, 1))),
     # a dilated 1-D depthwise conv as a conv2d of one row (ConvTasNet's): its parallel tiles come from the row alone
     "depthwise_conv_one_row": (lambda x, w: relax.op.nn.conv2d(x, w, padding=[0, 4, 0, 4], dilation=[1, 4], groups=32,
                                                                 data_layout="NHWC", kernel_layout="HWOI"),
@@ -264,6 +268,20 @@ def test_a_depthwise_conv_unrolls_its_window_rows_so_neighbouring_pixels_share_t
     sch = schedules.ContractionRule().apply(matmul["matmul"], targets.get_target("cpu"), False)
     assert all(sch.get(loop).kind != tvm.tirx.ForKind.UNROLLED or int(sch.get(loop).extent) != 8
                for loop in sch.get_loops(sch.get_sblock("matmul_update")))
+
+
+def test_a_large_depthwise_window_reads_its_input_in_place_with_its_rows_unrolled():
+    """MixNet's 9x9 depthwise convs (81 taps, over MAX_WINDOW) stored a padded copy of their input and looped over
+    each tap: 65 us for a 14x14x90 conv whose 7x7 neighbour took 8. A window that is all a block reduces now reads
+    its input in place up to MAX_WINDOW_TAPS, its 9-tap rows unrolled (8 us). A conv over channels keeps its copy."""
+    mod = relax.transform.LegalizeOps()(_module(*CASES["depthwise_conv_9x9"]))
+    sch = schedules.ContractionRule().apply(mod["conv2d"], targets.get_target("cpu"), False)
+    assert [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))][0] != "pad_temp"
+    *_, window_row, _, _ = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("group_conv2d_nhwc_update")))
+    assert (int(window_row.extent), window_row.kind) == (9, tvm.tirx.ForKind.UNROLLED)
+    conv = relax.transform.LegalizeOps()(_module(*CASES["conv_nhwc"]))  # 3x3 taps of 16 channels each
+    sch = schedules.ContractionRule().apply(conv["conv2d"], targets.get_target("cpu"), False)
+    sch.get_sblock("pad_temp")  # the padded copy (raises when it is missing)
 
 
 def test_an_output_width_without_a_vector_divisor_is_padded_to_whole_vectors():
