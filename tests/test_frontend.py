@@ -621,3 +621,21 @@ def test_a_swin_transformers_window_pads_fold_to_constants_and_it_matches_torch(
         expected = model(x).numpy()
     got = relay_amp.runtime.run_executable(relay_amp.build(frontend.from_onnx(path), "cpu"), [x.numpy()])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()  # fp32, sums in another order
+
+
+
+def test_rules_that_list_the_whole_graph_at_each_node_are_left_out(monkeypatch):
+    """SlicesSplit's matcher lists every node of the graph at each candidate node (90 of 96 s importing a small
+    Sequencer2D): onnxscript's optimizer runs without it while relay_amp simplifies, and gets its rules back."""
+    import onnxscript.optimizer
+    from onnxscript import rewriter
+    rules, optimize_ir, seen = rewriter._DEFAULT_REWRITE_RULES, onnxscript.optimizer.optimize_ir, []
+
+    def recording(model, **options):
+        seen.append([rule.name for rule in rewriter._DEFAULT_REWRITE_RULES])
+        return optimize_ir(model, **options)
+
+    monkeypatch.setattr(onnxscript.optimizer, "optimize_ir", recording)
+    frontend.simplify_onnx(shared_flatten_onnx())
+    assert seen and all("SlicesSplit" not in names and len(names) == len(rules) - 1 for names in seen)
+    assert rewriter._DEFAULT_REWRITE_RULES is rules
