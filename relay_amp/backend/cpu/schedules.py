@@ -195,17 +195,27 @@ def _slides_small_window(block: s_tir.SBlock) -> bool:
     """Whether `block` reduces along a window that slides with its outputs (an index adds a reduction variable to
     an output one), over at most MAX_WINDOW_TAPS values where the window is all it reduces (a pool's, a depthwise
     conv's), else MAX_WINDOW (a conv's over very few channels); not a matmul's."""
-    reduced = {iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    reduced = {iv.var: _const(iv.dom.extent) for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
     spatial = {iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar}
-    sliding = set()
-    for index in (index for read in block.reads for index in read.region):
-        used = set(vars_in(index.min))
-        if used & spatial:
-            sliding |= used & reduced
+    sliding = set().union(*(_overlapping(index.min, spatial, reduced) for read in block.reads for index in read.region))
     if not sliding:
         return False
-    limit = MAX_WINDOW_TAPS if sliding == reduced else MAX_WINDOW
-    return math.prod(_const(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced) <= limit
+    limit = MAX_WINDOW_TAPS if sliding == set(reduced) else MAX_WINDOW
+    return math.prod(reduced.values()) <= limit
+
+
+def _overlapping(index, spatial: set, reduced: dict) -> set:
+    """The reduction vars along which the windows of neighbouring outputs overlap in `index`: a conv's
+    y * stride + ry * dilation, where the stride is below the window's span; not a flattened index (i * 16 + k
+    over k < 16, a matmul's operand reshaped in its function), nor a patch embedding's (stride = kernel)."""
+    used = vars_in(index)
+    outputs, windows = [v for v in used if v in spatial], [v for v in used if v in reduced]
+    coefficients = tvm.sym.detect_linear_equation(index, [*outputs, *windows]) if outputs and windows else []
+    if not coefficients:
+        return set()
+    strides = [abs(_const(c)) for c in coefficients[:len(outputs)]]
+    steps = [abs(_const(c)) for c in coefficients[len(outputs):-1]]
+    return {var for var, step in zip(windows, steps) if any(0 < stride < step * reduced[var] for stride in strides)}
 
 
 def _inline_epilogue_operands(sch: s_tir.Schedule, block) -> None:
