@@ -53,7 +53,9 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     fp32 has kernels (AVX2), dot-product kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to
     the kernels first; activations before fast math splits them), identical bindings computed once again (dispatch
     pads a tensor once per kernel that reads it; merged earlier, two casts of one output would join an epilogue and
-    store it wide), fast math (unless turned off) and packed int4 kernels, then legalization and fusion.
+    store it wide), norms and softmaxes reading a kernel's output in place, widened or through a slice's window
+    (relay_amp.backend.cpu.widen), fast math (unless turned off) and packed int4 kernels, then legalization and
+    fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
