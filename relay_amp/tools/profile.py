@@ -1,11 +1,13 @@
 """profile: the time of every fused function and kernel call of a build, dtype variants side by side.
 
 The Relax VM calls a hook before and after each call (`VirtualMachine.set_instrument`); the time between the
-two is the call's. Calls are grouped by the ops their function computes, with casts, pads, reshapes and TVM's
-numbering dropped (`fused_reshape7_cast4_add5_erf` and `fused_add1_erf_reshape3` are both `add_erf`; a bf16
-build's `conv2d_add_pad`, whose pad for the next AMX kernel fusion put there, lines up with fp32's `conv2d_add`,
-its time included; GPT-2's query-key-value split, `reshape_reshape_split` in fp32 and `reshape_split` in bf16, is
-`split` in both), so the same work lines up across dtypes; rows are sorted by how much slower the last
+two is the call's. Calls are grouped by the ops their function computes, with casts, pads, slices, reshapes and
+TVM's numbering dropped (`fused_reshape7_cast4_add5_erf` and `fused_add1_erf_reshape3` are both `add_erf`; a
+bf16 build's `conv2d_add_pad`, whose pad for the next AMX kernel fusion put there, lines up with fp32's
+`conv2d_add`, its time included, and LeViT's `add_add_strided_slice`, whose slice trims bf16 attention scores
+computed over whole pairs of column blocks, with fp32's `add_add` (the zoo bench had flagged it a bf16 slow
+path); GPT-2's query-key-value split, `reshape_reshape_split` in fp32 and `reshape_split` in bf16, is `split` in
+both), so the same work lines up across dtypes; rows are sorted by how much slower the last
 variant is than the first. The variants' runs alternate in one process, as the benchmarks' runners do.
 That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
 """
@@ -29,16 +31,19 @@ from ..runtime import virtual_machine
 from .bench import BASELINE, variant
 from .models import example_inputs
 
-# casts, a backend's padding and reshapes (free views that fusion puts on either side of a function) join the ops
-DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", "reshape", ""})
+# casts, a backend's padding and the slices that trim it, and reshapes (free views that fusion puts on either side
+# of a function) join the ops
+DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", "strided", "slice", "reshape", ""})
+ALONE = (("slice", "strided_slice"), ("pad", "pad"), ("reshape", "reshape"))  # a function of those only
 KEEP_GOING = 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 
 
 def call_group(symbol: str) -> str:
-    """The ops a VM call computes, without casts, pads, reshapes and numbering: the key that lines variants up."""
+    """The ops a VM call computes, without casts, pads, slices, reshapes and numbering: the key that lines variants
+    up."""
     tokens = [token.rstrip("0123456789") for token in symbol.split("_")]
     kept = "_".join(token for token in tokens if token not in DROPPED_TOKENS)
-    return kept or next((op for op in ("pad", "reshape") if op in tokens), "cast")  # only pads, reshapes or casts
+    return kept or next((op for token, op in ALONE if token in tokens), "cast")
 
 
 def call_key(symbol: str, call_args: Sequence) -> str:
