@@ -202,13 +202,18 @@ class WidenContractions:
         return rewrite_function(_ContractionWidener(mod, self.dtypes), mod, self.func)
 
 
+def _window_widened(stored: te.Tensor, window: "tuple[list, list] | None") -> te.Tensor:
+    """`stored` sliced to `window` (begin and end on every axis) where one is given, widened to fp32 as it is read."""
+    if window is not None:
+        stored = topi.strided_slice(stored, *window)
+    return topi.cast(stored, WIDE) if stored.dtype != WIDE else stored
+
+
 def _norm_of_stored(op_name: str, attrs, window: "tuple[list, list] | None") -> Callable[..., te.Tensor]:
     """A TE function: the norm `op_name` (with `attrs`) of its input widened to fp32 as it is read (a bf16 one),
     and sliced first to `window` (begin and end on every axis) where one is given."""
     def compute(stored: te.Tensor, *params: te.Tensor) -> te.Tensor:
-        if window is not None:
-            stored = topi.strided_slice(stored, *window)
-        wide = topi.cast(stored, WIDE) if stored.dtype != WIDE else stored
+        wide = _window_widened(stored, window)
         if op_name == "relax.nn.layer_norm":
             return topi.nn.layer_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
         return topi.nn.rms_norm(wide, *params, axis=attrs.axes, epsilon=attrs.epsilon)
@@ -219,10 +224,7 @@ def _softmax_of_stored(axis: int, window: "tuple[list, list] | None", fast: bool
     """A TE function: the softmax over `axis` (TVM's fast one where `fast`) of its input sliced first to `window`
     where one is given, widened to fp32 as it is read."""
     def compute(stored: te.Tensor) -> te.Tensor:
-        if window is not None:
-            stored = topi.strided_slice(stored, *window)
-        wide = topi.cast(stored, WIDE) if stored.dtype != WIDE else stored
-        return (topi.nn.fast_softmax if fast else topi.nn.softmax)(wide, axis)
+        return (topi.nn.fast_softmax if fast else topi.nn.softmax)(_window_widened(stored, window), axis)
     return compute
 
 
