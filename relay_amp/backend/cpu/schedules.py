@@ -712,10 +712,11 @@ class RowReductionRule(_CpuRule):
     partial results in one vector (rfactor; 8 where the row is made of those: a layer norm over ConvNeXt-atto's
     40 channels) and adds them up at the end of the row.
 
-    TVM's dl.cpu.Reduction reduces one scalar at a time (a chain of dependent adds, 4 cycles each) and takes the
-    rows this rule leaves: reductions whose length is not a whole number of vectors (a layer norm over 197), since
-    compute_at drops the tail predicate of a factored reduction. Softmax rows of that kind arrive padded
-    (relay_amp.backend.cpu.rows).
+    A function of one reduction over rows that are not whole vectors (ConViT's sum of 196 attention weights a row)
+    runs the same way with a serial tail (`_reduction_with_tail`). TVM's dl.cpu.Reduction reduces one scalar at a
+    time (a chain of dependent adds, 4 cycles each) and takes the functions of several such reductions (a layer norm
+    over 197), since compute_at drops the tail predicate of a factored reduction. Softmax rows of that kind arrive
+    padded (relay_amp.backend.cpu.rows).
     """
 
     def schedule(self, sch: s_tir.Schedule, infos: list) -> s_tir.Schedule | None:
@@ -723,8 +724,10 @@ class RowReductionRule(_CpuRule):
         infos = _store_from_producer(sch, _inline_widened_loads(sch, infos))
         rows = min(_leading_spatial(info) for info in infos)
         reductions = [info for info in infos if not info.is_injective()]
-        if not rows or not reductions or any(not _reduces_whole_vectors(sch, info, rows) for info in reductions):
+        if not rows or not reductions:
             return None
+        if any(not _reduces_whole_vectors(sch, info, rows) for info in reductions):
+            return _reduction_with_tail(sch, infos, rows)
         if any(not _same_rows(sch, info, infos[-1], rows) for info in reductions):
             return _broadcast_reductions(sch, infos, reductions) if infos[-1].is_injective() else None
         try:
@@ -913,13 +916,48 @@ def _broadcast_reductions(sch: s_tir.Schedule, infos: list, reductions: list) ->
 def _reduces_whole_vectors(sch: s_tir.Schedule, info, rows: int) -> bool:
     """Whether `info` reduces one tensor (not a contraction) over all its loops after the `rows` leading ones,
     in whole vectors."""
+    length = _row_length(sch, info, rows)
+    return bool(length) and length % _row_lanes(length) == 0
+
+
+def _row_length(sch: s_tir.Schedule, info, rows: int) -> int:
+    """How many values `info` reduces a row, where it reduces one tensor (not a contraction) over all its loops
+    after the `rows` leading ones, a constant count; else 0."""
     kinds = info.dom_kind()
     extents = [_extent(sch, loop) for loop in sch.get_loops(info.block_rv)[rows:]]
     reduced = [it.var for it in info.iters if it.kind == "R"]
     reads = [read for read in sch.get(info.block_rv).reads
              if any(v.same_as(r) for v in index_vars(read) for r in reduced)]
-    return (kinds[rows:] and set(kinds[rows:]) == {"R"} and all(extents) and len(reads) == 1
-            and math.prod(extents) % _row_lanes(math.prod(extents)) == 0)
+    whole = kinds[rows:] and set(kinds[rows:]) == {"R"} and all(extents) and len(reads) == 1
+    return math.prod(extents) if whole else 0
+
+
+def _reduction_with_tail(sch: s_tir.Schedule, infos: list, rows: int) -> s_tir.Schedule | None:
+    """A function of one reduction over rows longer than a vector but not whole vectors (ConViT's sum of 196
+    attention weights, a max over 50257 logits) and elementwise blocks: those before it inlined, each row in
+    parallel adding its whole vectors in vector partial results and the rest in a serial loop (a partition of the
+    loop, so the whole vectors carry no tail test), the blocks after it in the same row. The partial results'
+    block keeps its tail predicate because it keeps its own loops: the others move into its row
+    (reverse_compute_at), not it into theirs. Else None."""
+    reductions = [info for info in infos if not info.is_injective()]
+    length = _row_length(sch, reductions[0], rows) if len(reductions) == 1 else 0
+    at = infos.index(reductions[0])
+    if length <= ACCUMULATOR_LANES or any(not _same_rows(sch, reductions[0], info, rows) for info in infos[at:]):
+        return None
+    if not all(try_primitive(sch.compute_inline, info.block_rv) for info in infos[:at]):
+        return None
+    try:
+        factored = _factor_reduction(sch, reductions[0].block_rv, rows)
+        row = _parallel_rows(sch, factored, rows, vectorize=False)
+        for info in infos[at:]:
+            sch.reverse_compute_at(info.block_rv, row)
+        *_, steps, lanes = sch.get_loops(factored)
+        sch.vectorize(lanes)
+        sch.decompose_reduction(factored, steps)
+        sch.loop_partition(steps, [length // _extent(sch, lanes), None])
+    except s_tir.ScheduleError:
+        return None
+    return sch
 
 
 def _factor_reduction(sch: s_tir.Schedule, block, rows: int):
