@@ -938,9 +938,11 @@ def _reduction_with_tail(sch: s_tir.Schedule, infos: list, rows: int) -> s_tir.S
     parallel adding its whole vectors in vector partial results and the rest in a serial loop (a partition of the
     loop, so the whole vectors carry no tail test), the blocks after it in the same row. The partial results'
     block keeps its tail predicate because it keeps its own loops: the others move into its row
-    (reverse_compute_at), not it into theirs. Else None."""
+    (reverse_compute_at), not it into theirs. A reduction of several values (argmax's value and index) is left to
+    TVM's rule: the partitioned loops' copies of its block fail to lower. Else None."""
     reductions = [info for info in infos if not info.is_injective()]
-    length = _row_length(sch, reductions[0], rows) if len(reductions) == 1 else 0
+    single = len(reductions) == 1 and len(sch.get(reductions[0].block_rv).writes) == 1  # an argmax writes two
+    length = _row_length(sch, reductions[0], rows) if single else 0
     at = infos.index(reductions[0])
     if length <= ACCUMULATOR_LANES or any(not _same_rows(sch, reductions[0], info, rows) for info in infos[at:]):
         return None

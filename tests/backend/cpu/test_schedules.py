@@ -112,11 +112,13 @@ CASES = {
         [0, 2, 1, 3]), ("x", (13, 8))),
     # a softmax over NHWC's W (attention's keys where the heads are channels: EfficientFormerV2's talking heads)
     "softmax_middle_axis": (lambda x: relax.op.nn.softmax(x, axis=2), ("x", (1, 5, 7, 16))),
-    # one reduction over rows off whole vectors, alone and with an elementwise block after it: vector partial sums
-    # and a serial tail (RowReductionRule's _reduction_with_tail)
-    "row_sum_off_vectors": (lambda x: relax.op.sum(x, axis=[-1]), ("x", (3, 5, 37))),
+    # one reduction over rows off whole vectors (longer than the windows ContractionRule takes), alone and with an
+    # elementwise block after it: vector partial sums and a serial tail (RowReductionRule's _reduction_with_tail)
+    "row_sum_off_vectors": (lambda x: relax.op.sum(x, axis=[-1]), ("x", (3, 5, 100))),
     "row_mean_of_squares_off_vectors": (lambda x: relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1])),
-                                        ("x", (6, 21))),
+                                        ("x", (6, 70))),
+    # an argmax over such rows (a value and its index): left to TVM's rule
+    "row_argmax_off_vectors": (lambda x: relax.op.argmax(x, axis=-1), ("x", (3, 100))),
     "rms_norm_rows": (lambda x: relax.op.divide(x, relax.op.sqrt(relax.op.mean(relax.op.multiply(x, x), axis=[-1],
                                                                                 keepdims=True))),
                       ("x", (6, 48))),
@@ -1047,6 +1049,14 @@ def test_a_reduction_over_rows_off_whole_vectors_adds_vectors_then_a_serial_tail
     time (51 us for ConViT-Ti's 4 x 196 x 196, 10 us now)."""
     scheduled = schedules.RowReductionRule().apply(_row_sum_off_vectors, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _row_sum_off_vectors_scheduled)
+
+
+def test_a_reduction_of_several_values_over_rows_off_whole_vectors_is_left_to_tvms_rule():
+    """An argmax reduces a value and its index together: the copies of its block that partitioning the steps
+    makes fail to lower (a variable bound twice), so the tail path declines it."""
+    x = te.placeholder((4, 100), "float32", name="x")
+    argmax = te.create_prim_func([x, topi.argmax(x, axis=1)])
+    assert schedules.RowReductionRule().apply(argmax, targets.get_target("cpu"), False) is None
 
 
 @T.prim_func(private=True, s_tir=True)
