@@ -7,7 +7,7 @@ import linecache
 import math
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import tvm
@@ -196,19 +196,19 @@ def fold_weights(mod: tvm.IRModule) -> tvm.IRModule:
     exporter standardizes in the graph (BiT's and timm's StdConv: a training-mode batch norm of the weight, whose
     first output a TupleGetItem takes) reaches its conv as a constant, which AMP casts once and dispatch packs.
     A QDQ model is left as it is: its weights' dequantizes of int8 codes are what realize_qdq reads."""
-    if _calls_op(mod, "relax.dequantize"):
+    if calls_any_op(mod, ["relax.dequantize"]):
         return mod
     # fold_batch_norm folds constants again first: what the TupleGetItems held is folded there
     through_tuples = tvm.transform.Sequential([FoldConstants, relax.transform.CanonicalizeBindings()])
     return relax.transform.DeadCodeElimination()(fold_batch_norm(through_tuples(mod)))
 
 
-def _calls_op(mod: tvm.IRModule, op_name: str) -> bool:
-    """Whether a Relax function of `mod` calls the op named `op_name`."""
-    found = []
+def calls_any_op(mod: tvm.IRModule, op_names: Iterable[str]) -> bool:
+    """Whether a Relax function of `mod` calls an op named in `op_names`."""
+    wanted, found = set(op_names), []
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, lambda e: found.append(e) if call_op_name(e) == op_name else None)
+            relax.analysis.post_order_visit(func, lambda e: found.append(e) if call_op_name(e) in wanted else None)
     return bool(found)
 
 

@@ -102,3 +102,28 @@ def test_slice_window_reads_begin_and_end_on_every_axis_of_unit_step_slices():
     assert slice_window(relax.op.strided_slice(x, axes=[1, 2], begin=[2, 8], end=[5, 16])) == ([0, 2, 8], [2, 5, 16])
     assert slice_window(relax.op.strided_slice(x, axes=[2], begin=[0], end=[48], strides=[2])) is None  # every other
     assert slice_window(relax.op.strided_slice(x, axes=[2], begin=[40], end=[60])) is None  # past the end
+
+
+def test_calls_any_op_looks_through_every_relax_function_for_the_named_ops():
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    from relay_amp._ir import calls_any_op
+
+    @I.ir_module
+    class Module:
+        @R.function(private=True)
+        def helper(x: R.Tensor((2, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            return R.nn.relu(x)
+
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32")) -> R.Tensor((2, 4), "float32"):
+            cls = Module
+            with R.dataflow():
+                gv = cls.helper(R.tanh(x))
+                R.output(gv)
+            return gv
+
+    assert calls_any_op(Module, ["relax.nn.relu"])  # only the helper calls it
+    assert calls_any_op(Module, ["relax.nn.conv2d", "relax.tanh"])
+    assert not calls_any_op(Module, ["relax.nn.conv2d", "relax.matmul"])
