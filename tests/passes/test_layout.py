@@ -268,7 +268,7 @@ def test_negative_squeeze_and_permutation_axes_are_counted_from_the_front_first(
 
 
 def test_a_module_without_convolutions_skips_tvms_pass(monkeypatch):
-    """TVM's ConvertLayout copies its map of every binding's layout at each call it infers a layout for: 22 s for a
+    """TVM's ConvertLayout copies its map of every binding's layout at each call it infers a layout for: 15-22 s for a
     2-layer LSTM unrolled over 300 steps (10812 bindings), which has no op to convert. Without one, the module
     comes back as it was (TVM's pass is not run); with one, it runs."""
 
