@@ -727,7 +727,7 @@ class RowReductionRule(_CpuRule):
         if not rows or not reductions:
             return None
         if any(not _reduces_whole_vectors(sch, info, rows) for info in reductions):
-            return _reduction_with_tail(sch, infos, rows)
+            return _reduction_with_tail(sch, infos, reductions, rows)
         if any(not _same_rows(sch, info, infos[-1], rows) for info in reductions):
             return _broadcast_reductions(sch, infos, reductions) if infos[-1].is_injective() else None
         try:
@@ -932,7 +932,7 @@ def _row_length(sch: s_tir.Schedule, info, rows: int) -> int:
     return math.prod(extents) if whole else 0
 
 
-def _reduction_with_tail(sch: s_tir.Schedule, infos: list, rows: int) -> s_tir.Schedule | None:
+def _reduction_with_tail(sch: s_tir.Schedule, infos: list, reductions: list, rows: int) -> s_tir.Schedule | None:
     """A function of one reduction over rows longer than a vector but not whole vectors (ConViT's sum of 196
     attention weights, a max over 50257 logits) and elementwise blocks: those before it inlined, each row in
     parallel adding its whole vectors in vector partial results and the rest in a serial loop (a partition of the
@@ -940,7 +940,6 @@ def _reduction_with_tail(sch: s_tir.Schedule, infos: list, rows: int) -> s_tir.S
     block keeps its tail predicate because it keeps its own loops: the others move into its row
     (reverse_compute_at), not it into theirs. A reduction of several values (argmax's value and index) is left to
     TVM's rule: the partitioned loops' copies of its block fail to lower. Else None."""
-    reductions = [info for info in infos if not info.is_injective()]
     single = len(reductions) == 1 and len(sch.get(reductions[0].block_rv).writes) == 1  # an argmax writes two
     length = _row_length(sch, reductions[0], rows) if single else 0
     at = infos.index(reductions[0])
