@@ -14,6 +14,7 @@ import tvm
 from tvm import relax
 from tvm.relax import dpl
 
+from ._dead_code import EliminateDeadCode
 from ._folding import FoldConstants
 from .dtypes import can_cast_offline, cast_array
 from .errors import ModuleError, OptionError
@@ -64,7 +65,7 @@ def rewrite_te_calls(mod: tvm.IRModule, func: str, rewrite: Callable) -> tvm.IRM
     """`mod` with each call in Relax function `func` of a PrimFunc through call_tir (a TE function TVM's importer
     emitted) replaced by rewrite(call, prim_func) where that is not None; PrimFuncs left uncalled removed."""
     rewritten = rewrite_function(_TeCallRewriter(mod, rewrite), mod, func)
-    return relax.transform.DeadCodeElimination([func])(rewritten)
+    return EliminateDeadCode([func])(rewritten)
 
 
 @relax.expr_functor.mutator
@@ -200,7 +201,7 @@ def fold_weights(mod: tvm.IRModule) -> tvm.IRModule:
         return mod
     # fold_batch_norm folds constants again first: what the TupleGetItems held is folded there
     through_tuples = tvm.transform.Sequential([FoldConstants, relax.transform.CanonicalizeBindings()])
-    return relax.transform.DeadCodeElimination()(fold_batch_norm(through_tuples(mod)))
+    return EliminateDeadCode()(fold_batch_norm(through_tuples(mod)))
 
 
 def calls_any_op(mod: tvm.IRModule, op_names: Iterable[str]) -> bool:
@@ -401,7 +402,7 @@ def clamps_as_max_min(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     if not lifter.te_calls:
         return lifted
     # a TE clamp's bound comes through the importer's NaN check; its PrimFunc is left without a caller
-    return tvm.transform.Sequential([FoldConstants, relax.transform.DeadCodeElimination([func])])(
+    return tvm.transform.Sequential([FoldConstants, EliminateDeadCode([func])])(
         lifted)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ._dead_code import EliminateDeadCode
 from ._ir import batch_norm_scale_shift, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from .ops import call_op_name
 
@@ -66,7 +67,7 @@ def merge_parallel_convs(mod: tvm.IRModule) -> tvm.IRModule:
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             merged = rewrite_function(_BranchMerger(merged, func), merged, gv.name_hint)
-    return relax.transform.DeadCodeElimination()(merged)
+    return EliminateDeadCode()(merged)
 
 
 @relax.expr_functor.mutator

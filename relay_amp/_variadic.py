@@ -9,6 +9,7 @@ their count), which broadcast by themselves."""
 import tvm
 from tvm import relax
 
+from ._dead_code import EliminateDeadCode
 from ._ir import rewrite_op_calls
 from .ops import bound_call, tuple_fields
 
@@ -19,7 +20,7 @@ BINARY = {"relax.max": relax.op.maximum, "relax.min": relax.op.minimum, "relax.s
 def variadic_ops_as_binary(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` with each reduction over axis 0 of a stack of (broadcast) tensors as binary ops over the tensors."""
     rewritten = rewrite_op_calls(mod, func, dict.fromkeys(BINARY, _as_binary))
-    return relax.transform.DeadCodeElimination([func])(rewritten)  # the stacks and broadcasts, now unread
+    return EliminateDeadCode([func])(rewritten)  # the stacks and broadcasts, now unread
 
 
 def _as_binary(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":

@@ -5,6 +5,7 @@ tasks."""
 import tvm
 from tvm import relax
 
+from .._dead_code import EliminateDeadCode
 from .._folding import FoldConstants
 from ..passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from ..passes.selection import WidenedSelections
@@ -16,7 +17,7 @@ def deduplication_passes() -> list[tvm.transform.Pass]:
     """Identical bindings computed once (a quantizer's or an exporter's copy per reader), then the aliases that
     leaves folded away."""
     return [relax.transform.EliminateCommonSubexpr(), relax.transform.CanonicalizeBindings(),
-            relax.transform.DeadCodeElimination()]
+            EliminateDeadCode()]
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:

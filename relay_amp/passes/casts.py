@@ -4,6 +4,7 @@ reshapes and transposes too) and constants."""
 import tvm
 from tvm import relax
 
+from .._dead_code import EliminateDeadCode
 from .._ir import cast_constant, tensor_dtype
 from ..dtypes import can_cast_offline, is_float, widens_exactly
 from ..ops import call_op_name
@@ -81,7 +82,7 @@ class EliminateRedundantCasts:
             if isinstance(func, relax.Function):
                 simplifier.builder_.update_func(gvar, simplifier.visit_expr(func))
         cleanup = tvm.transform.Sequential(
-            [relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination()]
+            [relax.transform.CanonicalizeBindings(), EliminateDeadCode()]
         )
         return cleanup(simplifier.builder_.get())
 

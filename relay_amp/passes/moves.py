@@ -29,6 +29,7 @@ narrowed again each step.
 import tvm
 from tvm import relax
 
+from .._dead_code import EliminateDeadCode
 from .._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ..dtypes import MODEL_FLOAT_DTYPES, widens_exactly
 from ..ops import call_op_name
@@ -222,7 +223,7 @@ class HoistOverMoves:
             rewritten = rewrite_function(hoister, hoisted, self.func)
             if not hoister.changed:
                 return hoisted
-            hoisted = relax.transform.DeadCodeElimination([self.func])(rewritten)
+            hoisted = EliminateDeadCode([self.func])(rewritten)
 
 
 def hoist_over_moves(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:

@@ -14,6 +14,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .._dead_code import EliminateDeadCode
 from .._ir import rewrite_function, tensor_dtype, tensor_shape
 from ..dtypes import MODEL_FLOAT_DTYPES, is_float
 from ..errors import DTypeError, OptionError
@@ -213,7 +214,7 @@ def _unread_dropped(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` without the bindings and PrimFuncs nothing reads (held weights' calls and their dequantization
     PrimFuncs, once their matmuls take them otherwise)."""
     entries = [gvar.name_hint for gvar, func in mod.functions_items() if isinstance(func, relax.Function)]
-    return relax.transform.DeadCodeElimination(entries)(mod)
+    return EliminateDeadCode(entries)(mod)
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.DenseWeights")

@@ -32,6 +32,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._dead_code import EliminateDeadCode
 from ..._folding import fold_constants
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
@@ -472,4 +473,4 @@ class UseDotKernels:
         rewritten = rewrite_function(_Dispatcher(mod, self.dtypes, self.amx_dtypes), mod, self.func)
         # the slices that sank below their ops are dead, but would still count as readers of the kernels' results
         # and keep the kernels' epilogues from taking those ops
-        return relax.transform.DeadCodeElimination([self.func])(rewritten)
+        return EliminateDeadCode([self.func])(rewritten)

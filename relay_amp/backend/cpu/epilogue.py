@@ -40,6 +40,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._dead_code import EliminateDeadCode
 from ..._ir import get_function, read_counts, rewrite_function, slice_window, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
@@ -420,4 +421,4 @@ class FuseKernelEpilogues:
         if not chains:
             return mod
         fused = rewrite_function(_Fuser(mod, chains), mod, self.func)
-        return relax.transform.DeadCodeElimination([self.func])(fused)
+        return EliminateDeadCode([self.func])(fused)

@@ -12,6 +12,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._dead_code import EliminateDeadCode
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import bound_call, bound_value, call_op_name
@@ -76,4 +77,4 @@ class ScalesAfterMatmuls:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
         moved = rewrite_function(_ScaleMover(mod, get_function(mod, self.func)), mod, self.func)
-        return relax.transform.DeadCodeElimination()(moved)
+        return EliminateDeadCode()(moved)

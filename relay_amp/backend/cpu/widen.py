@@ -35,6 +35,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax, te, topi
 
+from ..._dead_code import EliminateDeadCode
 from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, slice_window, tensor_dtype,
                      tensor_shape, with_attr)
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
@@ -156,7 +157,7 @@ class WidenArithmetic:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
         uses = read_counts(get_function(mod, self.func))
-        return relax.transform.DeadCodeElimination([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
+        return EliminateDeadCode([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
 
 
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")
@@ -318,4 +319,4 @@ class NormsReadNarrow:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
         rewritten = rewrite_function(_NarrowNormInputs(mod, self.fast_softmax), mod, self.func)
-        return relax.transform.DeadCodeElimination([self.func])(rewritten)
+        return EliminateDeadCode([self.func])(rewritten)

@@ -18,6 +18,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._dead_code import EliminateDeadCode
 from ..._ir import clamped, get_function, rewrite_function, tensor_dtype
 from ...dtypes import MODEL_FLOAT_DTYPES, check_choice
 from ...errors import ModuleError
@@ -104,7 +105,7 @@ def strip_qdq(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` without its activation quantize -> dequantize pairs (the float model they were inserted into), each
     pair's clipping kept as a clamp."""
     stripped = rewrite_function(_PairRemover(mod), mod, func)
-    return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(stripped))
+    return EliminateDeadCode()(relax.transform.CanonicalizeBindings()(stripped))
 
 
 def _entry(layer, call: relax.Call, value_range: tuple[float, float] | None) -> QuantEntry:
