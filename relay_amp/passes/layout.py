@@ -11,6 +11,7 @@ from .._ir import calls_any_op, clamps_as_max_min, rewrite_function, tensor_shap
 from .._pads import pads_as_ops
 from ..errors import OptionError
 from ..ops import call_op_name, canonical_op, tuple_fields
+from . import blocks
 from .layers import layer_bindings, list_layers, resolve_layers
 from .transposes import BINARY, SinkTransposes
 
@@ -64,9 +65,12 @@ def _resolve_layouts(desired: dict[str, list[str]]) -> dict[str, list[str]]:
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.ConvertLayout")
 class ConvertLayout:
     """relax.transform.ConvertLayout that skips the conv layers of the current LayoutConfig, and modules without an
-    op of `desired_layouts`: TVM's pass copies its map of every binding's layout at each call it infers a layout
-    for, so it takes time quadratic in the bindings even where nothing changes (15-22 s for a 2-layer LSTM over 300
-    steps, 10812 bindings)."""
+    op of `desired_layouts`. TVM's pass copies its map of every binding's layout at each call it infers a layout
+    for, so it takes time quadratic in a dataflow block's bindings even where nothing changes (15-22 s for a 2-layer
+    LSTM over 300 steps, 10812 bindings); it runs a new map for each block, so longer blocks are cut into pieces
+    (relay_amp.passes.blocks) where the fewest values cross, and joined after (Sequencer2D-S, 27835 bindings:
+    103 -> 4 s, the same graph). Values crossing a cut pass it in the model's layout, as a function's outputs do
+    (a transpose each way where a converted value crosses), which is why cuts go where the fewest values cross."""
 
     def __init__(self, desired_layouts: dict[str, list[str]], func: str = "main"):
         self.desired_layouts = _resolve_layouts(desired_layouts)
@@ -76,6 +80,14 @@ class ConvertLayout:
         mod = rewrite_function(_ConvertibleForms(mod), mod, self.func)
         if not calls_any_op(mod, self.desired_layouts):
             return mod  # TVM's pass would only walk the graph, in time quadratic in its bindings (see the class)
+        cut = blocks.blocks_cut(mod, self.func, blocks.BLOCK_LIMIT)
+        converted = self._converted(cut)
+        if cut.same_as(mod):
+            return converted
+        return relax.transform.CanonicalizeBindings()(blocks.blocks_joined(converted, self.func))  # hand-overs inlined
+
+    def _converted(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """TVM's ConvertLayout of `mod` to the desired layouts, the current LayoutConfig's skipped convs kept."""
         config = LayoutConfig.current()
         skipped = resolve_layers(list_layers(mod, CONV_OPS, self.func), config.skip_layers if config else ())
         convs = layer_bindings(mod, CONV_OPS, self.func)

@@ -9,6 +9,7 @@ from tvm.script import relax as R
 
 import relay_amp
 from relay_amp import models
+from relay_amp.passes import blocks
 from relay_amp.passes.layout import (ClampsAsMaxMin, ConstantsAtFullRank, ConvertLayout, LayoutConfig,
                                       conv_layout_passes, convert_layout)
 from relay_amp.runtime import run_executable
@@ -364,3 +365,41 @@ def test_a_transposed_conv_after_a_converted_conv_stays_in_the_layout_tvm_lowers
     data = [rng.standard_normal((1, 4, 6, 6)).astype("float32")]
     got = run_executable(relay_amp.build(mod), data)[0]
     np.testing.assert_allclose(got, relay_amp.run(mod, data)[0], rtol=1e-5, atol=1e-4)
+
+
+def test_long_blocks_go_to_tvms_pass_in_pieces_and_the_layout_passes_give_the_graph_of_the_whole(monkeypatch):
+    """TVM's ConvertLayout takes time quadratic in a dataflow block's length (Sequencer2D-S's 27835 bindings: 103
+    s), so blocks past BLOCK_LIMIT go to it in pieces; the values crossing a cut pass it in the model's layout, and
+    the transposes that adds cancel in the layout passes after it."""
+    whole = tvm.transform.Sequential(conv_layout_passes("NHWC"))(ThreeConvs)
+    seen = []
+    tvms_pass = relax.transform.ConvertLayout
+
+    def recording(*args):
+        return tvm.transform.Sequential([tvm.transform.module_pass(
+            lambda mod, ctx: seen.extend(len(block.bindings) for block in mod["main"].body.blocks) or mod,
+            opt_level=0, name="record"), tvms_pass(*args)])
+
+    monkeypatch.setattr(relax.transform, "ConvertLayout", recording)
+    monkeypatch.setattr(blocks, "BLOCK_LIMIT", 4)
+    in_pieces = tvm.transform.Sequential(conv_layout_passes("NHWC"))(ThreeConvs)
+    assert seen == [5, 1]  # c0 r0 c1 r1 and r1's hand-over; then the last conv
+    relax.analysis.well_formed(in_pieces)
+    tvm.ir.assert_structural_equal(in_pieces, whole)
+
+
+@pytest.mark.parametrize("skipped", [[], [0, 7]])
+def test_a_resnet_converted_in_pieces_matches_fp32_and_keeps_the_skipped_layers(monkeypatch, skipped):
+    monkeypatch.setattr(blocks, "BLOCK_LIMIT", 8)
+    mod = models.resnet18(batch=2, image_size=32, classes=10)
+    with LayoutConfig(skip_layers=skipped):
+        converted = ConvertLayout({"relax.nn.conv2d": ["NHWC", "default"]})(mod)
+    relax.analysis.well_formed(converted)
+    assert len(converted["main"].body.blocks) == len(mod["main"].body.blocks)  # the pieces joined again
+    convs = [binding.value for block in converted["main"].body.blocks for binding in block.bindings
+             if isinstance(binding.value, relax.Call) and binding.value.op.name == "relax.nn.conv2d"]
+    assert [index for index, conv in enumerate(convs) if conv.attrs.data_layout == "NCHW"] == skipped
+    inputs = models.example_inputs(mod)
+    expected = relay_amp.run(mod, inputs)[0]
+    np.testing.assert_allclose(relay_amp.run(converted, inputs)[0], expected, rtol=1e-4,
+                               atol=1e-4 * np.abs(expected).max())  # fp32 sums in another order
