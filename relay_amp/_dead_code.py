@@ -10,6 +10,11 @@ functions no entry reaches and the dead bindings outside dataflow blocks.
 import tvm
 from tvm import relax
 
+from ._bodies import with_blocks
+
+SWEPT = 256  # bindings from which a function is swept: shorter ones cost TVM's search little (a fused model has
+# thousands of short functions, which the sweep's Python would cost 0.5 s at each call)
+
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.EliminateDeadCode")
 class EliminateDeadCode:
@@ -27,16 +32,22 @@ class EliminateDeadCode:
         return relax.transform.DeadCodeElimination(self.entry_functions)(mod)
 
 
+def remove_all_unused(func: relax.Function) -> relax.Function:
+    """relax.analysis.remove_all_unused (`func` without the bindings nothing reads), in linear time for dataflow
+    blocks."""
+    return relax.analysis.remove_all_unused(_without_dead_bindings(func))
+
+
 def _without_dead_bindings(func: relax.Function) -> relax.Function:
-    """`func` without the dataflow bindings nothing live reads (the same function when there are none)."""
-    if not isinstance(func.body, relax.SeqExpr):
+    """`func` without the dataflow bindings nothing live reads (the same function when there are none, or when it
+    is too short for TVM's search to cost more than the sweep)."""
+    if not isinstance(func.body, relax.SeqExpr) or sum(len(block.bindings) for block in func.body.blocks) < SWEPT:
         return func
     live = set(relax.analysis.used_vars(func.body.body))
     blocks = [_live_bindings(block, live) for block in reversed(func.body.blocks)][::-1]
     if all(len(kept) == len(block.bindings) for kept, block in zip(blocks, func.body.blocks)):
         return func
-    body = relax.SeqExpr([type(block)(kept) for kept, block in zip(blocks, func.body.blocks) if kept], func.body.body)
-    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+    return with_blocks(func, [type(block)(kept) for kept, block in zip(blocks, func.body.blocks) if kept])
 
 
 def _live_bindings(block: relax.BindingBlock, live: set) -> list:

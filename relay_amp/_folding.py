@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
+from ._dead_code import remove_all_unused
 from .dtypes import can_cast_offline
 from .ops import call_op_name
 from .packed_int4 import weight_spec_of
@@ -50,7 +51,7 @@ def _fold_function(mod: tvm.IRModule, gv: relax.GlobalVar) -> tvm.IRModule:
         return mod
     folded = _Inliner(known).visit_expr(func)
     mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    mod[gv] = relax.analysis.remove_all_unused(folded)
+    mod[gv] = remove_all_unused(folded)
     return mod
 
 

@@ -7,7 +7,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 from relay_amp import _dead_code
-from relay_amp._dead_code import EliminateDeadCode
+from relay_amp._dead_code import EliminateDeadCode, remove_all_unused
 
 from pass_checks import assert_transforms
 
@@ -45,9 +45,20 @@ class WithoutDeadCode:
         return gv
 
 
-def test_dead_bindings_and_unreachable_functions_are_removed_as_tvm_removes_them():
+def test_dead_bindings_and_unreachable_functions_are_removed_as_tvm_removes_them(monkeypatch):
+    monkeypatch.setattr(_dead_code, "SWEPT", 1)
     assert_transforms(EliminateDeadCode(["main"]), WithDeadCode, WithoutDeadCode)
     tvm.ir.assert_structural_equal(relax.transform.DeadCodeElimination(["main"])(WithDeadCode), WithoutDeadCode)
+
+
+def test_remove_all_unused_gives_tvms_function_and_leaves_its_input_as_it_was(monkeypatch):
+    monkeypatch.setattr(_dead_code, "SWEPT", 1)
+    text = WithDeadCode.script()
+    pruned = remove_all_unused(WithDeadCode["main"])
+    relax.analysis.well_formed(pruned)
+    tvm.ir.assert_structural_equal(pruned, relax.analysis.remove_all_unused(WithDeadCode["main"]))
+    tvm.ir.assert_structural_equal(pruned, WithoutDeadCode["main"])
+    assert WithDeadCode.script() == text
 
 
 def test_tvms_pass_is_handed_a_function_with_no_dead_dataflow_binding(monkeypatch):
@@ -59,8 +70,14 @@ def test_a_module_with_nothing_dead_goes_to_tvms_pass_as_it_is(monkeypatch):
     assert _handed_to_tvm(monkeypatch, WithoutDeadCode).same_as(WithoutDeadCode)
 
 
-def _handed_to_tvm(monkeypatch, mod: tvm.IRModule) -> tvm.IRModule:
-    """The module EliminateDeadCode hands TVM's DeadCodeElimination when it runs on `mod`."""
+def test_functions_shorter_than_swept_go_to_tvms_pass_as_they_are(monkeypatch):
+    assert _handed_to_tvm(monkeypatch, WithDeadCode, swept=_dead_code.SWEPT).same_as(WithDeadCode)
+
+
+def _handed_to_tvm(monkeypatch, mod: tvm.IRModule, swept: int = 1) -> tvm.IRModule:
+    """The module EliminateDeadCode hands TVM's DeadCodeElimination when it runs on `mod`, sweeping functions of
+    `swept` bindings or more."""
+    monkeypatch.setattr(_dead_code, "SWEPT", swept)
     handed = []
     tvms_pass = relax.transform.DeadCodeElimination
 
@@ -73,7 +90,8 @@ def _handed_to_tvm(monkeypatch, mod: tvm.IRModule) -> tvm.IRModule:
     return handed[0]
 
 
-def test_outputs_are_those_of_the_module_before_on_the_vm():
+def test_outputs_are_those_of_the_module_before_on_the_vm(monkeypatch):
+    monkeypatch.setattr(_dead_code, "SWEPT", 1)
     @I.ir_module
     class Chain:
         @R.function

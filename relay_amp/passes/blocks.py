@@ -4,6 +4,7 @@ square of a block's length (ConvertLayout copies its map of every binding's layo
 import tvm
 from tvm import relax
 
+from .._bodies import with_blocks, with_function
 from .._ir import get_function
 
 BLOCK_LIMIT = 2048  # bindings per piece: TVM's ConvertLayout takes about 0.6 s for a block this long
@@ -18,7 +19,7 @@ def blocks_cut(mod: tvm.IRModule, func: str = "main", limit: int = BLOCK_LIMIT) 
         return mod
     mutator = _Remapper(mod)
     blocks = [piece for block in function.body.blocks for piece in _pieces(block, limit, mutator)]
-    return _with_function(mod, func, function, relax.SeqExpr(blocks, mutator.visit_expr(function.body.body)))
+    return with_function(mod, func, with_blocks(function, blocks))  # only dataflow vars are handed over
 
 
 def blocks_joined(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
@@ -34,7 +35,7 @@ def blocks_joined(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
             joined.append(block)
     if len(joined) == len(function.body.blocks):
         return mod
-    return _with_function(mod, func, function, relax.SeqExpr(joined, function.body.body))
+    return with_function(mod, func, with_blocks(function, joined))
 
 
 @relax.expr_functor.mutator
@@ -92,11 +93,3 @@ def _piece(bindings: list, last_reads: dict, end: int, mutator: _Remapper) -> re
     for handover in handovers:
         mutator.set_var_remap(handover.value, handover.var)
     return relax.DataflowBlock(list(piece.bindings) + handovers)
-
-
-def _with_function(mod: tvm.IRModule, func: str, function: relax.Function, body: relax.SeqExpr) -> tvm.IRModule:
-    """A copy of `mod` whose function `func` (now `function`) has the body `body`."""
-    relax.expr._update_type(body, function.body.ty)  # the blocks as given: normalizing would join adjacent ones
-    updated = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    updated[func] = relax.Function(function.params, body, function.ret_ty, function.is_pure, function.attrs)
-    return updated

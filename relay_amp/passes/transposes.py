@@ -12,6 +12,7 @@ only axes of extent one, becomes a view.
 import tvm
 from tvm import relax
 
+from .._dead_code import remove_all_unused
 from .._ir import read_counts, tensor_shape, with_attr
 from ..ops import bound_call, call_op_name
 
@@ -35,7 +36,7 @@ class SinkTransposes:
     def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
         """`func` with its transposes sunk; the input module is left as it was."""
         sunk = _Sinker(mod, read_counts(func)).visit_expr(func)
-        return relax.analysis.remove_all_unused(sunk)
+        return remove_all_unused(sunk)
 
 
 @relax.expr_functor.mutator
