@@ -69,7 +69,7 @@ class ConvertLayout:
     for, so it takes time quadratic in a dataflow block's bindings even where nothing changes (15-22 s for a 2-layer
     LSTM over 300 steps, 10812 bindings); it runs a new map for each block, so longer blocks are cut into pieces
     (relay_amp.passes.blocks) where the fewest values cross, and joined after (Sequencer2D-S, 27835 bindings:
-    103 -> 4 s, the same graph). Values crossing a cut pass it in the model's layout, as a function's outputs do
+    103 -> 3.5 s, the same graph). Values crossing a cut pass it in the model's layout, as a function's outputs do
     (a transpose each way where a converted value crosses), which is why cuts go where the fewest values cross."""
 
     def __init__(self, desired_layouts: dict[str, list[str]], func: str = "main"):
