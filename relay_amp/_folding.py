@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 
+from ._bodies import with_function
 from ._dead_code import remove_all_unused
 from .dtypes import can_cast_offline
 from .ops import call_op_name
@@ -49,10 +50,7 @@ def _fold_function(mod: tvm.IRModule, gv: relax.GlobalVar) -> tvm.IRModule:
         return relax.transform.FoldConstant()(mod)  # op by op, skipping those that fail
     if not known:
         return mod
-    folded = _Inliner(known).visit_expr(func)
-    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    mod[gv] = remove_all_unused(folded)
-    return mod
+    return with_function(mod, gv, remove_all_unused(_Inliner(known).visit_expr(func)))
 
 
 def _constant_bindings(mod: tvm.IRModule, func: relax.Function) -> tuple[list, dict]:
