@@ -7,7 +7,8 @@ chains to compute in fp32 from their bf16 inputs, with one cast back to bf16 whe
 operand of a kernel, a graph output; a cast to an integer dtype, a quantize's codes, takes the fp32 value):
 after fusion the function loads bf16, computes in fp32 registers and stores bf16, as PyTorch's fused CPU kernels
 do, and values are at least as accurate as before. Layout ops join a chain only when their input is already
-widened, so a reshape of a bf16 tensor stays a free view. A value read
+widened, so a reshape of a bf16 tensor stays a free view, and a concatenation only when none of its inputs is a
+stored bf16 tensor (it would widen them only to move them, then round them back). A value read
 twice may end a fused function and be stored: it reaches its readers rounded to bf16, so no tensor is stored
 in fp32 that was bf16 before.
 
@@ -67,6 +68,16 @@ def _is_integer_cast_of_chain(call: relax.Expr, flows: set) -> bool:
             and tensor_dtype(call) not in MODEL_FLOAT_DTYPES)
 
 
+def _moves_only_the_chain(args: list, flows: set) -> bool:
+    """Whether a layout op of `args` joins the chain: an input is widened (in `flows`), and no input is a stored
+    bf16 tensor it would widen only to move it (a stack of an LSTM's stored step outputs and its last step's stays
+    in bf16, the last step rounded where it leaves its chain: the same values, without a cast of every other step)."""
+    tensors = [field for arg in args for field in (arg.fields if isinstance(arg, relax.Tuple) else [arg])]
+    stored = [tensor for tensor in tensors if tensor_dtype(tensor) == NARROW and tensor not in flows
+              and not isinstance(tensor, tvm.ir.expr.Constant)]
+    return not stored and any(tensor in flows for tensor in tensors)
+
+
 @relax.expr_functor.mutator
 class _Widener(relax.PyExprMutator):
     """Rebinds each bf16 arithmetic result as a cast of its fp32 computation, and feeds fp32 values to the next
@@ -116,15 +127,10 @@ class _Widener(relax.PyExprMutator):
             if tensor_dtype(source) == WIDE and isinstance(source, relax.Var):
                 return source
             return self.wide_of[source] if source in self.flows else None
-        joins = name in ARITHMETIC or (name in LAYOUT and any(self._is_wide(arg) for arg in args))
+        joins = name in ARITHMETIC or (name in LAYOUT and _moves_only_the_chain(args, self.flows))
         if not joins:
             return None
         return relax.Call(call.op, [self._wide(arg) for arg in args], call.attrs)
-
-    def _is_wide(self, expr: relax.Expr) -> bool:
-        if isinstance(expr, relax.Tuple):
-            return any(self._is_wide(field) for field in expr.fields)
-        return expr in self.flows
 
     def _wide(self, expr: relax.Expr) -> relax.Expr:
         """`expr` as fp32: its widened value where that needs no storage (see `flows`), an fp32 constant, or a

@@ -101,6 +101,67 @@ def test_layout_ops_of_bf16_inputs_stay_views_and_other_dtypes_are_left_alone():
     assert_transforms(WidenArithmetic(), Before, Before)
 
 
+def test_a_stack_of_stored_steps_and_a_widened_one_moves_them_in_bf16():
+    """An LSTM's outputs stacked over its steps: the earlier steps are stored bf16 tensors, the last one a widened
+    chain. Widening the concatenation cast every stored step to fp32 only to move it and round it back
+    (Sequencer2D-S: 64 fp32 buffers in one bf16 function, 3x its fp32 time); the last step is rounded where it
+    leaves its chain instead, which gives the same values."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(first: R.Tensor((1, 4), "bfloat16"), second: R.Tensor((1, 4), "bfloat16"),
+                 cell: R.Tensor((1, 4), "float32")) -> R.Tensor((3, 4), "bfloat16"):
+            with R.dataflow():
+                narrow = R.astype(cell, "bfloat16")
+                last = R.tanh(narrow)
+                gv = R.concat((first, second, last), axis=0)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(first: R.Tensor((1, 4), "bfloat16"), second: R.Tensor((1, 4), "bfloat16"),
+                 cell: R.Tensor((1, 4), "float32")) -> R.Tensor((3, 4), "bfloat16"):
+            with R.dataflow():
+                wide_last = R.tanh(cell)
+                last = R.astype(wide_last, "bfloat16")
+                gv = R.concat((first, second, last), axis=0)
+                R.output(gv)
+            return gv
+
+    assert_transforms(WidenArithmetic(), Before, Expected)
+
+
+def test_a_concatenation_of_widened_values_and_constants_joins_the_chain():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4), "float32")) -> R.Tensor((1, 8), "float32"):
+            with R.dataflow():
+                narrow = R.astype(x, "bfloat16")
+                activated = R.tanh(narrow)
+                joined = R.concat((activated, R.const(np.ones((1, 4)), "bfloat16")), axis=1)
+                gv = R.astype(R.multiply(joined, R.const(2.0, "bfloat16")), "float32")
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4), "float32")) -> R.Tensor((1, 8), "float32"):
+            with R.dataflow():
+                activated = R.tanh(x)
+                joined = R.concat((activated, R.const(np.ones((1, 4)), "float32")), axis=1)
+                doubled = R.multiply(joined, R.const(2.0, "float32"))
+                rounded = R.astype(doubled, "bfloat16")
+                gv = R.astype(rounded, "float32")
+                R.output(gv)
+            return gv
+
+    assert_transforms(WidenArithmetic(), Before, Expected)
+
+
 def test_a_pad_of_a_widened_value_pads_it_in_fp32_for_the_norm_after_it():
     """BiT's stem: a kernel's accumulator, its bias in bf16, a pad, then a group norm AMP keeps in fp32. The pad
     joins the chain as the layout ops do; the round trip left before the norm falls away in its fused function
