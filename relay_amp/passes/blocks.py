@@ -49,9 +49,10 @@ def _pieces(block: relax.BindingBlock, limit: int, mutator: _Remapper) -> list[r
     if not isinstance(block, relax.DataflowBlock) or len(bindings) <= limit:
         return [mutator.visit_binding_block(block)]
     last_reads = _last_reads(bindings)
+    lasts = list(last_reads.values())  # by position, for the cuts
     pieces, start = [], 0
     while start < len(bindings):
-        end = len(bindings) if len(bindings) - start <= limit else _cut(last_reads, start, limit)
+        end = len(bindings) if len(bindings) - start <= limit else _cut(lasts, start, limit)
         pieces.append(_piece(bindings[start:end], last_reads, end, mutator))
         start = end
     return pieces
@@ -68,12 +69,12 @@ def _last_reads(bindings: list) -> dict:
             for index, binding in enumerate(bindings)}
 
 
-def _cut(last_reads: dict, start: int, limit: int) -> int:
+def _cut(lasts: list, start: int, limit: int) -> int:
     """The index in (start + limit / 2, start + limit] before which the fewest vars bound from `start` on are read
-    (the latest of equals)."""
+    (the latest of equals); `lasts` holds each binding's last read by position (_last_reads)."""
     change = [0] * (limit + 2)  # crossing(start + k) = sum(change[:k + 1])
-    for position, last in enumerate(last_reads.values()):
-        if start <= position < start + limit and last > position:
+    for position, last in enumerate(lasts[start:start + limit], start):
+        if last > position:
             change[position - start + 1] += 1
             change[min(last, start + limit) - start + 1] -= 1
     crossing, best = 0, None
