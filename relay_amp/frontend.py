@@ -21,6 +21,7 @@ from ._torch_export import CONVERTERS, as_torch_runs_it
 from ._variadic import variadic_ops_as_binary
 from .errors import MissingDependencyError, ModelLoadError
 from .onnx_attention import attentions_as_matmuls
+from .onnx_col2im import col2ims_as_onnx
 from .onnx_contrib import contrib_ops_as_onnx
 from .onnx_decoder import decoder_ops_as_onnx
 from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down,
@@ -322,7 +323,7 @@ def _as_tvm_reads(proto):
     """`proto` with the ops TVM's importer lacks or misreads written as ops it reads (those that read the weights'
     values; simplification and Upsample's scales follow on the graph without its large weights)."""
     quantized = constant_dequantizes_folded(as_qdq(proto))
-    return dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(recurrences_unrolled(quantized))))
+    return col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(recurrences_unrolled(quantized)))))
 
 
 def _sizing_hint(proto) -> str:
