@@ -56,6 +56,12 @@ def _in_fp32(op_name: str, narrow: bool):
     return _widened(lambda wide: formula.compute(formula.narrowed(made) if narrow else made, wide))
 
 
+def _narrow_softmax_in_fp32(axis: int):
+    """A TE function computing softmax over `axis` in fp32 with the exp a narrow float result needs
+    (formula.narrow_exp), returning the input's dtype."""
+    return _widened(lambda wide: formula.narrow_softmax(wide, axis))
+
+
 def _log_softmax_in_fp32(axis: int):
     """A TE function computing log_softmax over `axis` in fp32 as x - max - log(sum(e^(x - max))) with the fast
     exp and log, returning the input's dtype (TVM's log_softmax calls libm's exp and log: 1.35 ms over
@@ -139,12 +145,15 @@ class _FastMathRewriter(relax.PyExprMutator):
         name, dtype = new_call.op.name, tensor_dtype(new_call.args[0])
         if dtype not in MODEL_FLOAT_DTYPES:
             return new_call
+        narrow = dtype in LOW_FLOAT_DTYPES or self.bound in self.rounded
+        if name == "relax.nn.softmax" and narrow:  # TVM's FastMathTransform takes the others
+            return self.builder_.call_te(_narrow_softmax_in_fp32(int(new_call.attrs.axis)), new_call.args[0],
+                                         primfunc_name_hint="fast_softmax")
         if name == "relax.nn.log_softmax":
             return self.builder_.call_te(_log_softmax_in_fp32(int(new_call.attrs.axis)), new_call.args[0],
                                          primfunc_name_hint="fast_log_softmax")
         if name in ACTIVATIONS:
             hint = "fast_" + name.rpartition(".")[2]
-            narrow = dtype in LOW_FLOAT_DTYPES or self.bound in self.rounded
             return self.builder_.call_te(_in_fp32(name, narrow), new_call.args[0], primfunc_name_hint=hint)
         if name in WIDENED_OPS and dtype in LOW_FLOAT_DTYPES:
             wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))

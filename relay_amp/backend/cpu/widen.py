@@ -41,6 +41,8 @@ from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, 
                      tensor_shape, with_attr)
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
+from . import formula
+from .fastmath import rounded_values
 
 NARROW = "bfloat16"
 WIDE = "float32"
@@ -227,11 +229,12 @@ def _norm_of_stored(op_name: str, attrs, window: "tuple[list, list] | None") -> 
     return compute
 
 
-def _softmax_of_stored(axis: int, window: "tuple[list, list] | None", fast: bool) -> Callable[[te.Tensor], te.Tensor]:
-    """A TE function: the softmax over `axis` (TVM's fast one where `fast`) of its input sliced first to `window`
-    where one is given, widened to fp32 as it is read."""
+def _softmax_of_stored(axis: int, window: "tuple[list, list] | None",
+                       softmax: Callable) -> Callable[[te.Tensor], te.Tensor]:
+    """A TE function: `softmax` (a TE softmax of a tensor and an axis) over `axis` of its input sliced first to
+    `window` where one is given, widened to fp32 as it is read."""
     def compute(stored: te.Tensor) -> te.Tensor:
-        return (topi.nn.fast_softmax if fast else topi.nn.softmax)(_window_widened(stored, window), axis)
+        return softmax(_window_widened(stored, window), axis)
     return compute
 
 
@@ -245,11 +248,18 @@ def _mean_of_stored(axes: list[int], keepdims: bool, count: int) -> Callable[[te
 @relax.expr_functor.mutator
 class _NarrowNormInputs(relax.PyExprMutator):
     """Replaces each norm or softmax of a widened bf16 tensor, or of a slice of a tensor, by one TE function that
-    reads the tensor itself (a softmax by TVM's fast one where `fast_softmax`)."""
+    reads the tensor itself (a softmax by TVM's fast one where `fast_softmax`, with narrow exps where its result is
+    rounded to a narrow float)."""
 
-    def __init__(self, mod: tvm.IRModule, fast_softmax: bool):
+    def __init__(self, mod: tvm.IRModule, func: str, fast_softmax: bool):
         super().__init__(mod)
         self.fast_softmax = fast_softmax
+        self.rounded = rounded_values(get_function(mod, func))
+        self.bound: relax.Var | None = None
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self.bound = binding.var
+        super().visit_var_binding_(binding)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
@@ -260,12 +270,18 @@ class _NarrowNormInputs(relax.PyExprMutator):
         if source is None:
             return new_call
         if name == SOFTMAX:
-            compute = _softmax_of_stored(int(new_call.attrs.axis), source[1], self.fast_softmax)
+            compute = _softmax_of_stored(int(new_call.attrs.axis), source[1], self._softmax())
             hint = "fast_softmax" if self.fast_softmax else "softmax"  # as TVM's: profiles match fp32's calls
             return self.builder_.call_te(compute, source[0], primfunc_name_hint=hint)
         compute = _norm_of_stored(name, new_call.attrs, source[1])
         return self.builder_.call_te(compute, source[0], *new_call.args[1:],
                                      primfunc_name_hint=name.rpartition(".")[2])
+
+    def _softmax(self) -> Callable:
+        """The TE softmax for the softmax bound now."""
+        if not self.fast_softmax:
+            return topi.nn.softmax
+        return formula.narrow_softmax if self.bound in self.rounded else topi.nn.fast_softmax
 
     def _mean_read_narrow(self, call: relax.Call) -> relax.Expr:
         """A mean of a widened bf16 tensor as one TE function that reads the bf16 tensor (the call itself for
@@ -316,7 +332,7 @@ class NormsReadNarrow:
     it, for the same reason: attention scores computed over whole pairs of 16-lane columns (224 for ViT's 197
     tokens in bf16) and sliced to the softmax's 208 were copied by a function of their own (ViT-S/16 bf16 12.53
     -> 12.28 ms without). A softmax so rewritten is TVM's fast one where `fast_softmax` (the CPU pipeline's fast
-    math). Means of any widened bf16 tensor read it in bf16 too."""
+    math), with fastmath's narrow exps where its result is rounded to bf16 (fastmath.rounded_values). Means of any widened bf16 tensor read it in bf16 too."""
 
     def __init__(self, func: str = "main", fast_softmax: bool = True):
         self.func = func
@@ -324,5 +340,5 @@ class NormsReadNarrow:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
-        rewritten = rewrite_function(_NarrowNormInputs(mod, self.fast_softmax), mod, self.func)
+        rewritten = rewrite_function(_NarrowNormInputs(mod, self.func, self.fast_softmax), mod, self.func)
         return EliminateDeadCode([self.func])(rewritten)

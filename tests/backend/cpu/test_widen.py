@@ -11,6 +11,7 @@ from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp import models
+from relay_amp.backend.cpu import formula
 from relay_amp.backend.cpu.widen import NormsReadNarrow, WidenArithmetic
 from relay_amp.transform import WidenContractions
 from relay_amp.compile.build import build
@@ -442,6 +443,38 @@ def test_a_softmax_of_a_slice_reads_the_window_of_the_scores(fast):
     scores = np.random.default_rng(3).standard_normal((2, 5, 224)).astype("float32") * 4
     np.testing.assert_allclose(run_executable(build(after, "cpu"), [scores])[0],
                                relay_amp.run(SoftmaxOfScores, [scores])[0], rtol=1e-5, atol=1e-6)
+
+
+@I.ir_module
+class RoundedSoftmaxOfScores:
+    """SoftmaxOfScores with its weights rounded to bf16, as a bf16 model's attention rounds them for the product
+    with the values."""
+    @R.function
+    def main(scores: R.Tensor((2, 5, 224), "float32")) -> R.Tensor((2, 5, 208), "bfloat16"):
+        with R.dataflow():
+            kept = R.strided_slice(scores, axes=[2], begin=[0], end=[208])
+            weights = R.nn.softmax(kept, axis=2)
+            out = R.astype(weights, "bfloat16")
+            R.output(out)
+        return out
+
+
+def test_a_softmax_of_a_slice_rounded_to_bf16_reads_the_window_with_narrow_exps():
+    """The softmax reading its window takes fastmath's narrow exps where its result is rounded to bf16."""
+    def fast_softmax(scores):
+        return formula.narrow_softmax(topi.strided_slice(scores, [0, 0, 0], [2, 5, 208]), 2)
+
+    builder = relax.BlockBuilder()
+    scores_var = RoundedSoftmaxOfScores["main"].params[0]
+    with builder.function("main", [scores_var]):
+        with builder.dataflow():
+            weights = builder.emit(builder.call_te(fast_softmax, scores_var, primfunc_name_hint="fast_softmax"))
+            out = builder.emit_output(relax.op.astype(weights, "bfloat16"))
+        builder.emit_func_output(out)
+    after = assert_transforms(NormsReadNarrow(), RoundedSoftmaxOfScores, builder.get())
+    scores = np.random.default_rng(3).standard_normal((2, 5, 224)).astype("float32") * 4
+    got = run_executable(build(after, "cpu"), [scores])[0].astype("float32")
+    np.testing.assert_allclose(got, relay_amp.run(SoftmaxOfScores, [scores])[0], rtol=8e-3, atol=1e-7)
 
 
 def test_an_fp32_norm_of_a_slice_reads_the_window_and_a_strided_slice_stays():
