@@ -322,8 +322,8 @@ def _empty_inputs(proto) -> dict[str, list[int]]:
 def _as_tvm_reads(proto):
     """`proto` with the ops TVM's importer lacks or misreads written as ops it reads (those that read the weights'
     values; simplification and Upsample's scales follow on the graph without its large weights)."""
-    quantized = constant_dequantizes_folded(as_qdq(proto))
-    return col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(recurrences_unrolled(quantized)))))
+    unrolled = recurrences_unrolled(constant_dequantizes_folded(as_qdq(proto)), _simplified)
+    return col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(unrolled))))
 
 
 def _sizing_hint(proto) -> str:

@@ -1,5 +1,7 @@
 """onnx_recurrent: ONNX LSTM, GRU and RNN nodes unrolled into the ops they compute, so TVM's importer takes them."""
 
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -7,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import relay_amp
 from relay_amp import ModelLoadError
+from relay_amp.frontend import simplify_onnx
 from relay_amp.onnx_recurrent import recurrences_unrolled
 from relay_amp.runtime import run_executable
 
@@ -95,3 +98,37 @@ def test_an_old_opset_is_refused_with_the_version_to_export_at():
     proto.opset_import[0].version = 11
     with pytest.raises(ModelLoadError, match="opset 13"):
         recurrences_unrolled(proto)
+
+
+class _PaddedToFrames(torch.nn.Module):
+    """EnCodec's pattern: the signal padded to whole frames, the pad computed from its length in float arithmetic
+    (math.ceil of a quotient), which ONNX's shape inference cannot follow, then framed by a strided conv and read
+    by an LSTM."""
+
+    def __init__(self):
+        super().__init__()
+        self.frames = torch.nn.Conv1d(1, 8, kernel_size=4, stride=4)
+        self.lstm = torch.nn.LSTM(8, 6)
+
+    def forward(self, x):
+        length = x.shape[-1]
+        frames = (length - 4) / 4 + 1
+        padded = torch.nn.functional.pad(x, (0, int(math.ceil(frames)) * 4 - 4 - (length - 4)))
+        sequence, _ = self.lstm(self.frames(padded).permute(2, 0, 1))
+        return sequence
+
+
+def test_a_recurrence_whose_length_only_simplification_finds_imports(tmp_path):
+    """The recurrence's input dims are read from the graph with its constant subgraphs folded."""
+    torch.manual_seed(0)
+    module = _PaddedToFrames().eval()
+    x = np.random.default_rng(0).standard_normal((1, 1, 30)).astype("float32")
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    proto = onnx.load(_exported(tmp_path, module, x))
+    with pytest.raises(ModelLoadError, match="sequence length and batch are not static"):
+        recurrences_unrolled(proto)  # ONNX's inference alone leaves them unknown
+    assert "LSTM" not in [node.op_type for node in recurrences_unrolled(proto, simplify_onnx).graph.node]
+    got = run_executable(relay_amp.build(relay_amp.frontend.from_onnx(proto)), [x])[0]
+    assert got.shape == expected.shape == (8, 1, 6)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
