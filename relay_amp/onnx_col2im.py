@@ -14,6 +14,8 @@ at its block's position.
   does. `output_padding` gives the rows past the last whole block.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ._onnx_graph import (Writer, constant_values, inferred_values, named_inputs, node_attributes, node_label,
@@ -21,6 +23,28 @@ from ._onnx_graph import (Writer, constant_values, inferred_values, named_inputs
 from .errors import ModelLoadError
 
 COL2IM_INPUTS = ("input", "image_shape", "block_shape")
+
+
+class Fold(NamedTuple):
+    """A Col2Im's geometry, one entry per spatial axis: the image's sizes, the block's, the strides and dilations,
+    the pads (all begins, then all ends) and how many blocks fit along each axis."""
+
+    image: list
+    block: list
+    strides: list
+    dilations: list
+    pads: list
+    counts: list
+
+    @property
+    def begins(self) -> list:
+        """The pads before each axis."""
+        return self.pads[:len(self.image)]
+
+    @property
+    def ends(self) -> list:
+        """The pads after each axis."""
+        return self.pads[len(self.image):]
 
 
 def col2ims_as_onnx(proto):
@@ -33,22 +57,23 @@ def col2ims_as_onnx(proto):
 
 
 def _col2im(node, writer: Writer, constants: dict, values: dict) -> None:
-    label = node_label(node)
     named = named_inputs(node, COL2IM_INPUTS)
-    image, block = (_shape(label, name, named[name], constants) for name in COL2IM_INPUTS[1:])
-    if len(image) != len(block):
+    fold = _fold(node, *(_shape(node_label(node), name, named[name], constants) for name in COL2IM_INPUTS[1:]))
+    if fold.strides == fold.block and fold.dilations == [1] * len(fold.image):
+        _as_moves(writer, named["input"], node.output[0], fold)
+    else:
+        _as_conv_transpose(writer, node, _channels(node_label(node), values, named["input"], fold.block), fold, values)
+
+
+def _fold(node, image: list, block: list) -> Fold:
+    label, attributes, spatial = node_label(node), node_attributes(node), len(image)
+    if len(block) != spatial:
         raise ModelLoadError(f"{label}: image_shape {image} and block_shape {block} differ in rank")
-    attributes = node_attributes(node)
-    spatial = len(image)
     strides = list(attributes.get("strides", [1] * spatial))
     dilations = list(attributes.get("dilations", [1] * spatial))
     pads = list(attributes.get("pads", [0] * 2 * spatial))
     counts = [_block_count(label, *sizes) for sizes in zip(image, block, strides, dilations, pads, pads[spatial:])]
-    if strides == block and dilations == [1] * spatial:
-        _as_moves(writer, named["input"], node.output[0], image, block, counts, pads)
-    else:
-        channels = _channels(label, values, named["input"], block)
-        _as_conv_transpose(writer, node, channels, image, block, counts, strides, dilations, pads, values)
+    return Fold(image, block, strides, dilations, pads, counts)
 
 
 def _shape(label: str, name: str, value_name: str, constants: dict) -> list[int]:
@@ -74,21 +99,20 @@ def _channels(label: str, values: dict, name: str, block: list[int]) -> int:
     return dims[1] // positions
 
 
-def _as_moves(writer: Writer, blocks: str, output: str, image: list, block: list, counts: list, pads: list) -> None:
+def _as_moves(writer: Writer, blocks: str, output: str, fold: Fold) -> None:
     """Tiling blocks moved into place: the image they cover, then cut to the padded image's window."""
-    spatial = len(image)
-    split = writer.op("Reshape", blocks, writer.const([0, -1, *block, *counts]))
+    spatial = len(fold.image)
+    split = writer.op("Reshape", blocks, writer.const([0, -1, *fold.block, *fold.counts]))
     interleaved = [axis for pair in zip(range(2 + spatial, 2 + 2 * spatial), range(2, 2 + spatial)) for axis in pair]
     moved = writer.op("Transpose", split, perm=[0, 1, *interleaved])
-    covered = [count * size for count, size in zip(counts, block)]
+    covered = [count * size for count, size in zip(fold.counts, fold.block)]
     tiled = writer.op("Reshape", moved, writer.const([0, 0, *covered]))
-    begins, sizes = pads[:spatial], image
-    ends = [min(begin + size, reach) for begin, size, reach in zip(begins, sizes, covered)]
-    missing = [begin + size - end for begin, size, end in zip(begins, sizes, ends)]
+    ends = [min(begin + size, reach) for begin, size, reach in zip(fold.begins, fold.image, covered)]
+    missing = [begin + size - end for begin, size, end in zip(fold.begins, fold.image, ends)]
     if not any(missing):
-        _window(writer, tiled, begins, ends, covered, out=output)
+        _window(writer, tiled, fold.begins, ends, covered, out=output)
         return
-    window = _window(writer, tiled, begins, ends, covered)
+    window = _window(writer, tiled, fold.begins, ends, covered)
     writer.op("Pad", window, writer.const([0, 0] + [0] * spatial + [0, 0] + missing), out=output)
 
 
@@ -100,16 +124,16 @@ def _window(writer: Writer, tiled: str, begins: list, ends: list, covered: list,
     return writer.op("Slice", tiled, writer.const(begins), writer.const(ends), writer.const(axes), out=out)
 
 
-def _as_conv_transpose(writer: Writer, node, channels: int, image: list, block: list, counts: list, strides: list,
-                       dilations: list, pads: list, values: dict) -> None:
+def _as_conv_transpose(writer: Writer, node, channels: int, fold: Fold, values: dict) -> None:
     """Overlapping or dilated blocks added into the image by a ConvTranspose, one group per channel."""
-    spatial, positions = len(image), int(np.prod(block))
-    laid_out = writer.op("Reshape", node.input[0], writer.const([0, 0, *counts]))
-    picks = np.tile(np.eye(positions).reshape(positions, 1, *block), (channels, 1, *[1] * spatial))
-    _, dtype = values.get(node.input[0], (None, np.dtype("float32")))
+    positions = int(np.prod(fold.block))
+    laid_out = writer.op("Reshape", node.input[0], writer.const([0, 0, *fold.counts]))
+    picks = np.tile(np.eye(positions).reshape(positions, 1, *fold.block), (channels, 1, *[1] * len(fold.block)))
+    _, dtype = values.get(node.input[0], (None, None))
     reached = [stride * (count - 1) + dilation * (size - 1) + 1
-               for stride, count, dilation, size in zip(strides, counts, dilations, block)]
-    beyond = [size + begin + end - reach for size, begin, end, reach in zip(image, pads, pads[spatial:], reached)]
+               for stride, count, dilation, size in zip(fold.strides, fold.counts, fold.dilations, fold.block)]
+    beyond = [size + begin + end - reach
+              for size, begin, end, reach in zip(fold.image, fold.begins, fold.ends, reached)]
     writer.op("ConvTranspose", laid_out, writer.const(picks, dtype or "float32"), out=node.output[0],
-              group=channels, strides=strides, dilations=dilations, pads=pads, output_padding=beyond,
-              kernel_shape=block)
+              group=channels, strides=fold.strides, dilations=fold.dilations, pads=fold.pads,
+              output_padding=beyond, kernel_shape=fold.block)
