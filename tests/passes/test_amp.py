@@ -395,3 +395,54 @@ def test_an_op_tvm_types_only_in_float16_and_float32_stays_fp32_in_bfloat16():
     executable = relay_amp.build(relay_amp.to_mixed_precision(Before, "bfloat16"), relay_amp.targets.host_preset())
     np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Before, data)[0],
                                rtol=2e-2, atol=2e-2)  # the conv's operands rounded to bf16
+
+
+@I.ir_module
+class Sampled:
+    """Deformable attention's sampling: positions are reference points (fp32) plus offsets a matmul predicts, and
+    grid_sample reads a conv's output at them (TVM's grid is [N, 2, H, W])."""
+
+    @R.function
+    def main(x: R.Tensor((1, 4, 200, 200), "float32"), w: R.Tensor((4, 4, 1, 1), "float32"),
+             q: R.Tensor((1, 2, 50, 8), "float32"), p: R.Tensor((8, 1), "float32"),
+             reference: R.Tensor((1, 2, 50, 1), "float32")):
+        with R.dataflow():
+            value = R.nn.conv2d(x, w)
+            grid = R.add(reference, R.matmul(q, p))
+            gv = R.image.grid_sample(value, grid, method="bilinear", layout="NCHW", padding_mode="zeros",
+                                     align_corners=False)
+            R.output(gv)
+        return gv
+
+
+def test_grid_sample_reads_fp32_positions_in_a_bfloat16_model():
+    """A bf16 position in [-1, 1] is off by up to 1/256 of the map (0.4 px on 200): following its bf16 value
+    input, grid_sample rounded its positions and sampled 18% off fp32 here; in the fp32 list (PyTorch autocast's
+    grid_sampler) it is within 1%."""
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 200, 200), "float32"), w: R.Tensor((4, 4, 1, 1), "float32"),
+                 q: R.Tensor((1, 2, 50, 8), "float32"), p: R.Tensor((8, 1), "float32"),
+                 reference: R.Tensor((1, 2, 50, 1), "float32")):
+            with R.dataflow():
+                x16 = R.astype(x, "bfloat16")
+                w16 = R.astype(w, "bfloat16")
+                value = R.nn.conv2d(x16, w16, out_dtype="float32")
+                q16 = R.astype(q, "bfloat16")
+                p16 = R.astype(p, "bfloat16")
+                offsets = R.matmul(q16, p16, out_dtype="float32")
+                grid = R.add(reference, offsets)
+                gv = R.image.grid_sample(value, grid, method="bilinear", layout="NCHW", padding_mode="zeros",
+                                         align_corners=False)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(convert(Sampled, "bfloat16"), Expected)
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal(shape).astype("float32") for shape in ((1, 4, 200, 200), (4, 4, 1, 1), (1, 2, 50, 8))]
+    data += [rng.standard_normal((8, 1)).astype("float32") * 0.002,
+             rng.uniform(-0.9, 0.9, (1, 2, 50, 1)).astype("float32")]
+    executable = relay_amp.build(relay_amp.to_mixed_precision(Sampled, "bfloat16"), relay_amp.targets.host_preset())
+    got, expected = relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Sampled, data)[0]
+    assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()  # the conv's bf16 operands

@@ -44,6 +44,16 @@ _FP32_COMMON = {
     "relax.cumprod": "a running product: error grows with length",
     "relax.prod": "a product: error and range grow with length",
     "relax.arange": "its end value may exceed float16's range and its steps lose precision (as in Relay)",
+    "relax.image.grid_sample": "sampling positions in [-1, 1]: a bfloat16 one is off by up to 1/256 of the map's "
+    "size (0.4 px on a 200-px map), its bilinear weights with it (PyTorch autocast keeps grid_sampler fp32)",
+    "relax.image.affine_grid": "computes sampling positions (see grid_sample)",
+    "relax.vision.roi_align": "box corners: a bfloat16 one on an 800-px image is off by up to 2 px (torchvision's "
+    "autocast runs roi_align in fp32)",
+    "relax.vision.roi_pool": "box corners (see roi_align)",
+    "relax.vision.multibox_transform_loc": "decodes box corners (see roi_align)",
+    "relax.vision.get_valid_counts": "compares scores with a threshold: rounding moves scores across it",
+    "relax.vision.non_max_suppression": "compares overlaps and scores: rounding ties and reorders boxes",
+    "relax.vision.all_class_non_max_suppression": "compares overlaps and scores (see non_max_suppression)",
     "relax.nn.batch_norm": "statistics stay fp32 (as MXNet keeps BatchNorm params); TVM 0.27 also legalizes "
     "a low-precision batch_norm to a float32 result, which breaks the graph",
 }
