@@ -446,3 +446,56 @@ def test_grid_sample_reads_fp32_positions_in_a_bfloat16_model():
     executable = relay_amp.build(relay_amp.to_mixed_precision(Sampled, "bfloat16"), relay_amp.targets.host_preset())
     got, expected = relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Sampled, data)[0]
     assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()  # the conv's bf16 operands
+
+
+def test_the_positions_a_sampler_reads_are_computed_in_fp32():
+    """Deformable attention's positions are constant reference points plus predicted offsets: a constant never holds
+    an add in fp32, so the positions were rounded to bf16 before grid_sample read them (the samples 22% off fp32
+    here). The ops computing them are kept fp32, as PyTorch's type promotion keeps them; the offsets' matmul stays
+    bf16."""
+    reference = np.random.default_rng(1).uniform(-0.9, 0.9, (1, 2, 50, 1)).astype("float32")
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 200, 200), "float32"), w: R.Tensor((4, 4, 1, 1), "float32"),
+                 q: R.Tensor((1, 2, 50, 8), "float32"), p: R.Tensor((8, 1), "float32")):
+            with R.dataflow():
+                value = R.nn.conv2d(x, w)
+                scaled = R.multiply(R.matmul(q, p), R.const(0.5, "float32"))
+                grid = R.add(R.const(reference), scaled)
+                gv = R.image.grid_sample(value, grid, method="bilinear", layout="NCHW", padding_mode="zeros",
+                                         align_corners=False)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 200, 200), "float32"), w: R.Tensor((4, 4, 1, 1), "float32"),
+                 q: R.Tensor((1, 2, 50, 8), "float32"), p: R.Tensor((8, 1), "float32")):
+            with R.dataflow():
+                x16 = R.astype(x, "bfloat16")
+                w16 = R.astype(w, "bfloat16")
+                value = R.nn.conv2d(x16, w16, out_dtype="float32")
+                q16 = R.astype(q, "bfloat16")
+                p16 = R.astype(p, "bfloat16")
+                offsets = R.matmul(q16, p16, out_dtype="float32")
+                scaled = R.multiply(offsets, R.const(0.5, "float32"))
+                grid = R.add(R.const(reference), scaled)
+                gv = R.image.grid_sample(value, grid, method="bilinear", layout="NCHW", padding_mode="zeros",
+                                         align_corners=False)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(convert(Before, "bfloat16"), Expected)
+    plan = precision_plan(relay_amp.to_mixed_precision(Before, "bfloat16"))
+    assert {e.op: e.reason for e in plan.entries if e.op in ("relax.add", "relax.multiply")} == {
+        "relax.add": "computes the positions grid_sample samples at: kept fp32",
+        "relax.multiply": "computes the positions grid_sample samples at: kept fp32"}
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal(shape).astype("float32") for shape in ((1, 4, 200, 200), (4, 4, 1, 1), (1, 2, 50, 8))]
+    data.append(rng.standard_normal((8, 1)).astype("float32") * 0.004)
+    executable = relay_amp.build(relay_amp.to_mixed_precision(Before, "bfloat16"), relay_amp.targets.host_preset())
+    got, expected = relay_amp.runtime.run_executable(executable, data)[0], relay_amp.run(Before, data)[0]
+    assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()  # the conv's bf16 operands
