@@ -27,7 +27,7 @@ from .multiplier import RepeatMultiplierInputs
 from .norms import GroupNormsOverChannels
 from .operand_scales import ScalesAfterMatmuls
 from .rows import PadSoftmaxRows
-from .sampling import GridSamplesChannelsLast
+from .sampling import FuseWeightedSamples, GridSamplesChannelsLast
 from .schedules import default_schedule, default_schedules
 from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
 
@@ -45,13 +45,15 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, int4
     values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as convolutions of their output phases
     (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout` overrides; None keeps the model's; conv1d
-    to NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames, relay_amp.backend.cpu.conv3d),
-    convs with a channel multiplier as depthwise convs of repeated channels (relay_amp.backend.cpu.multiplier), taps
-    that read only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as
-    per-channel sums (relay_amp.backend.cpu.norms), grid samples read channels-last (relay_amp.backend.cpu.sampling),
-    matmuls' operand scales moved to their products (relay_amp.backend.cpu.operand_scales), bf16 chains widened,
-    runs of scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors,
-    bf16 convs and matmuls widened where only fp32 has kernels (AVX2), dot-product kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to
+    to NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames,
+    relay_amp.backend.cpu.conv3d), convs with a channel multiplier as depthwise convs of repeated channels
+    (relay_amp.backend.cpu.multiplier), taps that read only padding cut from the convs' windows
+    (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms),
+    grid samples read channels-last and deformable attention's weighted sums computed as they sample
+    (relay_amp.backend.cpu.sampling), matmuls' operand scales moved to their products
+    (relay_amp.backend.cpu.operand_scales), bf16 chains widened, runs of scales, biases and clamps folded
+    (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
+    fp32 has kernels (AVX2), dot-product kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to
     the kernels first; activations before fast math splits them), identical bindings computed once again (dispatch
     pads a tensor once per kernel that reads it; merged earlier, two casts of one output would join an epilogue and
     store it wide), norms and softmaxes reading a kernel's output in place, widened or through a slice's window
@@ -74,6 +76,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         RepeatMultiplierInputs(),
         DropPaddingTaps(),
         GroupNormsOverChannels(),
+        FuseWeightedSamples(),
         GridSamplesChannelsLast(),
         ScalesAfterMatmuls(),
         WidenArithmetic(),

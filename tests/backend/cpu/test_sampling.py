@@ -68,3 +68,54 @@ def test_sampling_channels_last_gives_tvms_results_exactly(method, padding, alig
 def test_other_samplings_and_few_channels_stay_tvms(method, padding, shape):
     before = _sampled(method, padding, shape=shape)
     assert_transforms(GridSamplesChannelsLast(), before, before)
+
+
+LEVELS, QUERIES, POINTS = ((12, 10), (6, 5)), 7, 3
+
+
+def _deformable(keepdims: bool = False, method: str = "bilinear") -> tvm.IRModule:
+    """Multi-scale deformable attention's core as exporters write `ms_deform_attn_core_pytorch`: each level's
+    grid_sample, stacked on a new axis after the points, flattened, times the attention weights, summed."""
+    maps = [relax.Var(f"map{level}", relax.TensorType((2, 16, h, w), "float32")) for level, (h, w) in enumerate(LEVELS)]
+    grids = [relax.Var(f"grid{level}", relax.TensorType((2, 2, QUERIES, POINTS), "float32"))
+             for level in range(len(LEVELS))]
+    weights = relax.Var("weights", relax.TensorType((2, 1, QUERIES, len(LEVELS) * POINTS), "float32"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [*maps, *grids, weights]):
+        with builder.dataflow():
+            samples = [builder.emit(relax.op.expand_dims(relax.op.image.grid_sample(
+                data, grid, method=method, layout="NCHW", padding_mode="zeros", align_corners=False), [3]))
+                for data, grid in zip(maps, grids)]
+            stacked = builder.emit(relax.op.reshape(relax.op.concat(samples, axis=-2),
+                                                    (2, 16, QUERIES, len(LEVELS) * POINTS)))
+            out = builder.emit_output(relax.op.sum(relax.op.multiply(stacked, weights), axis=[-1], keepdims=keepdims))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def test_deformable_attentions_weighted_sum_is_computed_as_it_samples():
+    """The stacked samples (89 MB a Deformable DETR encoder layer at 512x512) are never stored: one TE function
+    samples the channels-last maps and sums each query's points."""
+    before = _deformable()
+    *maps, grid0, grid1, weights = before["main"].params
+    builder = relax.BlockBuilder()
+    with builder.function("main", [*maps, grid0, grid1, weights]):
+        with builder.dataflow():
+            moved = [builder.emit(relax.op.permute_dims(data, [0, 2, 3, 1])) for data in maps]
+            summed = builder.emit(builder.call_te(sampling._weighted_sampler(2, False), *moved, grid0, grid1, weights,
+                                                  primfunc_name_hint="weighted_grid_samples"))
+            out = builder.emit_output(relax.op.permute_dims(summed, [0, 2, 1]))
+        builder.emit_func_output(out)
+    assert_transforms(sampling.FuseWeightedSamples(), before, builder.get())
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((2, 16, h, w)).astype("float32") for h, w in LEVELS]
+    data += [rng.uniform(-1.2, 1.2, (2, 2, QUERIES, POINTS)).astype("float32") for _ in LEVELS]
+    data.append(rng.uniform(0, 1, (2, 1, QUERIES, len(LEVELS) * POINTS)).astype("float32"))
+    got = run_executable(relay_amp.build(before, relay_amp.targets.host_preset()), data)[0]
+    np.testing.assert_allclose(got, relay_amp.run(before, data)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("keepdims, method", [(True, "bilinear"), (False, "nearest")])
+def test_other_sums_of_samples_stay(keepdims, method):
+    before = _deformable(keepdims, method)
+    assert_transforms(sampling.FuseWeightedSamples(), before, before)
