@@ -107,12 +107,15 @@ def _samples_stacked(builder, stacked: relax.Expr) -> "list[relax.Call] | None":
     if any(call is None or [int(axis) % 5 for axis in call.attrs.axis] != [3] for call in expanded):
         return None
     samples = [bound_call(builder, call.args[0], SAMPLE) for call in expanded]
-    if any(sample is None or not _sums_bilinear(sample, samples[0]) for sample in samples):
+    if any(sample is None or not _alike(sample, samples[0]) for sample in samples):
         return None
-    return samples
+    batch, channels, queries, points = tensor_shape(samples[0])
+    return samples if tensor_shape(stacked) == (batch, channels, queries, len(samples) * points) else None
 
 
-def _sums_bilinear(sample: relax.Call, first: relax.Call) -> bool:
+def _alike(sample: relax.Call, first: relax.Call) -> bool:
+    """Whether `sample` is a bilinear, zero-padded NCHW grid sample of fp32 data, of `first`'s shape and corner
+    alignment."""
     attrs = sample.attrs
     return (attrs.layout == "NCHW" and attrs.method == "bilinear" and attrs.padding_mode == "zeros"
             and bool(attrs.align_corners) == bool(first.attrs.align_corners) and tensor_dtype(sample) == WIDE

@@ -73,21 +73,22 @@ def test_other_samplings_and_few_channels_stay_tvms(method, padding, shape):
 LEVELS, QUERIES, POINTS = ((12, 10), (6, 5)), 7, 3
 
 
-def _deformable(keepdims: bool = False, method: str = "bilinear") -> tvm.IRModule:
+def _deformable(keepdims: bool = False, method: str = "bilinear", levels_apart: bool = False) -> tvm.IRModule:
     """Multi-scale deformable attention's core as exporters write `ms_deform_attn_core_pytorch`: each level's
-    grid_sample, stacked on a new axis after the points, flattened, times the attention weights, summed."""
+    grid_sample, stacked on a new axis after the points, flattened, times the attention weights, summed (with
+    `levels_apart`, the levels reshaped into the queries' axis: a sum over each level's points alone)."""
     maps = [relax.Var(f"map{level}", relax.TensorType((2, 16, h, w), "float32")) for level, (h, w) in enumerate(LEVELS)]
     grids = [relax.Var(f"grid{level}", relax.TensorType((2, 2, QUERIES, POINTS), "float32"))
              for level in range(len(LEVELS))]
-    weights = relax.Var("weights", relax.TensorType((2, 1, QUERIES, len(LEVELS) * POINTS), "float32"))
+    flat = (2, 16, QUERIES * len(LEVELS), POINTS) if levels_apart else (2, 16, QUERIES, len(LEVELS) * POINTS)
+    weights = relax.Var("weights", relax.TensorType((2, 1, *flat[2:]), "float32"))
     builder = relax.BlockBuilder()
     with builder.function("main", [*maps, *grids, weights]):
         with builder.dataflow():
             samples = [builder.emit(relax.op.expand_dims(relax.op.image.grid_sample(
                 data, grid, method=method, layout="NCHW", padding_mode="zeros", align_corners=False), [3]))
                 for data, grid in zip(maps, grids)]
-            stacked = builder.emit(relax.op.reshape(relax.op.concat(samples, axis=-2),
-                                                    (2, 16, QUERIES, len(LEVELS) * POINTS)))
+            stacked = builder.emit(relax.op.reshape(relax.op.concat(samples, axis=-2), flat))
             out = builder.emit_output(relax.op.sum(relax.op.multiply(stacked, weights), axis=[-1], keepdims=keepdims))
         builder.emit_func_output(out)
     return builder.get()
@@ -115,7 +116,8 @@ def test_deformable_attentions_weighted_sum_is_computed_as_it_samples():
     np.testing.assert_allclose(got, relay_amp.run(before, data)[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("keepdims, method", [(True, "bilinear"), (False, "nearest")])
-def test_other_sums_of_samples_stay(keepdims, method):
-    before = _deformable(keepdims, method)
+@pytest.mark.parametrize("keepdims, method, levels_apart", [
+    (True, "bilinear", False), (False, "nearest", False), (False, "bilinear", True)])
+def test_other_sums_of_samples_stay(keepdims, method, levels_apart):
+    before = _deformable(keepdims, method, levels_apart)
     assert_transforms(sampling.FuseWeightedSamples(), before, before)
