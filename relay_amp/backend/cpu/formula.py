@@ -63,16 +63,19 @@ def _series(value: tvm.ir.Expr, coefficients: tuple) -> tvm.ir.Expr:
     return result
 
 
-def _narrow_exp(x: te.Tensor) -> te.Tensor:
+def _narrow_exp(x: te.Tensor, specials: bool = False) -> te.Tensor:
     """e^x for results rounded to a narrow float: 2^n times e^f by NARROW_EXP_POLYNOMIAL, n rounded by adding
-    ROUNDING_MAGIC, whose low mantissa bits then hold n + 127, the exponent field of 2^n (no floor, no conversion)."""
+    ROUNDING_MAGIC, whose low mantissa bits then hold n + 127, the exponent field of 2^n (no floor, no conversion).
+    With `specials`, a last max with x lets NaN and +inf through, as fast_exp's does (e^x exceeds x everywhere
+    else); without it they give e^88 (one instruction fewer: SiLU's exps, where x carries a NaN through anyway)."""
     def element(*index):
         value = te.max(te.min(x(*index), _wide(NARROW_EXP_LIMIT)), _wide(-NARROW_EXP_LIMIT))
         rounded = value * _wide(LOG2E) + _wide(ROUNDING_MAGIC)
         bits = tvm.tirx.reinterpret("int32", rounded)
         whole = tvm.tirx.reinterpret(WIDE, bits) - _wide(ROUNDING_MAGIC)  # as bits, or TVM folds the magic away
         fraction = value - whole * _wide(LN2)
-        return _series(fraction, (1.0, *NARROW_EXP_POLYNOMIAL)) * tvm.tirx.reinterpret(WIDE, bits << 23)
+        power = _series(fraction, (1.0, *NARROW_EXP_POLYNOMIAL)) * tvm.tirx.reinterpret(WIDE, bits << 23)
+        return te.max(power, x(*index)) if specials else power
     return te.compute(x.shape, element, name="narrow_exp")
 
 
@@ -130,9 +133,10 @@ PRIMITIVES["fast_cos"] = lambda x: _fast_sine(x, 1)
 
 def narrow_softmax(x: te.Tensor, axis: int) -> te.Tensor:
     """The softmax over `axis` of fp32 `x` for a result rounded to a narrow float: e^(x - max) by narrow_exp over
-    its sum (TVM's fast_softmax with narrow_exp for its fast_exp: a fifth to a third faster over rows of 208-736)."""
+    its sum (TVM's fast_softmax with narrow_exp for its fast_exp: a fifth to a third faster over rows of 208-736).
+    A NaN (or +inf) in a row makes the row NaN, as PyTorch's and TVM's softmaxes do, not a one-hot row."""
     shifted = topi.subtract(x, topi.max(x, axis=axis, keepdims=True))
-    exps = _narrow_exp(shifted)
+    exps = _narrow_exp(shifted, specials=True)
     return topi.divide(exps, topi.sum(exps, axis=axis, keepdims=True))
 
 

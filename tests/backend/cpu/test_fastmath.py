@@ -314,3 +314,6 @@ def test_a_softmax_rounded_to_a_narrow_float_takes_the_narrow_exp():
         exps = np.exp(scores.astype("float64") - scores.max(axis, keepdims=True))
         expected = exps / exps.sum(axis, keepdims=True)
         assert np.all(np.abs(got.astype("float64") - expected) <= relative * expected + 1e-30)
+    scores[0, 0, 5] = np.nan  # a NaN score makes its row NaN, as PyTorch's softmax and TVM's fast one give it
+    narrow, kept = run_executable(build(RoundedSoftmax, "cpu"), [scores])
+    assert np.isnan(narrow[0, 0].astype("float32")).all() and not np.isnan(narrow[0, 1:].astype("float32")).any()
