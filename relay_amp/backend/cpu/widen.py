@@ -254,7 +254,8 @@ class _NarrowNormInputs(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, func: str, fast_softmax: bool):
         super().__init__(mod)
         self.fast_softmax = fast_softmax
-        self.rounded = rounded_values(get_function(mod, func))
+        self.function = get_function(mod, func)
+        self.rounded: "set[relax.Var] | None" = None  # fastmath.rounded_values, found at the first softmax rewritten
         self.bound: relax.Var | None = None
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -281,6 +282,8 @@ class _NarrowNormInputs(relax.PyExprMutator):
         """The TE softmax for the softmax bound now."""
         if not self.fast_softmax:
             return topi.nn.softmax
+        if self.rounded is None:
+            self.rounded = rounded_values(self.function)
         return formula.narrow_softmax if self.bound in self.rounded else topi.nn.fast_softmax
 
     def _mean_read_narrow(self, call: relax.Call) -> relax.Expr:
@@ -332,7 +335,8 @@ class NormsReadNarrow:
     it, for the same reason: attention scores computed over whole pairs of 16-lane columns (224 for ViT's 197
     tokens in bf16) and sliced to the softmax's 208 were copied by a function of their own (ViT-S/16 bf16 12.53
     -> 12.28 ms without). A softmax so rewritten is TVM's fast one where `fast_softmax` (the CPU pipeline's fast
-    math), with fastmath's narrow exps where its result is rounded to bf16 (fastmath.rounded_values). Means of any widened bf16 tensor read it in bf16 too."""
+    math), with fastmath's narrow exps where its result is rounded to bf16 (fastmath.rounded_values). Means of any
+    widened bf16 tensor read it in bf16 too."""
 
     def __init__(self, func: str = "main", fast_softmax: bool = True):
         self.func = func
