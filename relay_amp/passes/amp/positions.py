@@ -9,11 +9,11 @@ data-moving ops computing it (the widest and follow lists) to where it starts: a
 a parameter or a constant.
 """
 
-import tvm
 from tvm import relax
 
-from ...dtypes import is_float
 from ..._ir import tensor_dtype
+from ...dtypes import is_float
+from ...ops import call_op_name
 from .lists import OpLists
 
 POSITION_OPERANDS = {  # op -> the index of its operand holding positions
@@ -30,7 +30,7 @@ def sampling_positions(func: relax.Function, lists: OpLists) -> dict[relax.Call,
     bound = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
     kept: dict[relax.Call, tuple[str, str]] = {}
     for value in bound.values():
-        operand = POSITION_OPERANDS.get(_op_name(value))
+        operand = POSITION_OPERANDS.get(call_op_name(value))
         if operand is not None:
             reason = ("float32", REASON.format(value.op.name.rpartition(".")[2]))
             _walk_back(value.args[operand], bound, lists, kept, reason)
@@ -42,11 +42,7 @@ def _walk_back(expr: relax.Expr, bound: dict, lists: OpLists, kept: dict, reason
     while pending:
         item = pending.pop()
         value = bound.get(item) if isinstance(item, relax.Var) else None
-        if value is None or value in kept or lists.category(_op_name(value)) not in WALKED:
+        if value is None or value in kept or lists.category(call_op_name(value)) not in WALKED:
             continue
         kept[value] = reason
         pending.extend(arg for arg in value.args if isinstance(arg, relax.Var) and is_float(tensor_dtype(arg) or ""))
-
-
-def _op_name(value: relax.Expr) -> "str | None":
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
