@@ -21,8 +21,8 @@ import tvm
 from tvm import relax, te
 
 from ..._dead_code import EliminateDeadCode
-from ..._ir import get_function, rewrite_op_calls, tensor_dtype, tensor_shape
-from ...ops import bound_call, call_op_name, tuple_fields
+from ..._ir import calls_any_op, rewrite_op_calls, tensor_dtype, tensor_shape
+from ...ops import bound_call, tuple_fields
 
 SAMPLE = "relax.image.grid_sample"
 METHODS = ("bilinear", "nearest")
@@ -41,7 +41,7 @@ class GridSamplesChannelsLast:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
-        if not _samples_grids(mod, self.func):
+        if not calls_any_op(mod, [SAMPLE]):
             return mod
         return rewrite_op_calls(mod, self.func, {SAMPLE: _channels_last})
 
@@ -56,16 +56,10 @@ class FuseWeightedSamples:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod` (the samples no one reads then removed); the input module is left as it was."""
-        if not _samples_grids(mod, self.func):
+        if not calls_any_op(mod, [SAMPLE]):
             return mod
         rewritten = rewrite_op_calls(mod, self.func, {"relax.sum": _weighted_samples})
         return EliminateDeadCode([self.func])(rewritten)
-
-
-def _samples_grids(mod: tvm.IRModule, func: str) -> bool:
-    """Whether Relax function `func` of `mod` calls grid_sample."""
-    return any(call_op_name(binding.value) == SAMPLE for block in get_function(mod, func).body.blocks
-               for binding in block.bindings)
 
 
 def _weighted_samples(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
