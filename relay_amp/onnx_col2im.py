@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._onnx_graph import (Writer, constant_values, inferred_values, named_inputs, node_attributes, node_label,
-                          rewrite_nodes)
+from ._onnx_graph import (Writer, constant_values, inferred_values, known_dims, named_inputs, node_attributes,
+                          node_label, rewrite_nodes)
 from .errors import ModelLoadError
 
 COL2IM_INPUTS = ("input", "image_shape", "block_shape")
@@ -92,10 +92,11 @@ def _block_count(label: str, size: int, block: int, stride: int, dilation: int, 
 
 
 def _channels(label: str, values: dict, name: str, block: list[int]) -> int:
-    dims, _ = values.get(name, (None, None))
+    dims, _ = known_dims(label, values, name, ranks=(3,))
     positions = int(np.prod(block))
-    if dims is None or len(dims) != 3 or dims[1] is None or dims[1] % positions:
-        raise ModelLoadError(f"{label}: its input needs a known [N, C x {positions}, L] shape, not {dims}")
+    if dims[1] % positions:
+        raise ModelLoadError(f"{label}: its input's {dims[1]} values a block are not a whole number of channels "
+                             f"of {positions} positions")
     return dims[1] // positions
 
 
