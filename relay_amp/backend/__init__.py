@@ -6,7 +6,8 @@ MetaSchedule sees) and
 `lowering_passes(target, tuned)` (tuning records, default schedules, lowering to the VM), and
 `untuned_schedule(func, target)` (the default schedule of one task, which tuning measures first), and
 `candidate_passes(target)` (what a measured candidate gets after its schedule, as a built function does), and
-`PASS_CONFIG` (the PassContext options a build for the backend runs under).
+`PASS_CONFIG` (the PassContext options a build for the backend runs under), and
+`TIR_PIPELINE` (the name of the TIR lowering pipeline a build for the backend runs).
 """
 
 import tvm

@@ -55,7 +55,8 @@ def _build(mod: tvm.IRModule, tgt: tvm.target.Target, tune_logs, fast_math: bool
         prepared = backend.prepare_passes(tgt, fast_math, conv_layout)(mod)  # once: the record check and the build share it
         if database is not None:
             _require_records(prepared_records(database, prepared, tgt), tune_logs)
-        return relax.build(prepared, target=tgt, relax_pipeline=backend.lowering_passes(tgt, database is not None))
+        return relax.build(prepared, target=tgt, relax_pipeline=backend.lowering_passes(tgt, database is not None),
+                           tir_pipeline=backend.TIR_PIPELINE)
 
 
 def _symbolic_input_dims(mod: tvm.IRModule) -> list[str]:

@@ -1,5 +1,5 @@
 """The CPU pipeline: convolutions to NHWC, fast math and kernel dispatch, then fusion; after fusion, tuning
-records, relay_amp's default schedules and TVM's CPU lowering."""
+records, relay_amp's default schedules and TVM's CPU lowering (its buffers of up to 64 KB kept on the stack)."""
 
 import tvm
 from tvm import relax
@@ -29,10 +29,12 @@ from .operand_scales import ScalesAfterMatmuls
 from .rows import PadSoftmaxRows
 from .sampling import FuseWeightedSamples, GridSamplesChannelsLast
 from .schedules import default_schedule, default_schedules
+from .stack import TIR_PIPELINE as STACK_PIPELINE
 from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 PASS_CONFIG: dict = {}  # TVM's defaults
+TIR_PIPELINE = STACK_PIPELINE  # TVM's S-TIR lowering, small buffers on the stack (relay_amp.backend.cpu.stack)
 
 
 def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:

@@ -18,6 +18,7 @@ from .tensorcore import gpu_schedules
 # 16-pixel GEMM side), and lowering then fails on the mismatched wmma store pointer ("tvm_access_ptr element type
 # must match the source buffer"); merging static shared memory instead fails on BERT's float16 matmuls
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
+TIR_PIPELINE = "default"  # TVM's
 
 
 def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:
