@@ -794,6 +794,9 @@ def _row_share_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
     T.func_attr({"tirx.noalias": True})
     total = T.sblock_alloc_buffer((T.int64(4),))
     total_rf = T.sblock_alloc_buffer((T.int64(4), T.int64(16)))
+    total_8 = T.sblock_alloc_buffer((T.int64(4), T.int64(8)))
+    total_4 = T.sblock_alloc_buffer((T.int64(4), T.int64(4)))
+    total_2 = T.sblock_alloc_buffer((T.int64(4), T.int64(2)))
     for row in T.parallel(T.int64(4)):
         for lane_init in T.vectorized(T.int64(16)):
             with T.sblock("total_rf_init"):
@@ -808,14 +811,53 @@ def _row_share_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
                     T.reads(total_rf[v_row, v_lane], x[v_row, v_step * T.int64(16) + v_lane])
                     T.writes(total_rf[v_row, v_lane])
                     total_rf[v_row, v_lane] = total_rf[v_row, v_lane] + x[v_row, v_step * T.int64(16) + v_lane]
-        for lane in range(T.int64(16)):
+        for lane_init in T.vectorized(T.int64(8)):
+            with T.sblock("total_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(total_8[v_row, v_lane])
+                total_8[v_row, v_lane] = T.float32(0.0)
+        for half in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(8)):
+                with T.sblock("total_rf_update"):
+                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                    T.reads(total_8[v_row, v_lane], total_rf[v_row, v_half * T.int64(8) + v_lane])
+                    T.writes(total_8[v_row, v_lane])
+                    total_8[v_row, v_lane] = total_8[v_row, v_lane] + total_rf[v_row, v_half * T.int64(8) + v_lane]
+        for lane_init in T.vectorized(T.int64(4)):
+            with T.sblock("total_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(total_4[v_row, v_lane])
+                total_4[v_row, v_lane] = T.float32(0.0)
+        for half in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(4)):
+                with T.sblock("total_rf_update"):
+                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                    T.reads(total_4[v_row, v_lane], total_8[v_row, v_half * T.int64(4) + v_lane])
+                    T.writes(total_4[v_row, v_lane])
+                    total_4[v_row, v_lane] = total_4[v_row, v_lane] + total_8[v_row, v_half * T.int64(4) + v_lane]
+        for lane_init in T.vectorized(T.int64(2)):
+            with T.sblock("total_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(total_2[v_row, v_lane])
+                total_2[v_row, v_lane] = T.float32(0.0)
+        for half in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(2)):
+                with T.sblock("total_rf_update"):
+                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                    T.reads(total_2[v_row, v_lane], total_4[v_row, v_half * T.int64(2) + v_lane])
+                    T.writes(total_2[v_row, v_lane])
+                    total_2[v_row, v_lane] = total_2[v_row, v_lane] + total_4[v_row, v_half * T.int64(2) + v_lane]
+        for lane in range(T.int64(2)):
             with T.sblock("total"):
                 v_lane, v_row = T.axis.remap("RS", [lane, row])
-                T.reads(total_rf[v_row, v_lane])
+                T.reads(total_2[v_row, v_lane])
                 T.writes(total[v_row])
                 with T.init():
                     total[v_row] = T.float32(0.0)
-                total[v_row] = total[v_row] + total_rf[v_row, v_lane]
+                total[v_row] = total[v_row] + total_2[v_row, v_lane]
         for column_block in range(T.int64(2)):
             for column in T.vectorized(T.int64(16)):
                 with T.sblock("share"):
@@ -828,7 +870,8 @@ def _row_share_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
 
 def test_row_reduction_rule_runs_each_row_in_parallel_with_vector_partial_sums():
     """One parallel iteration per row; the sum keeps 16 partial sums in one vector over the row's two vectors
-    (rfactor), adds them up, and the division runs on whole vectors."""
+    (rfactor), adds them up in halves (16 -> 8 -> 4 -> 2, a vector add each, then the last two), and the division
+    runs on whole vectors."""
     scheduled = schedules.RowReductionRule().apply(_row_share, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _row_share_scheduled)
 
@@ -941,6 +984,9 @@ def _row_abs_max_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
     T.func_attr({"tirx.noalias": True})
     magnitude = T.sblock_alloc_buffer((T.int64(4), T.int64(32)))
     out_rf = T.sblock_alloc_buffer((T.int64(4), T.int64(1), T.int64(16)))
+    out_8 = T.sblock_alloc_buffer((T.int64(4), T.int64(1), T.int64(8)))
+    out_4 = T.sblock_alloc_buffer((T.int64(4), T.int64(1), T.int64(4)))
+    out_2 = T.sblock_alloc_buffer((T.int64(4), T.int64(1), T.int64(2)))
     for row in T.parallel(T.int64(4)):
         for column_block in range(T.int64(2)):
             for column in T.vectorized(T.int64(16)):
@@ -964,14 +1010,56 @@ def _row_abs_max_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
                     T.writes(out_rf[v_row, T.int64(0), v_lane])
                     out_rf[v_row, T.int64(0), v_lane] = T.max(out_rf[v_row, T.int64(0), v_lane],
                                                               magnitude[v_row, v_step * T.int64(16) + v_lane])
-        for lane in range(T.int64(16)):
+        for lane_init in T.vectorized(T.int64(8)):
+            with T.sblock("largest_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(out_8[v_row, T.int64(0), v_lane])
+                out_8[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
+        for half in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(8)):
+                with T.sblock("largest_rf_update"):
+                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                    T.reads(out_8[v_row, T.int64(0), v_lane], out_rf[v_row, T.int64(0), v_half * T.int64(8) + v_lane])
+                    T.writes(out_8[v_row, T.int64(0), v_lane])
+                    out_8[v_row, T.int64(0), v_lane] = T.max(out_8[v_row, T.int64(0), v_lane],
+                                                             out_rf[v_row, T.int64(0), v_half * T.int64(8) + v_lane])
+        for lane_init in T.vectorized(T.int64(4)):
+            with T.sblock("largest_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(out_4[v_row, T.int64(0), v_lane])
+                out_4[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
+        for half in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(4)):
+                with T.sblock("largest_rf_update"):
+                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                    T.reads(out_4[v_row, T.int64(0), v_lane], out_8[v_row, T.int64(0), v_half * T.int64(4) + v_lane])
+                    T.writes(out_4[v_row, T.int64(0), v_lane])
+                    out_4[v_row, T.int64(0), v_lane] = T.max(out_4[v_row, T.int64(0), v_lane],
+                                                             out_8[v_row, T.int64(0), v_half * T.int64(4) + v_lane])
+        for lane_init in T.vectorized(T.int64(2)):
+            with T.sblock("largest_rf_init"):
+                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+                T.reads()
+                T.writes(out_2[v_row, T.int64(0), v_lane])
+                out_2[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
+        for half in range(T.int64(2)):
+            for lane in T.vectorized(T.int64(2)):
+                with T.sblock("largest_rf_update"):
+                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                    T.reads(out_2[v_row, T.int64(0), v_lane], out_4[v_row, T.int64(0), v_half * T.int64(2) + v_lane])
+                    T.writes(out_2[v_row, T.int64(0), v_lane])
+                    out_2[v_row, T.int64(0), v_lane] = T.max(out_2[v_row, T.int64(0), v_lane],
+                                                             out_4[v_row, T.int64(0), v_half * T.int64(2) + v_lane])
+        for lane in range(T.int64(2)):
             with T.sblock("largest"):
                 v_lane, v_row = T.axis.remap("RS", [lane, row])
-                T.reads(out_rf[v_row, T.int64(0), v_lane])
+                T.reads(out_2[v_row, T.int64(0), v_lane])
                 T.writes(out[v_row, T.int64(0)])
                 with T.init():
                     out[v_row, T.int64(0)] = T.float32(-3.4028234663852886e38)
-                out[v_row, T.int64(0)] = T.max(out[v_row, T.int64(0)], out_rf[v_row, T.int64(0), v_lane])
+                out[v_row, T.int64(0)] = T.max(out[v_row, T.int64(0)], out_2[v_row, T.int64(0), v_lane])
 
 
 def test_row_reduction_rule_takes_a_function_that_ends_in_its_reduction():
