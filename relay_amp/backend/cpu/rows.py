@@ -9,7 +9,8 @@ the padded columns off the result: the same softmax.
 A matmul that reads the sliced result (attention's P.V, through AMP's cast or not) takes the padded rows instead,
 and its second operand as many zero rows: the padded columns meet zeros, so the products are the same, and the
 softmax's function stores whole vectors (a row of 197 sliced, or 198 padded again for bf16 pairs, is stored one
-element at a time).
+element at a time). A NaN guard between them (where(isnan(p), 0, p), as exporters spell torch's
+scaled_dot_product_attention) runs on the padded rows, before the slice.
 """
 
 import ml_dtypes
@@ -50,6 +51,8 @@ class _RowPadder(relax.PyExprMutator):
         new_call = super().visit_call_(call)
         if call_op_name(new_call) == "relax.matmul":
             return self._matmul_of_padded_rows(new_call)
+        if call_op_name(new_call) == "relax.where":
+            return self._guard_of_padded_rows(new_call)
         if not isinstance(new_call.op, tvm.ir.Op) or new_call.op.name not in SOFTMAX_OPS:
             return new_call
         extra = _row_extra(new_call)
@@ -61,6 +64,22 @@ class _RowPadder(relax.PyExprMutator):
         if new_call.op.name == "relax.nn.softmax":  # log-softmax's padded columns are not zeros
             self.padded_rows.add(rows)
         return relax.op.strided_slice(rows, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
+
+    def _guard_of_padded_rows(self, call: relax.Call) -> relax.Expr:
+        """`call`, a NaN guard of a padded softmax's slice (where(isnan(p), c, p): attention as exporters spell
+        torch's scaled_dot_product_attention), as the slice of the guard of the padded rows, which are themselves
+        padded rows: a matmul of it reads them. A padded column is 0, which the guard keeps; else `call`."""
+        condition, constant, value = call.args
+        rows = sliced_by_binding(self, value)
+        test = bound_call(self, condition, "relax.isnan")
+        constant_shape = tensor_shape(constant)
+        scalar = constant_shape is not None and all(extent == 1 for extent in constant_shape)
+        if rows not in self.padded_rows or test is None or not test.args[0].same_as(value) or not scalar:
+            return call
+        guarded = self.builder_.emit(relax.op.where(relax.op.isnan(rows), constant, rows))
+        self.padded_rows.add(guarded)
+        shape = tensor_shape(value)
+        return relax.op.strided_slice(guarded, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
 
     def _matmul_of_padded_rows(self, call: relax.Call) -> relax.Expr:
         """`call` (a matmul) on the padded softmax rows its first operand slices, through a cast or not, with as

@@ -113,3 +113,66 @@ def test_built_attention_over_padded_rows_matches_numpy():
     shares = np.exp(scores - scores.max(axis=-1, keepdims=True))
     expected = (shares / shares.sum(axis=-1, keepdims=True)) @ values
     assert np.abs(got - expected).max() <= TOLERANCE * 10 * np.abs(expected).max()  # also the 197-term sums
+
+
+def test_a_nan_guard_of_the_sliced_softmax_runs_on_the_padded_rows_and_its_matmul_reads_them():
+    """torch's scaled_dot_product_attention as exporters spell it: where(isnan(p), 0, p) between the softmax and
+    P.V. The guard now runs on the 48 padded columns (a padded 0 stays 0), and the matmul reads them."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(s: R.Tensor((2, 5, 33), "float32"), v: R.Tensor((2, 33, 8), "bfloat16")):
+            with R.dataflow():
+                p = R.nn.softmax(s, axis=-1)
+                guarded = R.where(R.isnan(p), R.const(0.0, "float32"), p)
+                gv = R.matmul(R.astype(guarded, "bfloat16"), v, out_dtype="float32")
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(s: R.Tensor((2, 5, 33), "float32"), v: R.Tensor((2, 33, 8), "bfloat16")):
+            with R.dataflow():
+                padded = R.nn.pad(s, [0, 0, 0, 0, 0, 15], pad_value=float(np.finfo("float32").min))
+                row = R.nn.softmax(padded, axis=-1)
+                p = R.strided_slice(row, axes=[2], begin=[0], end=[33])
+                _dead_test = R.isnan(p)  # left for DCE, as the pass leaves it
+                guarded_rows = R.where(R.isnan(row), R.const(0.0, "float32"), row)
+                guarded = R.strided_slice(guarded_rows, axes=[2], begin=[0], end=[33])
+                _dead_cast = R.astype(guarded, "bfloat16")
+                wide = R.astype(guarded_rows, "bfloat16")
+                zero_rows = R.nn.pad(v, [0, 0, 0, 15, 0, 0])
+                gv = R.matmul(wide, zero_rows, out_dtype="float32")
+                R.output(gv)
+            return gv
+
+    assert_transforms(rows.PadSoftmaxRows(), Before, Expected)
+
+
+def test_a_guard_by_a_tensor_of_its_rows_shape_keeps_its_slice():
+    """A where whose other value has the sliced shape cannot run on the padded rows: it reads the slice."""
+    x, other = tensor("x", (2, 5, 33)), tensor("other", (2, 5, 33))
+    before = single_output_module(
+        lambda a, b: relax.op.where(relax.op.isnan(relax.op.nn.softmax(a)), b, relax.op.nn.softmax(a)), x, other)
+    after = rows.PadSoftmaxRows()(before)
+    (where,) = [b.value for b in after["main"].body.blocks[0].bindings if b.value.op.name == "relax.where"]
+    assert tuple(where.ty.shape) == (2, 5, 33)
+
+
+def test_built_nan_guarded_attention_over_padded_rows_matches_numpy():
+    """A fully masked row (all -inf) is NaN in the softmax, which the guard makes 0; other rows are attention's."""
+    rng = np.random.default_rng(2)
+    scores, values = rng.standard_normal((2, 37, 37)).astype("float32") * 4, rng.standard_normal((2, 37, 16))
+    scores[0, 3] = -np.inf
+
+    def attention(s, v):
+        p = relax.op.nn.softmax(s)
+        return relax.op.matmul(relax.op.where(relax.op.isnan(p), relax.const(0.0, "float32"), p), v)
+    mod = single_output_module(attention, tensor("s", scores.shape), tensor("v", values.shape))
+    got = run_executable(build(mod, "cpu"), [scores, values.astype("float32")])[0]
+    with np.errstate(invalid="ignore"):
+        shares = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        expected = np.nan_to_num(shares / shares.sum(axis=-1, keepdims=True)) @ values
+    assert np.abs(got - expected).max() <= TOLERANCE * 10 * np.abs(expected).max()
+    np.testing.assert_array_equal(got[0, 3], 0.0)
