@@ -18,6 +18,7 @@ from tvm.relax import dpl
 
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
+from ...ops import call_op_name
 from . import formula
 from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
 
@@ -84,14 +85,16 @@ def _widened(compute_wide):
 
 def rounded_values(func: relax.Function) -> set[relax.Var]:
     """The vars of `func` whose value is rounded to bfloat16 or float16 before anything needs it: every reader casts
-    it to one, or is an elementwise op whose result is in turn such a var."""
+    it to one, tests it for NaN (which a rounding keeps), or is an elementwise op, a where or a slice whose result is
+    in turn such a var (an exported attention's softmax, guarded against NaN, sliced back from padded rows and
+    cast)."""
     read_otherwise: set[relax.Var] = set()
     rounded: set[relax.Var] = set()
     relax.analysis.post_order_visit(func.body.body, lambda expr: _collect_var(read_otherwise, expr))
     for binding in reversed([b for block in func.body.blocks for b in block.bindings]):
         operands = _op_operands(binding.value)
-        keeps_rounding = _rounds(binding.value) or (
-            _is_elementwise(binding.value) and binding.var in rounded - read_otherwise)
+        keeps_rounding = _rounds(binding.value) or call_op_name(binding.value) == "relax.isnan" or (
+            _passes_rounding(binding.value) and binding.var in rounded - read_otherwise)
         (rounded if keeps_rounding else read_otherwise).update(operands)
         relax.analysis.post_order_visit(
             binding.value, lambda expr: expr in operands or _collect_var(read_otherwise, expr))
@@ -107,6 +110,12 @@ def _op_operands(value: relax.Expr) -> set[relax.Var]:
 
 def _is_elementwise(value: relax.Expr) -> bool:
     return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in ELEMENTWISE
+
+
+def _passes_rounding(value: relax.Expr) -> bool:
+    """Whether `value` computes each element from its operands' elements alone: an elementwise op, a where, a
+    slice."""
+    return _is_elementwise(value) or call_op_name(value) in ("relax.where", "relax.strided_slice")
 
 
 def _rounds(value: relax.Expr) -> bool:

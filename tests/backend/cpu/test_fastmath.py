@@ -204,6 +204,30 @@ def test_values_rounded_to_a_narrow_float_are_found_through_elementwise_readers(
     assert {var.name for var in fastmath.rounded_values(Rounded["main"])} == {"gate", "silu"}
 
 
+@I.ir_module
+class GuardedRows:
+    @R.function
+    def main(scores: R.Tensor((2, 48), "float32")):
+        with R.dataflow():
+            rows = R.nn.softmax(scores, axis=-1)
+            test = R.isnan(rows)  # a NaN stays a NaN when rounded
+            guarded = R.where(test, R.const(0.0, "float32"), rows)
+            sliced = R.strided_slice(guarded, axes=[1], begin=[0], end=[37])
+            narrow = R.astype(sliced, "bfloat16")
+            wide = R.nn.softmax(scores, axis=-1)
+            kept = R.where(R.isnan(wide), R.const(0.0, "float32"), wide)  # returned in fp32
+            gv = (narrow, kept)
+            R.output(gv)
+        return gv
+
+
+def test_values_rounded_to_a_narrow_float_are_found_through_a_nan_guard_and_a_slice():
+    """An exported attention's softmax, guarded against NaN (where, isnan) and sliced back from padded rows before
+    its cast to bf16, is rounded: its exps take narrow_exp. The same guard returned in fp32 is not."""
+    assert {var.name for var in fastmath.rounded_values(GuardedRows["main"])} == {"rows", "test", "guarded",
+                                                                                  "sliced"}
+
+
 def test_only_activations_rounded_to_a_narrow_float_take_the_narrow_exp():
     after = fastmath.FastMath()(Rounded)
     relax.analysis.well_formed(after)
