@@ -790,6 +790,24 @@ def _row_share(x: T.Buffer((T.int64(4), T.int64(32)), "float32"), out: T.Buffer(
             out[vi, vj] = x[vi, vj] / total[vi]
 
 
+@T.macro
+def _halved_sum(acc, partial, lanes, row):
+    """A row's partial sums `partial` (2 * `lanes` of them) added in halves into `acc`: RowReductionRule's nest."""
+    for lane_init in T.vectorized(T.int64(lanes)):
+        with T.sblock("total_rf_init"):
+            v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+            T.reads()
+            T.writes(acc[v_row, v_lane])
+            acc[v_row, v_lane] = T.float32(0.0)
+    for half in range(T.int64(2)):
+        for lane in T.vectorized(T.int64(lanes)):
+            with T.sblock("total_rf_update"):
+                v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                T.reads(acc[v_row, v_lane], partial[v_row, v_half * T.int64(lanes) + v_lane])
+                T.writes(acc[v_row, v_lane])
+                acc[v_row, v_lane] = acc[v_row, v_lane] + partial[v_row, v_half * T.int64(lanes) + v_lane]
+
+
 @T.prim_func(private=True, s_tir=True)
 def _row_share_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
                          out: T.Buffer((T.int64(4), T.int64(32)), "float32")):
@@ -813,45 +831,9 @@ def _row_share_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
                     T.reads(total_rf[v_row, v_lane], x[v_row, v_step * T.int64(16) + v_lane])
                     T.writes(total_rf[v_row, v_lane])
                     total_rf[v_row, v_lane] = total_rf[v_row, v_lane] + x[v_row, v_step * T.int64(16) + v_lane]
-        for lane_init in T.vectorized(T.int64(8)):
-            with T.sblock("total_rf_init"):
-                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
-                T.reads()
-                T.writes(total_8[v_row, v_lane])
-                total_8[v_row, v_lane] = T.float32(0.0)
-        for half in range(T.int64(2)):
-            for lane in T.vectorized(T.int64(8)):
-                with T.sblock("total_rf_update"):
-                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
-                    T.reads(total_8[v_row, v_lane], total_rf[v_row, v_half * T.int64(8) + v_lane])
-                    T.writes(total_8[v_row, v_lane])
-                    total_8[v_row, v_lane] = total_8[v_row, v_lane] + total_rf[v_row, v_half * T.int64(8) + v_lane]
-        for lane_init in T.vectorized(T.int64(4)):
-            with T.sblock("total_rf_init"):
-                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
-                T.reads()
-                T.writes(total_4[v_row, v_lane])
-                total_4[v_row, v_lane] = T.float32(0.0)
-        for half in range(T.int64(2)):
-            for lane in T.vectorized(T.int64(4)):
-                with T.sblock("total_rf_update"):
-                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
-                    T.reads(total_4[v_row, v_lane], total_8[v_row, v_half * T.int64(4) + v_lane])
-                    T.writes(total_4[v_row, v_lane])
-                    total_4[v_row, v_lane] = total_4[v_row, v_lane] + total_8[v_row, v_half * T.int64(4) + v_lane]
-        for lane_init in T.vectorized(T.int64(2)):
-            with T.sblock("total_rf_init"):
-                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
-                T.reads()
-                T.writes(total_2[v_row, v_lane])
-                total_2[v_row, v_lane] = T.float32(0.0)
-        for half in range(T.int64(2)):
-            for lane in T.vectorized(T.int64(2)):
-                with T.sblock("total_rf_update"):
-                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
-                    T.reads(total_2[v_row, v_lane], total_4[v_row, v_half * T.int64(2) + v_lane])
-                    T.writes(total_2[v_row, v_lane])
-                    total_2[v_row, v_lane] = total_2[v_row, v_lane] + total_4[v_row, v_half * T.int64(2) + v_lane]
+        _halved_sum(total_8, total_rf, 8, row)
+        _halved_sum(total_4, total_8, 4, row)
+        _halved_sum(total_2, total_4, 2, row)
         for lane in range(T.int64(2)):
             with T.sblock("total"):
                 v_lane, v_row = T.axis.remap("RS", [lane, row])
@@ -980,6 +962,25 @@ def _row_abs_max(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
             out[vi, vone] = T.max(out[vi, vone], magnitude[vi, vk])
 
 
+@T.macro
+def _halved_max(acc, partial, lanes, row):
+    """A row's partial maxima `partial` (2 * `lanes` of them) reduced in halves into `acc`."""
+    for lane_init in T.vectorized(T.int64(lanes)):
+        with T.sblock("largest_rf_init"):
+            v_lane, v_row = T.axis.remap("SS", [lane_init, row])
+            T.reads()
+            T.writes(acc[v_row, T.int64(0), v_lane])
+            acc[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
+    for half in range(T.int64(2)):
+        for lane in T.vectorized(T.int64(lanes)):
+            with T.sblock("largest_rf_update"):
+                v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
+                T.reads(acc[v_row, T.int64(0), v_lane], partial[v_row, T.int64(0), v_half * T.int64(lanes) + v_lane])
+                T.writes(acc[v_row, T.int64(0), v_lane])
+                acc[v_row, T.int64(0), v_lane] = T.max(acc[v_row, T.int64(0), v_lane],
+                                                       partial[v_row, T.int64(0), v_half * T.int64(lanes) + v_lane])
+
+
 @T.prim_func(private=True, s_tir=True)
 def _row_abs_max_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
                            out: T.Buffer((T.int64(4), T.int64(1)), "float32")):
@@ -1012,48 +1013,9 @@ def _row_abs_max_scheduled(x: T.Buffer((T.int64(4), T.int64(32)), "float32"),
                     T.writes(out_rf[v_row, T.int64(0), v_lane])
                     out_rf[v_row, T.int64(0), v_lane] = T.max(out_rf[v_row, T.int64(0), v_lane],
                                                               magnitude[v_row, v_step * T.int64(16) + v_lane])
-        for lane_init in T.vectorized(T.int64(8)):
-            with T.sblock("largest_rf_init"):
-                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
-                T.reads()
-                T.writes(out_8[v_row, T.int64(0), v_lane])
-                out_8[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
-        for half in range(T.int64(2)):
-            for lane in T.vectorized(T.int64(8)):
-                with T.sblock("largest_rf_update"):
-                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
-                    T.reads(out_8[v_row, T.int64(0), v_lane], out_rf[v_row, T.int64(0), v_half * T.int64(8) + v_lane])
-                    T.writes(out_8[v_row, T.int64(0), v_lane])
-                    out_8[v_row, T.int64(0), v_lane] = T.max(out_8[v_row, T.int64(0), v_lane],
-                                                             out_rf[v_row, T.int64(0), v_half * T.int64(8) + v_lane])
-        for lane_init in T.vectorized(T.int64(4)):
-            with T.sblock("largest_rf_init"):
-                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
-                T.reads()
-                T.writes(out_4[v_row, T.int64(0), v_lane])
-                out_4[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
-        for half in range(T.int64(2)):
-            for lane in T.vectorized(T.int64(4)):
-                with T.sblock("largest_rf_update"):
-                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
-                    T.reads(out_4[v_row, T.int64(0), v_lane], out_8[v_row, T.int64(0), v_half * T.int64(4) + v_lane])
-                    T.writes(out_4[v_row, T.int64(0), v_lane])
-                    out_4[v_row, T.int64(0), v_lane] = T.max(out_4[v_row, T.int64(0), v_lane],
-                                                             out_8[v_row, T.int64(0), v_half * T.int64(4) + v_lane])
-        for lane_init in T.vectorized(T.int64(2)):
-            with T.sblock("largest_rf_init"):
-                v_lane, v_row = T.axis.remap("SS", [lane_init, row])
-                T.reads()
-                T.writes(out_2[v_row, T.int64(0), v_lane])
-                out_2[v_row, T.int64(0), v_lane] = T.float32(-3.4028234663852886e38)
-        for half in range(T.int64(2)):
-            for lane in T.vectorized(T.int64(2)):
-                with T.sblock("largest_rf_update"):
-                    v_lane, v_half, v_row = T.axis.remap("SRS", [lane, half, row])
-                    T.reads(out_2[v_row, T.int64(0), v_lane], out_4[v_row, T.int64(0), v_half * T.int64(2) + v_lane])
-                    T.writes(out_2[v_row, T.int64(0), v_lane])
-                    out_2[v_row, T.int64(0), v_lane] = T.max(out_2[v_row, T.int64(0), v_lane],
-                                                             out_4[v_row, T.int64(0), v_half * T.int64(2) + v_lane])
+        _halved_max(out_8, out_rf, 8, row)
+        _halved_max(out_4, out_8, 4, row)
+        _halved_max(out_2, out_4, 2, row)
         for lane in range(T.int64(2)):
             with T.sblock("largest"):
                 v_lane, v_row = T.axis.remap("RS", [lane, row])
