@@ -24,6 +24,7 @@ from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
 from .multiplier import RepeatMultiplierInputs
+from .nan_tests import NanTestsAsBitTests
 from .norms import GroupNormsOverChannels
 from .operand_scales import ScalesAfterMatmuls
 from .rows import PadSoftmaxRows
@@ -95,12 +96,13 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
     """For a prepared module: reshapes made views, outputs' too (relay_amp.backend.views), tuning records (when
-    `tuned`), default schedules for the rest, bf16 roundings dropped in registers and native elsewhere (on
-    avx512_bf16 targets), lower."""
+    `tuned`), default schedules for the rest, NaN tests as tests of the bits (relay_amp.backend.cpu.nan_tests), bf16
+    roundings dropped in registers and native elsewhere (on avx512_bf16 targets), lower."""
     return tvm.transform.Sequential([
         *view_passes(),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
+        NanTestsAsBitTests,
         *rounding_passes(target),
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
@@ -108,9 +110,10 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
 
 
 def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
-    """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: its bf16
-    roundings (relay_amp.backend.cpu.bf16_round), so that tuning measures the code a build runs."""
-    return tvm.transform.Sequential(rounding_passes(target), name="relay_amp_cpu_candidate")
+    """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: its NaN tests as
+    bit tests (relay_amp.backend.cpu.nan_tests) and bf16 roundings (relay_amp.backend.cpu.bf16_round), so that
+    tuning measures the code a build runs."""
+    return tvm.transform.Sequential([NanTestsAsBitTests, *rounding_passes(target)], name="relay_amp_cpu_candidate")
 
 
 def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "tvm.s_tir.Schedule | None":
