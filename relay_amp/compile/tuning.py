@@ -51,9 +51,10 @@ def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: dict | None) -> tvm.runtime.Module:
     """Compile one measure candidate in a builder worker, as MetaSchedule's default builder does but without first
     importing all of TVM's tensor intrinsics (~35 s per worker: candidates arrive tensorized already); the
-    backend's `candidate_passes` first, so that the candidate is the code a build would run."""
+    backend's `candidate_passes` first and its TIR pipeline, so that the candidate is the code a build would run."""
     scheduled = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm_build(pipeline_for(target).candidate_passes(target)(scheduled), target=target)
+    backend = pipeline_for(target)
+    return tvm_build(backend.candidate_passes(target)(scheduled), target=target, pipeline=backend.TIR_PIPELINE)
 
 
 def _build_and_export(candidate: tuple) -> str:

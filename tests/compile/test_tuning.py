@@ -14,12 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, te
+from tvm import relax, te, topi
 from tvm.s_tir import meta_schedule as ms
 
 import relay_amp
 from relay_amp import models, targets
-from relay_amp.backend.cpu import kernels
+from relay_amp.backend.cpu import kernels, schedules
 from relay_amp.backend.cuda import pipeline as cuda_pipeline
 from relay_amp.compile import tuning
 from relay_amp.compile.build import build
@@ -210,6 +210,15 @@ def test_a_measured_candidate_rounds_to_bf16_as_a_built_function_does():
     sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("b"))[0], [None, 16])[1])
     candidate = tuning.build_candidate(sch.mod, targets.get_target("cpu-avx512-bf16"), None)
     assert "vcvtneps2bf16" in candidate.inspect_source("asm")  # relay_amp.backend.cpu.bf16_round, as in a build
+
+
+def test_a_measured_candidate_keeps_its_row_buffers_on_the_stack_as_a_built_function_does():
+    """A softmax over rows of 256 keeps a 1 KB row of exps in each parallel row: relay_amp.backend.cpu.stack."""
+    x = te.placeholder((64, 256), "float32", name="x")
+    softmax = te.create_prim_func([x, topi.nn.softmax(x, axis=1)])
+    sch = schedules.RowReductionRule().apply(softmax, targets.get_target("cpu"), False)
+    candidate = tuning.build_candidate(sch.mod, targets.get_target("cpu"), None)
+    assert "load ptr, ptr @__TVMBackendAllocWorkspace" not in candidate.inspect_source("ll")
 
 
 def test_a_cuda_candidate_is_built_as_scheduled():
