@@ -20,6 +20,7 @@ from tvm import relax
 from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
+from .formula import scalar
 from .schedules import ACCUMULATOR_LANES
 
 SOFTMAX_OPS = ("relax.nn.softmax", "relax.nn.log_softmax")
@@ -66,16 +67,14 @@ class _RowPadder(relax.PyExprMutator):
         return relax.op.strided_slice(rows, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
 
     def _guard_of_padded_rows(self, call: relax.Call) -> relax.Expr:
-        """`call`, a NaN guard of a padded softmax's slice (where(isnan(p), c, p): attention as exporters spell
+        """`call`, a NaN guard of a padded softmax's slice (where(isnan(p), 0, p): attention as exporters spell
         torch's scaled_dot_product_attention), as the slice of the guard of the padded rows, which are themselves
         padded rows: a matmul of it reads them. A padded column is 0, which the guard keeps; else `call`."""
         condition, constant, value = call.args
         rows = sliced_by_binding(self, value)
         test = bound_call(self, condition, "relax.isnan")
-        constant_shape = tensor_shape(constant)
-        scalar = constant_shape is not None and all(extent == 1 for extent in constant_shape)
-        if rows not in self.padded_rows or test is None or not test.args[0].same_as(value) or not scalar:
-            return call
+        if rows not in self.padded_rows or test is None or not test.args[0].same_as(value) or scalar(constant) != 0.0:
+            return call  # a zero: a fully masked row is NaN unpadded, 0 padded, and the guard makes both 0
         guarded = self.builder_.emit(relax.op.where(relax.op.isnan(rows), constant, rows))
         self.padded_rows.add(guarded)
         shape = tensor_shape(value)

@@ -150,12 +150,16 @@ def test_a_nan_guard_of_the_sliced_softmax_runs_on_the_padded_rows_and_its_matmu
     assert_transforms(rows.PadSoftmaxRows(), Before, Expected)
 
 
-def test_a_guard_by_a_tensor_of_its_rows_shape_keeps_its_slice():
-    """A where whose other value has the sliced shape cannot run on the padded rows: it reads the slice."""
-    x, other = tensor("x", (2, 5, 33)), tensor("other", (2, 5, 33))
-    before = single_output_module(
-        lambda a, b: relax.op.where(relax.op.isnan(relax.op.nn.softmax(a)), b, relax.op.nn.softmax(a)), x, other)
-    after = rows.PadSoftmaxRows()(before)
+@pytest.mark.parametrize("other", [tensor("other", (2, 5, 33)), relax.const(1.0, "float32")],
+                         ids=["a_tensor_of_the_rows_shape", "a_nonzero_constant"])
+def test_a_guard_by_anything_but_zero_keeps_its_slice(other):
+    """A where whose other value has the sliced shape cannot run on the padded rows, and one by 1 would give a fully
+    masked row 0 padded (the padded columns take the row) where it gives 1 unpadded: both read the slice."""
+    def guarded(x, *others):
+        p = relax.op.nn.softmax(x)
+        return relax.op.where(relax.op.isnan(p), others[0] if others else other, p)
+    params = [tensor("x", (2, 5, 33))] + ([other] if isinstance(other, relax.Var) else [])
+    after = rows.PadSoftmaxRows()(single_output_module(guarded, *params))
     (where,) = [b.value for b in after["main"].body.blocks[0].bindings if b.value.op.name == "relax.where"]
     assert tuple(where.ty.shape) == (2, 5, 33)
 
