@@ -16,7 +16,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax import dpl
 
-from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype
+from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
 from . import formula
@@ -61,6 +61,15 @@ def _narrow_softmax_in_fp32(axis: int):
     """A TE function computing softmax over `axis` in fp32 with the exp a narrow float result needs
     (formula.narrow_exp), returning the input's dtype."""
     return _widened(lambda wide: formula.narrow_softmax(wide, axis))
+
+
+def _masked_softmax_in_fp32(axis: int, softmax):
+    """A TE function computing `softmax`(x + mask, axis) in fp32 (the mask broadcast over x), returning x's dtype."""
+    def compute(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
+        wide = x if x.dtype == WIDE else topi.cast(x, WIDE)
+        total = softmax(topi.add(wide, mask if mask.dtype == WIDE else topi.cast(mask, WIDE)), axis)
+        return total if x.dtype == WIDE else topi.cast(total, x.dtype)
+    return compute
 
 
 def _log_softmax_in_fp32(axis: int):
@@ -136,7 +145,9 @@ class _FastMathRewriter(relax.PyExprMutator):
 
     def __init__(self, mod: tvm.IRModule, func: str):
         super().__init__(mod)
-        self.rounded = rounded_values(get_function(mod, func))
+        function = get_function(mod, func)
+        self.rounded = rounded_values(function)
+        self.reads, self.values = read_counts(function), relax.analysis.get_var2val(function)
         self.bound: relax.Var | None = None
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -155,6 +166,9 @@ class _FastMathRewriter(relax.PyExprMutator):
         if dtype not in MODEL_FLOAT_DTYPES:
             return new_call
         narrow = dtype in LOW_FLOAT_DTYPES or self.bound in self.rounded
+        masked = self._masked_softmax(call, new_call, narrow) if name == "relax.nn.softmax" else None
+        if masked is not None:
+            return masked
         if name == "relax.nn.softmax" and narrow:  # TVM's FastMathTransform takes the others
             return self.builder_.call_te(_narrow_softmax_in_fp32(int(new_call.attrs.axis)), new_call.args[0],
                                          primfunc_name_hint="fast_softmax")
@@ -168,6 +182,24 @@ class _FastMathRewriter(relax.PyExprMutator):
             wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))
             return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
         return new_call
+
+    def _masked_softmax(self, call: relax.Call, new_call: relax.Call, narrow: bool) -> "relax.Expr | None":
+        """softmax(x + mask) with a mask that broadcasts over x (attention's padding or causal mask, a position
+        bias shared by the heads), added by nothing else, as one TE function: the sum was a pass of its own over the
+        scores (BERT at 512 tokens: 0.33 ms a layer, 3% of a bf16 run); else None."""
+        scores = call.args[0]
+        if call_op_name(self.values.get(scores)) != "relax.add" or self.reads.get(scores) != 1:
+            return None
+        added = self.lookup_binding(new_call.args[0])
+        if call_op_name(added) != "relax.add":
+            return None
+        wide, mask = sorted(added.args, key=lambda arg: tensor_shape(arg) != tensor_shape(added))
+        if tensor_shape(wide) != tensor_shape(added) or tensor_shape(mask) == tensor_shape(added) or (
+                tensor_dtype(wide) != tensor_dtype(mask)):
+            return None
+        softmax = formula.narrow_softmax if narrow else topi.nn.fast_softmax
+        return self.builder_.call_te(_masked_softmax_in_fp32(int(new_call.attrs.axis), softmax), wide, mask,
+                                     primfunc_name_hint="fast_softmax")
 
     def _small_power(self, call: relax.Call) -> relax.Expr:
         """A power by a constant multiple of 1/4 up to 4 as multiplies and square roots (formula.root_power): LLVM
