@@ -13,6 +13,7 @@ from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor
+from pass_checks import assert_transforms
 
 TOLERANCE = 1e-6  # relative to the output's largest value: fp32 exps and sums over the same values
 
@@ -42,10 +43,8 @@ def _rows_buffered_on_stack(x: T.Buffer((4, 256), "float32"), out: T.Buffer((4, 
 
 
 def test_a_row_buffer_of_1_kb_stays_on_the_stack_and_one_of_128_kb_does_not():
-    before = tvm.IRModule({"main": _rows_buffered})
-    after = stack.StackBuffers(before)
-    tvm.ir.assert_structural_equal(after["main"], _rows_buffered_on_stack)
-    tvm.ir.assert_structural_equal(before["main"], _rows_buffered)  # the input module is left as it was
+    assert_transforms(stack.StackBuffers, tvm.IRModule({"main": _rows_buffered}),
+                      tvm.IRModule({"main": _rows_buffered_on_stack}))
 
 
 def test_stack_bytes_counts_flat_constant_cpu_buffers_only():
