@@ -193,7 +193,8 @@ class _FastMathRewriter(relax.PyExprMutator):
         added = self.lookup_binding(new_call.args[0])
         if call_op_name(added) != "relax.add":
             return None
-        wide, mask = sorted(added.args, key=lambda arg: tensor_shape(arg) != tensor_shape(added))
+        first, second = added.args
+        wide, mask = (first, second) if tensor_shape(first) == tensor_shape(added) else (second, first)
         if tensor_shape(wide) != tensor_shape(added) or tensor_shape(mask) == tensor_shape(added) or (
                 tensor_dtype(wide) != tensor_dtype(mask)):
             return None

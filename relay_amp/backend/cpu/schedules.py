@@ -857,9 +857,9 @@ def _inline_elementwise_steps(sch: s_tir.Schedule, infos: list) -> list:
     block, which then computes them in registers instead of storing each in a row buffer and loading it back
     (DINOv2's guarded softmax over rows of 1376: 2.3 -> 1.4 ms, with relay_amp.backend.cpu.nan_tests). A block a
     reduction reads (the exps that the sum adds up) keeps its buffer: each reader would compute it again."""
-    reduced = {sch.get(info.block_rv).name_hint for info in infos if not info.is_injective()}
-    steps = [info.block_rv for info in infos[:-1] if info.is_injective()
-             and not reduced & {sch.get(reader).name_hint for reader in sch.get_consumers(info.block_rv)}]
+    reductions = [sch.get(info.block_rv) for info in infos if not info.is_injective()]
+    steps = [info.block_rv for info in infos[:-1] if info.is_injective() and not any(
+        sch.get(reader).same_as(reduction) for reader in sch.get_consumers(info.block_rv) for reduction in reductions)]
     inlined = [block for block in steps if try_primitive(sch.compute_inline, block)]
     return normalize_prim_func(sch) if inlined else infos
 
