@@ -65,11 +65,7 @@ def _narrow_softmax_in_fp32(axis: int):
 
 def _masked_softmax_in_fp32(axis: int, softmax):
     """A TE function computing `softmax`(x + mask, axis) in fp32 (the mask broadcast over x), returning x's dtype."""
-    def compute(x: te.Tensor, mask: te.Tensor) -> te.Tensor:
-        wide = x if x.dtype == WIDE else topi.cast(x, WIDE)
-        total = softmax(topi.add(wide, mask if mask.dtype == WIDE else topi.cast(mask, WIDE)), axis)
-        return total if x.dtype == WIDE else topi.cast(total, x.dtype)
-    return compute
+    return _widened(lambda wide, mask: softmax(topi.add(wide, mask), axis))
 
 
 def _log_softmax_in_fp32(axis: int):
@@ -84,11 +80,12 @@ def _log_softmax_in_fp32(axis: int):
 
 
 def _widened(compute_wide):
-    """A TE function applying `compute_wide` to its input cast to fp32, its result cast back to the input's dtype."""
-    def compute(x: te.Tensor) -> te.Tensor:
-        if x.dtype == WIDE:
-            return compute_wide(x)
-        return topi.cast(compute_wide(topi.cast(x, WIDE)), x.dtype)
+    """A TE function applying `compute_wide` to its inputs cast to fp32, its result cast back to the first input's
+    dtype."""
+    def compute(x: te.Tensor, *others: te.Tensor) -> te.Tensor:
+        wide = [tensor if tensor.dtype == WIDE else topi.cast(tensor, WIDE) for tensor in (x, *others)]
+        result = compute_wide(*wide)
+        return result if x.dtype == WIDE else topi.cast(result, x.dtype)
     return compute
 
 

@@ -39,6 +39,11 @@ def _row_extra(call: relax.Call) -> int:
     return -shape[-1] % ACCUMULATOR_LANES if shape[-1] > ACCUMULATOR_LANES else 0
 
 
+def _leading_columns(rows: relax.Expr, columns: int) -> relax.Expr:
+    """The slice of `rows`' first `columns` along the last axis: the padded columns off."""
+    return relax.op.strided_slice(rows, axes=[len(tensor_shape(rows)) - 1], begin=[0], end=[columns])
+
+
 @relax.expr_functor.mutator
 class _RowPadder(relax.PyExprMutator):
     """Rewrites softmax(x) over rows off whole vectors into softmax(pad(x, lowest))[..., :n], and matmuls of such
@@ -64,7 +69,7 @@ class _RowPadder(relax.PyExprMutator):
         rows = self.builder_.emit(relax.Call(new_call.op, [padded], new_call.attrs))
         if new_call.op.name == "relax.nn.softmax":  # log-softmax's padded columns are not zeros
             self.padded_rows.add(rows)
-        return relax.op.strided_slice(rows, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
+        return _leading_columns(rows, shape[-1])
 
     def _guard_of_padded_rows(self, call: relax.Call) -> relax.Expr:
         """`call`, a NaN guard of a padded softmax's slice (where(isnan(p), 0, p): attention as exporters spell
@@ -77,8 +82,7 @@ class _RowPadder(relax.PyExprMutator):
             return call  # a zero: a fully masked row is NaN unpadded, 0 padded, and the guard makes both 0
         guarded = self.builder_.emit(relax.op.where(relax.op.isnan(rows), constant, rows))
         self.padded_rows.add(guarded)
-        shape = tensor_shape(value)
-        return relax.op.strided_slice(guarded, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
+        return _leading_columns(guarded, tensor_shape(value)[-1])
 
     def _matmul_of_padded_rows(self, call: relax.Call) -> relax.Expr:
         """`call` (a matmul) on the padded softmax rows its first operand slices, through a cast or not, with as
