@@ -6,10 +6,12 @@ import warnings
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 
 from .errors import TargetError
 
 FORCE_BF16_ENV = "RELAY_AMP_FORCE_BF16"
+CPU_MODEL_ENV = "RELAY_AMP_CPU_MODEL"  # the core the CPU presets build for; unset: the host's; empty: none named
 BF16_CPU = "cooperlake"  # the first x86 CPU with avx512_bf16 and avx512_vnni; Zen 4 and Sapphire Rapids extend it
 AMX_CPU = "sapphirerapids"  # the first with AMX tiles (bf16 and int8) and avx512_fp16
 # Linux's arch_prctl request for AMX tile state, which a process needs before its first tile instruction
@@ -36,17 +38,33 @@ def _core_of(cpu: int) -> tuple[str, str]:
         return "cpu", str(cpu)
 
 
-def _cpu() -> tvm.target.Target:
+def host_model() -> str:
+    """The core the CPU presets' targets name as their `model`, for the backend's choices their instruction set
+    alone does not settle (relay_amp.backend.cpu.cores): RELAY_AMP_CPU_MODEL where it is set (empty: none), else
+    the host's core as LLVM names it (emeraldrapids, znver5)."""
+    return os.environ.get(CPU_MODEL_ENV, tvm.target.codegen.llvm_get_system_cpu())
+
+
+def _llvm(mcpu: str, mattr: "list[str] | None" = None) -> tvm.target.Target:
+    """An llvm target of `mcpu`'s instructions (less those `mattr` turns off), for the host's cores (`host_model`)
+    and threads."""
+    attrs = {"kind": "llvm", "mcpu": mcpu, "num-cores": host_cores(), **({"mattr": mattr} if mattr else {})}
+    if host_model():
+        attrs["model"] = host_model()
+    return tvm.target.Target(attrs)
+
+
+def _host_cpu() -> tvm.target.Target:
+    """The host's own core, less the features its name claims that this host cannot run: AMX tiles that a
+    hypervisor hides or Linux does not grant (an Emerald Rapids VM without them died of SIGILL in AMX kernels)."""
     mcpu = tvm.target.codegen.llvm_get_system_cpu()
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": host_cores()})
-
-
-def _cpu_bf16() -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mcpu": BF16_CPU, "num-cores": host_cores()})
-
-
-def _cpu_amx() -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mcpu": AMX_CPU, "num-cores": host_cores()})
+    named = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    usable = {name: bool(on) for name, on in tvm_ffi.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()}
+    if not host_runs_amx():
+        usable.update(dict.fromkeys((name for name in usable if name.startswith("amx-")), False))
+    missing = [name for name, on in usable.items()
+               if not on and tvm.target.codegen.target_has_features(name, named)]
+    return _llvm(mcpu, [f"-{name}" for name in sorted(missing)])
 
 
 def _cuda(arch: str) -> tvm.target.Target:
@@ -55,9 +73,9 @@ def _cuda(arch: str) -> tvm.target.Target:
 
 
 PRESETS = {
-    "cpu": _cpu,
-    "cpu-avx512-bf16": _cpu_bf16,
-    "cpu-amx": _cpu_amx,
+    "cpu": _host_cpu,
+    "cpu-avx512-bf16": lambda: _llvm(BF16_CPU),
+    "cpu-amx": lambda: _llvm(AMX_CPU),
     "cuda-tensorcore": lambda: _cuda("sm_80"),
     "cuda-tensorcore-sm90": lambda: _cuda("sm_90"),
 }

@@ -1,11 +1,14 @@
-"""Test configuration: make sibling test modules importable (shared model builders and checks), and keep PyTorch
-off AMX where its AMX kernels die (before any test runs a torch op)."""
+"""Test configuration: make sibling test modules importable (shared model builders and checks), build the CPU
+presets for no core in particular (the same kernels on every host; tests of per-core choices name a core), and keep
+PyTorch off AMX where its AMX kernels die (before any test runs a torch op)."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ["RELAY_AMP_CPU_MODEL"] = ""  # relay_amp.targets.CPU_MODEL_ENV, set before any test module makes a target
 
 
 def pytest_configure(config):

@@ -57,3 +57,28 @@ def test_host_preset_follows_cpu_features(monkeypatch):
 def test_a_host_without_amx_tiles_runs_no_amx(monkeypatch):
     monkeypatch.setattr(targets, "host_supports", lambda feature: feature != "amx_tile")
     assert targets.host_runs_amx.__wrapped__() is False
+
+
+def test_cpu_presets_name_the_host_core_as_their_model_unless_told_otherwise(monkeypatch):
+    """The presets' targets carry the host's core (LLVM's name) for the backend's per-core choices;
+    RELAY_AMP_CPU_MODEL names another, and empty names none (the test suite's setting)."""
+    monkeypatch.delenv(targets.CPU_MODEL_ENV, raising=False)
+    host = tvm.target.codegen.llvm_get_system_cpu()
+    assert targets.host_model() == host
+    assert str(targets.get_target("cpu-avx512-bf16").attrs["model"]) == host
+    assert str(targets.get_target("cpu-avx512-bf16").attrs["mcpu"]) == targets.BF16_CPU
+    monkeypatch.setenv(targets.CPU_MODEL_ENV, "znver5")
+    assert str(targets.get_target("cpu").attrs["model"]) == "znver5"
+    monkeypatch.setenv(targets.CPU_MODEL_ENV, "")
+    assert "model" not in targets.get_target("cpu-amx").attrs
+
+
+def test_the_cpu_preset_turns_off_the_features_its_core_names_that_the_host_cannot_run(monkeypatch):
+    """A host whose core has AMX tiles that Linux does not grant (or a hypervisor hides) gets a `cpu` target
+    without them, so no AMX kernel is built for it."""
+    monkeypatch.setattr(targets.tvm.target.codegen, "llvm_get_system_cpu", lambda: "sapphirerapids")
+    monkeypatch.setattr(targets, "host_runs_amx", lambda: False)
+    target = targets.get_target("cpu")
+    assert str(target.attrs["mcpu"]) == "sapphirerapids"
+    assert not tvm.target.codegen.target_has_features("amx-tile", target)
+    assert tvm.target.codegen.target_has_features("avx512f", target) == targets.host_supports("avx512f")

@@ -68,7 +68,7 @@ def _symbolic_input_dims(mod: tvm.IRModule) -> list[str]:
 def _require_records(count: int, tune_logs) -> None:
     if count == 0:
         raise TuningError(f"tuning log {tune_logs} has no record for any operator of this module "
-                          "(tuned for another model, dtype or target?)")
+                          "(tuned for another model, dtype, target or core?)")
 
 
 def cuda_source(executable: relax.VMExecutable) -> str:

@@ -38,7 +38,7 @@ from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
-from . import amx, kernels
+from . import amx, cores, kernels
 
 FEW_ROWS = 8  # a runtime matmul of this many rows or fewer packs no cache (_Dispatcher._few_rows)
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -51,6 +51,13 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     has = tvm.target.codegen.target_has_features
     return frozenset(dtype for dtype in DATA_DTYPES
                      if has(kernels.target_intrinsic(dtype, target).llvm_feature, target))
+
+
+def kernel_dtypes(target: tvm.target.Target) -> frozenset[str]:
+    """The data dtypes the kernels compute in for `target`: those whose dot-product instruction it has, less those
+    slower than fp32's FMA on its core (relay_amp.backend.cpu.cores) where AMX tiles do not take them, whose
+    contractions WidenContractions then computes on the fp32 kernels."""
+    return target_dtypes(target) - (cores.slow_dtypes(target) - amx.target_dtypes(target))
 
 
 def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:

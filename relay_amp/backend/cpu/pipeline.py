@@ -18,7 +18,7 @@ from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
 from .conv1d import Conv1dAsConv2d
 from .conv3d import Conv3dAsConv2d
-from .dispatch import UseDotKernels, target_dtypes
+from .dispatch import UseDotKernels, kernel_dtypes
 from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
@@ -56,18 +56,18 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     (relay_amp.backend.cpu.sampling), matmuls' operand scales moved to their products
     (relay_amp.backend.cpu.operand_scales), bf16 chains widened, runs of scales, biases and clamps folded
     (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
-    fp32 has kernels (AVX2), dot-product kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to
-    the kernels first; activations before fast math splits them), identical bindings computed once again (dispatch
-    pads a tensor once per kernel that reads it; merged earlier, two casts of one output would join an epilogue and
-    store it wide), norms and softmaxes reading a kernel's output in place, widened or through a slice's window
-    (relay_amp.backend.cpu.widen), fast math (unless turned off) and packed int4 kernels, then legalization and
-    fusion.
+    fp32 has kernels (AVX2) or fp32's are faster (the target's core: relay_amp.backend.cpu.cores), dot-product
+    kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations
+    before fast math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel
+    that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), norms and
+    softmaxes reading a kernel's output in place, widened or through a slice's window (relay_amp.backend.cpu.widen),
+    fast math (unless turned off) and packed int4 kernels, then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
     tensorized; MetaSchedule tunes their tiles through their own rule.
     """
-    dtypes = target_dtypes(target)
+    dtypes = kernel_dtypes(target)
     return tvm.transform.Sequential([
         DenseWeights(),
         *deduplication_passes(),

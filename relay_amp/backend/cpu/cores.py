@@ -1,0 +1,22 @@
+"""What the CPU backend knows of cores past their instruction set: the dtypes whose dot-product instruction computes
+fewer products a cycle than fp32's FMA on the core a target names (its `model`, which relay_amp's presets set to
+the host's: relay_amp.targets.host_model)."""
+
+import tvm
+
+# Intel's Xeon cores from Sapphire Rapids on issue vdpbf16ps once every two cycles: on Emerald Rapids, 0.45 a cycle
+# against vfmadd231ps's 1.7 (16 independent accumulators), so its 32 bf16 products cost what 32 fp32 FMAs cost
+# twice over (their bf16 speed is in AMX tiles). Zen 4 and Zen 5 issue it as often as an FMA.
+SLOW_DOTS = dict.fromkeys(("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"),
+                          frozenset({"bfloat16"}))
+
+
+def target_core(target: tvm.target.Target) -> str:
+    """The core `target` builds for, as LLVM names it: its `model`, else its `mcpu` ("" where it names none)."""
+    return str(target.attrs.get("model", "") or target.attrs.get("mcpu", ""))
+
+
+def slow_dtypes(target: tvm.target.Target) -> frozenset[str]:
+    """The data dtypes whose dot-product instruction computes fewer products a cycle than fp32's FMA on the core
+    `target` builds for."""
+    return SLOW_DOTS.get(target_core(target), frozenset())
