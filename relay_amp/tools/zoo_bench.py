@@ -26,7 +26,8 @@ from ..errors import OptionError
 from ..passes.quantize import realize_qdq
 from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
-from ..targets import host_cores
+from ..backend.cpu.cores import target_core
+from ..targets import get_target, host_cores
 from . import zoo
 from .bench import BASELINE, QUANTIZED, max_relative_error, relay_runner, variant
 from .metrics import cosine_similarity, top1_agreement
@@ -215,7 +216,8 @@ def bar_chart(results: Sequence[ZooResult], path: Path) -> None:
 def bench_zoo(names: Sequence[str], dtypes: Sequence[str] = ("bfloat16",), target: str = "cpu",
               results_dir: "str | Path | None" = None, progress: Callable[[ZooResult], None] | None = None,
               **options) -> list[ZooResult]:
-    """Benchmark zoo models; with `results_dir`, write zoo.json, zoo.md and zoo.png there."""
+    """Benchmark zoo models; with `results_dir`, write zoo.json (with the target and the core it names), zoo.md and
+    zoo.png there."""
     results = []
     for name in names:
         results.append(bench_model(zoo.entry(name).name, dtypes, target, **options))
@@ -223,7 +225,8 @@ def bench_zoo(names: Sequence[str], dtypes: Sequence[str] = ("bfloat16",), targe
             progress(results[-1])
     if results_dir is not None:
         out = Path(results_dir)
-        context = {"target": target, "threads": host_cores(), "dtypes": list(dtypes), **options}
+        context = {"target": target, "core": target_core(get_target(target)), "threads": host_cores(),
+                   "dtypes": list(dtypes), **options}
         atomic_write_text(out / "zoo.json", json.dumps({**context, "models": [asdict(r) for r in results]}, indent=1))
         atomic_write_text(out / "zoo.md", markdown_table(results) + "\n")
         bar_chart(results, out / "zoo.png")

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("torch")
 zoo_bench = pytest.importorskip("relay_amp.tools.zoo_bench")
 
+from relay_amp import targets  # noqa: E402
 from relay_amp.tools.cli import main  # noqa: E402
 from relay_amp.tools.profile import ProfileRow  # noqa: E402
 
@@ -25,6 +26,7 @@ def test_bench_zoo_writes_json_markdown_and_chart(tmp_path):
     assert results[0].error["relay_amp fp32"] < 1e-4  # the same weights in every runtime
     saved = json.loads((tmp_path / "zoo.json").read_text())
     assert saved["models"][0]["model"] == "distilbert" and saved["dtypes"] == ["bfloat16"]
+    assert saved["core"] == str(targets.get_target("cpu").attrs["mcpu"])  # the suite names no model: the cpu's own
     assert "| distilbert |" in (tmp_path / "zoo.md").read_text()
     assert (tmp_path / "zoo.png").read_bytes()[:4] == b"\x89PNG"
 
