@@ -48,10 +48,9 @@ def host_model() -> str:
 def _llvm(mcpu: str, mattr: "list[str] | None" = None) -> tvm.target.Target:
     """An llvm target of `mcpu`'s instructions (less those `mattr` turns off), for the host's cores (`host_model`)
     and threads."""
-    attrs = {"kind": "llvm", "mcpu": mcpu, "num-cores": host_cores(), **({"mattr": mattr} if mattr else {})}
-    if host_model():
-        attrs["model"] = host_model()
-    return tvm.target.Target(attrs)
+    model = host_model()
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": host_cores(),
+                              **({"mattr": mattr} if mattr else {}), **({"model": model} if model else {})})
 
 
 def _host_cpu() -> tvm.target.Target:

@@ -4,9 +4,9 @@ the host's: relay_amp.targets.host_model)."""
 
 import tvm
 
-# Intel's Xeon cores from Sapphire Rapids on issue vdpbf16ps once every two cycles: on Emerald Rapids, 0.45 a cycle
-# against vfmadd231ps's 1.7 (16 independent accumulators), so its 32 bf16 products cost what 32 fp32 FMAs cost
-# twice over (their bf16 speed is in AMX tiles). Zen 4 and Zen 5 issue it as often as an FMA.
+# Intel's Xeon cores from Sapphire Rapids on issue vdpbf16ps once every two cycles: on Emerald Rapids one every 2.08
+# against a vfmadd231ps every 0.55 (zmm, 16 independent accumulators), 15 bf16 products a cycle against 29 fp32
+# ones (their bf16 speed is in AMX tiles). Zen 4 and Zen 5 issue it as often as an FMA.
 SLOW_DOTS = dict.fromkeys(("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"),
                           frozenset({"bfloat16"}))
 
