@@ -4,10 +4,10 @@ the host's: relay_amp.targets.host_model)."""
 
 import tvm
 
-# Intel's Xeon cores from Sapphire Rapids on issue vdpbf16ps once every two cycles: on Emerald Rapids one every 2.08
+# Intel's Xeon cores of Sapphire Rapids' design issue vdpbf16ps once every two cycles: on Emerald Rapids one every 2.08
 # against a vfmadd231ps every 0.55 (zmm, 16 independent accumulators), 15 bf16 products a cycle against 29 fp32
 # ones (their bf16 speed is in AMX tiles). Zen 4 and Zen 5 issue it as often as an FMA.
-SLOW_DOTS = dict.fromkeys(("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids"),
+SLOW_DOTS = dict.fromkeys(("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d"),
                           frozenset({"bfloat16"}))
 
 
