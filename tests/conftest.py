@@ -7,8 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+from relay_amp.targets import CPU_MODEL_ENV
+
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ["RELAY_AMP_CPU_MODEL"] = ""  # relay_amp.targets.CPU_MODEL_ENV, set before any test module makes a target
+os.environ[CPU_MODEL_ENV] = ""  # set before any test module makes a target
 
 
 def pytest_configure(config):

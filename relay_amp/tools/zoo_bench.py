@@ -21,12 +21,12 @@ from tabulate import tabulate
 from tvm import relax
 
 from .. import frontend
+from ..backend.cpu.cores import target_core
 from ..compile.build import build
 from ..errors import OptionError
 from ..passes.quantize import realize_qdq
 from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
-from ..backend.cpu.cores import target_core
 from ..targets import get_target, host_cores
 from . import zoo
 from .bench import BASELINE, QUANTIZED, max_relative_error, relay_runner, variant
