@@ -9,7 +9,7 @@ from tvm import relax
 
 import relay_amp
 from relay_amp.backend.cpu import kernels
-from relay_amp.backend.cpu.affine import FLOOR, FoldAffineClamps, folded
+from relay_amp.backend.cpu.affine import FLOOR, FoldAffineClamps, folded, truncated
 
 from builders import tensor
 from pass_checks import assert_transforms
@@ -109,6 +109,22 @@ def test_a_clamp_moves_after_a_floor_as_its_floored_bounds():
     assert kinds(steps) == [kernels.MAP, kernels.CLIP] and (steps[1].low, steps[1].high) == (0.0, 6.0)
 
 
+def test_a_floor_clamped_to_whole_unsigned_bounds_is_left_to_the_casts_truncation():
+    assert kinds(truncated([mapped(FLOOR)[0], clip(0.0, 255.0)[0]])) == [kernels.CLIP]
+    steps, _ = fold(scale(2.0), bias(0.5), *codes())
+    assert kinds(truncated(steps)) == [kernels.SCALE, kernels.BIAS, kernels.CLIP]
+
+
+@pytest.mark.parametrize("ending", [[mapped(FLOOR), clip(-128.0, 127.0)], [mapped(FLOOR), clip(0.0, 6.5)],
+                                    [mapped(FLOOR), clip(0.0)], [mapped(FLOOR)], [clip(0.0, 255.0)],
+                                    [mapped(FLOOR), clip(0.0, 255.0), scale(2.0)]])
+def test_a_floor_stays_where_truncation_would_round_another_way_or_there_is_none(ending):
+    """Negative codes (int8) truncate towards zero, a bound between integers or none lets values between integers
+    through, and a step after the clamp computes on the floored values."""
+    steps = [step for step, _ in ending]
+    assert truncated(steps) == steps
+
+
 CHAINS = {
     "relu6 requantize": [scale(RNG.uniform(0.01, 0.1, CHANNELS)), bias(RNG.normal(size=CHANNELS)), clip(0.0),
                          clip(high=6.0), scale(42.5), bias(0.5), *codes()],
@@ -137,17 +153,18 @@ WEIGHT_SCALES = RNG.uniform(0.01, 0.1, CHANNELS).astype("float32")
 LAYER_BIAS = RNG.normal(size=(1, 1, 1, CHANNELS)).astype("float32")
 
 
-def _requantize_after_relu6(x: relax.Expr, bb: relax.BlockBuilder) -> relax.Expr:
-    """A dequantize, the layer's bias and ReLU6, then the next layer's uint8 codes, one binding each."""
+def _requantize_after_relu6(x: relax.Expr, bb: relax.BlockBuilder, codes: str = "uint8", low: float = 0.0,
+                            high: float = 255.0) -> relax.Expr:
+    """A dequantize, the layer's bias and ReLU6, then the next layer's `codes` (uint8), one binding each."""
     ops = [lambda v: relax.op.multiply(v, relax.const(WEIGHT_SCALES)),
            lambda v: relax.op.add(v, relax.const(LAYER_BIAS)),
            lambda v: relax.op.maximum(v, relax.const(0.0)), lambda v: relax.op.minimum(v, relax.const(6.0)),
            lambda v: relax.op.multiply(v, relax.const(42.5)), lambda v: relax.op.add(v, relax.const(0.5)),
            relax.op.floor,
-           lambda v: relax.op.maximum(v, relax.const(0.0)), lambda v: relax.op.minimum(v, relax.const(255.0))]
+           lambda v: relax.op.maximum(v, relax.const(low)), lambda v: relax.op.minimum(v, relax.const(high))]
     for op in ops:
         x = bb.emit(op(x))
-    return relax.op.astype(x, "uint8")
+    return relax.op.astype(x, codes)
 
 
 def _module(body) -> tvm.IRModule:
@@ -160,17 +177,32 @@ def _module(body) -> tvm.IRModule:
     return bb.get()
 
 
-def _folded_requantize(x: relax.Expr, bb: relax.BlockBuilder) -> relax.Expr:
+def _folded_requantize(x: relax.Expr, bb: relax.BlockBuilder, floor: bool = False, codes: str = "uint8",
+                       low: float = 0.0, high: float = 255.0) -> relax.Expr:
     scale = (WEIGHT_SCALES.astype("float64") * 42.5).astype("float32").reshape(1, 1, 1, -1)
     bias = (LAYER_BIAS.astype("float64") * 42.5 + 0.5).astype("float32")
-    x = bb.emit(relax.op.multiply(x, relax.const(scale)))
-    x = bb.emit(relax.op.floor(bb.emit(relax.op.add(x, relax.const(bias)))))
-    x = bb.emit(relax.op.minimum(bb.emit(relax.op.maximum(x, relax.const(0.0))), relax.const(255.0)))
-    return relax.op.astype(x, "uint8")
+    x = bb.emit(relax.op.add(bb.emit(relax.op.multiply(x, relax.const(scale))), relax.const(bias)))
+    x = bb.emit(relax.op.floor(x)) if floor else x
+    x = bb.emit(relax.op.minimum(bb.emit(relax.op.maximum(x, relax.const(low))), relax.const(high)))
+    return relax.op.astype(x, codes)
 
 
-def test_fold_affine_clamps_makes_a_requantize_after_relu6_one_multiply_add_floor_and_clamp():
+def test_fold_affine_clamps_makes_a_requantize_after_relu6_one_multiply_add_and_clamp_whose_cast_floors():
     assert_transforms(FoldAffineClamps(), _module(_requantize_after_relu6), _module(_folded_requantize))
+
+
+def test_a_requantize_to_floats_keeps_its_floor():
+    before = _module(lambda x, bb: _requantize_after_relu6(x, bb, codes="float32"))
+    expected = _module(lambda x, bb: _folded_requantize(x, bb, floor=True, codes="float32"))
+    assert_transforms(FoldAffineClamps(), before, expected)
+
+
+def test_a_requantize_to_signed_codes_keeps_its_floor():
+    """Without a ReLU before it the clamp's lower bound is negative, where truncation rounds up."""
+    def signed_codes(x, bb):
+        return _folded_requantize(bb.emit(relax.op.divide(x, relax.const(42.5))), bb, floor=True, codes="int8",
+                                  low=-128.0, high=127.0)
+    assert_transforms(FoldAffineClamps(), _module(signed_codes), _module(signed_codes))
 
 
 def test_folded_codes_match_the_unfolded_ones_on_the_vm():
@@ -180,6 +212,16 @@ def test_folded_codes_match_the_unfolded_ones_on_the_vm():
     actual = relay_amp.run(FoldAffineClamps()(before), data)[0].astype("int32")
     assert np.abs(actual - expected).max() <= 1 and (actual == expected).mean() > 0.95
     assert len(np.unique(expected)) > 3
+
+
+def test_the_casts_truncation_gives_the_floors_codes_exactly_on_the_vm():
+    """Values on and between integers, and past both bounds: the floor's codes, not one off."""
+    grid = np.arange(-40.0, 300.0, 0.25, dtype="float32")
+    with_floor = _module(lambda x, bb: _folded_requantize(x, bb, floor=True))
+    for values in (grid[:72], grid[500:572], grid[-72:]):
+        values = values.reshape(NHWC)
+        np.testing.assert_array_equal(relay_amp.run(_module(_folded_requantize), [values])[0],
+                                      relay_amp.run(with_floor, [values])[0])
 
 
 def test_runs_that_would_not_shrink_or_whose_value_is_read_twice_are_left_alone():

@@ -355,11 +355,11 @@ def _relu6(v: relax.Expr, r: relax.Expr) -> list:
 
 def test_a_requantize_after_relu6_folded_first_is_a_multiply_add_before_the_codes():
     """bias, ReLU6, x 0.25, + 0.5, floor, clamp, folded (relay_amp.backend.cpu.affine): the clamp to [0, 6] moves
-    after the multiply-add and the floor, as [0, 2], within the codes' own: the epilogue's MAP clamps to it."""
+    after the multiply-add and the floor, as [0, 2], within the codes' own, and the uint8 cast's truncation is the
+    floor there: the epilogue's MAP clamps."""
     before = _dispatched(_chain_module(*_relu6(None, None), *_requantize(None, None)))
     steps = (kernels.Step(kernels.SCALE), kernels.Step(kernels.BIAS),
-             kernels.Step(kernels.MAP, formula=("minimum", ("maximum", ("floor", ("x",)), ("const", 0.0)),
-                                                ("const", 2.0))))
+             kernels.Step(kernels.MAP, formula=("minimum", ("maximum", ("x",), ("const", 0.0)), ("const", 2.0))))
     expected = _expected(kernels.Epilogue(steps, "", "uint8"),
                          [lambda r: relax.const(np.full(64, 0.25, F32)), lambda r: relax.const(BIAS * 0.25 + 0.5)])
     assert_transforms(lambda mod: FuseKernelEpilogues()(FoldAffineClamps()(mod)), before, expected)
