@@ -13,7 +13,8 @@ twice may end a fused function and be stored: it reaches its readers rounded to 
 in fp32 that was bf16 before.
 
 A grouped (depthwise) convolution of bf16 operands gets an fp32 weight: TVM would widen the constant weight at every
-tap of every tile, on the ports the FMAs need. Its data stays bf16, read as it is stored. (A grouped conv whose
+tap of every tile, on the ports the FMAs need. Its data stays bf16, read as it is stored. So does quantize's
+depthwise conv of uint8 or int8 codes (relay_amp.passes.quantize.realize), whose weight codes AMP's fallback made bf16. (A grouped conv whose
 groups tile the kernels' 16 lanes is dispatched to a bf16 kernel after all, which reads the exact fp32 weight back
 as bf16: relay_amp.backend.cpu.dispatch.)
 
@@ -46,6 +47,7 @@ from .fastmath import rounded_values
 
 NARROW = "bfloat16"
 WIDE = "float32"
+CODE_DTYPES = ("uint8", "int8")  # a quantized depthwise conv's data: codes it multiplies by its weight codes in fp32
 ARITHMETIC = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs", "sqrt", "rsqrt",
     "exp", "log", "erf", "tanh", "sigmoid", "clip", "where", "square", "nn.relu", "nn.gelu", "nn.gelu_tanh",
@@ -57,10 +59,13 @@ LAYOUT = frozenset(f"relax.{name}" for name in (
 
 
 def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
-    """Whether `call` is a grouped convolution of bf16 operands that accumulates in fp32."""
+    """Whether `call` is a grouped convolution of a bf16 weight that accumulates in fp32, over bf16 data or int8
+    codes (quantize's depthwise convs)."""
     if call_op_name(call) not in GROUPED_CONVS or int(call.attrs.groups) == 1:
         return False
-    return str(call.attrs.out_dtype) == WIDE and all(tensor_dtype(arg) == NARROW for arg in call.args)
+    data, weight = call.args
+    return (str(call.attrs.out_dtype) == WIDE and tensor_dtype(weight) == NARROW
+            and tensor_dtype(data) in (NARROW, *CODE_DTYPES))
 
 
 def _is_integer_cast_of_chain(call: relax.Expr, flows: set) -> bool:

@@ -17,6 +17,7 @@ from relay_amp.transform import WidenContractions
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
 
+from builders import single_output_module, tensor
 from pass_checks import assert_transforms
 
 
@@ -263,36 +264,25 @@ def test_graph_output_is_rounded_once_and_matches_fp32():
     assert np.abs(got - expected).max() <= 2 ** -8 * np.abs(expected).max()  # one bf16 rounding of the result
 
 
-def test_a_grouped_conv_reads_a_widened_weight_and_its_data_in_bf16():
-    weight = np.random.default_rng(1).standard_normal((3, 3, 1, 16)).astype(ml_dtypes.bfloat16)
+def _depthwise_conv(data_dtype: str, weight: np.ndarray) -> tvm.IRModule:
+    """A 3x3 depthwise conv over a 6x6x16 NHWC input of `data_dtype`, summing in fp32."""
+    return single_output_module(lambda x: relax.op.nn.conv2d(
+        x, relax.const(weight), padding=1, groups=16, data_layout="NHWC", kernel_layout="HWIO",
+        out_dtype="float32"), tensor("x", (1, 6, 6, 16), data_dtype))
 
-    @I.ir_module
-    class Before:
-        @R.function
-        def main(x: R.Tensor((1, 6, 6, 16), "bfloat16")) -> R.Tensor((1, 6, 6, 16), "float32"):
-            with R.dataflow():
-                out = R.nn.conv2d(x, R.const(weight, "bfloat16"), padding=1, groups=16, data_layout="NHWC",
-                                  kernel_layout="HWIO", out_dtype="float32")
-                R.output(out)
-            return out
 
-    @I.ir_module
-    class Expected:
-        @R.function
-        def main(x: R.Tensor((1, 6, 6, 16), "bfloat16")) -> R.Tensor((1, 6, 6, 16), "float32"):
-            with R.dataflow():
-                out = R.nn.conv2d(x, R.const(weight.astype("float32"), "float32"), padding=1, groups=16,
-                                  data_layout="NHWC", kernel_layout="HWIO", out_dtype="float32")
-                R.output(out)
-            return out
-
-    assert_transforms(WidenArithmetic(), Before, Expected)
-    x = np.random.default_rng(0).standard_normal((1, 6, 6, 16)).astype(ml_dtypes.bfloat16)
-    got = run_executable(build(Before, "cpu"), [x])[0]
+@pytest.mark.parametrize("data_dtype", ["bfloat16", "uint8"])
+def test_a_grouped_conv_reads_a_widened_weight_and_its_data_as_stored(data_dtype):
+    """bf16 data, or a quantized depthwise conv's uint8 codes (its weight codes made bf16 by AMP's fallback)."""
+    weight = np.random.default_rng(1).integers(-127, 128, (3, 3, 1, 16)).astype(ml_dtypes.bfloat16)
+    before = _depthwise_conv(data_dtype, weight)
+    assert_transforms(WidenArithmetic(), before, _depthwise_conv(data_dtype, weight.astype("float32")))
+    x = np.random.default_rng(0).integers(0, 256, (1, 6, 6, 16)).astype(ml_dtypes.bfloat16).astype(data_dtype)
+    got = run_executable(build(before, "cpu"), [x])[0]
     padded = np.pad(x.astype("float32"), ((0, 0), (1, 1), (1, 1), (0, 0)))
     wide = weight.astype("float32")
     expected = sum(padded[:, i:i + 6, j:j + 6, :] * wide[i, j, 0] for i in range(3) for j in range(3))
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)  # the same bf16 values, products in fp32
+    np.testing.assert_array_equal(got, expected)  # whole codes: every partial sum is exact in fp32
 
 
 def test_a_dense_conv_keeps_its_bf16_weight():
