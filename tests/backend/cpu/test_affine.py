@@ -154,11 +154,13 @@ LAYER_BIAS = RNG.normal(size=(1, 1, 1, CHANNELS)).astype("float32")
 
 
 def _requantize_after_relu6(x: relax.Expr, bb: relax.BlockBuilder, codes: str = "uint8", low: float = 0.0,
-                            high: float = 255.0) -> relax.Expr:
-    """A dequantize, the layer's bias and ReLU6, then the next layer's `codes` (uint8), one binding each."""
+                            high: float = 255.0, round_trip: tuple[str, ...] = ()) -> relax.Expr:
+    """A dequantize, the layer's bias and ReLU6, casts to each of `round_trip`'s dtypes, then the next layer's
+    `codes` (uint8), one binding each."""
     ops = [lambda v: relax.op.multiply(v, relax.const(WEIGHT_SCALES)),
            lambda v: relax.op.add(v, relax.const(LAYER_BIAS)),
            lambda v: relax.op.maximum(v, relax.const(0.0)), lambda v: relax.op.minimum(v, relax.const(6.0)),
+           *[lambda v, dtype=dtype: relax.op.astype(v, dtype) for dtype in round_trip],
            lambda v: relax.op.multiply(v, relax.const(42.5)), lambda v: relax.op.add(v, relax.const(0.5)),
            relax.op.floor,
            lambda v: relax.op.maximum(v, relax.const(low)), lambda v: relax.op.minimum(v, relax.const(high))]
@@ -222,6 +224,35 @@ def test_the_casts_truncation_gives_the_floors_codes_exactly_on_the_vm():
         values = values.reshape(NHWC)
         np.testing.assert_array_equal(relay_amp.run(_module(_folded_requantize), [values])[0],
                                       relay_amp.run(with_floor, [values])[0])
+
+
+@pytest.mark.parametrize("narrow", ["bfloat16", "float16"])
+def test_a_run_goes_on_through_a_round_trip_to_a_16_bit_float_which_it_drops(narrow):
+    """AMP's fallback ops between two int8 layers (a depthwise conv's bias and ReLU6) end in a cast to bf16 and back
+    before the next layer's codes."""
+    before = _module(lambda x, bb: _requantize_after_relu6(x, bb, round_trip=(narrow, "float32")))
+    assert_transforms(FoldAffineClamps(), before, _module(_folded_requantize))
+
+
+def test_the_codes_without_the_round_trips_rounding_are_the_float32_codes_on_the_vm():
+    data = [RNG.normal(scale=40.0, size=NHWC).astype("float32")]
+    before = _module(lambda x, bb: _requantize_after_relu6(x, bb, round_trip=("bfloat16", "float32")))
+    expected = relay_amp.run(_module(_requantize_after_relu6), data)[0].astype("int32")
+    actual = relay_amp.run(FoldAffineClamps()(before), data)[0].astype("int32")
+    assert np.abs(actual - expected).max() <= 1 and (actual == expected).mean() > 0.95
+    rounded = relay_amp.run(before, data)[0].astype("int32")
+    assert (rounded != expected).sum() > (actual != expected).sum()  # bf16's rounding moved codes; the fold's did not
+
+
+@pytest.mark.parametrize("outputs", ["narrow", "wide"])
+def test_a_round_trip_read_elsewhere_ends_the_run(outputs):
+    def scaled_twice(x, bb):
+        narrow = bb.emit(relax.op.astype(bb.emit(relax.op.multiply(x, relax.const(WEIGHT_SCALES))), "bfloat16"))
+        wide = bb.emit(relax.op.astype(narrow, "float32"))
+        return relax.Tuple([relax.op.multiply(wide, relax.const(42.5)), narrow if outputs == "narrow" else wide])
+
+    before = _module(scaled_twice)
+    assert_transforms(FoldAffineClamps(), before, before)
 
 
 def test_runs_that_would_not_shrink_or_whose_value_is_read_twice_are_left_alone():
