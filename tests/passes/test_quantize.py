@@ -131,13 +131,14 @@ def test_quantize_makes_a_depthwise_conv_of_an_unsigned_input_int8_and_keeps_a_s
 
 
 def test_quantize_makes_a_conv_in_groups_of_8_of_a_signed_input_int8_within_its_codes_rounding():
-    """Groups as wide as the kernels take are quantized as any conv: symmetric int8 codes of a signed input, int32
-    sums (RegNet's groups of 8 outputs, in the fp32 sums kept for depthwise convs, made its int8 slower than fp32)."""
+    """Groups as wide as the kernels take are quantized as any conv: int8 codes of a signed input (offset to uint8),
+    int32 sums (RegNet's groups of 8 outputs, in the fp32 sums kept for depthwise convs, made its int8 slower than
+    fp32)."""
     rng = np.random.default_rng(7)
     calibration = [rng.normal(size=(1, 16, 6, 6)).astype("float32") for _ in range(4)]
     quantized = relay_amp.quantize(grouped_module(GROUPED_WEIGHT), calibration, fallback_dtype="float32")
     [entry] = relay_amp.quant_plan(quantized).entries
-    assert entry.dtype == "int8"
+    assert (entry.dtype, entry.zero_point) == ("uint8", 128)
     inputs = [0.9 * calibration[0]]  # within the calibrated range: no clipped outliers
     expected = relay_amp.run(grouped_module(GROUPED_WEIGHT), inputs)[0]
     np.testing.assert_allclose(relay_amp.run(quantized, inputs)[0], expected, atol=0.03 * np.abs(expected).max())
@@ -309,9 +310,18 @@ def test_quantize_picks_uint8_for_non_negative_inputs_and_the_observed_maximum()
     tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", 2.0 / 255))
 
 
-def test_signed_inputs_get_symmetric_int8_and_int8_can_be_forced():
+def test_signed_inputs_get_int8s_codes_offset_to_uint8_and_int8_can_be_forced():
+    """Symmetric int8's step, its codes plus 128: uint8, the operand vpdpbusd takes, with no shift in the kernel."""
     signed = [np.array([[-3.0, 1.0], [2.0, 0.5], [0.25, 1.5], [1.0, 1.0]], "float32")]
-    assert relay_amp.quant_plan(relay_amp.quantize(linear_module(), signed)).entries[0].dtype == "int8"
+    quantized = relay_amp.quantize(linear_module(), signed, fallback_dtype="float32")
+    [entry] = relay_amp.quant_plan(quantized).entries
+    assert (entry.dtype, entry.zero_point, entry.step) == ("uint8", 128, pytest.approx(3.0 / 127))
+    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", 3.0 / 127, 128))
+    symmetric = relay_amp.quantize(linear_module(), signed, activation_dtype="symmetric", fallback_dtype="float32")
+    assert relay_amp.quant_plan(symmetric).entries[0].dtype == "int8"
+    inputs = [np.array([[-2.9, 0.3], [1.7, -0.4], [0.6, 2.2], [-1.1, 1.3]], "float32")]
+    np.testing.assert_allclose(relay_amp.run(quantized, inputs)[0], relay_amp.run(symmetric, inputs)[0],
+                               rtol=1e-6, atol=1e-6)  # the same codes, 128 higher
     positive = [np.abs(signed[0])]
     forced = relay_amp.quantize(linear_module(), positive, activation_dtype="int8")
     assert relay_amp.quant_plan(forced).entries[0].dtype == "int8"
