@@ -14,9 +14,9 @@ in fp32 that was bf16 before.
 
 A grouped (depthwise) convolution of bf16 operands gets an fp32 weight: TVM would widen the constant weight at every
 tap of every tile, on the ports the FMAs need. Its data stays bf16, read as it is stored. So does quantize's
-depthwise conv of uint8 or int8 codes (relay_amp.passes.quantize.realize), whose weight codes AMP's fallback made bf16. (A grouped conv whose
-groups tile the kernels' 16 lanes is dispatched to a bf16 kernel after all, which reads the exact fp32 weight back
-as bf16: relay_amp.backend.cpu.dispatch.)
+depthwise conv of uint8 or int8 codes (relay_amp.passes.quantize.realize), whose weight codes AMP's fallback made
+bf16. (A grouped conv whose groups tile the kernels' 16 lanes is dispatched to a bf16 kernel after all, which reads
+the exact fp32 weight back as bf16: relay_amp.backend.cpu.dispatch.)
 
 `WidenContractions` computes the convolutions and matmuls of a 16-bit float dtype the target has no dot-product
 instruction for (bf16 on an AVX2 host, fp16 on every CPU) in fp32 on the fp32 FMA kernels, their result cast back:
@@ -47,7 +47,7 @@ from .fastmath import rounded_values
 
 NARROW = "bfloat16"
 WIDE = "float32"
-CODE_DTYPES = ("uint8", "int8")  # a quantized depthwise conv's data: codes it multiplies by its weight codes in fp32
+CODE_DTYPES = ("uint8", "int8")  # a quantized depthwise conv's data: codes multiplied by its weight codes in fp32
 ARITHMETIC = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs", "sqrt", "rsqrt",
     "exp", "log", "erf", "tanh", "sigmoid", "clip", "where", "square", "nn.relu", "nn.gelu", "nn.gelu_tanh",
