@@ -43,11 +43,11 @@ from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, 
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
 from . import formula
+from .epilogue import QUANTIZED_DTYPES
 from .fastmath import rounded_values
 
 NARROW = "bfloat16"
 WIDE = "float32"
-CODE_DTYPES = ("uint8", "int8")  # a quantized depthwise conv's data: codes multiplied by its weight codes in fp32
 ARITHMETIC = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "abs", "sqrt", "rsqrt",
     "exp", "log", "erf", "tanh", "sigmoid", "clip", "where", "square", "nn.relu", "nn.gelu", "nn.gelu_tanh",
@@ -65,7 +65,7 @@ def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
         return False
     data, weight = call.args
     return (str(call.attrs.out_dtype) == WIDE and tensor_dtype(weight) == NARROW
-            and tensor_dtype(data) in (NARROW, *CODE_DTYPES))
+            and tensor_dtype(data) in (NARROW, *QUANTIZED_DTYPES))
 
 
 def _is_integer_cast_of_chain(call: relax.Expr, flows: set) -> bool:
