@@ -2,15 +2,17 @@
 
 LLVM compiles TVM's `erf`/`exp`/`tanh`/`sigmoid` to scalar libm calls, and in bfloat16 or float16 TVM computes
 them op by op with a rounding step between each (10-30x slower than fp32 here), so a GELU, SiLU or softmax
-decomposed by an exporter fell to a slow path. `FastMath` computes every such call in fp32 with TVM's
-polynomial `fast_exp`/`fast_erf`/`fast_tanh` and casts the result back to the call's dtype:
-GELU (both forms), SiLU and sigmoid become one fused-friendly TE function each; a low-precision `erf`, `exp`
-or `tanh` gets fp32 casts around it; then TVM's own `FastMathTransform` turns the fp32 ones (and softmax) into
-the fast versions. TVM has no fast log: `log` (Softplus, Mish, LogSigmoid as the importer writes them) becomes
+decomposed by an exporter fell to a slow path. `FastMath` computes every such call in fp32 with polynomials
+(relay_amp's `fast_exp`, TVM's `fast_erf`/`fast_tanh`: relay_amp.backend.cpu.formula) and casts the result back to
+the call's dtype: GELU (both forms), SiLU, sigmoid, exp and softmax become one fused-friendly TE function each; a
+low-precision `erf` or `tanh` gets fp32 casts around it; then TVM's own `FastMathTransform` turns the fp32 ones into
+its fast versions. TVM has no fast log: `log` (Softplus, Mish, LogSigmoid as the importer writes them) becomes
 relay_amp's polynomial (formula.fast_log, within an ulp), and `log_softmax` one TE function on the fast exp and
 log. The approximations stay within about 1e-6 relative of the exact functions in fp32; an exp whose result is
 rounded to bfloat16 or float16 takes a shorter polynomial (formula.narrow_exp, 7e-6).
 """
+
+import functools
 
 import tvm
 from tvm import relax, te, topi
@@ -23,11 +25,11 @@ from . import formula
 from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
 
 # FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
-WIDENED_OPS = ("relax.erf", "relax.exp", "relax.tanh")
+WIDENED_OPS = ("relax.erf", "relax.tanh")
 # the activations computed as one TE function each, by the formulas kernels' epilogues use (relay_amp.backend.cpu
 # .formula)
-ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu", "relax.log", "relax.sin",
-               "relax.cos")
+ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu", "relax.exp", "relax.log",
+               "relax.sin", "relax.cos")
 # ops that compute each output element from the same element of their operands: a value read only by these, whose
 # results are in turn rounded to a narrow float, is itself kept only as accurately as that float
 ELEMENTWISE = (*formula.UNARY_OPS, *formula.BINARY_OPS, *ACTIVATIONS, "relax.astype", "relax.nn.relu", "relax.clip")
@@ -57,10 +59,10 @@ def _in_fp32(op_name: str, narrow: bool):
     return _widened(lambda wide: formula.compute(formula.narrowed(made) if narrow else made, wide))
 
 
-def _narrow_softmax_in_fp32(axis: int):
-    """A TE function computing softmax over `axis` in fp32 with the exp a narrow float result needs
-    (formula.narrow_exp), returning the input's dtype."""
-    return _widened(lambda wide: formula.narrow_softmax(wide, axis))
+def _softmax_in_fp32(axis: int, narrow: bool):
+    """A TE function computing softmax over `axis` in fp32 (formula.fast_softmax: with the exp a narrow float result
+    needs where `narrow`), returning the input's dtype."""
+    return _widened(lambda wide: formula.fast_softmax(wide, axis, narrow))
 
 
 def _masked_softmax_in_fp32(axis: int, softmax):
@@ -74,7 +76,7 @@ def _log_softmax_in_fp32(axis: int):
     64x112x112 rows of 112, against 0.2 ms for softmax)."""
     def compute(wide: te.Tensor) -> te.Tensor:
         shifted = topi.subtract(wide, topi.max(wide, axis=axis, keepdims=True))
-        total = topi.sum(topi.fast_exp(shifted), axis=axis, keepdims=True)
+        total = topi.sum(formula.PRIMITIVES["fast_exp"](shifted), axis=axis, keepdims=True)
         return topi.subtract(shifted, formula.PRIMITIVES["fast_log"](total))
     return _widened(compute)
 
@@ -166,8 +168,8 @@ class _FastMathRewriter(relax.PyExprMutator):
         masked = self._masked_softmax(call, new_call, narrow) if name == "relax.nn.softmax" else None
         if masked is not None:
             return masked
-        if name == "relax.nn.softmax" and narrow:  # TVM's FastMathTransform takes the others
-            return self.builder_.call_te(_narrow_softmax_in_fp32(int(new_call.attrs.axis)), new_call.args[0],
+        if name == "relax.nn.softmax":
+            return self.builder_.call_te(_softmax_in_fp32(int(new_call.attrs.axis), narrow), new_call.args[0],
                                          primfunc_name_hint="fast_softmax")
         if name == "relax.nn.log_softmax":
             return self.builder_.call_te(_log_softmax_in_fp32(int(new_call.attrs.axis)), new_call.args[0],
@@ -195,7 +197,7 @@ class _FastMathRewriter(relax.PyExprMutator):
         if tensor_shape(wide) != tensor_shape(added) or tensor_shape(mask) == tensor_shape(added) or (
                 tensor_dtype(wide) != tensor_dtype(mask)):
             return None
-        softmax = formula.narrow_softmax if narrow else topi.nn.fast_softmax
+        softmax = functools.partial(formula.fast_softmax, narrow=narrow)
         return self.builder_.call_te(_masked_softmax_in_fp32(int(new_call.attrs.axis), softmax), wide, mask,
                                      primfunc_name_hint="fast_softmax")
 
@@ -214,7 +216,7 @@ class _FastMathRewriter(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FastMath")
 class FastMath:
     """Rewrite GELU, SiLU, sigmoid, erf, exp, tanh, log, softmax and log_softmax into vectorizable fp32
-    approximations (TVM's, and relay_amp's log), and
+    approximations (relay_amp's exp and log, TVM's erf and tanh), and
     powers by constant multiples of 1/4 up to 4 (2, 3, 0.5, a local response norm's 0.75) into multiplies and
     square roots."""
 

@@ -2,9 +2,10 @@
 read off the Relax ops that compute it and evaluated into one TIR expression inside a kernel's epilogue.
 
 A formula is `X` (the value), `("const", c)` or `(kind, *operands)` with `kind` one of `PRIMITIVES`: TVM's own
-TE functions, including its polynomial `fast_exp`/`fast_erf`/`fast_tanh` (what `fastmath.FastMath` uses), so an
-activation computed in a kernel's epilogue is the one it would have been as a function of its own. Formulas are
-tuples so that `kernels.Step` stays hashable; `expression` turns one into TIR through TE.
+TE functions, including its polynomial `fast_erf`/`fast_tanh`, and relay_amp's polynomial exp, `fast_exp` (what
+`fastmath.FastMath` uses for all of them), so an activation computed in a kernel's epilogue is the one it would have
+been as a function of its own. Formulas are tuples so that `kernels.Step` stays hashable; `expression` turns one
+into TIR through TE.
 """
 
 import functools
@@ -23,7 +24,7 @@ PRIMITIVES = {
     "maximum": topi.maximum, "minimum": topi.minimum, "negative": topi.negative, "sqrt": topi.sqrt,
     "erf": topi.erf, "exp": topi.exp, "tanh": topi.tanh, "floor": topi.floor, "log": topi.log, "sin": topi.sin,
     "cos": topi.cos,
-    "fast_erf": topi.fast_erf, "fast_exp": topi.fast_exp, "fast_tanh": topi.fast_tanh,
+    "fast_erf": topi.fast_erf, "fast_tanh": topi.fast_tanh,
 }
 UNARY_OPS = {"relax.negative": "negative", "relax.sqrt": "sqrt", "relax.erf": "erf", "relax.exp": "exp",
              "relax.tanh": "tanh", "relax.floor": "floor",  # floor: the rounding of a quantize (floor(x + 0.5))
@@ -32,11 +33,17 @@ BINARY_OPS = {"relax.add": "add", "relax.subtract": "subtract", "relax.multiply"
               "relax.divide": "divide", "relax.maximum": "maximum", "relax.minimum": "minimum"}
 APPROXIMATED = ("erf", "exp", "tanh", "log", "sin", "cos")  # the primitives with a fast_ version
 MAX_ROOT_POWER = 4.0  # the largest constant exponent computed by multiplies and square roots instead of pow
-# e^f on |f| <= ln2/2 for an exp whose result is rounded to bfloat16 or float16: a degree-4 polynomial fitted for
-# relative error, 7e-6 in fp32 arithmetic (fast_exp's degree 7: 1e-7; float16's half ulp: 4.9e-4). A degree 3, at
-# 1.2e-4, biased a bf16 EfficientNet-B0's output 30% further from fp32's than fast_exp did.
+# e^f on |f| <= ln2/2, a degree-6 polynomial fitted here for relative error (Lawson-weighted least squares): with ln2
+# in two parts, e^x within 1.1e-7 relative over [-87, 88] in fp32 arithmetic and unbiased (mean 1e-9). TVM's
+# fast_exp (a degree 7, ln2 in one part, a floor and a conversion for 2^n) is 4.1e-6 near the ends, 5.7e-7 within
+# |x| < 10, and takes 18 vector instructions against 15
+EXP_POLYNOMIAL = (1.000000032161834, 0.49999994208731763, 0.16666431277413943, 0.04166800223111925,
+                  0.008374154086684266, 0.0013843635737911166)
+# e^f for an exp whose result is rounded to bfloat16 or float16: a degree 4 fitted for relative error, 7e-6 in fp32
+# arithmetic (float16's half ulp: 4.9e-4). A degree 3, at 1.2e-4, biased a bf16 EfficientNet-B0's output 30% further
+# from fp32's than a degree 7 did.
 NARROW_EXP_POLYNOMIAL = (0.99996366, 0.50002222, 0.16790617, 0.04158984)
-NARROW_EXP_LIMIT = 88.0  # |x| clamped so that n stays within [-127, 127]: 2^n's exponent field within [0, 254]
+EXP_LIMIT = 88.0  # |x| clamped so that n stays within [-127, 127]: 2^n's exponent field within [0, 254]
 ROUNDING_MAGIC = 1.5 * 2 ** 23 + 127  # a float whose ulp is 1: adding it rounds to an integer, offset by 127
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 # log(1 + f) = f - f^2 / 2 + f^3 P(f) on sqrt(1/2) - 1 <= f < sqrt(2) - 1, P of degree 7 fitted here for relative
@@ -63,20 +70,33 @@ def _series(value: tvm.ir.Expr, coefficients: tuple) -> tvm.ir.Expr:
     return result
 
 
-def _narrow_exp(x: te.Tensor, specials: bool = False) -> te.Tensor:
-    """e^x for results rounded to a narrow float: 2^n times e^f by NARROW_EXP_POLYNOMIAL, n rounded by adding
-    ROUNDING_MAGIC, whose low mantissa bits then hold n + 127, the exponent field of 2^n (no floor, no conversion).
-    With `specials`, a last max with x lets NaN and +inf through, as fast_exp's does (e^x exceeds x everywhere
-    else); without it they give e^88 (one instruction fewer: SiLU's exps, where x carries a NaN through anyway)."""
+def _polynomial_exp(x: te.Tensor, polynomial: tuple, ln2_parts: tuple, specials: bool, name: str) -> te.Tensor:
+    """e^x as 2^n times e^f, e^f by `polynomial` (the coefficients after 1, lowest power first), f = x - n ln2 with ln2
+    subtracted in `ln2_parts`, n rounded by adding ROUNDING_MAGIC, whose low mantissa bits then hold n + 127, the
+    exponent field of 2^n (no floor, no conversion). With `specials`, a last max with x lets NaN and +inf through
+    (e^x exceeds x everywhere else); without it they give e^88 (one instruction fewer: SiLU's exps, where x carries a
+    NaN through anyway)."""
     def element(*index):
-        value = te.max(te.min(x(*index), _wide(NARROW_EXP_LIMIT)), _wide(-NARROW_EXP_LIMIT))
+        value = te.max(te.min(x(*index), _wide(EXP_LIMIT)), _wide(-EXP_LIMIT))
         rounded = value * _wide(LOG2E) + _wide(ROUNDING_MAGIC)
         bits = tvm.tirx.reinterpret("int32", rounded)
         whole = tvm.tirx.reinterpret(WIDE, bits) - _wide(ROUNDING_MAGIC)  # as bits, or TVM folds the magic away
-        fraction = value - whole * _wide(LN2)
-        power = _series(fraction, (1.0, *NARROW_EXP_POLYNOMIAL)) * tvm.tirx.reinterpret(WIDE, bits << 23)
+        fraction = value
+        for part in ln2_parts:
+            fraction = fraction - whole * _wide(part)
+        power = _series(fraction, (1.0, *polynomial)) * tvm.tirx.reinterpret(WIDE, bits << 23)
         return te.max(power, x(*index)) if specials else power
-    return te.compute(x.shape, element, name="narrow_exp")
+    return te.compute(x.shape, element, name=name)
+
+
+def _fast_exp(x: te.Tensor) -> te.Tensor:
+    """e^x within 1.1e-7 relative (EXP_POLYNOMIAL); NaN and +inf pass through, as TVM's fast_exp lets them."""
+    return _polynomial_exp(x, EXP_POLYNOMIAL, (LN2_HIGH, LN2_LOW), specials=True, name="fast_exp")
+
+
+def _narrow_exp(x: te.Tensor, specials: bool = False) -> te.Tensor:
+    """e^x for results rounded to a narrow float, within 7e-6 relative (NARROW_EXP_POLYNOMIAL, ln2 in one part)."""
+    return _polynomial_exp(x, NARROW_EXP_POLYNOMIAL, (LN2,), specials, name="narrow_exp")
 
 
 def _wide(value: float) -> tvm.ir.Expr:
@@ -125,18 +145,19 @@ def _fast_sine(x: te.Tensor, quarter_turns: int) -> te.Tensor:
     return te.compute(x.shape, element, name="fast_cos" if quarter_turns else "fast_sin")
 
 
+PRIMITIVES["fast_exp"] = _fast_exp
 PRIMITIVES["narrow_exp"] = _narrow_exp
 PRIMITIVES["fast_log"] = _fast_log
 PRIMITIVES["fast_sin"] = lambda x: _fast_sine(x, 0)
 PRIMITIVES["fast_cos"] = lambda x: _fast_sine(x, 1)
 
 
-def narrow_softmax(x: te.Tensor, axis: int) -> te.Tensor:
-    """The softmax over `axis` of fp32 `x` for a result rounded to a narrow float: e^(x - max) by narrow_exp over
-    its sum (TVM's fast_softmax with narrow_exp for its fast_exp: a fifth to a third faster over rows of 208-736).
+def fast_softmax(x: te.Tensor, axis: int, narrow: bool = False) -> te.Tensor:
+    """The softmax over `axis` of fp32 `x`: e^(x - max) by fast_exp over its sum, as TVM's fast_softmax; by
+    narrow_exp where `narrow` (a result rounded to a narrow float: a fifth to a third faster over rows of 208-736).
     A NaN (or +inf) in a row makes the row NaN, as PyTorch's and TVM's softmaxes do, not a one-hot row."""
     shifted = topi.subtract(x, topi.max(x, axis=axis, keepdims=True))
-    exps = _narrow_exp(shifted, specials=True)
+    exps = _narrow_exp(shifted, specials=True) if narrow else _fast_exp(shifted)
     return topi.divide(exps, topi.sum(exps, axis=axis, keepdims=True))
 
 

@@ -31,6 +31,7 @@ squeeze) reads it the same way: FuseOps joins no cast to a mean, so the cast was
 into the function producing its input, made that function store fp32 (EfficientNet-B0's depthwise convs).
 """
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -253,8 +254,8 @@ def _mean_of_stored(axes: list[int], keepdims: bool, count: int) -> Callable[[te
 @relax.expr_functor.mutator
 class _NarrowNormInputs(relax.PyExprMutator):
     """Replaces each norm or softmax of a widened bf16 tensor, or of a slice of a tensor, by one TE function that
-    reads the tensor itself (a softmax by TVM's fast one where `fast_softmax`, with narrow exps where its result is
-    rounded to a narrow float)."""
+    reads the tensor itself (a softmax by formula.fast_softmax where `fast_softmax`, with narrow exps where its result
+    is rounded to a narrow float)."""
 
     def __init__(self, mod: tvm.IRModule, func: str, fast_softmax: bool):
         super().__init__(mod)
@@ -289,7 +290,7 @@ class _NarrowNormInputs(relax.PyExprMutator):
             return topi.nn.softmax
         if self.rounded is None:
             self.rounded = rounded_values(self.function)
-        return formula.narrow_softmax if self.bound in self.rounded else topi.nn.fast_softmax
+        return functools.partial(formula.fast_softmax, narrow=self.bound in self.rounded)
 
     def _mean_read_narrow(self, call: relax.Call) -> relax.Expr:
         """A mean of a widened bf16 tensor as one TE function that reads the bf16 tensor (the call itself for
@@ -339,8 +340,8 @@ class NormsReadNarrow:
     input is left there. Norms and softmaxes of a slice of such a tensor (cast or not) read the slice's window of
     it, for the same reason: attention scores computed over whole pairs of 16-lane columns (224 for ViT's 197
     tokens in bf16) and sliced to the softmax's 208 were copied by a function of their own (ViT-S/16 bf16 12.53
-    -> 12.28 ms without). A softmax so rewritten is TVM's fast one where `fast_softmax` (the CPU pipeline's fast
-    math), with fastmath's narrow exps where its result is rounded to bf16 (fastmath.rounded_values). Means of any
+    -> 12.28 ms without). A softmax so rewritten is formula.fast_softmax where `fast_softmax` (the CPU pipeline's
+    fast math), with fastmath's narrow exps where its result is rounded to bf16 (fastmath.rounded_values). Means of any
     widened bf16 tensor read it in bf16 too."""
 
     def __init__(self, func: str = "main", fast_softmax: bool = True):

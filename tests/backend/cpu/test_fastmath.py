@@ -125,10 +125,10 @@ def test_low_precision_erf_is_computed_in_fp32():
     assert_transforms(fastmath.FastMath(), Before, relax.transform.FastMathTransform()(Widened))
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh", "log", "sin", "cos"])
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu_tanh", "exp", "log", "sin", "cos"])
 def test_sigmoid_family_and_log_become_one_fast_primfunc(name):
     op = {"sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu_tanh": relax.op.nn.gelu_tanh,
-          "log": relax.op.log, "sin": relax.op.sin, "cos": relax.op.cos}[name]
+          "exp": relax.op.exp, "log": relax.op.log, "sin": relax.op.sin, "cos": relax.op.cos}[name]
     after = fastmath.FastMath()(single_output_module(op, tensor("x", (4, 64), "bfloat16")))
     relax.analysis.well_formed(after)
     calls = [b.value for b in after["main"].body.blocks[0].bindings]
@@ -312,6 +312,27 @@ def test_log_softmax_runs_on_the_fast_exp_and_log_and_matches(axis, shape):
     np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("name", ["exp", "softmax", "silu"])
+def test_fp32_exps_run_on_relay_amps_exp_within_its_bound(name):
+    """An fp32 exp, softmax or SiLU runs on formula's fast_exp (1.1e-7 relative; TVM's fast_exp, which
+    FastMathTransform would give the first two, drifts to 4e-6 near e^-87 and e^88)."""
+    op = {"exp": relax.op.exp, "softmax": lambda x: relax.op.nn.softmax(x, 1), "silu": relax.op.nn.silu}[name]
+    before = single_output_module(op, tensor("x", (4, 2048)))
+    after = fastmath.FastMath()(before)
+    scripts = "".join(func.script() for _, func in after.functions_items())
+    assert 'sblock("fast_exp")' in scripts and "T_fast_exp" not in scripts
+    x = np.linspace(-87, 88, 4 * 2048, dtype="float32").reshape(4, 2048)
+    if name == "silu":
+        x = -x  # e^-x over the same span
+    got = run_executable(build(before, "cpu"), [x])[0].astype("float64")
+    if name == "softmax":
+        exps = np.exp((x - x.max(1, keepdims=True)).astype("float64"))  # x - max rounded to fp32, as the model's
+        expected = exps / exps.sum(1, keepdims=True)
+    else:
+        expected = EXACT[name](x.astype("float64"))
+    assert np.all(np.abs(got - expected) <= 4e-7 * np.abs(expected) + 1e-38)
+
+
 @I.ir_module
 class RoundedSoftmax:
     @R.function
@@ -327,7 +348,7 @@ class RoundedSoftmax:
 
 def test_a_softmax_rounded_to_a_narrow_float_takes_the_narrow_exp():
     """A bf16 model's attention weights are rounded to bf16: their exps need only narrow_exp's 7e-6 (a fifth to a
-    third faster over rows of 208-736); a softmax read in fp32 keeps TVM's fast_exp."""
+    third faster over rows of 208-736); a softmax read in fp32 takes relay_amp's fast_exp (formula.fast_softmax)."""
     after = fastmath.FastMath()(RoundedSoftmax)
     relax.analysis.well_formed(after)
     softmaxes = [func.script() for gv, func in after.functions_items() if gv.name_hint.startswith("fast_softmax")]

@@ -1252,7 +1252,7 @@ def test_row_reduction_rule_computes_elementwise_steps_in_their_readers():
     layer_norm = _row_reduction_blocks("layer_norm_scaled_rows")
     assert "T_layer_norm" not in layer_norm and layer_norm[-1] == "T_multiply"
     softmax = _row_reduction_blocks("softmax_layer_norm_rows")
-    assert "T_softmax_delta" not in softmax and "T_fast_exp" in softmax and softmax[-1] == "T_softmax_norm"
+    assert "T_subtract" not in softmax and "fast_exp" in softmax and softmax[-1] == "T_divide"  # formula.fast_softmax
 
 
 def test_row_reduction_rule_widens_a_bf16_input_as_each_pass_loads_it():
