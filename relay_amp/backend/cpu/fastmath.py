@@ -12,8 +12,6 @@ log. The approximations stay within about 1e-6 relative of the exact functions i
 rounded to bfloat16 or float16 takes a shorter polynomial (formula.narrow_exp, 7e-6).
 """
 
-import functools
-
 import tvm
 from tvm import relax, te, topi
 from tvm.relax import dpl
@@ -65,9 +63,10 @@ def _softmax_in_fp32(axis: int, narrow: bool):
     return _widened(lambda wide: formula.fast_softmax(wide, axis, narrow))
 
 
-def _masked_softmax_in_fp32(axis: int, softmax):
-    """A TE function computing `softmax`(x + mask, axis) in fp32 (the mask broadcast over x), returning x's dtype."""
-    return _widened(lambda wide, mask: softmax(topi.add(wide, mask), axis))
+def _masked_softmax_in_fp32(axis: int, narrow: bool):
+    """A TE function computing formula.fast_softmax(x + mask, axis, narrow) in fp32 (the mask broadcast over x),
+    returning x's dtype."""
+    return _widened(lambda wide, mask: formula.fast_softmax(topi.add(wide, mask), axis, narrow))
 
 
 def _log_softmax_in_fp32(axis: int):
@@ -197,8 +196,7 @@ class _FastMathRewriter(relax.PyExprMutator):
         if tensor_shape(wide) != tensor_shape(added) or tensor_shape(mask) == tensor_shape(added) or (
                 tensor_dtype(wide) != tensor_dtype(mask)):
             return None
-        softmax = functools.partial(formula.fast_softmax, narrow=narrow)
-        return self.builder_.call_te(_masked_softmax_in_fp32(int(new_call.attrs.axis), softmax), wide, mask,
+        return self.builder_.call_te(_masked_softmax_in_fp32(int(new_call.attrs.axis), narrow), wide, mask,
                                      primfunc_name_hint="fast_softmax")
 
     def _small_power(self, call: relax.Call) -> relax.Expr:
