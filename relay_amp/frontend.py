@@ -17,6 +17,7 @@ from ._onnx_graph import (constant_values, held_value, importing_file, importing
                           rename_values, subgraphs, tensor_value, weights_as_inputs, writable)
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
+from ._split_convs import split_convs_grouped
 from ._torch_export import CONVERTERS, as_torch_runs_it
 from ._variadic import variadic_ops_as_binary
 from ._zero_addends import zero_addends_dropped
@@ -367,10 +368,10 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
 
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:
     """An imported module in the form relay_amp's passes match: einsums of two tensors as matmuls, values computed
-    from constants folded (batch norms into weights), parallel conv branches merged, the exporters' group norm
-    spellings as relax.nn.group_norm and their layer norms before opset 17 as relax.nn.layer_norm, clamps as maximum
-    and minimum, ONNX pads as relax.nn.pad, variadic Max, Min, Sum and Mean as binary ops, adds of constant zeros
-    (an exported attention's empty mask) dropped."""
-    merged = merge_parallel_convs(fold_weights(einsums_as_matmuls(imported)))
+    from constants folded (batch norms into weights), parallel conv branches merged, the convs of a split's parts
+    concatenated as one grouped conv, the exporters' group norm spellings as relax.nn.group_norm and their layer
+    norms before opset 17 as relax.nn.layer_norm, clamps as maximum and minimum, ONNX pads as relax.nn.pad, variadic
+    Max, Min, Sum and Mean as binary ops, adds of constant zeros (an exported attention's empty mask) dropped."""
+    merged = split_convs_grouped(merge_parallel_convs(fold_weights(einsums_as_matmuls(imported))))
     normalized = pads_as_ops(clamps_as_max_min(layer_norms_as_ops(group_norms_as_ops(merged))))
     return zero_addends_dropped(variadic_ops_as_binary(normalized))

@@ -16,7 +16,7 @@ from .passes.layer_norm import LayerNormsAsOps
 from .passes.layout import ConvertLayout
 from .passes.moves import HoistOverMoves
 from .passes.padding_taps import DropPaddingTaps
-from .passes.parallel_convs import MergeParallelConvs
+from .passes.parallel_convs import GroupSplitConvs, MergeParallelConvs
 from .passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
@@ -26,7 +26,7 @@ from .passes.weight_only import DenseWeights, QuantizeWeights
 
 __all__ = ["ConvertLayout", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts",
            "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
-           "GroupNormsAsOps", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize",
-           "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "Specialize", "ToMixedPrecision",
-           "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic", "WidenContractions",
-           "WidenedSelections"]
+           "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs",
+           "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "Specialize",
+           "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic",
+           "WidenContractions", "WidenedSelections"]

@@ -13,6 +13,9 @@ from pass_checks import prepared_function_names  # noqa: E402
 
 FP32_TOLERANCE = 2e-5  # relative to the largest output: fp32 sums in another order, fast-math polynomials
 BF16_FLOOR = 1e-2  # bf16 AMP may be this far off, or as far off as PyTorch's own bf16 autocast (x1.5)
+# on average over these inputs' seeds: a tiny model's bf16 error swings with its input (MixNet-S's, relay_amp's and
+# PyTorch's alike: 0.01 to 0.09 over 32 inputs, a mean of 0.03 and 0.04)
+BF16_SEEDS = range(4)
 
 
 def _reference(name: str, inputs: list[np.ndarray]) -> tuple[np.ndarray, float]:
@@ -33,14 +36,20 @@ def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_zoo_model_converts_builds_and_matches_pytorch(name):
     inputs = zoo.example_inputs(name, tiny=True)
-    expected, torch_bf16_error = _reference(name, inputs)
+    expected, _ = _reference(name, inputs)
     assert np.abs(expected).max() > 0, "the reference output is all zeros: nothing to compare"
     mod = zoo.load(name, tiny=True)
     target = relay_amp.targets.host_preset()
     fp32 = run_executable(relay_amp.build(mod, target), inputs)[0]
     assert _relative_error(fp32, expected) <= FP32_TOLERANCE
-    bf16 = run_executable(relay_amp.build(relay_amp.to_mixed_precision(mod, "bfloat16"), target), inputs)[0]
-    assert _relative_error(bf16, expected) <= max(BF16_FLOOR, 1.5 * torch_bf16_error)
+    bf16 = relay_amp.build(relay_amp.to_mixed_precision(mod, "bfloat16"), target)
+    errors = []
+    for seed in BF16_SEEDS:
+        seeded = zoo.example_inputs(name, tiny=True, seed=seed)
+        seeded_expected, torch_bf16_error = _reference(name, seeded)
+        errors.append((_relative_error(run_executable(bf16, seeded)[0], seeded_expected), torch_bf16_error))
+    bf16_error, torch_bf16_error = np.mean(errors, axis=0)
+    assert bf16_error <= max(BF16_FLOOR, 1.5 * torch_bf16_error)
 
 
 @pytest.mark.parametrize("name, exporter", [("resnet50", "dynamo"), ("bert", "dynamo"),
