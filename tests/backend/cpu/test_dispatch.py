@@ -17,7 +17,7 @@ from relay_amp.passes.shapes import static_input_shape
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor
-from pass_checks import assert_transforms
+from pass_checks import assert_transforms, prepared_function_names
 
 BF16 = "bfloat16"
 
@@ -650,6 +650,61 @@ def _bias_relu_cast(value: relax.Expr) -> relax.Expr:
 def _bound(mod: tvm.IRModule) -> list[relax.Call]:
     """The calls main binds, in order (aliases left out)."""
     return [b.value for b in mod["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+
+
+BIAS48 = np.linspace(-1.0, 1.0, 48, dtype="float32").reshape(1, 1, 1, 48)
+
+
+def _groups_of_24_then(after_conv) -> tvm.IRModule:
+    """A bf16 conv in 2 groups of 24 (computed as 2 of 32, compacted after) through `after_conv`."""
+    weight = _bf16_weight((3, 3, 24, 48)).astype("float32")
+
+    def layers(x):
+        return after_conv(relax.op.nn.conv2d(x, relax.const(weight), padding=1, groups=2, data_layout="NHWC",
+                                             kernel_layout="HWIO", out_dtype="float32"))
+    return relax.transform.Normalize()(single_output_module(layers, tensor("x", (1, 6, 6, 48), BF16)))
+
+
+def _bias48_relu_cast(value: relax.Expr) -> relax.Expr:
+    return relax.op.astype(relax.op.nn.relu(relax.op.add(value, relax.const(BIAS48))), BF16)
+
+
+def test_ops_after_a_compacted_grouped_conv_run_on_its_padded_groups_before_the_compaction():
+    """The bias (each group's 24 values, then 8 zeros), ReLU and cast follow the kernel, whose epilogue takes them;
+    the compaction of its 64 channels to 48 comes after them, on bf16 values."""
+    after = relax.transform.DeadCodeElimination()(dispatch.UseDotKernels({BF16})(_groups_of_24_then(
+        _bias48_relu_cast)))
+    relax.analysis.well_formed(after)
+    calls = _bound(after)
+    assert [call_op_name(c) for c in calls] == ["relax.nn.pad", "relax.call_tir", "relax.add", "relax.nn.relu",
+                                                "relax.astype", "relax.reshape", "relax.strided_slice",
+                                                "relax.reshape"]
+    bias = calls[2].args[1].value.numpy().reshape(2, 32)
+    np.testing.assert_array_equal(bias[:, :24], BIAS48.reshape(2, 24))
+    assert not bias[:, 24:].any()
+    assert (tensor_shape(calls[-1]), tensor_dtype(calls[-1])) == ((1, 6, 6, 48), BF16)
+
+
+def test_ops_of_a_compacted_grouped_conv_and_another_tensor_stay_after_the_compaction():
+    residual = tensor("r", (1, 6, 6, 48))
+    weight = _bf16_weight((3, 3, 24, 48)).astype("float32")
+    mod = relax.transform.Normalize()(single_output_module(
+        lambda x, r: relax.op.add(relax.op.nn.conv2d(x, relax.const(weight), padding=1, groups=2, data_layout="NHWC",
+                                                     kernel_layout="HWIO", out_dtype="float32"), r),
+        tensor("x", (1, 6, 6, 48), BF16), residual))
+    calls = _bound(dispatch.UseDotKernels({BF16})(mod))
+    assert [call_op_name(c) for c in calls][-2:] == ["relax.reshape", "relax.add"]
+
+
+def test_built_grouped_conv_with_its_epilogue_on_padded_groups_matches_the_generic_build():
+    if not targets.host_supports("avx512_bf16"):
+        pytest.skip("host CPU lacks avx512_bf16")
+    mod = _groups_of_24_then(_bias48_relu_cast)
+    assert not [name for name in prepared_function_names(mod) if "relu" in name]  # in the kernel's epilogue
+    data = np.random.default_rng(3).standard_normal((1, 6, 6, 48)).astype(ml_dtypes.bfloat16)
+    got = run_executable(build(mod, "cpu-avx512-bf16"), [data])[0].astype("float64")
+    expected = relay_amp.run(mod, [data])[0].astype("float64")
+    assert np.abs(got - expected).max() <= 8e-3 * np.abs(expected).max()  # bf16 rounding of the fp32 sums
 
 
 def test_a_grouped_conv_reads_the_whole_result_its_producer_sliced_through_elementwise_ops():
