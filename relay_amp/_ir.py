@@ -40,6 +40,15 @@ def rewrite_function(mutator: relax.PyExprMutator, mod: tvm.IRModule, func: str)
     return mutator.builder_.get()
 
 
+def rewrite_each_function(mod: tvm.IRModule, mutator_for: Callable) -> tvm.IRModule:
+    """`mod` with each Relax function rewritten by `mutator_for(module so far, function)`, then dead code removed."""
+    rewritten = mod
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            rewritten = rewrite_function(mutator_for(rewritten, func), rewritten, gv.name_hint)
+    return EliminateDeadCode()(rewritten)
+
+
 @relax.expr_functor.mutator
 class _OpCallRewriter(relax.PyExprMutator):
     """Replaces the calls of the ops in `rewrites` by their rewrites' results, where those are not None."""

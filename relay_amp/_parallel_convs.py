@@ -13,8 +13,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ._dead_code import EliminateDeadCode
-from ._ir import batch_norm_scale_shift, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ._ir import batch_norm_scale_shift, read_counts, rewrite_each_function, tensor_dtype, tensor_shape
 from .ops import call_op_name
 
 
@@ -63,11 +62,7 @@ class Branches:
 def merge_parallel_convs(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every sum of two or more fp32 NCHW convs of one tensor by constant weights (and per-channel scales,
     shifts and inference batch norms of them or of the tensor itself) as one conv and a bias add."""
-    merged = mod
-    for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            merged = rewrite_function(_BranchMerger(merged, func), merged, gv.name_hint)
-    return EliminateDeadCode()(merged)
+    return rewrite_each_function(mod, _BranchMerger)
 
 
 @relax.expr_functor.mutator

@@ -14,8 +14,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ._dead_code import EliminateDeadCode
-from ._ir import read_counts, rewrite_function, tensor_shape, with_attr
+from ._ir import read_counts, rewrite_each_function, tensor_shape, with_attr
 from .ops import call_op_name
 
 CONVOLUTIONS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
@@ -32,11 +31,7 @@ class Branch:
 def split_convs_grouped(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every concatenation of convolutions of a split's parts, in order (each with an optional bias add,
     one kernel shape and one set of attributes), as one grouped convolution of the split's input and a bias add."""
-    grouped = mod
-    for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            grouped = rewrite_function(_SplitConvGrouper(grouped, func), grouped, gv.name_hint)
-    return EliminateDeadCode()(grouped)
+    return rewrite_each_function(mod, _SplitConvGrouper)
 
 
 @relax.expr_functor.mutator

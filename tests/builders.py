@@ -67,3 +67,20 @@ def hidden_states(model):
             return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
     return Hidden()
+
+
+def timm_through_onnx(name: str, directory) -> tuple:
+    """A timm model with random weights and 10 classes, exported to ONNX by the TorchScript exporter on a 64x64
+    image and imported: (the torch module, the imported module, the image as an array, torch's output)."""
+    import timm
+    import torch
+
+    import relay_amp
+
+    torch.manual_seed(0)
+    module = timm.create_model(name, pretrained=False, num_classes=10).eval()
+    x = torch.randn(1, 3, 64, 64)
+    torch.onnx.export(module, (x,), directory / f"{name}.onnx", opset_version=17, dynamo=False)
+    with torch.no_grad():
+        expected = module(x).numpy()
+    return module, relay_amp.frontend.from_onnx(directory / f"{name}.onnx"), x.numpy(), expected

@@ -8,7 +8,7 @@ from tvm import relax
 import relay_amp
 from relay_amp.transform import MergeParallelConvs
 
-from builders import relu_module
+from builders import relu_module, timm_through_onnx
 from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
@@ -163,16 +163,10 @@ def test_an_exported_reparameterizable_model_imports_with_the_convs_of_timms_rep
     the training-form export imports with as many convs as the reparameterized model has, and computes what torch
     does (RepGhost's fusion batch norms read a conv output that its depthwise conv reads too)."""
     torch = pytest.importorskip("torch")
-    timm = pytest.importorskip("timm")
+    pytest.importorskip("timm")
     from timm.utils.model import reparameterize_model
 
-    torch.manual_seed(0)
-    module = timm.create_model(model, pretrained=False, num_classes=10).eval()
-    x = torch.randn(1, 3, 64, 64)
-    torch.onnx.export(module, (x,), tmp_path / "training.onnx", opset_version=17, dynamo=False)
-    imported = relay_amp.frontend.from_onnx(tmp_path / "training.onnx")
-    with torch.no_grad():
-        expected = module(x).numpy()
+    module, imported, x, expected = timm_through_onnx(model, tmp_path)
     reparameterized = reparameterize_model(module)
     assert _conv_count(imported) == sum(isinstance(m, torch.nn.Conv2d) for m in reparameterized.modules())
-    np.testing.assert_allclose(relay_amp.run(imported, [x.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(relay_amp.run(imported, [x])[0], expected, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ from tvm import relax
 import relay_amp
 from relay_amp.transform import GroupSplitConvs
 
-from builders import relu_module
+from builders import relu_module, timm_through_onnx
 from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
@@ -149,14 +149,8 @@ def test_an_exported_mixnet_imports_with_one_conv_for_each_mixed_conv_of_alike_p
     """Models the grouping was not written on (MixNet-M's 3- and 4-part layers, TF-padded MixNet-S): as many convs
     as the model has once each MixedConv2d of alike parts is one, computing what torch does."""
     torch = pytest.importorskip("torch")
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    module = timm.create_model(model, pretrained=False, num_classes=10).eval()
-    x = torch.randn(1, 3, 64, 64)
-    torch.onnx.export(module, (x,), tmp_path / "mixnet.onnx", opset_version=17, dynamo=False)
-    imported = relay_amp.frontend.from_onnx(tmp_path / "mixnet.onnx")
-    with torch.no_grad():
-        expected = module(x).numpy()
+    pytest.importorskip("timm")
+    module, imported, x, expected = timm_through_onnx(model, tmp_path)
     convs = [op for op in _ops(imported) if op == "relax.nn.conv2d"]
     assert len(convs) == _expected_convs(module) < sum(isinstance(m, torch.nn.Conv2d) for m in module.modules())
-    np.testing.assert_allclose(relay_amp.run(imported, [x.numpy()])[0], expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(relay_amp.run(imported, [x])[0], expected, rtol=1e-4, atol=1e-4)
