@@ -470,9 +470,7 @@ def _same_on_every_channel(values: np.ndarray) -> bool:
 def _padded_constant(call: relax.Call, constant: relax.Expr, extra: int) -> relax.Expr:
     """A binary op's constant operand with `extra` more channels of the op's neutral value where it has one per
     channel; a scalar or an attribute-like operand as it is."""
-    if not isinstance(constant, tvm.ir.expr.Constant) or _same_on_every_channel(constant.value.numpy()):
-        return constant
-    return _group_padded_constant(call, constant, 1, constant.value.shape[-1] + extra)
+    return _group_padded_constant(call, constant, 1, tensor_shape(call)[-1] + extra)
 
 
 def _group_padded_constant(call: relax.Call, constant: relax.Expr, groups: int, padded: int) -> relax.Expr:
