@@ -7,7 +7,7 @@ import linecache
 import math
 import sys
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import tvm
@@ -125,6 +125,15 @@ def tensor_shape(expr: relax.Expr) -> tuple | None:
     if dims is None:
         return None
     return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
+
+
+def channel_values(values: np.ndarray, target: Sequence[int]) -> "np.ndarray | None":
+    """A constant's `values` as one per index of `target`'s channel axis (its one axis past 1), where they broadcast
+    to `target` (a per-channel constant, or one value for all channels); None where they do not."""
+    if values.ndim > len(target) or any(extent not in (1, want) for extent, want in zip(values.shape[::-1],
+                                                                                      target[::-1])):
+        return None
+    return np.broadcast_to(values.reshape((1,) * (len(target) - values.ndim) + values.shape), target).reshape(-1)
 
 
 def slice_window(call: relax.Call) -> "tuple[list, list] | None":

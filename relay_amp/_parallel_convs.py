@@ -13,7 +13,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ._ir import batch_norm_scale_shift, read_counts, rewrite_each_function, tensor_dtype, tensor_shape
+from ._ir import (batch_norm_scale_shift, channel_values, read_counts, rewrite_each_function, tensor_dtype,
+                  tensor_shape)
 from .ops import call_op_name
 
 
@@ -270,14 +271,7 @@ def _channels(expr: relax.Expr) -> "int | None":
 def _per_channel(expr: relax.Expr, channels: int) -> "np.ndarray | None":
     """A constant broadcast over [1, channels, H, W] one value per channel, as [channels] float64, else None."""
     value = _constant(expr)
-    if value is None or value.ndim > 4:
-        return None
-    try:
-        if np.broadcast_shapes(value.shape, (1, channels, 1, 1)) != (1, channels, 1, 1):
-            return None
-    except ValueError:
-        return None
-    return np.broadcast_to(value.reshape((1,) * (4 - value.ndim) + value.shape), (1, channels, 1, 1)).reshape(-1)
+    return None if value is None else channel_values(value, (1, channels, 1, 1))
 
 
 def _constant(expr: relax.Expr) -> "np.ndarray | None":

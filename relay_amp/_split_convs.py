@@ -14,7 +14,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ._ir import read_counts, rewrite_each_function, tensor_shape, with_attr
+from ._ir import channel_values, read_counts, rewrite_each_function, tensor_shape, with_attr
 from .ops import call_op_name
 
 CONVOLUTIONS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
@@ -142,10 +142,6 @@ def _per_channel(bias: relax.Expr, conv: relax.Call) -> "np.ndarray | None":
     varies along another axis, or broadcasts the result)."""
     if not isinstance(bias, tvm.ir.expr.Constant):
         return None
-    value, shape = bias.value.numpy(), list(tensor_shape(conv))
-    target = [1] * len(shape)
-    target[_channel_axis(conv)] = shape[_channel_axis(conv)]
-    if value.ndim > len(target) or any(extent not in (1, want) for extent, want in zip(
-            value.shape[::-1], target[::-1])):
-        return None
-    return np.broadcast_to(value.reshape((1,) * (len(target) - value.ndim) + value.shape), target).reshape(-1)
+    target = [1] * len(tensor_shape(conv))
+    target[_channel_axis(conv)] = tensor_shape(conv)[_channel_axis(conv)]
+    return channel_values(bias.value.numpy(), target)
