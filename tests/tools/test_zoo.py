@@ -165,8 +165,9 @@ def test_dynamic_axes_sized_at_import_reach_the_kernels_and_match_pytorch(name, 
 @pytest.mark.parametrize("name, depthwise_dtype", [("mobilenet_v2", "uint8"), ("efficientnet_b0", "fallback")])
 def test_quantized_depthwise_convs_follow_their_input_sign_and_stay_close_to_fp32(name, depthwise_dtype):
     """MobileNetV2's depthwise convs read ReLU6 outputs: int8q makes them uint8 layers; EfficientNet's read SiLU
-    outputs and stay in the bf16 fallback. Both builds (requantize runs folded) keep close to fp32 (a wrong scale or
-fold would not: cosine near 0)."""
+    outputs and stay in the bf16 fallback. Both builds (requantize runs folded) keep close to fp32 over four inputs
+    (a wrong scale or fold would not: cosine near 0; one input of a tiny config's few channels swings: tiny
+    MobileNetV2's, over 24, from 0.93 to 0.996, mean 0.98)."""
     from relay_amp.passes.layers import layer_bindings
     from relay_amp.passes.quantize.realize import prepared
 
@@ -179,10 +180,13 @@ fold would not: cosine near 0)."""
     depthwise = {entry.dtype for entry, call in zip(entries, calls) if getattr(call.attrs, "groups", 1) != 1}
     assert depthwise == {depthwise_dtype}
     target = relay_amp.targets.host_preset()
-    inputs = [rng.standard_normal(shape).astype("float32")]
-    expected = run_executable(relay_amp.build(mod, target), inputs)[0]
-    got = run_executable(relay_amp.build(quantized, target), inputs)[0]
-    assert relay_amp.metrics.cosine_similarity(got, expected) >= 0.95  # the tiny configs' few channels: noisy int8
+    fp32, int8 = relay_amp.build(mod, target), relay_amp.build(quantized, target)
+    cosines = []
+    for _ in range(4):
+        inputs = [rng.standard_normal(shape).astype("float32")]
+        cosines.append(relay_amp.metrics.cosine_similarity(run_executable(int8, inputs)[0],
+                                                           run_executable(fp32, inputs)[0]))
+    assert np.mean(cosines) >= 0.95, cosines
 
 
 def test_tiny_mixnet_keeps_one_block_of_each_stage_with_every_kind_of_block():
