@@ -252,12 +252,15 @@ def _quantized_error(mod: tvm.IRModule, quantized_residuals: bool) -> tuple[floa
     return float(np.abs(relay_amp.run(quantized, inputs)[0] - expected).max() / np.abs(expected).max()), quantized
 
 
-@pytest.mark.parametrize("source, adds_reading_codes", [("relay_amp", 5), ("resnet18", 1), ("mobilenet_v2", 10)])
-def test_quantized_residuals_keep_a_model_close_to_fp32(source, adds_reading_codes):
+# the largest error each may leave: tiny MobileNetV2's int8 is coarse whatever its residuals (0.175 with fp32 ones)
+@pytest.mark.parametrize("source, adds_reading_codes, ceiling", [("relay_amp", 5, 0.05), ("resnet18", 1, 0.05),
+                                                                 ("mobilenet_v2", 10, 0.25)])
+def test_quantized_residuals_keep_a_model_close_to_fp32(source, adds_reading_codes, ceiling):
     """relay_amp's ResNet-18 and the zoo's ResNet-18 and MobileNetV2 (through ONNX, models the rewrite was not
     written on): every residual add whose operand a layer quantizes to uint8 reads its codes (a ResNet's after its
     ReLU, not those after a downsampling conv, which a block's first conv does not read; each of MobileNetV2's
-    signed bottleneck outputs, less its zero point), within 1.5x of the error that fp32 residuals leave."""
+    signed bottleneck outputs, less its zero point), within 1.5x of the error that fp32 residuals leave and under
+    `ceiling` of the largest output."""
     if source == "relay_amp":
         mod = models.resnet18(image_size=32, classes=16)
     else:
@@ -266,7 +269,7 @@ def test_quantized_residuals_keep_a_model_close_to_fp32(source, adds_reading_cod
     codes_error, codes = _quantized_error(mod, True)
     assert _residual_adds(codes)[1] == adds_reading_codes and _residual_adds(floats)[1] == 0
     assert relay_amp.quant_plan(codes).quantized_residuals and not relay_amp.quant_plan(floats).quantized_residuals
-    assert codes_error < max(1.5 * floats_error, 0.01), (codes_error, floats_error)
+    assert codes_error < max(1.5 * floats_error, 0.01) and codes_error < ceiling, (codes_error, floats_error)
     relax.analysis.well_formed(codes)
 
 
