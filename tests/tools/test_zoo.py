@@ -189,6 +189,19 @@ def test_quantized_depthwise_convs_follow_their_input_sign_and_stay_close_to_fp3
     assert np.mean(cosines) >= 0.95, cosines
 
 
+def test_quantized_residuals_in_offset_codes_are_read_by_the_kernels():
+    """MobileNetV2's signed bottleneck outputs are uint8 codes less a zero point (a model the epilogue's rule was not
+    written on): each residual add reads them in the next kernel's write-back, so no function dequantizes them to
+    fp32 (cast, subtract, multiply) for the kernel to read (10 did). The build's accuracy is the test above's."""
+    mod = zoo.load("mobilenet_v2", tiny=True)
+    rng = np.random.default_rng(0)
+    shape = zoo.example_inputs("mobilenet_v2", tiny=True)[0].shape
+    quantized = relay_amp.quantize(mod, [rng.standard_normal(shape).astype("float32") for _ in range(4)])
+    functions = prepared_function_names(quantized)
+    assert sum("dot_kernel" in name for name in functions) > 10
+    assert not [name for name in functions if "subtract" in name]
+
+
 def test_tiny_mixnet_keeps_one_block_of_each_stage_with_every_kind_of_block():
     """Its tiny model is the full architecture cut to each stage's first block (what builds in the tests)."""
     kinds = {type(block).__name__ for stage in zoo.torch_module("mixnet_s").model.blocks for block in stage}

@@ -5,7 +5,8 @@ add, ReLU and cast back to bf16 ran as a separate function that read the whole f
 the 56x56x256 fp32 outputs took more time to write and read back than their products took to compute.
 `FuseKernelEpilogues` follows each kernel's result through the ops that read it alone, as long as they are
 per-channel constant adds and multiplies, one add of a tensor of the output's shape (read as 8-bit codes
-where it is codes widened and times a scalar step: a quantized residual), multiplies by an fp32 tensor of one
+where it is codes widened, less a scalar zero point or not, and times a scalar step: a quantized residual, a
+signed one in offset codes), multiplies by an fp32 tensor of one
 value per output row (a dynamic int8 matmul's row scales, computed at run time), ReLU or clip, casts to float
 dtypes, a last cast to int8/uint8 (a quantized model's requantize: scale, floor(x + 0.5), clamp, cast) and
 reshapes that keep the channel axis (an int8 matmul's int32 sums reshaped back from the kernel's NHWC too), and
@@ -230,7 +231,8 @@ class _ChainFinder:
         codes = self._codes_source(other)
         if codes is not None:
             chain.residual_dtype = tensor_dtype(codes[0])
-            return self._record(chain, kernels.Step(kernels.RESIDUAL, scale=codes[1]), codes[0])
+            step = kernels.Step(kernels.RESIDUAL, scale=codes[1], zero_point=codes[2])
+            return self._record(chain, step, codes[0])
         other = self._narrow_source(other)
         chain.residual_dtype = tensor_dtype(other)
         return self._record(chain, kernels.Step(kernels.RESIDUAL), other)
@@ -240,19 +242,23 @@ class _ChainFinder:
         block, at = self.position.get(var, (None, None))
         return None if block is None else self.blocks[block][at].value
 
-    def _codes_source(self, var: relax.Var) -> "tuple[relax.Var, float] | None":
-        """(codes, step) where `var` is 8-bit integer codes widened and multiplied by a scalar step: the kernel
-        reads the codes (a quarter of fp32's bytes) and scales them in registers."""
+    def _codes_source(self, var: relax.Var) -> "tuple[relax.Var, float, float] | None":
+        """(codes, step, zero point) where `var` is 8-bit integer codes widened, less a scalar zero point or not
+        (offset codes of a signed tensor), and multiplied by a scalar step: the kernel reads the codes (a quarter of
+        fp32's bytes) and scales them in registers."""
         value = self._bound_value(var)
         if call_op_name(value) != "relax.multiply" or not isinstance(value.args[0], relax.Var):
             return None
-        step, widened = formula.scalar(value.args[1]), self._bound_value(value.args[0])
-        if step is None or call_op_name(widened) != "relax.astype" or not isinstance(widened.args[0], relax.Var):
+        step, widened, zero_point = formula.scalar(value.args[1]), self._bound_value(value.args[0]), 0.0
+        if call_op_name(widened) == "relax.subtract" and isinstance(widened.args[0], relax.Var):
+            zero_point, widened = formula.scalar(widened.args[1]), self._bound_value(widened.args[0])
+        if (step is None or zero_point is None or call_op_name(widened) != "relax.astype"
+                or not isinstance(widened.args[0], relax.Var)):
             return None
         codes = widened.args[0]
         if tensor_dtype(codes) not in QUANTIZED_DTYPES or codes in self.absorbed:
             return None
-        return codes, step
+        return codes, step, zero_point
 
     def _narrow_source(self, var: relax.Var) -> relax.Var:
         """The bf16 (or fp16) var that `var` is a cast of to fp32, else `var`: the kernel reads the narrow tensor

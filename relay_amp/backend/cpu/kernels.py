@@ -162,6 +162,7 @@ class Step:
     high: float = math.inf
     formula: tuple = ()
     scale: float = 1.0  # a RESIDUAL operand's step: it holds integer codes of the values it adds
+    zero_point: float = 0.0  # the code of a RESIDUAL operand that stands for 0 (offset codes of a signed tensor)
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,8 @@ class Epilogue:
                 value = formula.expression(formula.narrowed(step.formula) if narrow else step.formula, value)
                 continue
             operand = tvm.tirx.Cast(WIDE, operand_at(taken, step))
+            if step.zero_point:
+                operand = operand - tvm.tirx.FloatImm(WIDE, step.zero_point)
             if step.scale != 1.0:
                 operand = operand * tvm.tirx.FloatImm(WIDE, step.scale)
             taken += 1

@@ -467,21 +467,26 @@ def test_a_spatial_pad_after_an_fp32_kernel_ends_its_chain():
     assert call_op_name(after["main"].body.blocks[0].bindings[-1].value) == "relax.nn.pad"
 
 
-def _codes_residual_module() -> tvm.IRModule:
-    """main(x, c): a bf16 conv plus uint8 codes `c` times their step (a residual quantize left in codes), ReLU."""
+def _codes_residual_module(zero_point: float = 0.0) -> tvm.IRModule:
+    """main(x, c): a bf16 conv plus uint8 codes `c` (less `zero_point`, where not 0: offset codes of a signed
+    tensor) times their step (a residual quantize left in codes), ReLU."""
     x, codes = tensor("x", SHAPE, BF16), tensor("c", SHAPE, "uint8")
     bb = relax.BlockBuilder()
     with bb.function("main", [x, codes]):
         with bb.dataflow():
-            real = bb.emit(relax.op.multiply(bb.emit(relax.op.astype(codes, F32)), relax.const(0.125)))
+            widened = bb.emit(relax.op.astype(codes, F32))
+            if zero_point:
+                widened = bb.emit(relax.op.subtract(widened, relax.const(np.float32(zero_point))))
+            real = bb.emit(relax.op.multiply(widened, relax.const(0.125)))
             value = bb.emit(relax.op.add(bb.emit(_conv(x)), real))
             out = bb.emit_output(relax.op.nn.relu(value))
         bb.emit_func_output(out)
     return bb.get()
 
 
-def test_a_residual_of_uint8_codes_is_read_in_bytes_and_scaled_in_the_epilogue():
-    steps = (kernels.Step(kernels.RESIDUAL, scale=0.125), kernels.Step(kernels.CLIP, low=0.0))
+@pytest.mark.parametrize("zero_point", [0.0, 128.0])
+def test_a_residual_of_uint8_codes_is_read_in_bytes_and_scaled_in_the_epilogue(zero_point):
+    steps = (kernels.Step(kernels.RESIDUAL, scale=0.125, zero_point=zero_point), kernels.Step(kernels.CLIP, low=0.0))
     x, codes = tensor("x", SHAPE, BF16), tensor("c", SHAPE, "uint8")
     spec = _spec()
     bb = relax.BlockBuilder()
@@ -492,13 +497,29 @@ def test_a_residual_of_uint8_codes_is_read_in_bytes_and_scaled_in_the_epilogue()
             packed = relax.const(kernels.pack_weight(WEIGHT, "HWIO", kernels.BF16_DOT))
             out = bb.emit_output(relax.call_tir(gvar, [padded, packed, codes], relax.TensorType(spec.out_shape, F32)))
         bb.emit_func_output(out)
-    assert_transforms(FuseKernelEpilogues(), _dispatched(_codes_residual_module()), bb.get())
+    assert_transforms(FuseKernelEpilogues(), _dispatched(_codes_residual_module(zero_point)), bb.get())
 
 
-def test_a_codes_residual_matches_the_unfused_ops():
+def test_a_residual_less_a_tensor_is_not_read_as_codes():
+    """Only a scalar constant zero point makes the residual offset codes; a per-pixel subtrahend stays a function."""
+    x, codes = tensor("x", SHAPE, BF16), tensor("c", SHAPE, "uint8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, codes]):
+        with bb.dataflow():
+            widened = bb.emit(relax.op.astype(codes, F32))
+            real = bb.emit(relax.op.multiply(bb.emit(relax.op.subtract(widened, widened)), relax.const(0.125)))
+            out = bb.emit_output(relax.op.add(bb.emit(_conv(x)), real))
+        bb.emit_func_output(out)
+    fused = FuseKernelEpilogues()(_dispatched(bb.get()))
+    (kernel,) = [b.value for b in fused["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"]
+    assert [str(arg.ty.dtype) for arg in kernel.args[1].fields][-1] == F32
+
+
+@pytest.mark.parametrize("zero_point", [0.0, 128.0])
+def test_a_codes_residual_matches_the_unfused_ops(zero_point):
     if not targets.host_supports("avx512_bf16"):
         pytest.skip("host CPU has no avx512_bf16")
-    before = _codes_residual_module()
+    before = _codes_residual_module(zero_point)
     fused = FuseKernelEpilogues()(dispatch.UseDotKernels({BF16})(before))
     (kernel,) = [b.value for b in fused["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"]
     assert [str(arg.ty.dtype) for arg in kernel.args[1].fields][-1] == "uint8"
