@@ -6,9 +6,14 @@ it run in that layout until the next convolution transposes again. This pass mov
 that computes the same values on the untransposed tensor with its axes renamed (elementwise ops, pads, group
 norms, pools, strided slices, and concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in
 NCHW), so that the transpose back and the next one forward meet and cancel. A transpose that permutes nothing, or
-only axes of extent one, becomes a view.
+only axes of extent one, becomes a view, and so does a transpose of a reshape of a transpose that leaves every
+element in its order (a hierarchical ViT's tokens made an image for a conv, which ConvertLayout then transposes
+to NHWC, and the image made tokens again: PVT-v2-B0's 86 transposes after layout conversion are 30).
 """
 
+import math
+
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -23,6 +28,7 @@ BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
     "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
+MAX_CHECKED_ELEMENTS = 1 << 26  # a transpose, reshape and transpose of more elements are not checked for order
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
@@ -85,12 +91,38 @@ class _Sinker(relax.PyExprMutator):
         view = _as_view(call)
         if view is not None:
             return view
+        reshaped = self._reshape_between_transposes(call)
+        if reshaped is not None:
+            return reshaped
         inner = self._transposed(call.args[0])
         if inner is None or call.attrs.axes is None:
             return call
         source, first = inner
         second = [int(axis) for axis in call.attrs.axes]
         return source if [first[axis] for axis in second] == list(range(len(second))) else call
+
+    def _reshape_between_transposes(self, call: relax.Call) -> "relax.Expr | None":
+        """x reshaped, for permute_dims(reshape(permute_dims(x, p)), q) that keeps x's elements in their order: a
+        hierarchical ViT's tokens made an image (PVT's [1, 3136, 32] transposed, split to [1, 32, 56, 56] and, by
+        ConvertLayout, transposed to NHWC for its conv) or the image made tokens again, two copies that move
+        nothing. None for any other transpose."""
+        reshape = bound_call(self, call.args[0], "relax.reshape")
+        inner = None if reshape is None else self._transposed(reshape.args[0])
+        if inner is None or call.attrs.axes is None:
+            return None
+        (source, first), middle = inner, tensor_shape(reshape)
+        if not (_static(middle) and _static(tensor_shape(source))) or math.prod(middle) > MAX_CHECKED_ELEMENTS:
+            return None
+        second = [int(axis) for axis in call.attrs.axes]
+        order = np.arange(math.prod(middle), dtype="int32").reshape(tensor_shape(source))
+        moved = np.transpose(np.transpose(order, first).reshape(middle), second)
+        if not np.array_equal(moved.reshape(-1), order.reshape(-1)):
+            return None
+        return relax.op.reshape(source, moved.shape)
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(size, int) for size in shape)
 
 
 def _as_view(call: relax.Call) -> "relax.Expr | None":
