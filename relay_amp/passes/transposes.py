@@ -28,7 +28,8 @@ BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
     "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
-MAX_CHECKED_ELEMENTS = 1 << 26  # a transpose, reshape and transpose of more elements are not checked for order
+MAX_CHECKED_ELEMENTS = 1 << 23  # a transpose, reshape and transpose of more elements are not checked for order
+# (the check moves an arange of int32 through them: 32 MB at most; a 256x256 image of 64 channels is 4M elements)
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
@@ -122,6 +123,7 @@ class _Sinker(relax.PyExprMutator):
 
 
 def _static(shape) -> bool:
+    """Whether `shape` is known and every extent is an int."""
     return shape is not None and all(isinstance(size, int) for size in shape)
 
 
@@ -131,7 +133,7 @@ def _as_view(call: relax.Call) -> "relax.Expr | None":
     transpose moves only axes of extent one (a squeeze-excite's [1, C, 1, 1] to [1, 1, 1, C]): a view, where the
     transpose copies. None for any other transpose."""
     shape = tensor_shape(call.args[0])
-    if call.attrs.axes is None or shape is None or not all(isinstance(size, int) for size in shape):
+    if call.attrs.axes is None or not _static(shape):
         return None
     perm = [int(axis) for axis in call.attrs.axes]
     if perm == list(range(len(perm))):
