@@ -9,6 +9,7 @@ from tvm.script import relax as R
 
 import relay_amp
 from relay_amp._pads import constant_pad, pads_as_ops
+from relay_amp.ops import call_op_name
 from relay_amp.passes.transposes import SinkTransposes
 
 from pass_checks import assert_transforms
@@ -311,13 +312,9 @@ def test_tokens_made_an_image_and_back_through_two_transposes_become_reshapes():
 def _transposes_around_reshapes(mod: tvm.IRModule) -> int:
     """How many transposes of a reshape of a transpose `mod`'s main holds."""
     values = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings}
-
-    def op_of(expr) -> str:
-        value = values.get(expr)
-        return getattr(getattr(value, "op", None), "name", "")
-
-    return sum(op_of(v.args[0]) == "relax.reshape" and op_of(values[v.args[0]].args[0]) == "relax.permute_dims"
-               for v in values.values() if getattr(getattr(v, "op", None), "name", "") == "relax.permute_dims")
+    transposes = [v for v in values.values() if call_op_name(v) == "relax.permute_dims"]
+    reshapes = [values.get(v.args[0]) for v in transposes if call_op_name(values.get(v.args[0])) == "relax.reshape"]
+    return sum(call_op_name(values.get(r.args[0])) == "relax.permute_dims" for r in reshapes)
 
 
 def test_a_pvt_through_onnx_converts_tokens_and_images_without_copies(tmp_path):
@@ -339,5 +336,5 @@ def test_a_pvt_through_onnx_converts_tokens_and_images_without_copies(tmp_path):
 
 
 def _count(mod: tvm.IRModule, op_name: str) -> int:
-    return sum(getattr(getattr(b.value, "op", None), "name", "") == op_name
-               for block in mod["main"].body.blocks for b in block.bindings)
+    """How many calls of `op_name` `mod`'s main binds."""
+    return sum(call_op_name(b.value) == op_name for block in mod["main"].body.blocks for b in block.bindings)
