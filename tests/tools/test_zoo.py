@@ -162,6 +162,14 @@ def test_dynamic_axes_sized_at_import_reach_the_kernels_and_match_pytorch(name, 
         assert _relative_error(run_executable(executable, inputs)[0], expected) <= FP32_TOLERANCE
 
 
+def _tiny_quantized(name: str) -> tuple:
+    """(the zoo's tiny `name`, it quantized on four random inputs, the generator that drew them, for more)."""
+    mod = zoo.load(name, tiny=True)
+    rng = np.random.default_rng(0)
+    shape = zoo.example_inputs(name, tiny=True)[0].shape
+    return mod, relay_amp.quantize(mod, [rng.standard_normal(shape).astype("float32") for _ in range(4)]), rng
+
+
 @pytest.mark.parametrize("name, depthwise_dtype", [("mobilenet_v2", "uint8"), ("efficientnet_b0", "fallback")])
 def test_quantized_depthwise_convs_follow_their_input_sign_and_stay_close_to_fp32(name, depthwise_dtype):
     """MobileNetV2's depthwise convs read ReLU6 outputs: int8q makes them uint8 layers; EfficientNet's read SiLU
@@ -171,10 +179,8 @@ def test_quantized_depthwise_convs_follow_their_input_sign_and_stay_close_to_fp3
     from relay_amp.passes.layers import layer_bindings
     from relay_amp.passes.quantize.realize import prepared
 
-    mod = zoo.load(name, tiny=True)
-    rng = np.random.default_rng(0)
+    mod, quantized, rng = _tiny_quantized(name)
     shape = zoo.example_inputs(name, tiny=True)[0].shape
-    quantized = relay_amp.quantize(mod, [rng.standard_normal(shape).astype("float32") for _ in range(4)])
     entries = relay_amp.quant_plan(quantized).entries
     calls = [binding.value for binding in layer_bindings(prepared(mod), ["relax.nn.conv2d", "relax.matmul"])]
     depthwise = {entry.dtype for entry, call in zip(entries, calls) if getattr(call.attrs, "groups", 1) != 1}
@@ -193,11 +199,7 @@ def test_quantized_residuals_in_offset_codes_are_read_by_the_kernels():
     """MobileNetV2's signed bottleneck outputs are uint8 codes less a zero point (a model the epilogue's rule was not
     written on): each residual add reads them in the next kernel's write-back, so no function dequantizes them to
     fp32 (cast, subtract, multiply) for the kernel to read (10 did). The build's accuracy is the test above's."""
-    mod = zoo.load("mobilenet_v2", tiny=True)
-    rng = np.random.default_rng(0)
-    shape = zoo.example_inputs("mobilenet_v2", tiny=True)[0].shape
-    quantized = relay_amp.quantize(mod, [rng.standard_normal(shape).astype("float32") for _ in range(4)])
-    functions = prepared_function_names(quantized)
+    functions = prepared_function_names(_tiny_quantized("mobilenet_v2")[1])
     assert sum("dot_kernel" in name for name in functions) > 10
     assert not [name for name in functions if "subtract" in name]
 

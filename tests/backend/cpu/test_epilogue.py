@@ -510,9 +510,13 @@ def test_a_residual_less_a_tensor_is_not_read_as_codes():
             real = bb.emit(relax.op.multiply(bb.emit(relax.op.subtract(widened, widened)), relax.const(0.125)))
             out = bb.emit_output(relax.op.add(bb.emit(_conv(x)), real))
         bb.emit_func_output(out)
-    fused = FuseKernelEpilogues()(_dispatched(bb.get()))
+    assert _residual_dtype(FuseKernelEpilogues()(_dispatched(bb.get()))) == F32
+
+
+def _residual_dtype(fused: tvm.IRModule) -> str:
+    """The dtype of the last operand of `fused`'s one kernel call: the residual it reads."""
     (kernel,) = [b.value for b in fused["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"]
-    assert [str(arg.ty.dtype) for arg in kernel.args[1].fields][-1] == F32
+    return str(kernel.args[1].fields[-1].ty.dtype)
 
 
 @pytest.mark.parametrize("zero_point", [0.0, 128.0])
@@ -520,9 +524,7 @@ def test_a_codes_residual_matches_the_unfused_ops(zero_point):
     if not targets.host_supports("avx512_bf16"):
         pytest.skip("host CPU has no avx512_bf16")
     before = _codes_residual_module(zero_point)
-    fused = FuseKernelEpilogues()(dispatch.UseDotKernels({BF16})(before))
-    (kernel,) = [b.value for b in fused["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"]
-    assert [str(arg.ty.dtype) for arg in kernel.args[1].fields][-1] == "uint8"
+    assert _residual_dtype(FuseKernelEpilogues()(dispatch.UseDotKernels({BF16})(before))) == "uint8"
     x = RNG.standard_normal(SHAPE).astype(ml_dtypes.bfloat16)
     codes = RNG.integers(0, 256, SHAPE).astype("uint8")
     got = run_executable(build(before, "cpu-avx512-bf16"), [x, codes])[0]
