@@ -1,8 +1,9 @@
 """SinkTransposes: transposes moved past the ops that have no layout rule, until they cancel.
 
 Relax's ConvertLayout carries a layout only through ops with a layout rule; around any other (relax.nn.pad: the
-ONNX Pad of BiT's stem and of TF-ported "same" convs) it transposes back to the model's layout, and the ops after
-it run in that layout until the next convolution transposes again. This pass moves a transpose below each op
+ONNX Pad of BiT's stem and of TF-ported "same" convs; leakyrelu, all of CSPNet's and DarkNet's activations, and
+softplus) it transposes back to the model's layout, and the ops after it run in that layout until the next
+convolution transposes again. This pass moves a transpose below each op
 that computes the same values on the untransposed tensor with its axes renamed (elementwise ops, pads, group
 norms, pools, strided slices, and concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in
 NCHW), so that the transpose back and the next one forward meet and cancel. A transpose that permutes nothing, or
@@ -22,8 +23,8 @@ from .._ir import read_counts, tensor_shape, with_attr
 from ..ops import bound_call, call_op_name
 
 UNARY = frozenset(f"relax.{name}" for name in (
-    "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "sigmoid", "tanh", "exp", "erf", "sqrt", "rsqrt", "negative",
-    "abs", "astype", "floor", "round", "clip"))
+    "nn.relu", "nn.leakyrelu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.softplus", "sigmoid", "tanh", "exp", "log",
+    "erf", "sqrt", "rsqrt", "negative", "abs", "sign", "astype", "floor", "ceil", "round", "clip"))
 BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast operands: arithmetic, comparisons
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
     "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))

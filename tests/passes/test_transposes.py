@@ -54,6 +54,39 @@ def test_a_transpose_moves_past_pad_norm_activation_and_pool_and_cancels_the_nex
                                relay_amp.run(Before, [data, gamma, beta])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_transposes_move_past_the_activations_convertlayout_has_no_rule_for():
+    """leakyrelu and softplus have no layout rule in Relax: ConvertLayout transposes back to NCHW around each (all
+    of CSPNet's and DarkNet's activations); the transposes move past them and cancel."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 4, 4, 8), "float32"):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                leaky = R.nn.leakyrelu(nchw, alpha=0.1)
+                smooth = R.nn.softplus(leaky, beta=1.0, threshold=20.0)
+                logged = R.log(smooth)
+                gv = R.permute_dims(logged, axes=[0, 2, 3, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 4, 4, 8), "float32"):
+            with R.dataflow():
+                leaky = R.nn.leakyrelu(x, alpha=0.1)
+                smooth = R.nn.softplus(leaky, beta=1.0, threshold=20.0)
+                logged = R.log(smooth)
+                gv = logged
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    data = np.random.default_rng(0).standard_normal((1, 4, 4, 8)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(after, [data])[0], relay_amp.run(Before, [data])[0], rtol=1e-6)
+
+
 def test_transposes_move_past_comparisons_and_where_as_torch_export_spells_prelu():
     @I.ir_module
     class Before:

@@ -419,10 +419,10 @@ class _Dispatcher(relax.PyExprMutator):
         return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))
 
 
-# elementwise ops that keep every finite value finite (no exp, sqrt or rsqrt), with their constant operands'
+# elementwise ops that keep every finite value finite (no exp, log, sqrt or rsqrt), with their constant operands'
 # neutral padding (None: unary)
-WIDENABLE = {**{op: None for op in UNARY - {"relax.exp", "relax.sqrt", "relax.rsqrt"}}, "relax.add": 0.0,
-             "relax.subtract": 0.0, "relax.multiply": 1.0, "relax.divide": 1.0, "relax.maximum": 0.0,
+WIDENABLE = {**{op: None for op in UNARY - {"relax.exp", "relax.log", "relax.sqrt", "relax.rsqrt"}},
+             "relax.add": 0.0, "relax.subtract": 0.0, "relax.multiply": 1.0, "relax.divide": 1.0, "relax.maximum": 0.0,
              "relax.minimum": 0.0}
 
 
@@ -444,7 +444,8 @@ def _divides_by_a_tensor(call: relax.Call) -> bool:
     return call.op.name == "relax.divide" and not isinstance(call.args[1], tvm.ir.expr.Constant)
 
 
-ZERO_AT_ZERO = frozenset(UNARY - {"relax.sigmoid", "relax.clip", "relax.exp", "relax.sqrt", "relax.rsqrt"})
+ZERO_AT_ZERO = frozenset(UNARY - {"relax.sigmoid", "relax.nn.softplus", "relax.clip", "relax.exp", "relax.log",
+                                   "relax.sqrt", "relax.rsqrt"})
 # constants c, the same on every channel, for which op(0, c) is 0
 ZERO_WITH_SCALAR = {"relax.add": lambda c: c == 0, "relax.subtract": lambda c: c == 0,
                     "relax.multiply": lambda c: True, "relax.divide": lambda c: c != 0,

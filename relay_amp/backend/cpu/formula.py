@@ -23,12 +23,12 @@ PRIMITIVES = {
     "add": topi.add, "subtract": topi.subtract, "multiply": topi.multiply, "divide": topi.divide,
     "maximum": topi.maximum, "minimum": topi.minimum, "negative": topi.negative, "sqrt": topi.sqrt,
     "erf": topi.erf, "exp": topi.exp, "tanh": topi.tanh, "floor": topi.floor, "log": topi.log, "sin": topi.sin,
-    "cos": topi.cos,
+    "cos": topi.cos, "abs": topi.abs,
     "fast_erf": topi.fast_erf, "fast_tanh": topi.fast_tanh,
 }
 UNARY_OPS = {"relax.negative": "negative", "relax.sqrt": "sqrt", "relax.erf": "erf", "relax.exp": "exp",
              "relax.tanh": "tanh", "relax.floor": "floor",  # floor: the rounding of a quantize (floor(x + 0.5))
-             "relax.log": "log", "relax.sin": "sin", "relax.cos": "cos"}
+             "relax.log": "log", "relax.sin": "sin", "relax.cos": "cos", "relax.abs": "abs"}
 BINARY_OPS = {"relax.add": "add", "relax.subtract": "subtract", "relax.multiply": "multiply",
               "relax.divide": "divide", "relax.maximum": "maximum", "relax.minimum": "minimum"}
 APPROXIMATED = ("erf", "exp", "tanh", "log", "sin", "cos")  # the primitives with a fast_ version
@@ -248,11 +248,19 @@ def of_call(call: relax.Expr, known: dict, fast: bool) -> "tuple | None":
         return operands[0]
     if name == "relax.power" and operands[0] is not None:
         return _power(operands[0], call.args[1])
+    if name == "relax.nn.leakyrelu" and operands[0] is not None:
+        return leaky_relu(operands[0], float(call.attrs.alpha))
     if None in operands or all(operand[0] == "const" for operand in operands):
         return None
     if len(operands) == 2 and name in BINARY_OPS:
         return _over_reciprocal(BINARY_OPS[name], *operands)
     return activation(name, operands[0], fast) if len(operands) == 1 else None
+
+
+def leaky_relu(x: tuple, alpha: float) -> tuple:
+    """max(x, 0) + alpha * min(x, 0): x or alpha * x, one of the two terms an exact 0 (so rounded as TVM's
+    leaky_relu is), for any alpha."""
+    return ("add", ("maximum", x, const(0.0)), ("multiply", ("minimum", x, const(0.0)), const(alpha)))
 
 
 def _over_reciprocal(kind: str, left: tuple, right: tuple) -> tuple:

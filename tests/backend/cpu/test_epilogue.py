@@ -182,6 +182,31 @@ def test_an_exported_gelu_in_the_epilogue_matches_numpy(preset, feature):
     assert np.all(np.abs(got - expected) <= 2 ** -8 * np.abs(expected) + 1e-4)
 
 
+def test_a_leaky_relu_becomes_one_map_step():
+    before = _dispatched(_chain_module(lambda v, r: relax.op.add(v, relax.const(BIAS)),
+                                       lambda v, r: relax.op.nn.leakyrelu(v, 0.1),
+                                       lambda v, r: relax.op.astype(v, BF16)))
+    leaky = ("add", ("maximum", ("x",), ("const", 0.0)),
+             ("multiply", ("minimum", ("x",), ("const", 0.0)), ("const", 0.1)))
+    steps = (kernels.Step(kernels.BIAS), kernels.Step(kernels.MAP, formula=leaky))
+    assert_transforms(FuseKernelEpilogues(), before,
+                      _expected(kernels.Epilogue(steps, "", BF16), [lambda r: relax.const(BIAS)]))
+
+
+def test_a_darknets_leaky_relus_all_run_in_its_kernels(tmp_path):
+    """timm's DarkNet-17 through ONNX (a model the rule was not written on): every one of its 17 LeakyReLUs runs in
+    the write-back of the conv before it, in fp32 and in bf16 (each was a function of its own, with a transpose
+    back to NCHW and forth around it), and the fp32 build matches PyTorch."""
+    from builders import timm_through_onnx
+    from pass_checks import prepared_function_names
+
+    _, imported, x, expected = timm_through_onnx("darknet17", tmp_path)
+    for model in (imported, relay_amp.to_mixed_precision(imported, BF16)):
+        assert not [name for name in prepared_function_names(model) if "leaky" in name]
+    got = run_executable(relay_amp.build(imported, targets.host_preset()), [x])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
 def test_exact_math_keeps_libm_in_the_activation():
     before = _dispatched(_chain_module(lambda v, r: relax.op.nn.gelu(v)))
     after = FuseKernelEpilogues(fast_math=False)(before)

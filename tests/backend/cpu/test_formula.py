@@ -50,6 +50,19 @@ def test_activation_formulas_match_numpy(op_name, fast):
     np.testing.assert_allclose(_evaluate(made), REFERENCE[op_name], rtol=1e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("alpha", [0.01, 0.2, 1.5, -0.5])
+def test_a_leaky_relu_is_x_or_alpha_times_x_rounded_as_tvms(alpha):
+    call = relax.op.nn.leakyrelu(tensor("x", VALUES.shape), alpha)
+    made = formula.of_call(call, {call.args[0]: X}, True)
+    expected = np.where(VALUES > 0, VALUES, VALUES * np.float32(alpha))
+    np.testing.assert_array_equal(_evaluate(made), expected)
+
+
+def test_abs_has_a_formula():
+    call, x = _call("relax.abs")
+    np.testing.assert_array_equal(_evaluate(formula.of_call(call, {x: X}, True)), np.abs(VALUES))
+
+
 def test_binary_ops_take_scalar_constants_and_known_values():
     x = tensor("x", VALUES.shape)
     halved = tensor("halved", VALUES.shape)
