@@ -3,24 +3,26 @@
 Relax's ConvertLayout carries a layout only through ops with a layout rule; around any other (relax.nn.pad: the
 ONNX Pad of BiT's stem and of TF-ported "same" convs; leakyrelu, all of CSPNet's and DarkNet's activations, and
 softplus) it transposes back to the model's layout, and the ops after it run in that layout until the next
-convolution transposes again. This pass moves a transpose below each op
-that computes the same values on the untransposed tensor with its axes renamed (elementwise ops, pads, group
-norms, pools, strided slices, and concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in
-NCHW), so that the transpose back and the next one forward meet and cancel. A transpose that permutes nothing, or
-only axes of extent one, becomes a view, and so does a transpose of a reshape of a transpose that leaves every
-element in its order (a hierarchical ViT's tokens made an image for a conv, which ConvertLayout then transposes
-to NHWC, and the image made tokens again: PVT-v2-B0's 86 transposes after layout conversion are 30).
+convolution transposes again. This pass moves a transpose below each op that computes the same values on the
+untransposed tensor with its axes renamed (elementwise ops, pads, group norms, pools, strided slices, concats of
+tensors all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so that the transpose back and the next
+one forward meet and cancel. Past a reshape too, where it only merges or splits runs of axes that keep their order
+(an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed);
+past a split of a conv's output back in NCHW (EfficientViT's heads, CSPNet's halves: each part transposed); and
+past a matmul of two operands transposed in their last two axes ((B A)^T = A^T B^T). Two transposes in a row become
+one, and a transpose that permutes nothing, or only axes of extent one, a view. So a hierarchical ViT's tokens
+made an image for a conv (which ConvertLayout then transposes to NHWC) and the image made tokens again are
+reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164 (54 at import) are 27.
 """
 
 import math
 
-import numpy as np
 import tvm
 from tvm import relax
 
 from .._dead_code import remove_all_unused
 from .._ir import read_counts, tensor_shape, with_attr
-from ..ops import bound_call, call_op_name
+from ..ops import bound_call, bound_value, call_op_name, tuple_fields
 
 UNARY = frozenset(f"relax.{name}" for name in (
     "nn.relu", "nn.leakyrelu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.softplus", "sigmoid", "tanh", "exp", "log",
@@ -29,31 +31,33 @@ BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
     "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
-MAX_CHECKED_ELEMENTS = 1 << 23  # a transpose, reshape and transpose of more elements are not checked for order
-# (the check moves an arange of int32 through them: 32 MB at most; a 256x256 image of 64 channels is 4M elements)
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
 class SinkTransposes:
     """Every transpose (permute_dims) read once, by an op that computes the same on the untransposed tensor, moved
-    past it (one read at a time: a transpose with another reader would stay for it, and the tensor be transposed
-    twice); two transposes in a row that undo each other dropped; one that permutes nothing, or only axes of
-    extent one, a view (`_as_view`). Fold constants first: a constant operand of a binary op is transposed the
-    other way."""
+    past it; two transposes in a row composed, dropped where they undo each other; one that permutes nothing, or
+    only axes of extent one, a view (`_as_view`). A transpose read more than once moves below each reader that
+    takes it (each result transposed on its own) where that leaves the function copying fewer elements in
+    transposes (an EfficientViT head's output, read by the next head's add and by the concat of all heads;
+    ConvNeXt's blocks); else it stays for them all. Fold constants first: a constant operand of a binary op is
+    transposed the other way."""
 
     def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
         """`func` with its transposes sunk; the input module is left as it was."""
-        sunk = _Sinker(mod, read_counts(func)).visit_expr(func)
-        return remove_all_unused(sunk)
+        reads = read_counts(func)
+        sunk = [remove_all_unused(_Sinker(mod, reads, shared).visit_expr(func)) for shared in (False, True)]
+        return min(sunk, key=_transposed_elements)
 
 
 @relax.expr_functor.mutator
 class _Sinker(relax.PyExprMutator):
     in_dataflow = False  # only dataflow blocks: a graph output's transpose stays where the block hands it out
 
-    def __init__(self, mod: tvm.IRModule, reads: dict[relax.Var, int]):
+    def __init__(self, mod: tvm.IRModule, reads: dict[relax.Var, int], shared: bool):
         super().__init__(mod)
         self.reads = reads  # of the function's vars, which keep their names where a transpose moves past them
+        self.shared = shared  # whether a transpose read more than once moves below each reader that takes it
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         self.in_dataflow = True
@@ -68,9 +72,11 @@ class _Sinker(relax.PyExprMutator):
         name = call_op_name(call)
         if name == "relax.permute_dims":
             return self._cancelled(call)
+        if name in ("relax.split", "relax.reshape", "relax.matmul"):
+            return self._regrouped(call, name)
         joined = name == "relax.concat" and isinstance(call.args[0], relax.Tuple)
         operands = list(call.args[0].fields) if joined else list(call.args)
-        sources = [self._transposed(arg) if self.reads.get(arg) == 1 else None for arg in operands]
+        sources = [self._sinkable(arg) for arg in operands]
         found = [source for source in sources if source is not None]
         if not found or any(source[1] != found[0][1] for source in found) or (joined and len(found) < len(sources)):
             return call
@@ -80,47 +86,157 @@ class _Sinker(relax.PyExprMutator):
             return call
         return relax.op.permute_dims(self.builder_.emit(moved), perm)
 
+    def visit_tuple_getitem_(self, item: relax.TupleGetItem) -> relax.Expr:
+        item = super().visit_tuple_getitem_(item)
+        fields = tuple_fields(self, item.tuple_value) if self.in_dataflow else None
+        return item if fields is None else fields[item.index]  # a part of a sunk split: its transpose
+
     def _transposed(self, expr: relax.Expr) -> "tuple[relax.Expr, list[int]] | None":
-        """(x, axes) where `expr` is bound to permute_dims(x, axes) with its axes given, else None."""
+        """(x, axes) where `expr` is bound to permute_dims(x, axes) with its axes given (through vars bound to
+        vars), else None."""
+        while isinstance(bound_value(self, expr), relax.Var):
+            expr = bound_value(self, expr)
         value = bound_call(self, expr, "relax.permute_dims")
         if value is None or value.attrs.axes is None:
             return None
         return value.args[0], [int(axis) for axis in value.attrs.axes]
 
+    def _sinkable(self, expr: relax.Expr) -> "tuple[relax.Expr, list[int]] | None":
+        """`_transposed(expr)` where the transpose may move below its reader (it has no other, or `shared`), else
+        None."""
+        return self._transposed(expr) if self.shared or self.reads.get(expr) == 1 else None
+
+    def _regrouped(self, call: relax.Call, name: str) -> relax.Expr:
+        """A split, reshape or matmul of transposed operands computed on the untransposed ones, its result
+        transposed (`_split`, `_reshaped`, `_swapped_matmul`); `call` where it cannot be."""
+        if name == "relax.matmul":
+            return self._swapped_matmul(call)
+        source = self._sinkable(call.args[0])
+        if source is None:
+            return call
+        if name == "relax.reshape":
+            return self._reshaped(call, *source)
+        return self._split(call, *source) if _channels_first(source[1]) else call
+
+    def _split(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Tuple:
+        """The parts of the untransposed `data` split along the renamed axis, each transposed: a conv's NHWC
+        output split into heads or halves in NCHW (EfficientViT, CSPNet), the parts' transposes left to meet
+        the next conv's."""
+        sections = call.attrs.indices_or_sections
+        count = int(sections) if isinstance(sections, tvm.tirx.IntImm) else len(sections) + 1
+        split = self.builder_.emit(relax.op.split(data, sections, perm[int(call.attrs.axis)]))
+        parts = [self.builder_.emit(relax.TupleGetItem(split, index)) for index in range(count)]
+        return relax.Tuple([self.builder_.emit(relax.op.permute_dims(part, perm)) for part in parts])
+
+    def _swapped_matmul(self, call: relax.Call) -> relax.Expr:
+        """matmul(b, a) transposed, for matmul of a and b both transposed in their last two axes ((B A)^T = A^T
+        B^T: attention's P V as EfficientViT computes it on NCHW heads, V^T P^T); `call` for any other matmul."""
+        sources = [self._sinkable(arg) for arg in call.args]
+        if any(source is None or source[1] != _last_two_swapped(len(source[1])) for source in sources):
+            return call
+        (left, perm), (right, _) = sources
+        product = self.builder_.emit(relax.op.matmul(right, left, out_dtype=call.attrs.out_dtype))
+        return relax.op.permute_dims(product, perm)
+
+    def _reshaped(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Expr:
+        """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape; `call`
+        where there is none."""
+        target = [int(size) for size in call.args[1].values] if isinstance(call.args[1], relax.ShapeExpr) else None
+        regrouped = _regrouping(tensor_shape(data), perm, target)
+        if regrouped is None:
+            return call
+        shape, moved = regrouped
+        transposed = relax.op.permute_dims(self.builder_.emit(relax.op.reshape(data, shape)), moved)
+        return _viewed(transposed)
+
     def _cancelled(self, call: relax.Call) -> relax.Expr:
-        """The view of a transpose that permutes nothing or only axes of extent one (`_as_view`), x for
-        permute_dims(permute_dims(x, p), q) where q undoes p, else the call."""
+        """The view of a transpose that permutes nothing or only axes of extent one (`_as_view`); for
+        permute_dims(permute_dims(x, p), q), x where q undoes p, else one transpose of x; else the call."""
         view = _as_view(call)
         if view is not None:
             return view
-        reshaped = self._reshape_between_transposes(call)
-        if reshaped is not None:
-            return reshaped
         inner = self._transposed(call.args[0])
         if inner is None or call.attrs.axes is None:
             return call
         source, first = inner
-        second = [int(axis) for axis in call.attrs.axes]
-        return source if [first[axis] for axis in second] == list(range(len(second))) else call
+        composed = [first[int(axis)] for axis in call.attrs.axes]
+        if composed == list(range(len(composed))):
+            return source
+        one = relax.op.permute_dims(source, composed)  # one copy instead of two
+        return _viewed(one)
 
-    def _reshape_between_transposes(self, call: relax.Call) -> "relax.Expr | None":
-        """x reshaped, for permute_dims(reshape(permute_dims(x, p)), q) that keeps x's elements in their order: a
-        hierarchical ViT's tokens made an image (PVT's [1, 3136, 32] transposed, split to [1, 32, 56, 56] and, by
-        ConvertLayout, transposed to NHWC for its conv) or the image made tokens again, two copies that move
-        nothing. None for any other transpose."""
-        reshape = bound_call(self, call.args[0], "relax.reshape")
-        inner = None if reshape is None else self._transposed(reshape.args[0])
-        if inner is None or call.attrs.axes is None:
+
+def _transposed_elements(func: relax.Function) -> int:
+    """How many elements the transposes in `func` copy."""
+    return sum(math.prod(tensor_shape(binding.var)) for block in func.body.blocks for binding in block.bindings
+               if call_op_name(binding.value) == "relax.permute_dims" and _static(tensor_shape(binding.var)))
+
+
+def _last_two_swapped(rank: int) -> list[int]:
+    """The axes of a transpose of the last two of `rank` axes (the others in place)."""
+    return [*range(rank - 2), rank - 1, rank - 2]
+
+
+def _channels_first(perm: list[int]) -> bool:
+    """Whether `perm` moves the last axis to the second and keeps the others in order: the transpose ConvertLayout
+    puts after an NHWC conv for an op in NCHW."""
+    return perm == [0, len(perm) - 1, *range(1, len(perm) - 1)]
+
+
+def _regrouping(source: "list | None", perm: list[int], target: "list[int] | None"):
+    """(shape, axes) such that permute_dims(reshape(x, shape), axes) is reshape(permute_dims(x, perm), target) for
+    x of shape `source`, or None: where the reshape only merges or splits runs of the transposed axes that lie
+    in x in the same order (a [4, 48, 7, 7] from NHWC flattened to [4, 48, 49]), x is reshaped instead, with the
+    same runs, and the runs transposed. Axes of extent one may sit anywhere: they are left out, and the target's
+    put back where it has them."""
+    if not (_static(source) and target is not None) or 0 in source or math.prod(source) != math.prod(target):
+        return None
+    kept = [axis for axis in range(len(source)) if source[axis] != 1]
+    perm = [kept.index(axis) for axis in perm if source[axis] != 1]
+    runs = _runs([source[kept[axis]] for axis in perm], [size for size in target if size != 1])
+    starts = []
+    for axes, _ in runs:
+        moved = [perm[axis] for axis in axes]
+        if moved != list(range(moved[0], moved[0] + len(moved))):
             return None
-        (source, first), middle = inner, tensor_shape(reshape)
-        if not (_static(middle) and _static(tensor_shape(source))) or math.prod(middle) > MAX_CHECKED_ELEMENTS:
-            return None
-        second = [int(axis) for axis in call.attrs.axes]
-        order = np.arange(math.prod(middle), dtype="int32").reshape(tensor_shape(source))
-        moved = np.transpose(np.transpose(order, first).reshape(middle), second)
-        if not np.array_equal(moved.reshape(-1), order.reshape(-1)):
-            return None
-        return relax.op.reshape(source, moved.shape)
+        starts.append(moved[0])
+    in_source_order = sorted(range(len(runs)), key=starts.__getitem__)
+    shape = [size for run in in_source_order for size in runs[run][1]]
+    offsets, offset = {}, 0
+    for run in in_source_order:
+        offsets[run], offset = offset, offset + len(runs[run][1])
+    axes = [offsets[run] + index for run in range(len(runs)) for index in range(len(runs[run][1]))]
+    return _with_ones(shape, axes, target)
+
+
+def _with_ones(shape: list[int], axes: list[int], target: list[int]) -> tuple[list[int], list[int]]:
+    """`shape` and `axes` (a reshape and transpose to `target` without its extents of one) with those extents put
+    back: each at its index in `target`, in the shape and in the transpose's result."""
+    ones = [index for index, size in enumerate(target) if size == 1]
+    for index in ones:
+        shape.insert(index, 1)
+    placed = [index for index in range(len(shape)) if index not in ones]  # where each of `shape`'s extents went
+    others = iter(axes)
+    return shape, [index if index in ones else placed[next(others)] for index in range(len(target))]
+
+
+def _runs(sizes: list[int], target: list[int]) -> list[tuple[list[int], list[int]]]:
+    """`sizes` and `target` (no extent of one in either, the same product) cut into the fewest runs of equal
+    products: (the axes of `sizes`, the extents of `target`) per run, in order."""
+    runs, axis, index = [], 0, 0
+    while axis < len(sizes):
+        axes, extents = [axis], [target[index]]
+        product, wanted = sizes[axis], target[index]
+        axis, index = axis + 1, index + 1
+        while product != wanted:
+            if product < wanted:
+                axes.append(axis)
+                product, axis = product * sizes[axis], axis + 1
+            else:
+                extents.append(target[index])
+                wanted, index = wanted * target[index], index + 1
+        runs.append((axes, extents))
+    return runs
 
 
 def _static(shape) -> bool:
@@ -143,6 +259,12 @@ def _as_view(call: relax.Call) -> "relax.Expr | None":
     if moved != sorted(moved):
         return None
     return relax.op.reshape(call.args[0], [shape[axis] for axis in perm])
+
+
+def _viewed(transpose: relax.Call) -> relax.Expr:
+    """`_as_view(transpose)` where the transpose is a view, else `transpose`."""
+    view = _as_view(transpose)
+    return transpose if view is None else view
 
 
 def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax.Expr | None:
