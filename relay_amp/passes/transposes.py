@@ -8,8 +8,10 @@ untransposed tensor with its axes renamed (elementwise ops, pads, group norms, p
 tensors all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so that the transpose back and the next
 one forward meet and cancel. Past a reshape too, where it only merges or splits runs of axes that keep their order
 (an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed);
-past a split of a conv's output back in NCHW (EfficientViT's heads, CSPNet's halves: each part transposed); and
-past a matmul of two operands transposed in their last two axes ((B A)^T = A^T B^T). Two transposes in a row become
+past a split of a conv's output back in NCHW (EfficientViT's heads, CSPNet's halves: each part transposed); past
+a matmul of two operands transposed in their last two axes ((B A)^T = A^T B^T); and past a broadcast_to (no layout
+rule either: ECA's and MobileViTv2's gates), whose result, transposed, is its input transposed and broadcast.
+Two transposes in a row become
 one, and a transpose that permutes nothing, or only axes of extent one, a view. So a hierarchical ViT's tokens
 made an image for a conv (which ConvertLayout then transposes to NHWC) and the image made tokens again are
 reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164 (54 at import) are 27.
@@ -141,13 +143,19 @@ class _Sinker(relax.PyExprMutator):
     def _reshaped(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Expr:
         """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape; `call`
         where there is none."""
-        target = [int(size) for size in call.args[1].values] if isinstance(call.args[1], relax.ShapeExpr) else None
-        regrouped = _regrouping(tensor_shape(data), perm, target)
+        regrouped = _regrouping(tensor_shape(data), perm, _static_shape_of(call.args[1]))
         if regrouped is None:
             return call
         shape, moved = regrouped
         transposed = relax.op.permute_dims(self.builder_.emit(relax.op.reshape(data, shape)), moved)
         return _viewed(transposed)
+
+    def _broadcast_transposed(self, broadcast: relax.Call, perm: list[int]) -> relax.Expr:
+        """broadcast_to(x, shape) transposed by `perm` as x transposed (a view where x has extent one on the moved
+        axes: an ECA or MobileViTv2 gate of one value per channel) broadcast to the transposed shape."""
+        shape = _static_shape_of(broadcast.args[1])
+        moved = self.builder_.emit(_viewed(relax.op.permute_dims(broadcast.args[0], perm)))
+        return relax.op.broadcast_to(moved, [shape[axis] for axis in perm])
 
     def _cancelled(self, call: relax.Call) -> relax.Expr:
         """The view of a transpose that permutes nothing or only axes of extent one (`_as_view`); for
@@ -155,6 +163,9 @@ class _Sinker(relax.PyExprMutator):
         view = _as_view(call)
         if view is not None:
             return view
+        broadcast = bound_call(self, call.args[0], "relax.broadcast_to") if call.attrs.axes is not None else None
+        if broadcast is not None and len(_static_shape_of(broadcast.args[1]) or ()) == len(call.attrs.axes):
+            return self._broadcast_transposed(broadcast, [int(axis) for axis in call.attrs.axes])
         inner = self._transposed(call.args[0])
         if inner is None or call.attrs.axes is None:
             return call
@@ -239,6 +250,13 @@ def _runs(sizes: list[int], target: list[int]) -> list[tuple[list[int], list[int
     return runs
 
 
+def _static_shape_of(shape: relax.Expr) -> "list[int] | None":
+    """The extents of a shape expression that are all ints, else None (a symbolic extent, a shape var)."""
+    if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(size, tvm.tirx.IntImm) for size in shape.values):
+        return None
+    return [int(size) for size in shape.values]
+
+
 def _static(shape) -> bool:
     """Whether `shape` is known and every extent is an int."""
     return shape is not None and all(isinstance(size, int) for size in shape)
@@ -281,6 +299,8 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
         return relax.op.concat([source[0] for source in sources], axis=perm[int(call.attrs.axis)])
     if data is None or any(source is not None for source in sources[1:]):
         return None
+    if name == "relax.broadcast_to" and len(_static_shape_of(call.args[1]) or ()) == len(perm):
+        return relax.op.broadcast_to(data, _untransposed_shape(_static_shape_of(call.args[1]), perm))
     if name == "relax.strided_slice":
         axes = [perm[int(axis)] for axis in call.args[1]]
         return relax.op.strided_slice(data, axes, *call.args[2:], assume_inbound=call.attrs.assume_inbound)
@@ -301,12 +321,17 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
     return None
 
 
+def _untransposed_shape(shape: list, perm: list[int]) -> list:
+    """The shape (or layout letters) whose transpose by `perm` is `shape`."""
+    untransposed = [None] * len(perm)
+    for axis, source_axis in enumerate(perm):
+        untransposed[source_axis] = shape[axis]
+    return untransposed
+
+
 def _renamed(layout: str, perm: list[int]) -> str:
     """The layout of the untransposed tensor, for `layout` of its transpose by `perm`."""
-    letters = [""] * len(perm)
-    for axis, source_axis in enumerate(perm):
-        letters[source_axis] = str(layout)[axis]
-    return "".join(letters)
+    return "".join(_untransposed_shape(list(str(layout)), perm))
 
 
 def _untransposed_constant(arg: relax.Expr, perm: list[int]) -> relax.Expr | None:

@@ -570,3 +570,58 @@ def test_a_csp_darknets_int8_halves_and_activations_need_no_transposes(tmp_path)
     assert _count(converted, "relax.permute_dims") <= 2
     got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [x])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_transposes_move_past_a_broadcast_to_in_both_directions():
+    """broadcast_to has no layout rule: ECA's and MobileViTv2's gates of one value per channel are broadcast in
+    NCHW between transposes. A transposed input moves below it, and a transposed result is the input transposed (a
+    view of the [1, C, 1, 1] gate) and broadcast."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32"), gate: R.Tensor((1, 8, 1, 1), "float32")
+                 ) -> R.Tuple(R.Tensor((1, 4, 4, 8), "float32"), R.Tensor((1, 4, 4, 8), "float32")):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                spread = R.broadcast_to(nchw, R.shape([2, 8, 4, 4]))
+                first = R.strided_slice(spread, axes=[0], begin=[0], end=[1])
+                first_nhwc = R.permute_dims(first, axes=[0, 2, 3, 1])
+                gates = R.broadcast_to(gate, R.shape([1, 8, 4, 4]))
+                gates_nhwc = R.permute_dims(gates, axes=[0, 2, 3, 1])
+                gv = (first_nhwc, gates_nhwc)
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32"), gate: R.Tensor((1, 8, 1, 1), "float32")
+                 ) -> R.Tuple(R.Tensor((1, 4, 4, 8), "float32"), R.Tensor((1, 4, 4, 8), "float32")):
+            with R.dataflow():
+                spread = R.broadcast_to(x, R.shape([2, 4, 4, 8]))
+                first = R.strided_slice(spread, axes=[0], begin=[0], end=[1])
+                first_nhwc = first
+                gate_nhwc = R.reshape(gate, R.shape([1, 1, 1, 8]))
+                gates_nhwc = R.broadcast_to(gate_nhwc, R.shape([1, 4, 4, 8]))
+                gv = (first_nhwc, gates_nhwc)
+                R.output(gv)
+            return gv
+
+    _assert_computes_the_same(assert_transforms(SinkTransposes(), Before, Expected), Before, (1, 4, 4, 8),
+                              (1, 8, 1, 1))
+
+
+def test_an_eca_resnexts_gates_are_broadcast_without_transposes(tmp_path):
+    """timm's ECA-ResNeXt-26ts (a model the rule was not written on) broadcasts each block's channel gate to the
+    image in NCHW: after the CPU layout passes only the input's transpose is left (9 were), and the build matches
+    PyTorch."""
+    from relay_amp.passes.layout import conv_layout_passes
+    from relay_amp.runtime import run_executable
+    from builders import timm_through_onnx
+
+    _, imported, x, expected = timm_through_onnx("eca_resnext26ts", tmp_path)
+    with tvm.transform.PassContext(opt_level=3):
+        converted = tvm.transform.Sequential(conv_layout_passes("NHWC"))(imported)
+    assert _count(converted, "relax.permute_dims") == 1
+    got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [x])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
