@@ -356,17 +356,24 @@ def test_a_pvt_through_onnx_converts_tokens_and_images_without_copies(tmp_path):
     MLP depthwise convs, and back: after the CPU layout passes no transpose of a reshape of a transpose is left
     (ConvertLayout had completed 28 such chains), fewer transposes remain than the import had (30 of 68, where 86
     were), and the build matches PyTorch."""
+    imported, converted = _timm_model_laid_out("pvt_v2_b0", tmp_path)
+    assert _transposes_around_reshapes(converted) == 0
+    assert _count(converted, "relax.permute_dims") < _count(imported, "relax.permute_dims")
+
+
+def _timm_model_laid_out(name: str, tmp_path, quantized: bool = False) -> tuple[tvm.IRModule, tvm.IRModule]:
+    """timm's `name` through ONNX, its fp32 build checked against PyTorch: (the import, the CPU layout passes'
+    output for it, quantized on two images first where `quantized`)."""
     from relay_amp.passes.layout import conv_layout_passes
     from relay_amp.runtime import run_executable
     from builders import timm_through_onnx
 
-    _, imported, x, expected = timm_through_onnx("pvt_v2_b0", tmp_path)
-    with tvm.transform.PassContext(opt_level=3):
-        converted = tvm.transform.Sequential(conv_layout_passes("NHWC"))(imported)
-    assert _transposes_around_reshapes(converted) == 0
-    assert _count(converted, "relax.permute_dims") < _count(imported, "relax.permute_dims")
+    _, imported, x, expected = timm_through_onnx(name, tmp_path)
     got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [x])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    model = relay_amp.quantize(imported, [x, -x]) if quantized else imported
+    with tvm.transform.PassContext(opt_level=3):
+        return imported, tvm.transform.Sequential(conv_layout_passes("NHWC"))(model)
 
 
 def _count(mod: tvm.IRModule, op_name: str) -> int:
@@ -559,17 +566,8 @@ def test_a_csp_darknets_int8_halves_and_activations_need_no_transposes(tmp_path)
     """timm's CSPDarkNet-53 quantized (a model these rules were not written on): each stage splits a conv's output
     in halves, in NCHW since its LeakyReLUs have no layout rule. After the CPU layout passes no transpose is left
     but the input's and the classifier's (68 were), and the fp32 build matches PyTorch."""
-    from relay_amp.passes.layout import conv_layout_passes
-    from relay_amp.runtime import run_executable
-    from builders import timm_through_onnx
-
-    _, imported, x, expected = timm_through_onnx("cspdarknet53", tmp_path)
-    quantized = relay_amp.quantize(imported, [x, -x])
-    with tvm.transform.PassContext(opt_level=3):
-        converted = tvm.transform.Sequential(conv_layout_passes("NHWC"))(quantized)
+    _, converted = _timm_model_laid_out("cspdarknet53", tmp_path, quantized=True)
     assert _count(converted, "relax.permute_dims") <= 2
-    got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [x])[0]
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
 def test_transposes_move_past_a_broadcast_to_in_both_directions():
@@ -615,13 +613,5 @@ def test_an_eca_resnexts_gates_are_broadcast_without_transposes(tmp_path):
     """timm's ECA-ResNeXt-26ts (a model the rule was not written on) broadcasts each block's channel gate to the
     image in NCHW: after the CPU layout passes only the input's transpose is left (9 were), and the build matches
     PyTorch."""
-    from relay_amp.passes.layout import conv_layout_passes
-    from relay_amp.runtime import run_executable
-    from builders import timm_through_onnx
-
-    _, imported, x, expected = timm_through_onnx("eca_resnext26ts", tmp_path)
-    with tvm.transform.PassContext(opt_level=3):
-        converted = tvm.transform.Sequential(conv_layout_passes("NHWC"))(imported)
+    _, converted = _timm_model_laid_out("eca_resnext26ts", tmp_path)
     assert _count(converted, "relax.permute_dims") == 1
-    got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [x])[0]
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
