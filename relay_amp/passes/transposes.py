@@ -11,10 +11,10 @@ one forward meet and cancel. Past a reshape too, where it only merges or splits 
 past a split of a conv's output back in NCHW (EfficientViT's heads, CSPNet's halves: each part transposed); past
 a matmul of two operands transposed in their last two axes ((B A)^T = A^T B^T); and past a broadcast_to (no layout
 rule either: ECA's and MobileViTv2's gates), whose result, transposed, is its input transposed and broadcast.
-Two transposes in a row become
-one, and a transpose that permutes nothing, or only axes of extent one, a view. So a hierarchical ViT's tokens
-made an image for a conv (which ConvertLayout then transposes to NHWC) and the image made tokens again are
-reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164 (54 at import) are 27.
+Two transposes in a row become one, and a transpose that permutes nothing, or only axes of extent one, a view. So
+a hierarchical ViT's tokens made an image for a conv (which ConvertLayout then transposes to NHWC) and the image
+made tokens again are reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164
+(54 at import) are 27.
 """
 
 import math
@@ -75,7 +75,7 @@ class _Sinker(relax.PyExprMutator):
         if name == "relax.permute_dims":
             return self._cancelled(call)
         if name in ("relax.split", "relax.reshape", "relax.matmul"):
-            return self._regrouped(call, name)
+            return self._through(call, name)
         joined = name == "relax.concat" and isinstance(call.args[0], relax.Tuple)
         operands = list(call.args[0].fields) if joined else list(call.args)
         sources = [self._sinkable(arg) for arg in operands]
@@ -108,7 +108,7 @@ class _Sinker(relax.PyExprMutator):
         None."""
         return self._transposed(expr) if self.shared or self.reads.get(expr) == 1 else None
 
-    def _regrouped(self, call: relax.Call, name: str) -> relax.Expr:
+    def _through(self, call: relax.Call, name: str) -> relax.Expr:
         """A split, reshape or matmul of transposed operands computed on the untransposed ones, its result
         transposed (`_split`, `_reshaped`, `_swapped_matmul`); `call` where it cannot be."""
         if name == "relax.matmul":
@@ -134,9 +134,11 @@ class _Sinker(relax.PyExprMutator):
         """matmul(b, a) transposed, for matmul of a and b both transposed in their last two axes ((B A)^T = A^T
         B^T: attention's P V as EfficientViT computes it on NCHW heads, V^T P^T); `call` for any other matmul."""
         sources = [self._sinkable(arg) for arg in call.args]
-        if any(source is None or source[1] != _last_two_swapped(len(source[1])) for source in sources):
+        if None in sources:
             return call
-        (left, perm), (right, _) = sources
+        (left, perm), (right, right_perm) = sources
+        if perm != _last_two_swapped(len(perm)) or right_perm != perm:  # the same rank: no batch broadcast
+            return call
         product = self.builder_.emit(relax.op.matmul(right, left, out_dtype=call.attrs.out_dtype))
         return relax.op.permute_dims(product, perm)
 

@@ -19,7 +19,7 @@ multiply-add, floor and clamp here.
 An activation that reads its input more than once (SiLU's x * sigmoid(x), GELU as exporters spell it:
 x * (erf(x / 1.414) + 1) * 0.5, with AMP's casts in between) is taken whole: the elementwise ops after a value
 that only it feeds become one MAP step (`relay_amp.backend.cpu.formula`), and so does any other activation with
-a formula (a LeakyReLU: CSPNet's and DarkNet's, 0.74x the time of CSPResNeXt-50 int8q). So the 4x-wide output of a
+a formula (a LeakyReLU, CSPNet's and DarkNet's activation). So the 4x-wide output of a
 transformer's or ConvNeXt's first MLP matmul, or an EfficientNet expansion conv's, is stored once, activated.
 
 A slice of the result's leading channels that is the model's output (dispatch's, dropping the zero channels a
