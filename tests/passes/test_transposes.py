@@ -452,7 +452,8 @@ def test_a_split_and_a_reshape_of_any_other_transpose_stay():
 
 def test_a_matmul_of_two_swapped_operands_is_the_swapped_matmul_transposed():
     """EfficientViT's P V on NCHW heads is V^T P^T with both operands transposes: (P V)^T. Its transpose then meets
-    the reshape to an image and the transpose back to NHWC, and all of them cancel."""
+    the reshape to an image and the transpose back to NHWC, and all of them cancel. Operands of different ranks (a
+    batch against one matrix) stay."""
     @I.ir_module
     class Before:
         @R.function
@@ -479,6 +480,19 @@ def test_a_matmul_of_two_swapped_operands_is_the_swapped_matmul_transposed():
                 R.output(gv)
             return gv
 
+    @I.ir_module
+    class Broadcast:  # a matrix of rank 2 against a batch of rank 3: both transposed, but not alike
+        @R.function
+        def main(p: R.Tensor((49, 49), "float32"), v: R.Tensor((4, 16, 49), "float32")
+                 ) -> R.Tensor((4, 49, 16), "float32"):
+            with R.dataflow():
+                p_t = R.permute_dims(p, axes=[1, 0])
+                v_t = R.permute_dims(v, axes=[0, 2, 1])
+                gv = R.matmul(p_t, v_t)
+                R.output(gv)
+            return gv
+
+    assert_transforms(SinkTransposes(), Broadcast, Broadcast)
     after = assert_transforms(SinkTransposes(), Before, Expected)
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(shape).astype("float32") for shape in ((4, 49, 16), (4, 49, 49))]
