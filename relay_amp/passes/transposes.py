@@ -308,9 +308,8 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
         return relax.op.strided_slice(data, axes, *call.args[2:], assume_inbound=call.attrs.assume_inbound)
     if name == "relax.nn.pad":
         widths = [int(width) for width in call.attrs.pad_width]
-        moved = [0] * len(widths)
-        for axis, source_axis in enumerate(perm):
-            moved[2 * source_axis:2 * source_axis + 2] = widths[2 * axis:2 * axis + 2]
+        pairs = [widths[2 * axis:2 * axis + 2] for axis in range(len(perm))]  # (before, after) per axis
+        moved = [width for pair in _untransposed_shape(pairs, perm) for width in pair]
         return relax.Call(call.op, [data, *call.args[1:]], with_attr(call.attrs, pad_width=moved), call.ty_args)
     if name == "relax.nn.group_norm":
         attrs = with_attr(call.attrs, channel_axis=perm[int(call.attrs.channel_axis)],
@@ -324,7 +323,7 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
 
 
 def _untransposed_shape(shape: list, perm: list[int]) -> list:
-    """The shape (or layout letters) whose transpose by `perm` is `shape`."""
+    """The shape (or layout letters, or pad widths per axis) whose transpose by `perm` is `shape`."""
     untransposed = [None] * len(perm)
     for axis, source_axis in enumerate(perm):
         untransposed[source_axis] = shape[axis]
