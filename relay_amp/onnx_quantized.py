@@ -82,12 +82,16 @@ def _attributes(node, dropped: tuple[str, ...] = ()) -> dict:
 
 
 def _dequantized(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, axis: int) -> np.ndarray:
-    """Real values of integer codes: (codes - zero) * scale, per-channel scales and zero points along `axis`."""
+    """Real values of integer codes: (codes - zero) * scale, per-channel scales and zero points along `axis`.
+
+    `axis` is read only where a scale or zero point has several values: ONNX ignores it for per-tensor ones, and
+    ONNX Runtime's quantizer writes its per-channel default (1) on weights of rank 1 it quantized per tensor.
+    """
+    zero = np.zeros(1) if zero is None else zero
     shape = [1] * codes.ndim
-    if codes.ndim:
+    if max(scale.size, zero.size) > 1:
         shape[axis] = -1
     per_axis = (lambda values: values.reshape(shape) if values.size > 1 else values.reshape(()))
-    zero = np.zeros(1) if zero is None else zero
     return ((codes.astype(np.float64) - per_axis(zero)) * per_axis(scale)).astype(np.float32)
 
 

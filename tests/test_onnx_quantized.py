@@ -201,19 +201,34 @@ def test_a_pads_dequantized_constant_value_is_a_float_constant_the_importer_read
     assert got[0, 0, 0, 0] == pytest.approx(1.0)  # (30 - 20) x 0.1
 
 
-def test_onnxruntime_qdq_file_of_a_zoo_model_with_same_padding_imports_and_runs_as_onnxruntime_does(tmp_path):
+def test_a_per_tensor_dequantized_constant_ignores_an_axis_past_its_rank():
+    """ONNX Runtime's quantizer writes its per-channel default axis (1) on rank-1 weights it quantizes per tensor
+    (PoolFormer's scalar constants); ONNX ignores the axis of a per-tensor scale, and so does the fold."""
+    nodes = [helper.make_node("DequantizeLinear", ["v_q", "vs", "vz"], ["v"], axis=1),
+             helper.make_node("Mul", ["x", "v"], ["y"])]
+    initializers = {"v_q": np.array([30], "uint8"), "vs": np.float32(0.1), "vz": np.uint8(20)}
+    model = _model(nodes, initializers, {"x": [1, 2, 3, 3]}, {"y": [1, 2, 3, 3]})
+    folded = constant_dequantizes_folded(model)
+    assert _op_types(folded) == ["Mul"]
+    x = RNG.standard_normal((1, 2, 3, 3)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(relay_amp.frontend.from_onnx(model), [x])[0], x * 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["efficientnet_b0", "poolformer_s12"])
+def test_onnxruntime_qdq_file_of_a_zoo_model_imports_and_runs_as_onnxruntime_does(tmp_path, name):
     """EfficientNet-B0's stride-2 depthwise convs pad by a Pad op, whose value ONNX Runtime's static QDQ quantizer
-    dequantizes: the file failed to import until those dequantizes were folded."""
+    dequantizes: the file failed to import until those dequantizes were folded. PoolFormer's file has dequantized
+    scalar weights of rank 1 with an axis past it, which failed to fold."""
     zoo = pytest.importorskip("relay_amp.tools.zoo")
     from relay_amp.tools.peers import ort_quantized
 
-    path = zoo.export_onnx("efficientnet_b0", tmp_path / "efficientnet_b0.onnx", tiny=True)
-    calibration = [zoo.example_inputs("efficientnet_b0", True, seed) for seed in (1, 2)]
+    path = zoo.export_onnx(name, tmp_path / f"{name}.onnx", tiny=True)
+    calibration = [zoo.example_inputs(name, True, seed) for seed in (1, 2)]
     quantized = ort_quantized(path, calibration, static=True, work_dir=tmp_path)
-    inputs = zoo.example_inputs("efficientnet_b0", tiny=True)
+    inputs = zoo.example_inputs(name, tiny=True)
     ours = relay_amp.run(relay_amp.realize_qdq(relay_amp.frontend.from_onnx(quantized), fallback_dtype="float32"),
                          inputs)[0]
     fp32 = relay_amp.run(relay_amp.frontend.from_onnx(path), inputs)[0]
-    # against fp32: ONNX Runtime's own output of this file is all zeros (its logits' pair, from 2 calibration
-    # inputs, rounds them away; realize_qdq drops the pair on the logits)
+    # against fp32: ONNX Runtime's own output of EfficientNet-B0's file is all zeros (its logits' pair, from 2
+    # calibration inputs, rounds them away; realize_qdq drops the pair on the logits)
     assert metrics.cosine_similarity(ours, fp32) > 0.95
