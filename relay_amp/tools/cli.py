@@ -178,10 +178,12 @@ def _bench_zoo(args: argparse.Namespace) -> None:
     dtypes = [d for d in args.dtypes if d != "float32"]
     print(f"zoo on {args.target}, {host_cores()} threads, {args.rounds} rounds of {args.repeat} runs; "
           f"results to {args.results}")
-    zoo_bench.bench_zoo(names, dtypes, args.target, args.results, rounds=args.rounds, repeat=args.repeat,
-                        torch_compile=args.torch_compile,
-                        progress=lambda result: print(zoo_bench.markdown_table([result]), flush=True))
+    results = zoo_bench.bench_zoo(names, dtypes, args.target, args.results, rounds=args.rounds, repeat=args.repeat,
+                                  torch_compile=args.torch_compile,
+                                  progress=lambda result: print(zoo_bench.markdown_table([result]), flush=True))
     print(f"wrote {args.results}/zoo.json, zoo.md and zoo.png")
+    if zoo_bench.failures(results):
+        raise RelayAmpError(zoo_bench.failures(results))
 
 
 def _target(text: str) -> str:

@@ -23,7 +23,7 @@ from tvm import relax
 from .. import frontend
 from ..backend.cpu.cores import target_core
 from ..compile.build import build
-from ..errors import OptionError
+from ..errors import OptionError, RelayAmpError
 from ..passes.quantize import realize_qdq
 from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
@@ -48,14 +48,15 @@ AGREEMENT_INPUTS = 32
 
 @dataclass
 class ZooResult:
-    """One model: median ms per runner, relative error per runner against PyTorch fp32, bf16 slow paths, and the
-    int8 runners' agreement with fp32."""
+    """One model: median ms per runner, relative error per runner against PyTorch fp32, bf16 slow paths, the
+    int8 runners' agreement with fp32, and why the model could not be benchmarked (empty when it was)."""
 
     model: str
     ms: dict[str, float] = field(default_factory=dict)
     error: dict[str, float] = field(default_factory=dict)
     slow_paths: list[str] = field(default_factory=list)
     agreement: dict[str, float] = field(default_factory=dict)  # int8 runners: top-1 share (CNNs) or min cosine
+    failure: str = ""
 
 
 def _torch_runners(name: str, inputs: list[np.ndarray], compiled: bool,
@@ -149,6 +150,21 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
     return result
 
 
+def _bench_or_failure(name: str, dtypes: Sequence[str], target: str, options: dict) -> ZooResult:
+    """`bench_model`'s result, or one whose `failure` says why the model failed (relay_amp's error, or TVM's),
+    so that one model's failure does not end a run of the zoo."""
+    try:
+        return bench_model(name, dtypes, target, **options)
+    except (RelayAmpError, RuntimeError) as err:  # tvm.error's errors are RuntimeErrors
+        return ZooResult(name, failure=(str(err).strip().splitlines() or [type(err).__name__])[-1])
+
+
+def failures(results: Sequence[ZooResult]) -> str:
+    """One line naming the models that failed and why ('' when none did)."""
+    failed = [f"{r.model} ({r.failure})" for r in results if r.failure]
+    return f"{len(failed)} of {len(results)} zoo models failed: {'; '.join(failed)}" if failed else ""
+
+
 def slow_paths(rows: Sequence[ProfileRow], first: str = BASELINE, last: str = "bfloat16") -> list[str]:
     """The call groups at least SLOW_RATIO slower in `last` than in `first`, by SLOW_SHARE of `last`'s time or more."""
     total = sum(row.ms.get(last, 0.0) for row in rows)
@@ -170,6 +186,9 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
                     "int8 agreement with fp32 (ours / ORT / ours on ORT's file)"]
     rows = []
     for r in results:
+        if r.failure:
+            rows.append([r.model, f"failed: {r.failure}"])
+            continue
         torch_bf16, bf16 = r.ms.get(TORCH_BF16), r.ms.get("relay_amp bf16")
         rows.append([r.model, *(f"{r.ms[x]:.2f} ({r.error[x]:.0e})" if x in r.ms else "" for x in runners),
                      _ratio(r.ms.get("relay_amp fp32"), bf16), _ratio(torch_bf16, bf16),
@@ -194,6 +213,7 @@ def bar_chart(results: Sequence[ZooResult], path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
+    results = [r for r in results if not r.failure]
     runners = list(dict.fromkeys(runner for r in results for runner in r.ms))
     figure, axes = plt.subplots(figsize=(max(8, 1.6 * len(results)), 4.5))
     width = 0.8 / len(runners)
@@ -217,10 +237,10 @@ def bench_zoo(names: Sequence[str], dtypes: Sequence[str] = ("bfloat16",), targe
               results_dir: "str | Path | None" = None, progress: Callable[[ZooResult], None] | None = None,
               **options) -> list[ZooResult]:
     """Benchmark zoo models; with `results_dir`, write zoo.json (with the target and the core it names), zoo.md and
-    zoo.png there."""
+    zoo.png there. A model that fails is recorded with why (`ZooResult.failure`), and the run goes on."""
     results = []
     for name in names:
-        results.append(bench_model(zoo.entry(name).name, dtypes, target, **options))
+        results.append(_bench_or_failure(zoo.entry(name).name, dtypes, target, options))
         if progress:
             progress(results[-1])
     if results_dir is not None:
@@ -229,5 +249,6 @@ def bench_zoo(names: Sequence[str], dtypes: Sequence[str] = ("bfloat16",), targe
                    "dtypes": list(dtypes), **options}
         atomic_write_text(out / "zoo.json", json.dumps({**context, "models": [asdict(r) for r in results]}, indent=1))
         atomic_write_text(out / "zoo.md", markdown_table(results) + "\n")
-        bar_chart(results, out / "zoo.png")
+        if not all(r.failure for r in results):
+            bar_chart(results, out / "zoo.png")
     return results

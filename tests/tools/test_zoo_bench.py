@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 zoo_bench = pytest.importorskip("relay_amp.tools.zoo_bench")
 
-from relay_amp import targets  # noqa: E402
+from relay_amp import ModelLoadError, targets  # noqa: E402
 from relay_amp.tools.cli import main  # noqa: E402
 from relay_amp.tools.profile import ProfileRow  # noqa: E402
 
@@ -29,6 +29,25 @@ def test_bench_zoo_writes_json_markdown_and_chart(tmp_path):
     assert saved["core"] == str(targets.get_target("cpu").attrs["mcpu"])  # the suite names no model: the cpu's own
     assert "| distilbert |" in (tmp_path / "zoo.md").read_text()
     assert (tmp_path / "zoo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_model_that_fails_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    def bench_model(name, dtypes, target, **options):
+        if name == "gpt2":
+            raise ModelLoadError("cannot import ONNX model 'main_graph': list assignment index out of range")
+        return zoo_bench.ZooResult(name, ms={"relay_amp fp32": 2.0, "torch fp32": 4.0},
+                                   error={"relay_amp fp32": 0.0, "torch fp32": 0.0})
+
+    monkeypatch.setattr(zoo_bench, "bench_model", bench_model)
+    assert main(["bench", "zoo:gpt2,bert", "--results", str(tmp_path)]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error == ("relay-amp: error: 1 of 2 zoo models failed: gpt2 (cannot import ONNX model 'main_graph': list "
+                     "assignment index out of range)")
+    rows = {line.split("|")[1].strip(): line for line in (tmp_path / "zoo.md").read_text().splitlines()[2:]}
+    assert "failed: cannot import ONNX model" in rows["gpt2"] and "2.00 (0e+00)" in rows["bert"]
+    saved = json.loads((tmp_path / "zoo.json").read_text())["models"]
+    assert [(m["model"], bool(m["failure"])) for m in saved] == [("gpt2", True), ("bert", False)]
+    assert zoo_bench.failures([zoo_bench.ZooResult("bert")]) == ""
 
 
 def test_cli_bench_zoo_rejects_an_unknown_model_in_one_line(capsys):
