@@ -15,14 +15,18 @@ def assert_transforms(transform, before: tvm.IRModule, expected: tvm.IRModule) -
     return after
 
 
-def prepared_function_names(mod: tvm.IRModule) -> list[str]:
-    """The names of the functions the host's CPU pipeline prepares from `mod` (kernels, fused functions); on a host
-    without dot-product kernels (AVX2 only), cpu-avx512-bf16's (preparing runs nothing)."""
+def prepared_module(mod: tvm.IRModule) -> tvm.IRModule:
+    """What the host's CPU pipeline prepares from `mod` (kernels, fused functions); on a host without dot-product
+    kernels (AVX2 only), cpu-avx512-bf16's (preparing runs nothing)."""
     import relay_amp
     from relay_amp.backend.cpu import pipeline
 
     preset = relay_amp.targets.host_preset()
     target = relay_amp.targets.get_target("cpu-avx512-bf16" if preset == "cpu" else preset)
     with target, tvm.transform.PassContext(opt_level=3):
-        prepared = pipeline.prepare_passes(target)(mod)
-    return [gv.name_hint for gv in prepared.get_global_vars()]
+        return pipeline.prepare_passes(target)(mod)
+
+
+def prepared_function_names(mod: tvm.IRModule) -> list[str]:
+    """The names of the functions in `prepared_module(mod)`."""
+    return [gv.name_hint for gv in prepared_module(mod).get_global_vars()]
