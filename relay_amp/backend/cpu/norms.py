@@ -14,6 +14,7 @@ cast. A norm of a bf16 conv's or matmul's fp32 result (AMP gives an fp32 op the 
 rounded to bf16 the same way, as PyTorch's autocast stores it: the kernel stored fp32 for the norm's three passes.
 """
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ import tvm
 from tvm import relax, te, topi
 
 from ..._dead_code import EliminateDeadCode
-from ..._ir import calls_any_op, rewrite_op_calls, tensor_dtype, tensor_shape
+from ..._ir import calls_any_op, read_counts, rewrite_op_calls, tensor_dtype, tensor_shape
 from ...dtypes import LOW_FLOAT_DTYPES
 from ...ops import bound_call, bound_value, call_op_name
 
@@ -43,12 +44,15 @@ class GroupNormsOverChannels:
         rewritten = mod
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                rewritten = rewrite_op_calls(rewritten, gv.name_hint, {GROUP_NORM: _rewritten})
+                reads = read_counts(func)
+                rewrite = functools.partial(_rewritten, reads=reads)
+                rewritten = rewrite_op_calls(rewritten, gv.name_hint, {GROUP_NORM: rewrite})
         return EliminateDeadCode()(rewritten)
 
 
-def _rewritten(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
-    """The group norm `call` as sums and a multiply-add, or None where it is not over channels last."""
+def _rewritten(call: relax.Call, builder: relax.BlockBuilder, reads: dict) -> "relax.Expr | None":
+    """The group norm `call` as sums and a multiply-add, or None where it is not over channels last; `reads` counts
+    the readers of each var of the function."""
     if not _over_channels_last(call):
         return None
     data, gamma, beta = call.args
@@ -56,7 +60,8 @@ def _rewritten(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | N
     if cast is not None and tensor_dtype(cast.args[0]) in LOW_FLOAT_DTYPES:
         return _normalized(_ChannelSums(builder, data, cast.args[0]), gamma, beta, call.attrs)
     product = bound_value(builder, data)
-    if call_op_name(product) in CONTRACTIONS and tensor_dtype(product.args[0]) in LOW_FLOAT_DTYPES:
+    if (call_op_name(product) in CONTRACTIONS and tensor_dtype(product.args[0]) in LOW_FLOAT_DTYPES
+            and reads.get(data) == 1):  # another reader would keep the kernel storing fp32, and add a rounded copy
         stored = builder.emit(relax.op.astype(data, tensor_dtype(product.args[0])))  # the kernel's write-back
         widened = builder.emit(relax.op.astype(stored, "float32"))
         return _normalized(_ChannelSums(builder, widened, stored), gamma, beta, call.attrs)

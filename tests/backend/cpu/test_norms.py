@@ -134,6 +134,37 @@ def test_the_sums_of_a_widened_bf16_tensor_read_it_as_stored():
     assert_transforms(GroupNormsOverChannels(), Before, Expected)
 
 
+def _conv_group_norm(shared: bool) -> tvm.IRModule:
+    """A bf16 conv whose fp32 result a group norm reads (`shared`: and an add too)."""
+    x = relax.Var("x", relax.TensorType((1, 4, 4, 8), "bfloat16"))
+    weight = relax.const(np.ones((8, 3, 3, 8), "bfloat16"))
+    gamma, beta = relax.const(np.ones(8, "float32")), relax.const(np.zeros(8, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            conv = bb.emit(relax.op.nn.conv2d(x, weight, padding=1, data_layout="NHWC", kernel_layout="OHWI",
+                                              out_dtype="float32"))
+            out = bb.emit(relax.op.nn.group_norm(conv, gamma, beta, 2, 3, [1, 2]))
+            if shared:
+                out = bb.emit(relax.op.add(out, conv))
+            out = bb.emit_output(out)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["norm-only", "read-by-an-add-too"])
+def test_a_bf16_convs_result_is_rounded_for_its_norm_only_where_the_norm_alone_reads_it(shared):
+    """Rounded to bf16 for the sums, the conv's result is stored in bf16 by its kernel; where another op reads the
+    fp32 result too, the kernel stores fp32 anyway, and a rounded copy would only add a pass."""
+    after = GroupNormsOverChannels()(_conv_group_norm(shared))
+    relax.analysis.well_formed(after)
+    sums = [gv.name_hint for gv, func in after.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
+    casts = [b.value.attrs.dtype for b in after["main"].body.blocks[0].bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.astype"]
+    assert (sorted(sums), casts) == (([], []) if shared else (["subtract_multiply_sum", "sum"],
+                                                                ["bfloat16", "float32"]))
+
+
 @I.ir_module
 class ChannelsFirst:
     @R.function
