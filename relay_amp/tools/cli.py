@@ -182,8 +182,9 @@ def _bench_zoo(args: argparse.Namespace) -> None:
                                   torch_compile=args.torch_compile,
                                   progress=lambda result: print(zoo_bench.markdown_table([result]), flush=True))
     print(f"wrote {args.results}/zoo.json, zoo.md and zoo.png")
-    if zoo_bench.failures(results):
-        raise RelayAmpError(zoo_bench.failures(results))
+    failed = zoo_bench.failures(results)
+    if failed:
+        raise RelayAmpError(failed)
 
 
 def _target(text: str) -> str:

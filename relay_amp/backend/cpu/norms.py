@@ -56,16 +56,23 @@ def _rewritten(call: relax.Call, builder: relax.BlockBuilder, reads: dict) -> "r
     if not _over_channels_last(call):
         return None
     data, gamma, beta = call.args
+    return _normalized(_ChannelSums(builder, *_summed_tensors(builder, data, reads)), gamma, beta, call.attrs)
+
+
+def _summed_tensors(builder: relax.BlockBuilder, data: relax.Expr,
+                    reads: dict) -> "tuple[relax.Expr, relax.Expr | None]":
+    """The fp32 tensor a norm of `data` multiplies and the 16-bit tensor its sums read (None: they read the fp32
+    one): a widened tensor's cast and the tensor itself; a bf16 conv's or matmul's result, where the norm is its one
+    reader, rounded to bf16 (the kernel's write-back) and widened again; else `data`."""
     cast = bound_call(builder, data, "relax.astype")
     if cast is not None and tensor_dtype(cast.args[0]) in LOW_FLOAT_DTYPES:
-        return _normalized(_ChannelSums(builder, data, cast.args[0]), gamma, beta, call.attrs)
+        return data, cast.args[0]
     product = bound_value(builder, data)
     if (call_op_name(product) in CONTRACTIONS and tensor_dtype(product.args[0]) in LOW_FLOAT_DTYPES
             and reads.get(data) == 1):  # another reader would keep the kernel storing fp32, and add a rounded copy
-        stored = builder.emit(relax.op.astype(data, tensor_dtype(product.args[0])))  # the kernel's write-back
-        widened = builder.emit(relax.op.astype(stored, "float32"))
-        return _normalized(_ChannelSums(builder, widened, stored), gamma, beta, call.attrs)
-    return _normalized(_ChannelSums(builder, data, None), gamma, beta, call.attrs)
+        stored = builder.emit(relax.op.astype(data, tensor_dtype(product.args[0])))
+        return builder.emit(relax.op.astype(stored, "float32")), stored
+    return data, None
 
 
 def _over_channels_last(call: relax.Call) -> bool:
