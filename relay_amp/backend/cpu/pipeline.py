@@ -19,6 +19,7 @@ from .bf16_round import rounding_passes
 from .conv1d import Conv1dAsConv2d
 from .conv3d import Conv3dAsConv2d
 from .dispatch import UseDotKernels, kernel_dtypes
+from .split_reads import DepthwiseReadsSplitInPlace
 from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
@@ -59,7 +60,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     fp32 has kernels (AVX2) or fp32's are faster (the target's core: relay_amp.backend.cpu.cores), dot-product
     kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations
     before fast math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel
-    that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), norms and
+    that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), depthwise
+    convs reading their part of a channel split in place (relay_amp.backend.cpu.split_reads), norms and
     softmaxes reading a kernel's output in place, widened or through a slice's window (relay_amp.backend.cpu.widen),
     fast math (unless turned off) and packed int4 kernels, then legalization and fusion.
 
@@ -87,6 +89,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         PadSoftmaxRows(),
         *([WidenContractions(dtypes), UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),
+        DepthwiseReadsSplitInPlace(),
         NormsReadNarrow(fast_softmax=fast_math),
         *([FastMath()] if fast_math else []),
         UsePackedInt4Kernels(target),
