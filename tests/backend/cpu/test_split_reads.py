@@ -128,3 +128,53 @@ def test_a_timm_mixnet_m_runs_no_split_of_its_mixed_convs(tmp_path):
     assert len([name for name in names if "depthwise_conv2d_at" in name]) == 28
     built = run_executable(build(imported, targets.host_preset()), [x])[0]
     np.testing.assert_allclose(built, expected, atol=1e-5 * np.abs(expected).max())
+
+
+def _split_of_compaction(parts_in_groups: bool = True) -> tvm.IRModule:
+    """A grouped conv's kernel result of 2 groups of 12 channels padded to 16 (x), compacted to 24 channels and split
+    into two parts of 12 (one a group each, or, without `parts_in_groups`, 8 and 16 across them), each part
+    through a 3x3 depthwise conv, concatenated."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 32), "float32"))
+    sections = [12] if parts_in_groups else [8]
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            kept = bb.emit(relax.op.strided_slice(bb.emit(relax.op.reshape(x, (1, 8, 8, 2, 16))), axes=[4], begin=[0],
+                                                  end=[12]))
+            parts = bb.emit(relax.op.split(bb.emit(relax.op.reshape(kept, (1, 8, 8, 24))), sections, axis=3))
+            convs = []
+            for index, width in enumerate((sections[0], 24 - sections[0])):
+                part = bb.emit(relax.TupleGetItem(parts, index))
+                convs.append(bb.emit(relax.op.nn.conv2d(part, relax.const(W3[..., :width]), padding=1, groups=width,
+                                                        data_layout="NHWC", kernel_layout="HWIO")))
+            out = bb.emit_output(bb.emit(relax.op.concat(convs, axis=3)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_parts_of_a_compacted_split_read_their_group_of_the_padded_result():
+    """The parts read x at offsets 0 and 16 (each group's first 12 of 16 channels), so the compaction goes too."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 32), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(W3[..., :12]), offset, 12,
+                                        [1, 1], [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
+                     for offset in (0, 16)]
+            out = bb.emit_output(bb.emit(relax.op.concat(convs, axis=3)))
+        bb.emit_func_output(out)
+    assert_transforms(DepthwiseReadsSplitInPlace(), _split_of_compaction(), bb.get())
+
+
+def test_parts_across_the_groups_of_a_compacted_split_read_the_compaction():
+    after = DepthwiseReadsSplitInPlace()(_split_of_compaction(parts_in_groups=False))
+    ops = [call_op_name(b.value) for b in after["main"].body.blocks[0].bindings]
+    assert "relax.strided_slice" in ops and "relax.split" not in ops  # the 16-channel part spans both groups
+
+
+def test_built_split_of_compaction_matches_the_generic_build():
+    for parts_in_groups in (True, False):
+        mod = _split_of_compaction(parts_in_groups)
+        data = RNG.standard_normal((1, 8, 8, 32)).astype("float32")
+        got = run_executable(build(mod, targets.host_preset()), [data])[0]
+        np.testing.assert_allclose(got, relay_amp.run(mod, [data])[0], rtol=1e-6, atol=1e-6)
