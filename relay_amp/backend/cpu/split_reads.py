@@ -24,8 +24,9 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _split_part(builder, data: relax.Expr) -> "tuple[relax.Expr, int] | None":
-    """(the tensor split, the part's first channel) where `data` is a part of a split of an NHWC tensor's
-    channels; None for anything else."""
+    """(the tensor to read, the part's first channel in it) where `data` is a part of a split of an NHWC tensor's
+    channels (the tensor split, or the padded groups it was compacted from: `_through_compaction`); None for
+    anything else."""
     item = bound_value(builder, data)
     if not isinstance(item, relax.TupleGetItem):
         return None
@@ -58,7 +59,8 @@ def _through_compaction(builder, tensor: relax.Expr, offset: int, width: int) ->
     if call_op_name(blocked) != "relax.reshape" or any(window[0]):
         return tensor, offset
     padded, grouped, source = tensor_shape(kept.args[0]), tensor_shape(kept), tensor_shape(blocked.args[0])
-    if len(grouped) != 5 or grouped[:4] != padded[:4] or source != (*padded[:3], padded[3] * padded[4]):
+    if (len(grouped) != 5 or grouped[:4] != padded[:4] or source != (*padded[:3], padded[3] * padded[4])
+            or tensor_shape(tensor) != (*grouped[:3], grouped[3] * grouped[4])):
         return tensor, offset
     group, within = divmod(offset, grouped[4])
     if within + width > grouped[4]:
