@@ -173,6 +173,14 @@ class _Dispatcher(relax.PyExprMutator):
             self.finite_tailed.add(whole)
         return relax.op.strided_slice(whole, axes=[axis], begin=[0], end=[channels])
 
+    def _leading_channels(self, whole: relax.Var, channels: int, zeros: bool) -> relax.Expr:
+        """The first `channels` of `whole` (on its last axis), a result whose other channels are finite, and zeros
+        where `zeros`: the slice the sinks (`_slice_sunk`, `_depthwise_sunk`, `_reduction_sunk`) move past an op."""
+        self.finite_tailed.add(whole)
+        if zeros:
+            self.zero_tailed.add(whole)  # a softmax's padding can still join the epilogue (`_pad_of_zero_tail`)
+        return relax.op.strided_slice(whole, axes=[len(tensor_shape(whole)) - 1], begin=[0], end=[channels])
+
     def _slice_sunk(self, call: relax.Call) -> "relax.Expr | None":
         """An elementwise op (WIDENABLE) whose tensor operands are all the leading channels of finite-tailed results
         of one width (a bias, a ReLU, a residual add of two such slices) as the op on the whole results, sliced
@@ -191,10 +199,8 @@ class _Dispatcher(relax.PyExprMutator):
         extra = widths.pop() - shape[-1]
         args = [wholes[i] if i in wholes else _padded_constant(call, arg, extra) for i, arg in enumerate(call.args)]
         whole = self.builder_.emit(relax.Call(call.op, args, call.attrs))
-        self.finite_tailed.add(whole)
-        if all(source in self.zero_tailed for source in wholes.values()) and _keeps_zeros(call):
-            self.zero_tailed.add(whole)  # a softmax's padding can still join the epilogue (`_pad_of_zero_tail`)
-        return relax.op.strided_slice(whole, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
+        zeros = all(source in self.zero_tailed for source in wholes.values()) and _keeps_zeros(call)
+        return self._leading_channels(whole, shape[-1], zeros)
 
     def _depthwise_sunk(self, call: relax.Call) -> "relax.Expr | None":
         """A depthwise NHWC conv (one output channel per input channel) of the leading channels of a finite-tailed
@@ -217,9 +223,7 @@ class _Dispatcher(relax.PyExprMutator):
         result = self.builder_.emit(relax.op.nn.conv2d(
             whole, relax.const(padded_weight, tensor_dtype(constant)), attrs.strides, attrs.padding,
             attrs.dilation, width, "NHWC", layout, "NHWC", attrs.out_dtype))
-        self.zero_tailed.add(result)
-        self.finite_tailed.add(result)
-        return relax.op.strided_slice(result, axes=[3], begin=[0], end=[shape[-1]])
+        return self._leading_channels(result, shape[-1], zeros=True)
 
     def _reduction_sunk(self, call: relax.Call) -> "relax.Expr | None":
         """A mean, sum, max or min over other axes than the channels of the leading channels of a finite-tailed
@@ -231,11 +235,7 @@ class _Dispatcher(relax.PyExprMutator):
         if whole not in self.finite_tailed or not axes or rank - 1 in axes:
             return None
         result = self.builder_.emit(relax.Call(call.op, [whole], call.attrs))
-        self.finite_tailed.add(result)
-        if whole in self.zero_tailed:
-            self.zero_tailed.add(result)
-        shape = tensor_shape(call)
-        return relax.op.strided_slice(result, axes=[len(shape) - 1], begin=[0], end=[shape[-1]])
+        return self._leading_channels(result, tensor_shape(call)[-1], whole in self.zero_tailed)
 
     def _pad_of_zero_tail(self, pad: relax.Call) -> relax.Expr:
         """`pad` of a kernel result's first channels back to all of them or fewer (a softmax's rows padded with its
