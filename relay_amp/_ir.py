@@ -136,6 +136,19 @@ def channel_values(values: np.ndarray, target: Sequence[int]) -> "np.ndarray | N
     return np.broadcast_to(values.reshape((1,) * (len(target) - values.ndim) + values.shape), target).reshape(-1)
 
 
+def depthwise_weight(call: relax.Call) -> "np.ndarray | None":
+    """The constant weight (in its `kernel_layout`) of `call` where it is an NHWC conv2d with one output channel per
+    input channel (a depthwise conv, no channel multiplier), else None."""
+    if not isinstance(call, relax.Call) or getattr(call.op, "name", None) != "relax.nn.conv2d":
+        return None
+    attrs, weight, shape = call.attrs, call.args[1], tensor_shape(call.args[0])
+    if (attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or not isinstance(weight, tvm.ir.expr.Constant)
+            or not shape or int(attrs.groups) != shape[3]):
+        return None
+    layout, values = str(attrs.kernel_layout), weight.value.numpy()
+    return values if values.shape[layout.index("O")] == shape[3] and values.shape[layout.index("I")] == 1 else None
+
+
 def slice_window(call: relax.Call) -> "tuple[list, list] | None":
     """A strided_slice's begin and end on every axis of its static input, where it takes unit steps within the
     bounds (as exporters' Split and Slice do), else None."""

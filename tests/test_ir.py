@@ -3,6 +3,12 @@
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+from tvm import relax
+
+from relay_amp._ir import depthwise_weight
+
 IMPORT_IN_A_FRESH_PROCESS = """
 import inspect
 import tvm
@@ -127,3 +133,16 @@ def test_calls_any_op_looks_through_every_relax_function_for_the_named_ops():
     assert calls_any_op(Module, ["relax.nn.relu"])  # only the helper calls it
     assert calls_any_op(Module, ["relax.nn.conv2d", "relax.tanh"])
     assert not calls_any_op(Module, ["relax.nn.conv2d", "relax.matmul"])
+
+
+@pytest.mark.parametrize("groups, weight_shape, found", [
+    (8, (3, 3, 1, 8), True),  # depthwise: one output channel per input channel
+    (8, (3, 3, 1, 16), False),  # a channel multiplier of 2
+    (1, (3, 3, 8, 8), False),  # a dense conv
+])
+def test_depthwise_weight_is_the_weight_of_depthwise_nhwc_convs_only(groups, weight_shape, found):
+    weight = np.ones(weight_shape, "float32")
+    call = relax.op.nn.conv2d(relax.Var("x", relax.TensorType((1, 6, 6, 8), "float32")), relax.const(weight),
+                              groups=groups, data_layout="NHWC", kernel_layout="HWIO")
+    got = depthwise_weight(call)
+    assert (got is not None) == found and (not found or got.shape == weight_shape)

@@ -44,7 +44,7 @@ from tvm import relax
 
 from ..._dead_code import EliminateDeadCode
 from ..._folding import fold_constants
-from ..._ir import pad_after, rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import depthwise_weight, pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
@@ -209,16 +209,12 @@ class _Dispatcher(relax.PyExprMutator):
         lane group at a time in bf16), no function slices its input, and the slice moves on past its bias and
         activation to the next conv, which reads the whole result too (`_unsliced`). None where the call is not
         such a conv."""
-        whole = sliced_by_binding(self, call.args[0]) if call_op_name(call) == "relax.nn.conv2d" else None
-        if whole is None or whole not in self.finite_tailed:
+        weight = depthwise_weight(call)
+        whole = None if weight is None else sliced_by_binding(self, call.args[0])
+        if whole not in self.finite_tailed or tensor_shape(whole)[:-1] != tensor_shape(call.args[0])[:-1]:
             return None
         attrs, shape, constant = call.attrs, tensor_shape(call.args[0]), call.args[1]
-        weight = constant.value.numpy() if isinstance(constant, tvm.ir.expr.Constant) else None
         layout, width = str(attrs.kernel_layout), tensor_shape(whole)[-1]
-        if (weight is None or attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC"
-                or tensor_shape(whole)[:-1] != shape[:-1] or int(attrs.groups) != shape[-1]
-                or weight.shape[layout.index("O")] != shape[-1] or weight.shape[layout.index("I")] != 1):
-            return None
         padded_weight = np.pad(weight, [(0, width - shape[-1] if axis == "O" else 0) for axis in layout])
         result = self.builder_.emit(relax.op.nn.conv2d(
             whole, relax.const(padded_weight, tensor_dtype(constant)), attrs.strides, attrs.padding,

@@ -17,7 +17,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from ..._dead_code import EliminateDeadCode
-from ..._ir import rewrite_op_calls, slice_window, tensor_dtype, tensor_shape
+from ..._ir import depthwise_weight, rewrite_op_calls, slice_window, tensor_dtype, tensor_shape
 from ...ops import bound_value, call_op_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -72,14 +72,10 @@ def _depthwise_in_place(call: relax.Call, builder) -> "relax.Expr | None":
     """`call` (a conv2d) as a TE function reading its part of a split tensor in place, where it is a depthwise NHWC
     conv of float data, one output channel per input channel, with a constant weight, of such a part; else None."""
     attrs, data, weight = call.attrs, call.args[0], call.args[1]
-    shape = tensor_shape(data)
-    if (attrs.data_layout != "NHWC" or attrs.out_layout != "NHWC" or not isinstance(weight, tvm.ir.expr.Constant)
-            or shape is None or int(attrs.groups) != shape[3] or tensor_dtype(data) not in FLOAT_DTYPES):
+    values = depthwise_weight(call)
+    if values is None or tensor_dtype(data) not in FLOAT_DTYPES:
         return None
-    layout = str(attrs.kernel_layout)
-    values = weight.value.numpy()
-    if values.shape[layout.index("O")] != shape[3] or values.shape[layout.index("I")] != 1:
-        return None
+    layout, shape = str(attrs.kernel_layout), tensor_shape(data)
     part = _split_part(builder, data)
     if part is None:
         return None
