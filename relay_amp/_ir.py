@@ -118,7 +118,11 @@ def tensor_dtype(expr: relax.Expr) -> str | None:
 
 def tensor_shape(expr: relax.Expr) -> tuple | None:
     """The static shape of a tensor expression (symbolic dims as strings), None if unknown."""
-    ty = expr.ty
+    return type_shape(expr.ty)
+
+
+def type_shape(ty) -> tuple | None:
+    """The static shape of a tensor type (symbolic dims as strings), None if unknown or not a tensor type."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
     dims = getattr(ty.shape, "values", None)

@@ -22,11 +22,12 @@ from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 from .passes.selection import WidenedSelections
 from .passes.shapes import Specialize
+from .passes.splits import SplitsAsSlices
 from .passes.weight_only import DenseWeights, QuantizeWeights
 
 __all__ = ["ConvertLayout", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts",
            "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
            "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs",
            "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "Specialize",
-           "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic",
+           "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic",
            "WidenContractions", "WidenedSelections"]

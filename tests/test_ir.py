@@ -146,3 +146,14 @@ def test_depthwise_weight_is_the_weight_of_depthwise_nhwc_convs_only(groups, wei
                               groups=groups, data_layout="NHWC", kernel_layout="HWIO")
     got = depthwise_weight(call)
     assert (got is not None) == found and (not found or got.shape == weight_shape)
+
+
+def test_type_shape_reads_static_and_symbolic_dims_of_a_tensor_type_and_none_otherwise():
+    from tvm import tirx
+
+    from relay_amp._ir import type_shape
+
+    n = tirx.Var("n", "int64")
+    assert type_shape(relax.TensorType((1, n, 8), "float32")) == (1, "n", 8)
+    assert type_shape(relax.TensorType(None, "float32", ndim=2)) is None
+    assert type_shape(relax.TupleType([relax.TensorType((2,), "float32")])) is None

@@ -9,6 +9,7 @@ from .._dead_code import EliminateDeadCode
 from .._folding import FoldConstants
 from ..passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from ..passes.selection import WidenedSelections
+from ..passes.splits import SplitsAsSlices
 
 AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
 
@@ -21,13 +22,15 @@ def deduplication_passes() -> list[tvm.transform.Pass]:
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    """Global pooling windows as reductions, large max-pool windows as rows then columns and 16-bit sorts and
-    arg-reductions on fp32 (relay_amp.passes.selection), then library dispatch, legalization, op-pattern
-    annotation, constant folding and fusion for `target`."""
+    """Global pooling windows as reductions, large max-pool windows as rows then columns, 16-bit sorts and
+    arg-reductions on fp32 (relay_amp.passes.selection) and splits read part by part as slices
+    (relay_amp.passes.splits), then library dispatch, legalization, op-pattern annotation, constant folding and
+    fusion for `target`."""
     return [
         GlobalPoolWindows(),
         SeparableMaxPools(),
         WidenedSelections(),
+        SplitsAsSlices(),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
