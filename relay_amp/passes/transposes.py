@@ -7,10 +7,13 @@ convolution transposes again. This pass moves a transpose below each op that com
 untransposed tensor with its axes renamed (elementwise ops, pads, group norms, pools, strided slices, concats of
 tensors all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so that the transpose back and the next
 one forward meet and cancel. Past a reshape too, where it only merges or splits runs of axes that keep their order
-(an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed);
-past a split of a conv's output back in NCHW (EfficientViT's heads, CSPNet's halves: each part transposed); past
-a matmul of two operands transposed in their last two axes ((B A)^T = A^T B^T); and past a broadcast_to (no layout
-rule either: ECA's and MobileViTv2's gates), whose result, transposed, is its input transposed and broadcast.
+(an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed), or
+that merges axes lying together in x in another order, where transposing them in x first copies fewer elements
+in all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the shuffle becomes a transpose of the NHWC
+tensor's last two axes and the transposes to NCHW and back cancel); past a split of a conv's output back in NCHW
+(EfficientViT's heads, CSPNet's halves: each part transposed); past a matmul of two operands transposed in their
+last two axes ((B A)^T = A^T B^T); and past a broadcast_to (no layout rule either: ECA's and MobileViTv2's
+gates), whose result, transposed, is its input transposed and broadcast.
 Two transposes in a row become one, and a transpose that permutes nothing, or only axes of extent one, a view. So
 a hierarchical ViT's tokens made an image for a conv (which ConvertLayout then transposes to NHWC) and the image
 made tokens again are reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164
@@ -42,13 +45,18 @@ class SinkTransposes:
     only axes of extent one, a view (`_as_view`). A transpose read more than once moves below each reader that
     takes it (each result transposed on its own) where that leaves the function copying fewer elements in
     transposes (an EfficientViT head's output, read by the next head's add and by the concat of all heads;
-    ConvNeXt's blocks); else it stays for them all. Fold constants first: a constant operand of a binary op is
-    transposed the other way."""
+    ConvNeXt's blocks); else it stays for them all. A reshape merging axes out of their order in the untransposed
+    tensor takes the transpose the same way, by whether a transpose of those axes first copies fewer elements in
+    all. Fold constants first: a constant operand of a binary op is transposed the other way."""
 
     def transform_function(self, func: relax.Function, mod: tvm.IRModule, ctx) -> relax.Function:
         """`func` with its transposes sunk; the input module is left as it was."""
         reads = read_counts(func)
-        sunk = [remove_all_unused(_Sinker(mod, reads, shared).visit_expr(func)) for shared in (False, True)]
+        sinkers = [_Sinker(mod, reads, shared, reorder=False) for shared in (False, True)]
+        sunk = [remove_all_unused(sinker.visit_expr(func)) for sinker in sinkers]
+        if any(sinker.reorderable for sinker in sinkers):
+            sunk += [remove_all_unused(_Sinker(mod, reads, shared, reorder=True).visit_expr(func))
+                     for shared in (False, True)]
         return min(sunk, key=_transposed_elements)
 
 
@@ -56,10 +64,12 @@ class SinkTransposes:
 class _Sinker(relax.PyExprMutator):
     in_dataflow = False  # only dataflow blocks: a graph output's transpose stays where the block hands it out
 
-    def __init__(self, mod: tvm.IRModule, reads: dict[relax.Var, int], shared: bool):
+    def __init__(self, mod: tvm.IRModule, reads: dict[relax.Var, int], shared: bool, reorder: bool):
         super().__init__(mod)
         self.reads = reads  # of the function's vars, which keep their names where a transpose moves past them
         self.shared = shared  # whether a transpose read more than once moves below each reader that takes it
+        self.reorder = reorder  # whether a reshape merging axes out of their order moves the transpose (`_run_order`)
+        self.reorderable = False  # whether a reshape met could have, had `reorder` been set
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         self.in_dataflow = True
@@ -143,9 +153,17 @@ class _Sinker(relax.PyExprMutator):
         return relax.op.permute_dims(product, perm)
 
     def _reshaped(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Expr:
-        """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape; `call`
-        where there is none."""
-        regrouped = _regrouping(tensor_shape(data), perm, _static_shape_of(call.args[1]))
+        """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape; with
+        `reorder`, of `data` transposed first where the reshape merges axes that lie together in it in another
+        order (`_run_order`); `call` where there is none."""
+        target = _static_shape_of(call.args[1])
+        regrouped = _regrouping(tensor_shape(data), perm, target)
+        order = None if regrouped is not None else _run_order(tensor_shape(data), perm, target)
+        self.reorderable |= order is not None
+        if order is not None and self.reorder:
+            data = self.builder_.emit(relax.op.permute_dims(data, order))
+            perm = [order.index(axis) for axis in perm]
+            regrouped = _regrouping(tensor_shape(data), perm, target)
         if regrouped is None:
             return call
         shape, moved = regrouped
@@ -202,14 +220,12 @@ def _regrouping(source: "list | None", perm: list[int], target: "list[int] | Non
     in x in the same order (a [4, 48, 7, 7] from NHWC flattened to [4, 48, 49]), x is reshaped instead, with the
     same runs, and the runs transposed. Axes of extent one may sit anywhere: they are left out, and the target's
     put back where it has them."""
-    if not (_static(source) and target is not None) or 0 in source or math.prod(source) != math.prod(target):
+    found = _source_runs(source, perm, target)
+    if found is None:
         return None
-    kept = [axis for axis in range(len(source)) if source[axis] != 1]
-    perm = [kept.index(axis) for axis in perm if source[axis] != 1]
-    runs = _runs([source[kept[axis]] for axis in perm], [size for size in target if size != 1])
+    _, runs, sources = found
     starts = []
-    for axes, _ in runs:
-        moved = [perm[axis] for axis in axes]
+    for moved in sources:
         if moved != list(range(moved[0], moved[0] + len(moved))):
             return None
         starts.append(moved[0])
@@ -220,6 +236,37 @@ def _regrouping(source: "list | None", perm: list[int], target: "list[int] | Non
         offsets[run], offset = offset, offset + len(runs[run][1])
     axes = [offsets[run] + index for run in range(len(runs)) for index in range(len(runs[run][1]))]
     return _with_ones(shape, axes, target)
+
+
+def _source_runs(source: "list | None", perm: list[int], target: "list[int] | None"):
+    """(x's axes of extents other than one, the runs `_runs` cuts a reshape of permute_dims(x, perm) to `target`
+    into, each run's axes as indices into those axes of x) for x of shape `source`, or None where the shapes are
+    not static or hold different numbers of elements."""
+    if not (_static(source) and target is not None) or 0 in source or math.prod(source) != math.prod(target):
+        return None
+    kept = [axis for axis in range(len(source)) if source[axis] != 1]
+    perm = [kept.index(axis) for axis in perm if source[axis] != 1]
+    runs = _runs([source[kept[axis]] for axis in perm], [size for size in target if size != 1])
+    return kept, runs, [[perm[axis] for axis in axes] for axes, _ in runs]
+
+
+def _run_order(source: "list | None", perm: list[int], target: "list[int] | None") -> "list[int] | None":
+    """The transpose of x (of shape `source`) that puts the axes each run of a reshape of permute_dims(x, perm) to
+    `target` merges in the run's order, where every run's axes lie together in x but some out of that order
+    (ShuffleNet's channel shuffle, the channels as [2, C/2] transposed to [C/2, 2] and merged, on an NHWC
+    tensor: a transpose of its last two axes, then the channels merged, then the transpose to NCHW that sinks
+    on); None where there is no such transpose."""
+    found = _source_runs(source, perm, target)
+    if found is None:
+        return None
+    kept, _, sources = found
+    order = list(range(len(source)))
+    for moved in sources:
+        if sorted(moved) != list(range(min(moved), min(moved) + len(moved))):
+            return None
+        for slot, axis in zip(sorted(moved), moved):
+            order[kept[slot]] = kept[axis]
+    return None if order == list(range(len(source))) else order
 
 
 def _with_ones(shape: list[int], axes: list[int], target: list[int]) -> tuple[list[int], list[int]]:

@@ -629,3 +629,112 @@ def test_an_eca_resnexts_gates_are_broadcast_without_transposes(tmp_path):
     PyTorch."""
     _, converted = _timm_model_laid_out("eca_resnext26ts", tmp_path)
     assert _count(converted, "relax.permute_dims") == 1
+
+
+def test_a_channel_shuffle_of_nhwc_convs_runs_in_nhwc():
+    """ShuffleNet's channel shuffle between NHWC convs: the channels as [groups, C/groups] transposed to [C/groups,
+    groups] and merged, in NCHW. The reshape merges axes that lie together in the NHWC tensor but in the other
+    order, so the NHWC tensor's last two axes are transposed first (the shuffle itself) and the transposes to
+    NCHW and back cancel: one transpose of 8 channels where three were."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 4, 4, 8), "float32"):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                grouped = R.reshape(nchw, R.shape([1, 2, 4, 4, 4]))
+                swapped = R.permute_dims(grouped, axes=[0, 2, 1, 3, 4])
+                shuffled = R.reshape(swapped, R.shape([1, 8, 4, 4]))
+                out = R.permute_dims(shuffled, axes=[0, 2, 3, 1])
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 4, 4, 8), "float32"):
+            with R.dataflow():
+                grouped = R.reshape(x, R.shape([1, 4, 4, 2, 4]))
+                swapped = R.permute_dims(grouped, axes=[0, 1, 2, 4, 3])
+                shuffled = R.reshape(swapped, R.shape([1, 4, 4, 8]))
+                out = shuffled  # the transpose back to NHWC, cancelled
+                R.output(out)
+            return out
+
+    assert_transforms(SinkTransposes(), Before, Expected)
+
+
+def test_a_reshape_merging_axes_out_of_order_keeps_its_transpose_where_nothing_cancels():
+    """The same shuffle with the NCHW result as the graph's output: transposing the NHWC tensor first would copy it
+    twice, so the transposes stay as they were."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 8, 4, 4), "float32"):
+            with R.dataflow():
+                grouped = R.reshape(R.permute_dims(x, axes=[0, 3, 1, 2]), R.shape([1, 2, 4, 4, 4]))
+                out = R.reshape(R.permute_dims(grouped, axes=[0, 2, 1, 3, 4]), R.shape([1, 8, 4, 4]))
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 8, 4, 4), "float32"):
+            with R.dataflow():
+                grouped = R.reshape(x, R.shape([1, 4, 4, 2, 4]))
+                lv = R.permute_dims(grouped, axes=[0, 4, 3, 1, 2])
+                out = R.reshape(lv, R.shape([1, 8, 4, 4]))
+                R.output(out)
+            return out
+
+    assert_transforms(SinkTransposes(), Before, Expected)
+
+
+def test_the_run_order_transpose_lets_every_run_of_axes_lying_together_regroup():
+    """For small random shapes: `_run_order` is found wherever each run of merged axes lies together in the
+    untransposed tensor and some run out of its order, and the reshape after it regroups to numpy's values."""
+    from relay_amp.passes.transposes import _regrouping, _run_order
+
+    rng = np.random.default_rng(1)
+    found = 0
+    for _ in range(600):
+        source = [int(size) for size in rng.integers(2, 4, rng.integers(2, 6))]
+        perm = [int(axis) for axis in rng.permutation(len(source))]
+        transposed = [source[axis] for axis in perm]
+        cut = sorted({0, len(source), *(int(at) for at in rng.integers(0, len(source) + 1, 2))})
+        target = [int(np.prod(transposed[a:b])) for a, b in zip(cut, cut[1:])]
+        runs = [sorted(perm[a:b]) for a, b in zip(cut, cut[1:])]
+        together = all(run == list(range(run[0], run[0] + len(run))) for run in runs)
+        order = _run_order(source, perm, target)
+        assert (order is not None) == (together and _regrouping(source, perm, target) is None), (source, perm, cut)
+        if order is not None:
+            x = np.arange(np.prod(source)).reshape(source)
+            shape, axes = _regrouping([source[axis] for axis in order], [order.index(axis) for axis in perm], target)
+            np.testing.assert_array_equal(np.transpose(np.transpose(x, order).reshape(shape), axes),
+                                          np.transpose(x, perm).reshape(target))
+            found += 1
+    assert found > 50
+
+
+def test_a_torchvision_shufflenet_through_torch_export_shuffles_channels_in_nhwc():
+    """torchvision's ShuffleNetV2 x0.5 through torch.export (the rule was written on the TorchScript ONNX export
+    of x1.0): after the CPU layout passes only the input's transpose and one shuffle per block are left, and the
+    build matches PyTorch."""
+    import torch
+    import torchvision
+
+    from relay_amp.passes.layout import conv_layout_passes
+    from relay_amp.runtime import run_executable
+
+    torch.manual_seed(0)
+    model = torchvision.models.shufflenet_v2_x0_5(num_classes=10).eval()
+    x = torch.randn(1, 3, 64, 64)
+    imported = relay_amp.frontend.from_torch(model, [x])
+    with tvm.transform.PassContext(opt_level=3):
+        converted = tvm.transform.Sequential(conv_layout_passes("NHWC"))(imported)
+    assert _count(converted, "relax.permute_dims") == 1 + 16  # 16 blocks, one shuffle each
+    got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [x.numpy()])[0]
+    with torch.no_grad():
+        expected = model(x).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
