@@ -590,18 +590,17 @@ def _group_padded_constant(call: relax.Call, constant: relax.Expr, groups: int, 
     if not isinstance(constant, tvm.ir.expr.Constant) or _same_on_every_channel(constant.value.numpy()):
         return constant
     values = constant.value.numpy()
-    grouped = values.reshape(*values.shape[:-1], groups, values.shape[-1] // groups)
-    widths = [(0, 0)] * (grouped.ndim - 1) + [(0, padded - grouped.shape[-1])]
-    padded_values = np.pad(grouped, widths, constant_values=WIDENABLE[call.op.name])
-    return relax.const(padded_values.reshape(*values.shape[:-1], groups * padded), tensor_dtype(constant))
+    padded_values = _group_padded_axis(values, values.ndim - 1, groups, padded, WIDENABLE[call.op.name])
+    return relax.const(padded_values, tensor_dtype(constant))
 
 
-def _group_padded_axis(values: np.ndarray, axis: int, groups: int, padded: int) -> np.ndarray:
-    """`values` with each of `groups` groups of its channels along `axis` padded to `padded` with zeros."""
+def _group_padded_axis(values: np.ndarray, axis: int, groups: int, padded: int, fill: float = 0.0) -> np.ndarray:
+    """`values` with each of `groups` groups of its channels along `axis` padded to `padded` with `fill`."""
     moved = np.moveaxis(values, axis, -1)
     grouped = moved.reshape(*moved.shape[:-1], groups, moved.shape[-1] // groups)
     widths = [(0, 0)] * (grouped.ndim - 1) + [(0, padded - grouped.shape[-1])]
-    return np.moveaxis(np.pad(grouped, widths).reshape(*moved.shape[:-1], groups * padded), -1, axis)
+    filled = np.pad(grouped, widths, constant_values=fill)
+    return np.moveaxis(filled.reshape(*moved.shape[:-1], groups * padded), -1, axis)
 
 
 def _run_time_weight_sums(packed: relax.Expr, spec: kernels.ConvSpec) -> relax.Expr:
