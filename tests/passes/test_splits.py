@@ -153,3 +153,10 @@ def test_a_timm_edgenext_builds_without_a_split_function(tmp_path):
     assert not [name for name in prepared_function_names(imported) if "split" in name]
     built = run_executable(build(imported, targets.host_preset()), [x])[0]
     np.testing.assert_allclose(built, expected, atol=1e-5 * np.abs(expected).max())
+
+
+def test_a_function_the_module_lacks_is_a_module_error_naming_it():
+    from relay_amp.errors import ModuleError
+
+    with pytest.raises(ModuleError, match="'decode'"):
+        splits_as_slices(QueryKeyValue, "decode")
