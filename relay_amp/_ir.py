@@ -169,6 +169,20 @@ def slice_window(call: relax.Call) -> "tuple[list, list] | None":
     return begin, end
 
 
+def split_part_bounds(split: relax.Call) -> "list[tuple[int, int]] | None":
+    """(begin, end) of each part of a split along its axis, from its parts' static extents (as many sections as
+    parts, or indices: the parts' types say where TVM cuts); None where one is symbolic."""
+    rank = len(tensor_shape(split.args[0]) or ())
+    if not rank:
+        return None
+    axis = int(split.attrs.axis) % rank
+    extents = [(type_shape(field) or [None] * rank)[axis] for field in split.ty.fields]
+    if not all(isinstance(extent, int) for extent in extents):
+        return None
+    ends = [sum(extents[:i + 1]) for i in range(len(extents))]
+    return [(end - extent, end) for end, extent in zip(ends, extents)]
+
+
 def with_attr(attrs: tvm.ir.Attrs, **changes) -> tvm.ir.Attrs:
     """A copy of an attrs node with some fields replaced."""
     fields = type(attrs).__tvm_ffi_type_info__.fields

@@ -157,3 +157,17 @@ def test_type_shape_reads_static_and_symbolic_dims_of_a_tensor_type_and_none_oth
     assert type_shape(relax.TensorType((1, n, 8), "float32")) == (1, "n", 8)
     assert type_shape(relax.TensorType(None, "float32", ndim=2)) is None
     assert type_shape(relax.TupleType([relax.TensorType((2,), "float32")])) is None
+
+
+def test_split_part_bounds_cut_where_the_parts_types_say_and_none_for_a_symbolic_axis():
+    from tvm import tirx
+
+    from relay_amp._ir import split_part_bounds
+
+    def split(shape, sections, axis):
+        x = relax.Var("x", relax.TensorType(shape, "float32"))
+        return relax.BlockBuilder().normalize(relax.op.split(x, sections, axis))
+
+    assert split_part_bounds(split((1, 4, 48), [16, 32], 2)) == [(0, 16), (16, 32), (32, 48)]
+    assert split_part_bounds(split((2, 6, 8), 3, -2)) == [(0, 2), (2, 4), (4, 6)]
+    assert split_part_bounds(split((1, tirx.Var("n", "int64"), 8), 2, 1)) is None

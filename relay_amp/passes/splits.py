@@ -11,22 +11,11 @@ function instead of the split's. A split read as a whole (not only part by part)
 import tvm
 from tvm import relax
 
-from .._ir import get_function, read_counts, rewrite_function, slice_window, tensor_shape, type_shape
+from .._ir import get_function, read_counts, rewrite_function, slice_window, split_part_bounds, tensor_shape
 from .._dead_code import EliminateDeadCode
 from ..ops import bound_call, call_op_name
 
 SPLIT = "relax.split"
-
-
-def _part_bounds(split: relax.Call) -> "list[tuple[int, int]] | None":
-    """(begin, end) of each part along the split's axis, from its parts' static extents; None where one is symbolic."""
-    fields, rank = split.ty.fields, len(tensor_shape(split.args[0]) or ())
-    axis = int(split.attrs.axis) % rank if rank else 0
-    extents = [(type_shape(field) or [None] * rank)[axis] if rank else None for field in fields]
-    if not all(isinstance(extent, int) for extent in extents):
-        return None
-    ends = [sum(extents[:i + 1]) for i in range(len(extents))]
-    return [(end - extent, end) for end, extent in zip(ends, extents)]
 
 
 def _read_only_by_parts(func: relax.Function) -> set[relax.Var]:
@@ -35,7 +24,7 @@ def _read_only_by_parts(func: relax.Function) -> set[relax.Var]:
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
-            if call_op_name(value) == SPLIT and _part_bounds(value) is not None:
+            if call_op_name(value) == SPLIT and split_part_bounds(value) is not None:
                 splits.add(binding.var)
             elif isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
                 items[value.tuple_value] = items.get(value.tuple_value, 0) + 1
@@ -55,7 +44,7 @@ class _PartsAsSlices(relax.PyExprMutator):
         if item.tuple_value not in self.splits:
             return super().visit_tuple_getitem_(item)
         split = self.lookup_binding(self.visit_expr(item.tuple_value))
-        begin, end = _part_bounds(split)[item.index]
+        begin, end = split_part_bounds(split)[item.index]
         axis = int(split.attrs.axis) % len(tensor_shape(split.args[0]))
         source, offset = self._unsliced(split.args[0], axis)
         return relax.op.strided_slice(source, axes=[axis], begin=[offset + begin], end=[offset + end])

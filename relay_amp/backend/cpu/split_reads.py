@@ -17,7 +17,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from ..._dead_code import EliminateDeadCode
-from ..._ir import depthwise_weight, rewrite_op_calls, slice_window, tensor_dtype, tensor_shape
+from ..._ir import depthwise_weight, rewrite_op_calls, slice_window, split_part_bounds, tensor_dtype, tensor_shape
 from ...ops import bound_value, call_op_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -37,13 +37,7 @@ def _split_part(builder, data: relax.Expr) -> "tuple[relax.Expr, int] | None":
     shape = tensor_shape(whole) or ()
     if len(shape) != 4 or not all(isinstance(size, int) for size in shape) or int(split.attrs.axis) % 4 != 3:
         return None
-    sections = split.attrs.indices_or_sections
-    if isinstance(sections, (int, tirx.IntImm)):
-        width = shape[3] // int(sections)
-        starts = [width * part for part in range(int(sections) + 1)]
-    else:
-        starts = [0, *(int(index) for index in sections), shape[3]]
-    start, stop = starts[int(item.index)], starts[int(item.index) + 1]
+    start, stop = split_part_bounds(split)[int(item.index)]
     return _through_compaction(builder, whole, start, stop - start)
 
 
