@@ -10,8 +10,10 @@ from tvm.script import relax as R
 
 import relay_amp
 from relay_amp.passes.moves import HoistOverMoves
+from relay_amp.runtime import run_executable
 
-from pass_checks import assert_transforms
+from builders import timm_through_onnx
+from pass_checks import assert_transforms, prepared_module
 
 
 @I.ir_module
@@ -287,3 +289,140 @@ def test_a_cast_after_a_slice_of_a_tensor_something_else_reads_stays_after_it():
             return gv
 
     assert_transforms(HoistOverMoves(), Before, Before)
+
+
+@I.ir_module
+class Inception:  # two branches' ReLU outputs concatenated; the next block quantizes the concat and its max pool
+    @R.function
+    def main(a: R.Tensor((1, 6, 6, 8), "float32"), b: R.Tensor((1, 6, 6, 16), "float32")):
+        with R.dataflow():
+            joined = R.concat((R.nn.relu(a), R.nn.relu(b)), axis=3)
+            scaled = R.multiply(joined, R.const(20.0, "float32"))
+            codes = R.astype(R.minimum(R.maximum(R.add(scaled, R.const(0.5, "float32")), R.const(0.0, "float32")),
+                                       R.const(255.0, "float32")), "uint8")
+            pooled = R.nn.max_pool2d(joined, pool_size=[3, 3], padding=[1, 1, 1, 1], layout="NHWC")
+            pool_scaled = R.multiply(pooled, R.const(20.0, "float32"))
+            pool_codes = R.astype(R.minimum(R.maximum(R.add(pool_scaled, R.const(0.5, "float32")),
+                                                      R.const(0.0, "float32")), R.const(255.0, "float32")), "uint8")
+            gv = (codes, pool_codes)
+            R.output(gv)
+        return gv
+
+
+def test_quantized_codes_move_before_a_max_pool_and_into_the_parts_of_a_concat():
+    """Each branch computes its codes (in its kernel's epilogue, once the pipeline fuses it), and the concat and the
+    pool move bytes; the pool's copy of the codes and the concat's readers' are one."""
+    scale, half, zero, top = (relax.const(value, "float32") for value in (20.0, 0.5, 0.0, 255.0))
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((1, 6, 6, 8), "float32"), b: R.Tensor((1, 6, 6, 16), "float32")):
+            with R.dataflow():
+                act_a, act_b = R.nn.relu(a), R.nn.relu(b)
+                scaled_a, scaled_b = R.multiply(act_a, scale), R.multiply(act_b, scale)  # one op a round, each part
+                shifted_a, shifted_b = R.add(scaled_a, half), R.add(scaled_b, half)
+                low_a, low_b = R.maximum(shifted_a, zero), R.maximum(shifted_b, zero)
+                high_a, high_b = R.minimum(low_a, top), R.minimum(low_b, top)
+                codes = R.concat((R.astype(high_a, "uint8"), R.astype(high_b, "uint8")), axis=3)
+                pool_codes = R.nn.max_pool2d(codes, pool_size=[3, 3], padding=[1, 1, 1, 1], layout="NHWC")
+                gv = (codes, pool_codes)
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Inception, Expected)
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(shape).astype("float32") for shape in [(1, 6, 6, 8), (1, 6, 6, 16)]]
+    before, after = relay_amp.run(Inception, inputs), relay_amp.run(HoistOverMoves()(Inception), inputs)
+    for was, now in zip(before, after):
+        assert now.dtype == np.uint8 and was.any()
+        np.testing.assert_array_equal(was, now)  # exact: the codes commute with the moves and the pool's max
+
+
+@pytest.mark.parametrize("reason,op", [
+    ("SiLU decreases below -1.28: its max over a window is not the max's SiLU", R.nn.silu),
+    ("a negative scale turns the window's max into its min", lambda t: R.multiply(t, R.const(-2.0, "float32"))),
+    ("a constant minus the value decreases", lambda t: R.subtract(R.const(1.0, "float32"), t)),
+])
+def test_ops_that_decrease_stay_after_a_max_pool(reason, op):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 6, 8), "float32")):
+            with R.dataflow():
+                gv = op(R.nn.max_pool2d(x, pool_size=[2, 2], strides=[2, 2], layout="NHWC"))
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
+
+
+def test_a_max_pool_whose_input_something_else_reads_keeps_the_ops_after_it():
+    """The pool's input would be quantized whole beside the residual add that reads it in fp32."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 6, 8), "float32")):
+            with R.dataflow():
+                pooled = R.nn.max_pool2d(x, pool_size=[2, 2], strides=[2, 2], layout="NHWC")
+                scaled = R.multiply(pooled, R.const(20.0, "float32"))
+                gv = (scaled, R.add(x, x))
+                R.output(gv)
+            return gv
+
+    assert_transforms(HoistOverMoves(), Before, Before)
+
+
+def _upsampled(method: str):
+    @I.ir_module
+    class Upsampled:  # a decoder's upsampling (U-Net, FPN), cast to bf16 by AMP for the conv after it
+        @R.function
+        def main(x: R.Tensor((1, 8, 4, 4), "float32")) -> R.Tensor((1, 8, 8, 8), "bfloat16"):
+            with R.dataflow():
+                gv = R.astype(R.image.resize2d(x, R.shape([8, 8]), method=method), "bfloat16")
+                R.output(gv)
+            return gv
+
+    return Upsampled
+
+
+def test_a_cast_moves_before_a_nearest_neighbour_resize_only():
+    """A nearest-neighbour resize copies values: the cast goes first and the resize moves half the bytes (a quarter
+    of the values cast). A linear resize computes new values, which the cast must round."""
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 8, 4, 4), "float32")) -> R.Tensor((1, 8, 8, 8), "bfloat16"):
+            with R.dataflow():
+                gv = R.image.resize2d(R.astype(x, "bfloat16"), R.shape([8, 8]), method="nearest_neighbor")
+                R.output(gv)
+            return gv
+
+    nearest = _upsampled("nearest_neighbor")
+    assert_transforms(HoistOverMoves(), nearest, Expected)
+    assert_transforms(HoistOverMoves(), _upsampled("linear"), _upsampled("linear"))
+    x = np.random.default_rng(4).standard_normal((1, 8, 4, 4)).astype("float32")
+    before, after = relay_amp.run(nearest, [x])[0], relay_amp.run(HoistOverMoves()(nearest), [x])[0]
+    np.testing.assert_array_equal(before.astype("float32"), after.astype("float32"))
+
+
+def test_a_csp_darknets_concats_move_quantized_codes(tmp_path):
+    """timm's CSPDarkNet (cs3darknet_s: each stage concatenates its two halves for a quantized 1x1 conv; the rule
+    was written on GoogLeNet): each concatenation of its int8q build reads its blocks' half as uint8 codes their
+    last kernel stored; the other half, a slice of a kernel output whose other half the blocks read with codes of
+    their own, is quantized as it is concatenated. The build computes what the quantized module does."""
+    _, imported, x, _ = timm_through_onnx("cs3darknet_s", tmp_path)
+    rng = np.random.default_rng(0)
+    quantized = relay_amp.quantize(imported, [rng.standard_normal(x.shape).astype("float32") for _ in range(4)])
+    prepared = prepared_module(quantized)
+    concats = [value for value in _bound_calls(prepared) if "concatenate" in value.args[0].name_hint]
+    assert len(concats) == 4
+    assert all([field.ty.dtype for field in value.args[1].fields] == ["float32", "uint8"] for value in concats)
+    got = run_executable(relay_amp.build(quantized, relay_amp.targets.host_preset()), [x])[0]
+    reference = relay_amp.run(quantized, [x])[0]
+    np.testing.assert_allclose(got, reference, atol=0.02 * np.abs(reference).max())  # a code's rounding apart
+
+
+def _bound_calls(mod):
+    return [binding.value for block in mod["main"].body.blocks for binding in block.bindings
+            if isinstance(binding.value, relax.Call) and isinstance(binding.value.args[0], tvm.ir.GlobalVar)]
