@@ -30,3 +30,10 @@ def prepared_module(mod: tvm.IRModule) -> tvm.IRModule:
 def prepared_function_names(mod: tvm.IRModule) -> list[str]:
     """The names of the functions in `prepared_module(mod)`."""
     return [gv.name_hint for gv in prepared_module(mod).get_global_vars()]
+
+
+def prepared_calls(mod: tvm.IRModule, name_part: str) -> list[relax.Call]:
+    """The calls in `prepared_module(mod)`'s main of its functions whose name contains `name_part`."""
+    return [binding.value for block in prepared_module(mod)["main"].body.blocks for binding in block.bindings
+            if isinstance(binding.value, relax.Call) and isinstance(binding.value.args[0], tvm.ir.GlobalVar)
+            and name_part in binding.value.args[0].name_hint]

@@ -31,8 +31,13 @@ decreases, and a nearest-neighbour resize, which only copies values. An inceptio
 branches' ReLU outputs, and the next block's convs read the concat and its max pool: the kernels stored fp32,
 the concat and the pool moved fp32, and a function of its own quantized each. Now each branch's kernel stores
 codes in its epilogue, and the concat and the pool move bytes (GoogLeNet int8q 0.89x the time, bit-identical).
-A max pool whose input something else reads is passed only where that reader is the same op (the block's 1x1
-convs reading its input beside the pool branch): the copies become one after each round.
+
+An op passes a slice or a max pool, and enters a concat's or a split's parts, only where every reader of the
+tensor it would then read comes to read the same op of it, directly or through moves it passes too (`_takes`):
+the block's 1x1 convs quantizing its input beside the pool branch; YOLOv8's C2f block, which splits a conv's
+output in halves and concatenates them with a bottleneck's output; its SPPF block, which concatenates a tensor and
+three max pools in a row of it. The copies of the op this leaves become one after each round. A quantized conv's
+codes only agree with another's where both layers have one range (relay_amp.passes.quantize.shared).
 """
 
 import tvm
@@ -98,15 +103,16 @@ class _Hoister(relax.PyExprMutator):
         self.uses = read_counts(func)
         self.value_of = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
         self.cast_dtypes = _narrowing_casts_reading(self.value_of)
+        self.var_of = {value: var for var, value in self.value_of.items()}
         self.readers: dict[relax.Var, list[relax.Expr]] = {}  # each binding's value once per var it reads
-        for value in self.value_of.values():
+        for value in [*self.value_of.values(), func.body.body]:  # the function's result reads too
             for var in relax.analysis.free_vars(value):
                 self.readers.setdefault(var, []).append(value)
         self.items_of: dict[relax.Var, list[relax.Var]] = {}
         for var, value in self.value_of.items():
             if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
                 self.items_of.setdefault(value.tuple_value, []).append(var)
-        self.narrow_splits: dict[relax.Var, relax.Var] = {}  # a split whose outputs are all cast -> its cast source's
+        self.applied_splits: dict[relax.Var, relax.Var] = {}  # a split whose outputs all read one op -> of its input
         self.narrow_concats: dict[relax.Var, relax.Var] = {}  # a concat read only by casts -> the concat of cast parts
         self.in_dataflow = False  # whether the binding being visited is in a dataflow block
         self.changed = False
@@ -137,7 +143,7 @@ class _Hoister(relax.PyExprMutator):
             return concat
         if call_op_name(call) == "relax.astype" and (narrow := self._narrow_concat(call)) is not None:
             return narrow
-        if call_op_name(call) == "relax.astype" and (split_item := self._over_split(call)) is not None:
+        if (split_item := self._over_split(call, index)) is not None:
             return split_item
         moves, source = [], call.args[index]
         while isinstance(source, relax.Var) and self.uses.get(source, 0) == 1 and self._is_move(source, call, index):
@@ -164,21 +170,29 @@ class _Hoister(relax.PyExprMutator):
 
     def _is_move(self, var: relax.Var, call: relax.Call, index: int) -> bool:
         """Whether `var` is bound to a move `call` can go before: a reshape, a transpose or a nearest-neighbour
-        resize; a slice of a tensor nothing else reads (a kernel's output padded to whole vectors of channels: an op
-        before the slice computes the padding too, in the kernel's epilogue); a max pool, for an op that never
-        decreases, of a tensor nothing but the pool and that same op reads (an inception block's input: its pool
-        branch and its convs' quantize)."""
+        resize; a slice, or a max pool where `call` never decreases, of a tensor every reader of which comes to read
+        `call` of it (`_takes`: a kernel output padded to whole vectors of channels and sliced back, whose padding the
+        op computes in the kernel's epilogue; a C2f block's halves; an inception block's input, read by its pool
+        branch and by its convs' quantize)."""
         value = self.value_of.get(var)
         name = call_op_name(value)
-        if name == SLICE:
-            return self.uses.get(value.args[0], 0) == 1
+        if name == SLICE or name in MAX_POOLS:
+            return self._crosses(value, call, index) and self._takes(value.args[0], call, index)
+        return name != CONCAT and self._crosses(value, call, index)  # a concat's parts: _over_concat
+
+    def _crosses(self, move: relax.Expr, call: relax.Call, index: int) -> bool:
+        """Whether `call` commutes with the move `move` (a concat: applied to each part)."""
+        name = call_op_name(move)
         if name == RESIZE:
-            return str(value.attrs.method) == "nearest_neighbor"
-        if name in MAX_POOLS:
-            return _monotone(call, index) and all(
-                reader.same_as(value) or self._same_op(reader, call, index, value.args[0])
-                for reader in self.readers.get(value.args[0], []))
-        return name in MOVES
+            return str(move.attrs.method) == "nearest_neighbor"
+        return name in (*MOVES, SLICE, CONCAT) or (name in MAX_POOLS and _monotone(call, index))
+
+    def _takes(self, var: relax.Var, call: relax.Call, index: int) -> bool:
+        """Whether every reader of `var` comes to read `call` of it: the same op of it, or a move `call` commutes
+        with whose every reader does (a tensor's slices, or a max pool and a concat of it, all quantized alike)."""
+        return all(self._same_op(reader, call, index, var) or (
+            self._crosses(reader, call, index) and self._takes(self.var_of[reader], call, index))
+            for reader in self.readers.get(var, []))
 
     def _same_op(self, reader: relax.Expr, call: relax.Call, index: int, operand: relax.Var) -> bool:
         """Whether `reader` is `call` applied to `operand` in place of its operand `index` (one binding once
@@ -192,11 +206,12 @@ class _Hoister(relax.PyExprMutator):
 
     def _over_concat(self, call: relax.Call, index: int) -> "relax.Expr | None":
         """The concat of `call` applied to each part of the concat its operand is, where nothing else reads the
-        concat or its parts (MixNet's mixed convs: each part's conv then takes the op into its own function); else
-        None."""
+        concat and every reader of each part comes to read `call` of it (MixNet's mixed convs: each part's conv then
+        takes the op into its own function; a C2f block's parts, quantized alike); else None."""
         operand = call.args[index]
-        concat = self._lone_parts_concat(operand) if self.uses.get(operand, 0) == 1 else None
-        if concat is None:
+        concat = self.value_of.get(operand) if self.uses.get(operand, 0) == 1 else None
+        if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple) or not all(
+                self._takes(part, call, index) for part in concat.args[0].fields):
             return None
         parts = [self._applied(call, index, part) for part in concat.args[0].fields]
         return relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs)
@@ -225,22 +240,20 @@ class _Hoister(relax.PyExprMutator):
             return None
         return None if any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields) else concat
 
-    def _over_split(self, cast: relax.Call) -> "relax.Expr | None":
-        """The output of a split of the cast source that `cast` reads, where every output of the split is read only
-        by casts to its dtype (a mixed conv's channel groups, each cast by AMP for its own conv); else None."""
-        item = self.value_of.get(cast.args[0])
+    def _over_split(self, call: relax.Call, index: int) -> "relax.Expr | None":
+        """The output of a split of `call` applied to the split's input, where every output of the split comes to read
+        that same op (a mixed conv's channel groups, each cast by AMP for its own conv; a CSP stage's halves, each
+        quantized with one range); else None."""
+        item = self.value_of.get(call.args[index])
         split_var = item.tuple_value if isinstance(item, relax.TupleGetItem) else None
-        split = self.value_of.get(split_var)
-        if call_op_name(split) != SPLIT or not self._read_only_by_casts(split_var, tensor_dtype(cast)):
+        split, items = self.value_of.get(split_var), self.items_of.get(split_var, [])
+        if call_op_name(split) != SPLIT or self.uses.get(split_var, 0) != len(items) or not all(
+                self._takes(output, call, index) for output in items):
             return None
-        if split_var not in self.narrow_splits:
-            narrow = self.builder_.emit(relax.op.astype(self.visit_expr(split.args[0]), tensor_dtype(cast)))
-            self.narrow_splits[split_var] = self.builder_.emit(relax.Call(split.op, [narrow], split.attrs))
-        return relax.TupleGetItem(self.narrow_splits[split_var], item.index)
-
-    def _read_only_by_casts(self, split_var: relax.Var, dtype: str) -> bool:
-        items = self.items_of.get(split_var, [])
-        return self.uses.get(split_var, 0) == len(items) and all(self._cast_only(item, dtype) for item in items)
+        if split_var not in self.applied_splits:
+            applied = self._applied(call, index, split.args[0])
+            self.applied_splits[split_var] = self.builder_.emit(relax.Call(split.op, [applied], split.attrs))
+        return relax.TupleGetItem(self.applied_splits[split_var], item.index)
 
     def _cast_only(self, var: relax.Var, dtype: str) -> bool:
         """Whether every reader of `var` is a narrowing cast to `dtype`."""

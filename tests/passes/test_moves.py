@@ -13,7 +13,7 @@ from relay_amp.passes.moves import HoistOverMoves
 from relay_amp.runtime import run_executable
 
 from builders import timm_through_onnx
-from pass_checks import assert_transforms, prepared_module
+from pass_checks import assert_transforms, prepared_calls
 
 
 @I.ir_module
@@ -407,22 +407,17 @@ def test_a_cast_moves_before_a_nearest_neighbour_resize_only():
 
 
 def test_a_csp_darknets_concats_move_quantized_codes(tmp_path):
-    """timm's CSPDarkNet (cs3darknet_s: each stage concatenates its two halves for a quantized 1x1 conv; the rule
-    was written on GoogLeNet): each concatenation of its int8q build reads its blocks' half as uint8 codes their
-    last kernel stored; the other half, a slice of a kernel output whose other half the blocks read with codes of
-    their own, is quantized as it is concatenated. The build computes what the quantized module does."""
+    """timm's CSPDarkNet (cs3darknet_s: each stage splits a conv's output in halves, runs its blocks on one and
+    concatenates both for a quantized 1x1 conv; written on GoogLeNet and YOLOv8n): the halves' convs share one range
+    (relay_amp.passes.quantize.shared), so the codes the kernels store are split and concatenated as bytes. The build
+    computes what the quantized module does."""
     _, imported, x, _ = timm_through_onnx("cs3darknet_s", tmp_path)
     rng = np.random.default_rng(0)
     quantized = relay_amp.quantize(imported, [rng.standard_normal(x.shape).astype("float32") for _ in range(4)])
-    prepared = prepared_module(quantized)
-    concats = [value for value in _bound_calls(prepared) if "concatenate" in value.args[0].name_hint]
+    concats = prepared_calls(quantized, "concatenate")
     assert len(concats) == 4
-    assert all([field.ty.dtype for field in value.args[1].fields] == ["float32", "uint8"] for value in concats)
+    assert all(field.ty.dtype == "uint8" for value in concats for field in value.args[1].fields)
     got = run_executable(relay_amp.build(quantized, relay_amp.targets.host_preset()), [x])[0]
     reference = relay_amp.run(quantized, [x])[0]
     np.testing.assert_allclose(got, reference, atol=0.02 * np.abs(reference).max())  # a code's rounding apart
 
-
-def _bound_calls(mod):
-    return [binding.value for block in mod["main"].body.blocks for binding in block.bindings
-            if isinstance(binding.value, relax.Call) and isinstance(binding.value.args[0], tvm.ir.GlobalVar)]

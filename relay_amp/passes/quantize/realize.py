@@ -37,9 +37,14 @@ separate requantize functions gone; top-1 agreement with fp32 unchanged (32/32),
 A signed operand's codes have a zero point (offset int8 codes, or a short negative side's), which the add
 subtracts: the linear bottlenecks of MobileNetV2, EfficientNet and GhostNet, whose block outputs are added back
 unactivated.
+
+With `shared_ranges` (the default), layers whose inputs are moves of one value (a split's halves and their concat, a
+concat and its max pools) share one range (relay_amp.passes.quantize.shared), so the CPU backend computes the codes once, in the kernels that make
+the values, and moves bytes.
 """
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -56,8 +61,9 @@ from ..batch_norm import FoldBatchNorm
 from ..casts import eliminate_redundant_casts
 from ..layers import layer_bindings, list_layers, resolve_layers
 from ..ranges import layer_input, observe
-from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, threshold
-from .plan import CODE_LEVELS, DYNAMIC, QuantEntry, QuantPlan, zero_point_position
+from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, merged, threshold
+from .plan import CODE_LEVELS, DYNAMIC, STATIC_DTYPES, QuantEntry, QuantPlan, zero_point_position
+from .shared import MAX_WIDENING, moved_input_groups
 
 CONVOLUTIONS = ("relax.nn.conv2d", "relax.nn.conv1d")  # conv1d: audio front ends (the CPU backend runs it as conv2d)
 QUANTIZABLE_OPS = (*CONVOLUTIONS, "relax.matmul")
@@ -279,7 +285,7 @@ class Quantize:
                  percentile: float = DEFAULT_PERCENTILE, weight_granularity: str = "per_channel",
                  activation_dtype: str = "auto", excluded_layers: Iterable[int | str] | None = None,
                  fallback_dtype: str = "bfloat16", dynamic_matmuls: bool = False, quantized_residuals: bool = True,
-                 func: str = "main"):
+                 shared_ranges: bool = True, func: str = "main"):
         self.ops = quantizable_ops(ops, "quantize")
         self.observer = _one_of(observer, OBSERVERS, "observer")
         self.percentile = float(percentile)
@@ -291,6 +297,7 @@ class Quantize:
         self.fallback_dtype = check_choice(fallback_dtype, FALLBACK_DTYPES, "fallback_dtype")
         self.dynamic_matmuls = bool(dynamic_matmuls)
         self.quantized_residuals = bool(quantized_residuals)
+        self.shared_ranges = bool(shared_ranges)
         self.func = func
         self.dataset = list(dataset)
 
@@ -307,6 +314,10 @@ class Quantize:
         histograms = self._calibrate(mod, layers)
         entries = [self._decide(layer, binding.value, histogram, layer.index in excluded)
                    for layer, binding, histogram in zip(layers, bindings, histograms)]
+        inputs = [binding.value.args[0] for binding in bindings]
+        for group in moved_input_groups(get_function(mod, self.func), inputs) if self.shared_ranges else []:
+            static = [index for index in group if entries[index].dtype in STATIC_DTYPES]
+            self._share_range(static, layers, bindings, histograms, entries)
         return QuantPlan(list(self.ops), self.observer, self.weight_granularity, self.fallback_dtype, self.func,
                          entries, self.quantized_residuals)
 
@@ -319,6 +330,22 @@ class Quantize:
                                       f"{layer.name!r}) holds NaN or inf")
                 histogram.add(values)
         return histograms
+
+    def _share_range(self, members: list[int], layers: list, bindings: list, histograms: list[Histogram],
+                     entries: list[QuantEntry]) -> None:
+        """Give the static int8 layers `members`, whose inputs are moves of common values, one range: their merged
+        histogram's, where it decides them alike and is at most MAX_WIDENING times each one's own threshold."""
+        if len(members) < 2:
+            return
+        common = merged([histograms[index] for index in members])
+        shared = [self._decide(layers[index], bindings[index].value, common, False) for index in members]
+        decisions = {(entry.dtype, entry.threshold, entry.zero_point) for entry in shared}
+        if len(decisions) > 1 or shared[0].dtype not in STATIC_DTYPES or any(
+                shared[0].threshold > MAX_WIDENING * entries[index].threshold for index in members):
+            return
+        names = ", ".join(str(index) for index in members)
+        for index, entry in zip(members, shared):
+            entries[index] = replace(entry, reason=f"{entry.reason}; one range with layers {names}")
 
     def _decide(self, layer, call: relax.Call, histogram: Histogram, excluded: bool) -> QuantEntry:
         def entry(dtype: str, limit: float, reason: str, zero_point: int = 0) -> QuantEntry:
