@@ -54,8 +54,8 @@ SPLIT = "relax.split"
 SCALAR_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum")
 CONCAT = "relax.concat"
 SLICE = "relax.strided_slice"
-ACTIVATIONS = frozenset(f"relax.{name}" for name in (
-    "nn.relu", "nn.silu", "nn.gelu", "nn.gelu_tanh", "sigmoid", "tanh", "clip", "floor"))  # one tensor operand, per value
+ACTIVATIONS = frozenset(f"relax.{name}" for name in (  # one tensor operand, per value
+    "nn.relu", "nn.silu", "nn.gelu", "nn.gelu_tanh", "sigmoid", "tanh", "clip", "floor"))
 NOT_MONOTONE = frozenset(("relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh"))
 # a max over each window: it commutes with an op that never decreases (a quantize's scale, shift, clamp and cast)
 MAX_POOLS = frozenset(f"relax.nn.max_pool{rank}d" for rank in (1, 2, 3))
@@ -72,6 +72,11 @@ def _narrowing_cast(call: relax.Call) -> bool:
 
 def _scalar_constant(expr: relax.Expr) -> bool:
     return isinstance(expr, tvm.ir.expr.Constant) and not tensor_shape(expr)
+
+
+def nearest_resize(expr: relax.Expr) -> bool:
+    """Whether `expr` is a nearest-neighbour resize: each output a copy of one input value."""
+    return call_op_name(expr) == RESIZE and str(expr.attrs.method) == "nearest_neighbor"
 
 
 def _monotone(call: relax.Call, index: int) -> bool:
@@ -183,9 +188,7 @@ class _Hoister(relax.PyExprMutator):
     def _crosses(self, move: relax.Expr, call: relax.Call, index: int) -> bool:
         """Whether `call` commutes with the move `move` (a concat: applied to each part)."""
         name = call_op_name(move)
-        if name == RESIZE:
-            return str(move.attrs.method) == "nearest_neighbor"
-        return name in (*MOVES, SLICE, CONCAT) or (name in MAX_POOLS and _monotone(call, index))
+        return name in (*MOVES, SLICE, CONCAT) or nearest_resize(move) or (name in MAX_POOLS and _monotone(call, index))
 
     def _takes(self, var: relax.Var, call: relax.Call, index: int) -> bool:
         """Whether every reader of `var` comes to read `call` of it: the same op of it, or a move `call` commutes

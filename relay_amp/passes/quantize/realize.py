@@ -38,9 +38,9 @@ A signed operand's codes have a zero point (offset int8 codes, or a short negati
 subtracts: the linear bottlenecks of MobileNetV2, EfficientNet and GhostNet, whose block outputs are added back
 unactivated.
 
-With `shared_ranges` (the default), layers whose inputs are moves of one value (a split's halves and their concat, a
-concat and its max pools) share one range (relay_amp.passes.quantize.shared), so the CPU backend computes the codes once, in the kernels that make
-the values, and moves bytes.
+With `shared_ranges` (the default), layers whose inputs are moves of one value (a split's halves and their concat,
+a concat and its max pools) share one range (relay_amp.passes.quantize.shared), so the CPU backend computes the
+codes once, in the kernels that make the values, and moves bytes.
 """
 
 from collections.abc import Iterable

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from tvm import relax
 
 from ...ops import call_op_name
-from ..moves import CONCAT, MAX_POOLS, MOVES, RESIZE, SLICE, SPLIT
+from ..moves import CONCAT, MAX_POOLS, MOVES, SLICE, SPLIT, nearest_resize
 
 # a shared range at most this times a member's own threshold (one bit of its codes): at 3, YOLOv8n's class scores
 # (kaiming-initialized, int8q) moved from a mean error of 0.0117 to fp32's to 0.0138; at 2 they kept 0.0117
@@ -31,7 +31,7 @@ def _operands(value: relax.Expr) -> list[relax.Expr]:
     name = call_op_name(value)
     if name == CONCAT and isinstance(value.args[0], relax.Tuple):
         return list(value.args[0].fields)
-    if name in (*MOVES, SLICE, SPLIT, *MAX_POOLS) or (name == RESIZE and str(value.attrs.method) == "nearest_neighbor"):
+    if name in (*MOVES, SLICE, SPLIT, *MAX_POOLS) or nearest_resize(value):
         return [value.args[0]]
     return []
 
