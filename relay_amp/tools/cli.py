@@ -113,7 +113,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch, args.dim)
     if args.from_qdq:
         _require_unset(args, "--from-qdq", calib=None, apply_plan=None, exclude=[], dynamic_matmuls=False,
-                       float_residuals=False)
+                       float_residuals=False, separate_ranges=False)
         quantized = realize_qdq(mod, fallback_dtype=args.fallback)
     elif args.apply_plan:
         quantized = apply_quant_plan(mod, QuantPlan.load(args.apply_plan))
@@ -121,7 +121,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         batches = load_batches(mod, args.calib) if args.calib else random_batches(mod)
         quantized = quantize(mod, batches, observer=args.observer, percentile=args.percentile,
                              excluded_layers=args.exclude, fallback_dtype=args.fallback,
-                             dynamic_matmuls=args.dynamic_matmuls, quantized_residuals=not args.float_residuals)
+                             dynamic_matmuls=args.dynamic_matmuls, quantized_residuals=not args.float_residuals,
+                             shared_ranges=not args.separate_ranges)
     plan = quant_plan(quantized)
     print(plan.summary())
     _write_plan_and_module(args, plan, quantized)
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--dynamic-matmuls", action="store_true", help="matmuls scale activations per row at run time")
     qz.add_argument("--float-residuals", action="store_true", help="residual adds read their operands in floating "
                     "point (default: a uint8 operand's codes, as ONNX Runtime's QDQ models do)")
+    qz.add_argument("--separate-ranges", action="store_true", help="each layer keeps its own calibrated range "
+                    "(default: layers reading moves of one value, a concat's or split's, share one)")
     qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
     qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (ONNX Runtime's QDQ, "
                     "QOperator or dynamic int8 files): run it on relay_amp's int8 layers with its own ranges, no "

@@ -89,6 +89,28 @@ def test_quantize_calibrates_on_a_npz_prints_the_plan_and_writes_plan_and_module
     assert not QuantPlan.load(plan_path).quantized_residuals
 
 
+def test_quantize_shares_a_range_between_layers_reading_one_tensor_unless_told_not_to(tmp_path, capsys):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((4, 3, 1, 1)).astype("float32"), name) for name in "ab"]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "a"], ["ya"]), helper.make_node("Conv", ["x", "b"], ["yb"]),
+         helper.make_node("Mul", ["ya", "yb"], ["y"])], "two_convs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], weights)
+    path = tmp_path / "two_convs.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert main(["quantize", str(path)]) == 0
+    assert "2 layers share a range with others" in capsys.readouterr().out
+    assert main(["quantize", str(path), "--separate-ranges"]) == 0
+    assert "0 layers share a range with others" in capsys.readouterr().out
+    assert main(["quantize", str(path), "--from-qdq", "--separate-ranges"]) == 1
+    assert "--separate-ranges does not apply with --from-qdq" in capsys.readouterr().err
+
+
 def test_quantize_errors_are_one_line(tmp_path, capsys):
     assert main(["quantize", "small_cnn", "--calib", str(tmp_path / "none.npz")]) == 1
     err = capsys.readouterr().err

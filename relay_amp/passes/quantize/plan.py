@@ -17,6 +17,7 @@ STATIC_DTYPES = ("int8", "uint8")
 DYNAMIC = "dynamic int8"
 QUANTIZED_DTYPES = (*STATIC_DTYPES, DYNAMIC)
 CODE_LEVELS = {"int8": 127, "uint8": 255}  # steps above zero: symmetric int8 uses [-127, 127]
+SHARED_RANGE = "one range with layers"  # how a reason ends where the layer shares its range (quantize.shared)
 
 
 def zero_point_position(low: float, high: float) -> float:
@@ -69,15 +70,17 @@ class QuantPlan(StoredPlan):
     quantized_residuals: bool = False  # residual adds read their uint8 operand's codes (False in plans made before)
 
     def summary(self) -> str:
-        """A readable table: layers per dtype and reason, then the count of int8 layers."""
+        """A readable table: layers per dtype and reason, then the count of int8 layers and of those sharing a
+        range."""
         counts = Counter((entry.dtype, entry.reason.split(":")[0]) for entry in self.entries)
         rows = sorted((dtype, reason, n) for (dtype, reason), n in counts.items())
         table = tabulate(rows, headers=("dtype", "reason", "layers"))
         quantized = sum(entry.quantized for entry in self.entries)
         residuals = "uint8 codes" if self.quantized_residuals else "floating point"
+        shared = sum(SHARED_RANGE in entry.reason for entry in self.entries)
         return (f"{table}\n\n{quantized} of {len(self.entries)} layers in int8 ({self.observer} observer, "
                 f"{self.weight_granularity} weights); the rest in {self.fallback_dtype}; residual adds read "
-                f"{residuals}")
+                f"{residuals}; {shared} layers share a range with others")
 
 
 def quant_plan(mod: tvm.IRModule) -> QuantPlan:

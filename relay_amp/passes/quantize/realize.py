@@ -62,7 +62,7 @@ from ..casts import eliminate_redundant_casts
 from ..layers import layer_bindings, list_layers, resolve_layers
 from ..ranges import layer_input, observe
 from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, merged, threshold
-from .plan import CODE_LEVELS, DYNAMIC, STATIC_DTYPES, QuantEntry, QuantPlan, zero_point_position
+from .plan import CODE_LEVELS, DYNAMIC, SHARED_RANGE, STATIC_DTYPES, QuantEntry, QuantPlan, zero_point_position
 from .shared import MAX_WIDENING, moved_input_groups
 
 CONVOLUTIONS = ("relax.nn.conv2d", "relax.nn.conv1d")  # conv1d: audio front ends (the CPU backend runs it as conv2d)
@@ -345,7 +345,7 @@ class Quantize:
             return
         names = ", ".join(str(index) for index in members)
         for index, entry in zip(members, shared):
-            entries[index] = replace(entry, reason=f"{entry.reason}; one range with layers {names}")
+            entries[index] = replace(entry, reason=f"{entry.reason}; {SHARED_RANGE} {names}")
 
     def _decide(self, layer, call: relax.Call, histogram: Histogram, excluded: bool) -> QuantEntry:
         def entry(dtype: str, limit: float, reason: str, zero_point: int = 0) -> QuantEntry:
