@@ -121,6 +121,7 @@ class _Hoister(relax.PyExprMutator):
         self.narrow_concats: dict[relax.Var, relax.Var] = {}  # a concat read only by casts -> the concat of cast parts
         self.in_dataflow = False  # whether the binding being visited is in a dataflow block
         self.changed = False
+        self.duplicated = False  # whether an op was applied to a tensor that the same op reads already
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         self.in_dataflow = True
@@ -169,6 +170,7 @@ class _Hoister(relax.PyExprMutator):
         if (call_op_name(call) == "relax.astype" and call_op_name(value) == "relax.astype"
                 and tensor_dtype(value.args[0]) == tensor_dtype(call)):
             return self.visit_expr(value.args[0])
+        self.duplicated |= any(self._same_op(reader, call, index, operand) for reader in self.readers.get(operand, []))
         args = list(call.args)
         args[index] = self.visit_expr(operand)
         return self.builder_.emit(relax.Call(call.op, args, call.attrs))
@@ -289,9 +291,9 @@ class HoistOverMoves:
             rewritten = rewrite_function(hoister, hoisted, self.func)
             if not hoister.changed:
                 return hoisted
-            # the op's copies a move made (before a max pool, and on the pool's input beside it) computed once
-            shared = relax.transform.CanonicalizeBindings()(relax.transform.EliminateCommonSubexpr()(rewritten))
-            hoisted = EliminateDeadCode([self.func])(shared)
+            if hoister.duplicated:  # the op's copies a move made (a pool's input read by the op beside it): one
+                rewritten = relax.transform.CanonicalizeBindings()(relax.transform.EliminateCommonSubexpr()(rewritten))
+            hoisted = EliminateDeadCode([self.func])(rewritten)
 
 
 def hoist_over_moves(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
