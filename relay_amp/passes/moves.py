@@ -214,9 +214,8 @@ class _Hoister(relax.PyExprMutator):
         concat and every reader of each part comes to read `call` of it (MixNet's mixed convs: each part's conv then
         takes the op into its own function; a C2f block's parts, quantized alike); else None."""
         operand = call.args[index]
-        concat = self.value_of.get(operand) if self.uses.get(operand, 0) == 1 else None
-        if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple) or not all(
-                self._takes(part, call, index) for part in concat.args[0].fields):
+        concat = self._concat(operand) if self.uses.get(operand, 0) == 1 else None
+        if concat is None or not all(self._takes(part, call, index) for part in concat.args[0].fields):
             return None
         parts = [self._applied(call, index, part) for part in concat.args[0].fields]
         return relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs)
@@ -237,11 +236,16 @@ class _Hoister(relax.PyExprMutator):
             self.narrow_concats[source] = emit(relax.Call(concat.op, [relax.Tuple(parts)], concat.attrs))
         return self.narrow_concats[source]
 
+    def _concat(self, var: relax.Expr) -> "relax.Call | None":
+        """The concat of a tuple of parts that `var` is bound to, else None."""
+        concat = self.value_of.get(var)
+        return concat if call_op_name(concat) == CONCAT and isinstance(concat.args[0], relax.Tuple) else None
+
     def _lone_parts_concat(self, var: relax.Expr) -> "relax.Call | None":
         """The concat of a tuple `var` is bound to, where nothing but the concat reads each part (a part other
         concats read too, DenseNet's features, would be cast once per reader); else None."""
-        concat = self.value_of.get(var)
-        if call_op_name(concat) != CONCAT or not isinstance(concat.args[0], relax.Tuple):
+        concat = self._concat(var)
+        if concat is None:
             return None
         return None if any(self.uses.get(part, 0) != 1 for part in concat.args[0].fields) else concat
 
