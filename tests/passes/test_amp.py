@@ -68,8 +68,8 @@ def test_bfloat16_with_low_accumulation_and_overrides():
                 r = R.nn.relu(mm)
                 s = R.nn.softmax(r)
                 a = R.add(r, s)
-                R.output(a)
-            gv = R.astype(a, "float32")
+                gv = R.astype(a, "float32")
+                R.output(gv)
             return gv
 
     # softmax moved from the fp32 list to the target list for this call only
@@ -150,8 +150,8 @@ def test_keep_io_types_false_lowers_the_signature():
                 mm32 = R.matmul(x16, w16, out_dtype="float32")
                 mm = R.astype(mm32, "float16")
                 r = R.nn.relu(mm)
-                R.output(r)
-            gv = R.astype(r, "float32")
+                gv = R.astype(r, "float32")
+                R.output(gv)
             return gv
 
     tvm.ir.assert_structural_equal(convert(Before, keep_io_types=False), Expected)
@@ -308,9 +308,8 @@ def _exported_bias_module(low: str | None) -> tvm.IRModule:
                     weight, low), out_dtype="float32"))
                 product = bb.emit(relax.op.astype(product, low))
                 moved = bb.emit(relax.op.astype(bb.emit(relax.op.reshape(bias, (1, 3))), low))
-                out = bb.emit_output(relax.op.nn.relu(bb.emit(relax.op.add(product, moved))))
-        if low is not None:
-            out = bb.emit(relax.op.astype(out, "float32"))
+                activated = bb.emit(relax.op.nn.relu(bb.emit(relax.op.add(product, moved))))
+                out = bb.emit_output(relax.op.astype(activated, "float32"))
         bb.emit_func_output(out)
     return bb.get()
 

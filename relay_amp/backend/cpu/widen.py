@@ -4,7 +4,9 @@ x86 has no bf16 arithmetic: TVM computes each bf16 op in fp32 and rounds its res
 so a fused chain of bf16 ops (an exporter's GELU: add, divide, erf, add, multiply, multiply; a softmax; a
 residual add after a kernel's fp32 accumulator) rounded after every step. `WidenArithmetic` rewrites such
 chains to compute in fp32 from their bf16 inputs, with one cast back to bf16 where a value leaves the chain (an
-operand of a kernel, a graph output; a cast to an integer dtype, a quantize's codes, takes the fp32 value):
+operand of a kernel, a bf16 graph output; a cast to an integer dtype, a quantize's codes, and a cast back to fp32,
+AMP's of an fp32 graph output, take the fp32 value: YOLOv8's decoded boxes and class scores, which the bf16 function
+had gathered as bf16 for their transposed concatenation lane by lane, 2x slower than fp32, then widened apart):
 after fusion the function loads bf16, computes in fp32 registers and stores bf16, as PyTorch's fused CPU kernels
 do, and values are at least as accurate as before. Layout ops join a chain only when their input is already
 widened, so a reshape of a bf16 tensor stays a free view, and a concatenation only when none of its inputs is a
@@ -71,11 +73,12 @@ def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
             and tensor_dtype(data) in (NARROW, *QUANTIZED_DTYPES))
 
 
-def _is_integer_cast_of_chain(call: relax.Expr, flows: set) -> bool:
-    """Whether `call` casts a chain's bf16 value that needs no storage to an integer dtype (a quantize's codes,
-    whole numbers already): it casts the fp32 value instead, without the bf16 rounding in between."""
+def _is_exact_cast_of_chain(call: relax.Expr, flows: set) -> bool:
+    """Whether `call` casts a chain's bf16 value that needs no storage to fp32 (a graph output AMP widens back) or to
+    an integer dtype (a quantize's codes, whole numbers already): it casts the fp32 value instead, without the bf16
+    rounding in between."""
     return (call_op_name(call) == "relax.astype" and call.args[0] in flows
-            and tensor_dtype(call) not in MODEL_FLOAT_DTYPES)
+            and (tensor_dtype(call) == WIDE or tensor_dtype(call) not in MODEL_FLOAT_DTYPES))
 
 
 def _moves_only_the_chain(args: list, flows: set) -> bool:
@@ -127,8 +130,9 @@ class _Widener(relax.PyExprMutator):
         operand as it loads it) reads an fp32 weight: a constant one is widened once, when constants fold. Its
         data stays bf16, so the op before it stores bf16."""
         new_call = super().visit_call_(call)
-        if _is_integer_cast_of_chain(new_call, self.flows):
-            return relax.op.astype(self.wide_of[new_call.args[0]], tensor_dtype(new_call))
+        if _is_exact_cast_of_chain(new_call, self.flows):
+            wide = self.wide_of[new_call.args[0]]
+            return wide if tensor_dtype(new_call) == WIDE else relax.op.astype(wide, tensor_dtype(new_call))
         if not _is_narrow_grouped_conv(new_call):
             return new_call
         data, weight = new_call.args
@@ -178,9 +182,11 @@ class WidenArithmetic:
         self.func = func
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        """Rewrite `func` of `mod` (casts no one reads removed); the input module is left as it was."""
+        """Rewrite `func` of `mod` (casts no one reads removed, a widening cast's fp32 value bound once); the input
+        module is left as it was."""
         uses = read_counts(get_function(mod, self.func))
-        return EliminateDeadCode([self.func])(rewrite_function(_Widener(mod, uses), mod, self.func))
+        widened = rewrite_function(_Widener(mod, uses), mod, self.func)
+        return EliminateDeadCode([self.func])(relax.transform.CanonicalizeBindings()(widened))
 
 
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm")

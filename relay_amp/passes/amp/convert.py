@@ -235,7 +235,8 @@ def _output_casts(result: relax.Expr, dtype_of) -> tuple[list[relax.VarBinding],
 
 
 def _pin_io(func: relax.Function, low: str, keep_io_types: bool) -> relax.Function:
-    """Add casts at the function's boundary so that AMP keeps (or lowers) its input and output dtypes."""
+    """Add casts at the function's boundary so that AMP keeps (or lowers) its input and output dtypes, in the
+    dataflow block (a backend's fusion then joins an output's cast to the function computing the output)."""
     params, prologue = [], []
     for param in func.params:
         dtype = tensor_dtype(param)
@@ -249,7 +250,8 @@ def _pin_io(func: relax.Function, low: str, keep_io_types: bool) -> relax.Functi
     epilogue, result = _output_casts(func.body.body, target)
     blocks = ([relax.BindingBlock(prologue)] if prologue else []) + list(func.body.blocks)
     body = relax.BlockBuilder().normalize(relax.SeqExpr(blocks + [relax.BindingBlock(epilogue)], result))
-    return relax.Function(params, body, None, func.is_pure, func.attrs)
+    pinned = relax.Function(params, body, None, func.is_pure, func.attrs)
+    return relax.transform.ConvertToDataflow(min_size=1)(tvm.IRModule({"pinned": pinned}))["pinned"]
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.ToMixedPrecision")

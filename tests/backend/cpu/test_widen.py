@@ -19,7 +19,7 @@ from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
 
 from builders import single_output_module, tensor, timm_through_onnx
-from pass_checks import assert_transforms
+from pass_checks import assert_transforms, prepared_module
 
 
 def test_chain_from_a_kernel_output_to_a_matmul_rounds_once():
@@ -156,9 +156,7 @@ def test_a_concatenation_of_widened_values_and_constants_joins_the_chain():
             with R.dataflow():
                 activated = R.tanh(x)
                 joined = R.concat((activated, R.const(np.ones((1, 4)), "float32")), axis=1)
-                doubled = R.multiply(joined, R.const(2.0, "float32"))
-                rounded = R.astype(doubled, "bfloat16")
-                gv = R.astype(rounded, "float32")
+                gv = R.multiply(joined, R.const(2.0, "float32"))  # widened back: takes the fp32 value
                 R.output(gv)
             return gv
 
@@ -167,9 +165,8 @@ def test_a_concatenation_of_widened_values_and_constants_joins_the_chain():
 
 def test_a_pad_of_a_widened_value_pads_it_in_fp32_for_the_norm_after_it():
     """BiT's stem: a kernel's accumulator, its bias in bf16, a pad, then a group norm AMP keeps in fp32. The pad
-    joins the chain as the layout ops do; the round trip left before the norm falls away in its fused function
-    (bf16_round.DropRegisterRoundTrips), so the norm reads unrounded values (bf16 deviations from a large mean
-    lose their digits)."""
+    joins the chain as the layout ops do, and the cast back to fp32 takes the chain's fp32 value, so the norm reads
+    unrounded values (bf16 deviations from a large mean lose their digits)."""
     @I.ir_module
     class Before:
         @R.function
@@ -192,9 +189,7 @@ def test_a_pad_of_a_widened_value_pads_it_in_fp32_for_the_norm_after_it():
             with R.dataflow():
                 biased = R.add(x, R.const(1.5, "float32"))
                 padded = R.nn.pad(biased, pad_width=[0, 0, 1, 1, 1, 1, 0, 0], pad_value=0.0)
-                rounded = R.astype(padded, "bfloat16")
-                wide = R.astype(rounded, "float32")
-                gv = R.nn.group_norm(wide, gamma, beta, num_groups=2, channel_axis=3, axes=[1, 2])
+                gv = R.nn.group_norm(padded, gamma, beta, num_groups=2, channel_axis=3, axes=[1, 2])
                 R.output(gv)
             return gv
 
@@ -323,6 +318,34 @@ def test_ghostnetv2s_bf16_kernels_store_bf16_and_it_matches_torch(tmp_path):
     assert _kernel_outputs_cast_apart(prepared) == 0
     built = run_executable(relay_amp.build(mixed, relay_amp.targets.host_preset()), [x])[0]
     np.testing.assert_allclose(built.astype("float32"), expected, atol=0.03 * np.abs(expected).max())
+
+
+def test_a_segmentation_models_last_resize_writes_its_fp32_output_in_bf16(tmp_path):
+    """A model the change was not written on (torchvision's LR-ASPP through ONNX; YOLOv8's box and class decoding
+    was): AMP's cast of the bf16 output back to fp32 sits in the dataflow block, so it fuses into the function
+    computing the output (the logits' resize) instead of a function of its own, and the build matches PyTorch."""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+                weights=None, weights_backbone=None, num_classes=3).eval()
+
+        def forward(self, x):
+            return self.net(x)["out"]
+
+    torch.manual_seed(0)
+    module, x = Logits().eval(), torch.randn(1, 3, 64, 64)
+    torch.onnx.export(module, (x,), str(tmp_path / "lraspp.onnx"), opset_version=17, dynamo=False)
+    mixed = relay_amp.to_mixed_precision(relay_amp.frontend.from_onnx(tmp_path / "lraspp.onnx"), "bfloat16")
+    last = prepared_module(mixed)["main"].body.blocks[-1].bindings[-1].value
+    assert "resize2d" in last.args[0].name_hint and relay_amp._ir.tensor_dtype(last) == "float32"
+    with torch.no_grad():
+        expected = module(x).numpy()
+    built = run_executable(relay_amp.build(mixed, relay_amp.targets.host_preset()), [x.numpy()])[0]
+    np.testing.assert_allclose(built, expected, atol=0.03 * np.abs(expected).max())
 
 
 def test_graph_output_is_rounded_once_and_matches_fp32():
