@@ -474,6 +474,31 @@ def test_a_concatenation_along_the_row_reads_each_input_in_a_vector_loop_of_its_
 
 
 @T.prim_func(private=True, s_tir=True)
+def _concat_of_heads(x0: T.Buffer((4, 16), "float32"), x1: T.Buffer((4, 32), "float32"),
+                     out: T.Buffer((4, 48), "float32")):
+    for i, j in T.grid(4, 48):
+        with T.sblock("heads"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = T.if_then_else(16 <= vj // 8 * 8 + vj % 8, x1[vi, vj // 8 * 8 + vj % 8 - 16],
+                                         x0[vi, vj // 8 * 8 + vj % 8]) * T.float32(2.0)
+
+
+def test_a_concatenation_indexed_through_a_split_into_heads_reads_each_input_in_a_loop_of_its_own():
+    """CoaT's concatenated channels split into heads of 8 (fused, the concat's axis reads c // 8 * 8 + c % 8): the
+    run where each input is read is found through the arithmetic, as for a plain axis. Vectorized over the whole row,
+    every lane loaded its input apart: CoaT-Lite-Tiny's function of it took 0.225 ms in bf16 against 0.047."""
+    scheduled = schedules.ElementwiseRule().apply(_concat_of_heads, targets.get_target("cpu"), False)
+    text = scheduled.mod["main"].script()
+    assert text.count("_partition") == 2 and text.count("T.vectorized(16)") == 2, text
+    rng = np.random.default_rng(7)
+    x0, x1 = rng.standard_normal((4, 16)).astype("float32"), rng.standard_normal((4, 32)).astype("float32")
+    out = tvm.runtime.empty((4, 48), "float32", tvm.cpu())
+    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
+    tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x0), tvm.runtime.tensor(x1), out)
+    np.testing.assert_array_equal(out.numpy(), np.concatenate([x0, x1], axis=1) * 2)
+
+
+@T.prim_func(private=True, s_tir=True)
 def _concat_scale(x0: T.Buffer((4, 12), "float32"), x1: T.Buffer((4, 12), "float32"),
                   out: T.Buffer((4, 24), "float32")):
     for i, j in T.grid(4, 24):
