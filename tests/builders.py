@@ -69,6 +69,24 @@ def hidden_states(model):
     return Hidden()
 
 
+def lraspp_logits():
+    """torchvision's LR-ASPP segmentation model (random weights, 3 classes) as a torch module returning its logits,
+    in eval mode: a model users export whose output is a bilinear resize."""
+    import torch
+    import torchvision
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+                weights=None, weights_backbone=None, num_classes=3)
+
+        def forward(self, x):
+            return self.net(x)["out"]
+
+    return Logits().eval()
+
+
 def timm_through_onnx(name: str, directory) -> tuple:
     """A timm model with random weights and 10 classes, exported to ONNX by the TorchScript exporter on a 64x64
     image and imported: (the torch module, the imported module, the image as an array, torch's output)."""

@@ -9,6 +9,7 @@ from tvm.script import relax as R
 import relay_amp
 from relay_amp import ModelLoadError
 from relay_amp.onnx_legacy import nearest_upsamples_rounded_down
+from builders import lraspp_logits
 from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
@@ -112,22 +113,12 @@ def test_nearest_upsamples_round_down_and_other_resizes_are_kept():
 def test_an_opset_9_segmentation_model_with_bilinear_upsampling_matches_onnx_runtime(tmp_path):
     """torchvision's LR-ASPP exported at opset 9: its Upsamples' scales are computed from shapes and folded."""
     torch = pytest.importorskip("torch")
-    torchvision = pytest.importorskip("torchvision")
+    pytest.importorskip("torchvision")
     onnxruntime = pytest.importorskip("onnxruntime")
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
-                weights=None, weights_backbone=None, num_classes=3).eval()
-
-        def forward(self, x):
-            return self.net(x)["out"]
-
     torch.manual_seed(0)
     x = torch.randn(1, 3, 64, 64)
     path = tmp_path / "lraspp.onnx"
-    torch.onnx.export(Logits(), (x,), str(path), opset_version=9, dynamo=False)  # warns: Upsample is not PyTorch's
+    torch.onnx.export(lraspp_logits(), (x,), str(path), opset_version=9, dynamo=False)  # warns: Upsample is not PyTorch's
     session = onnxruntime.InferenceSession(str(path))
     expected = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     got = relay_amp.run(relay_amp.frontend.from_onnx(path), [x.numpy()])[0]

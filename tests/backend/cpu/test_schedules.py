@@ -419,6 +419,14 @@ def test_elementwise_rule_takes_half_registers_where_they_divide_a_row_and_whole
     np.testing.assert_array_equal(out.numpy().view("uint16"), expected.view("uint16"))
 
 
+def _run_scheduled(scheduled, inputs: list, out_shape: tuple) -> np.ndarray:
+    """The fp32 output of a scheduled single-function module, built for the host, on `inputs`."""
+    out = tvm.runtime.empty(out_shape, "float32", tvm.cpu())
+    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
+    tvm.compile(module, target="llvm")["main"](*(tvm.runtime.tensor(x) for x in inputs), out)
+    return out.numpy()
+
+
 @T.prim_func(private=True, s_tir=True)
 def _concat_relu(x0: T.Buffer((4, 32), "float32"), x1: T.Buffer((4, 16), "float32"), out: T.Buffer((4, 48), "float32")):
     for i, j in T.grid(4, 48):
@@ -467,10 +475,8 @@ def test_a_concatenation_along_the_row_reads_each_input_in_a_vector_loop_of_its_
     assert scheduled.mod["main"].script() == _concat_relu_scheduled.script()
     rng = np.random.default_rng(5)
     x0, x1 = rng.standard_normal((4, 32)).astype("float32"), rng.standard_normal((4, 16)).astype("float32")
-    out = tvm.runtime.empty((4, 48), "float32", tvm.cpu())
-    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
-    tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x0), tvm.runtime.tensor(x1), out)
-    np.testing.assert_array_equal(out.numpy(), np.maximum(np.concatenate([x0, x1], axis=1), 0))
+    expected = np.maximum(np.concatenate([x0, x1], axis=1), 0)
+    np.testing.assert_array_equal(_run_scheduled(scheduled, [x0, x1], (4, 48)), expected)
 
 
 @T.prim_func(private=True, s_tir=True)
@@ -492,10 +498,7 @@ def test_a_concatenation_indexed_through_a_split_into_heads_reads_each_input_in_
     assert text.count("_partition") == 2 and text.count("T.vectorized(16)") == 2, text
     rng = np.random.default_rng(7)
     x0, x1 = rng.standard_normal((4, 16)).astype("float32"), rng.standard_normal((4, 32)).astype("float32")
-    out = tvm.runtime.empty((4, 48), "float32", tvm.cpu())
-    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
-    tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x0), tvm.runtime.tensor(x1), out)
-    np.testing.assert_array_equal(out.numpy(), np.concatenate([x0, x1], axis=1) * 2)
+    np.testing.assert_array_equal(_run_scheduled(scheduled, [x0, x1], (4, 48)), np.concatenate([x0, x1], axis=1) * 2)
 
 
 @T.prim_func(private=True, s_tir=True)
@@ -557,10 +560,7 @@ def test_a_concatenation_of_runs_off_the_vectors_keeps_only_the_crossing_vectors
     assert scheduled.mod["main"].script() == _concat_scale_scheduled.script()
     rng = np.random.default_rng(6)
     x0, x1 = rng.standard_normal((4, 12)).astype("float32"), rng.standard_normal((4, 12)).astype("float32")
-    out = tvm.runtime.empty((4, 24), "float32", tvm.cpu())
-    module = tvm.IRModule({"main": scheduled.mod["main"].with_attr("global_symbol", "main")})
-    tvm.compile(module, target="llvm")["main"](tvm.runtime.tensor(x0), tvm.runtime.tensor(x1), out)
-    np.testing.assert_array_equal(out.numpy(), np.concatenate([x0, x1], axis=1) * 2)
+    np.testing.assert_array_equal(_run_scheduled(scheduled, [x0, x1], (4, 24)), np.concatenate([x0, x1], axis=1) * 2)
 
 
 @T.prim_func(private=True, s_tir=True)

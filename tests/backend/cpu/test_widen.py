@@ -18,7 +18,7 @@ from relay_amp.compile.build import build
 from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
 
-from builders import single_output_module, tensor, timm_through_onnx
+from builders import lraspp_logits, single_output_module, tensor, timm_through_onnx
 from pass_checks import assert_transforms, prepared_module
 
 
@@ -325,19 +325,9 @@ def test_a_segmentation_models_last_resize_writes_its_fp32_output_in_bf16(tmp_pa
     was): AMP's cast of the bf16 output back to fp32 sits in the dataflow block, so it fuses into the function
     computing the output (the logits' resize) instead of a function of its own, and the build matches PyTorch."""
     torch = pytest.importorskip("torch")
-    torchvision = pytest.importorskip("torchvision")
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
-                weights=None, weights_backbone=None, num_classes=3).eval()
-
-        def forward(self, x):
-            return self.net(x)["out"]
-
+    pytest.importorskip("torchvision")
     torch.manual_seed(0)
-    module, x = Logits().eval(), torch.randn(1, 3, 64, 64)
+    module, x = lraspp_logits(), torch.randn(1, 3, 64, 64)
     torch.onnx.export(module, (x,), str(tmp_path / "lraspp.onnx"), opset_version=17, dynamo=False)
     mixed = relay_amp.to_mixed_precision(relay_amp.frontend.from_onnx(tmp_path / "lraspp.onnx"), "bfloat16")
     last = prepared_module(mixed)["main"].body.blocks[-1].bindings[-1].value
