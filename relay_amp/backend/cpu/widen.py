@@ -73,7 +73,7 @@ def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
             and tensor_dtype(data) in (NARROW, *QUANTIZED_DTYPES))
 
 
-def _is_exact_cast_of_chain(call: relax.Expr, flows: set) -> bool:
+def _takes_unrounded_value(call: relax.Expr, flows: set) -> bool:
     """Whether `call` casts a chain's bf16 value that needs no storage to fp32 (a graph output AMP widens back) or to
     an integer dtype (a quantize's codes, whole numbers already): it casts the fp32 value instead, without the bf16
     rounding in between."""
@@ -130,7 +130,7 @@ class _Widener(relax.PyExprMutator):
         operand as it loads it) reads an fp32 weight: a constant one is widened once, when constants fold. Its
         data stays bf16, so the op before it stores bf16."""
         new_call = super().visit_call_(call)
-        if _is_exact_cast_of_chain(new_call, self.flows):
+        if _takes_unrounded_value(new_call, self.flows):
             wide = self.wide_of[new_call.args[0]]
             return wide if tensor_dtype(new_call) == WIDE else relax.op.astype(wide, tensor_dtype(new_call))
         if not _is_narrow_grouped_conv(new_call):
