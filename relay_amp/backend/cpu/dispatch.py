@@ -463,7 +463,7 @@ class _Dispatcher(relax.PyExprMutator):
         chain, current = [], data
         while (whole := sliced_by_binding(self, current)) is None:
             bound = self.lookup_binding(current) if isinstance(current, relax.Var) else None
-            operand = _widenable_operand(bound)
+            operand = widenable_operand(bound)
             if operand is None:
                 return None
             chain.append((bound, operand))
@@ -529,7 +529,7 @@ WIDENABLE = {**{op: None for op in UNARY - {"relax.exp", "relax.log", "relax.sqr
              "relax.minimum": 0.0}
 
 
-def _widenable_operand(call: "relax.Expr | None") -> "int | None":
+def widenable_operand(call: "relax.Expr | None") -> "int | None":
     """The index of the tensor operand of an elementwise op in WIDENABLE (the other one a constant), else None."""
     name = call_op_name(call)
     if name not in WIDENABLE:

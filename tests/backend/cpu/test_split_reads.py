@@ -11,6 +11,7 @@ from relay_amp import targets
 from relay_amp.backend.cpu import split_reads
 from relay_amp.backend.cpu.split_reads import DepthwiseReadsSplitInPlace
 from relay_amp.compile.build import build
+from relay_amp._ir import tensor_shape
 from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
 
@@ -120,12 +121,17 @@ def test_built_mixed_conv_matches_the_generic_build(dtype, strides, tolerance):
 
 def test_a_timm_mixnet_m_runs_no_split_of_its_mixed_convs(tmp_path):
     """timm's MixNet-M (mixed depthwise convs of up to four parts, widths other than MixNet-S's), a model this was
-    not written on: no function of its build splits a tensor, and it matches PyTorch's fp32."""
+    not written on: no function of its build splits a tensor, every depthwise conv computes whole 16-lane vectors,
+    and it matches PyTorch's fp32."""
     pytest.importorskip("timm")
     _, imported, x, expected = timm_through_onnx("mixnet_m", tmp_path)
-    names = [gv.name_hint for gv in prepared_module(imported).get_global_vars()]
+    prepared = prepared_module(imported)
+    names = [gv.name_hint for gv in prepared.get_global_vars()]
     assert not [name for name in names if "split" in name]
     assert len([name for name in names if "depthwise_conv2d_at" in name]) == 28
+    widths = {int(func.params[-1].shape[-1]) for gv, func in prepared.functions_items()
+              if "depthwise_conv2d_at" in gv.name_hint}
+    assert all(width % 16 == 0 for width in widths), widths  # parts of 120 and 300 computed on 128 and 304
     built = run_executable(build(imported, targets.host_preset()), [x])[0]
     np.testing.assert_allclose(built, expected, atol=1e-5 * np.abs(expected).max())
 
@@ -153,15 +159,18 @@ def _split_of_compaction(parts_in_groups: bool = True) -> tvm.IRModule:
 
 
 def test_parts_of_a_compacted_split_read_their_group_of_the_padded_result():
-    """The parts read x at offsets 0 and 16 (each group's first 12 of 16 channels), so the compaction goes too."""
+    """The parts read x at offsets 0 and 16 (each group's first 12 of 16 channels), so the compaction goes too; each
+    conv computes its group's 16 channels (zero weights on the last 4), and the concatenation reads its 12."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 8, 8, 32), "float32"))
+    weight = np.pad(W3[..., :12], [(0, 0)] * 3 + [(0, 4)])
     with bb.function("main", [x]):
         with bb.dataflow():
-            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(W3[..., :12]), offset, 12,
+            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), offset, 16,
                                         [1, 1], [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
                      for offset in (0, 16)]
-            out = bb.emit_output(bb.emit(relax.op.concat(convs, axis=3)))
+            out = bb.emit_output(bb.emit(bb.call_te(split_reads._concat_of_parts, convs, [(0, 12), (0, 12)],
+                                                    primfunc_name_hint="concatenate")))
         bb.emit_func_output(out)
     assert_transforms(DepthwiseReadsSplitInPlace(), _split_of_compaction(), bb.get())
 
@@ -178,3 +187,78 @@ def test_built_split_of_compaction_matches_the_generic_build():
         data = RNG.standard_normal((1, 8, 8, 32)).astype("float32")
         got = run_executable(build(mod, targets.host_preset()), [data])[0]
         np.testing.assert_allclose(got, relay_amp.run(mod, [data])[0], rtol=1e-6, atol=1e-6)
+
+
+BIAS = RNG.standard_normal(20).astype("float32")
+W20 = RNG.standard_normal((3, 3, 1, 20)).astype("float32")
+
+
+def _part_off_the_vectors(dtype: str = "float32", other_reader: bool = False) -> tvm.IRModule:
+    """36 channels split into 16 and 20, each part through a 3x3 depthwise conv, the second's result through a bias
+    add and a cast to `dtype` (with `other_reader`, also a graph output), concatenated."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 36), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, [16], axis=3))
+            convs = [bb.emit(relax.op.nn.conv2d(bb.emit(relax.TupleGetItem(parts, index)), relax.const(weight),
+                                                padding=1, groups=weight.shape[3], data_layout="NHWC",
+                                                kernel_layout="HWIO"))
+                     for index, weight in enumerate((W3, W20))]
+            biased = bb.emit(relax.op.astype(bb.emit(relax.op.add(convs[1], relax.const(BIAS))), dtype))
+            joined = bb.emit(relax.op.concat([bb.emit(relax.op.astype(convs[0], dtype)), biased], axis=3))
+            out = bb.emit_output(relax.Tuple([joined, biased]) if other_reader else joined)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_part_off_the_vectors_is_convolved_with_channels_before_it_where_none_follow():
+    """The 20 channels at offset 16, the last of 36, fill two 16-lane vectors with the 12 before them: the conv reads
+    x from channel 4 with zero weights on its first 12 channels, its bias add takes zeros there, and the
+    concatenation reads channels 12 to 32 of the cast."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 36), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            first = bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(W3), 0, 16, [1, 1], [1] * 4,
+                                       [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
+            weight = np.pad(W20, [(0, 0)] * 3 + [(12, 0)])
+            second = bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), 4, 32, [1, 1],
+                                        [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
+            biased = bb.emit(relax.op.add(second, relax.const(np.pad(BIAS, [(12, 0)]))))
+            cast = bb.emit(relax.op.astype(biased, "bfloat16"))
+            out = bb.emit_output(bb.emit(bb.call_te(
+                split_reads._concat_of_parts, [bb.emit(relax.op.astype(first, "bfloat16")), cast], [(0, 16), (12, 32)],
+                primfunc_name_hint="concatenate")))
+        bb.emit_func_output(out)
+    assert_transforms(DepthwiseReadsSplitInPlace(), _part_off_the_vectors("bfloat16"), bb.get())
+
+
+def test_a_part_another_op_reads_keeps_its_channels():
+    after = DepthwiseReadsSplitInPlace()(_part_off_the_vectors(other_reader=True))
+    relax.analysis.well_formed(after)
+    bindings = after["main"].body.blocks[0].bindings
+    assert [tensor_shape(b.var)[3] for b in bindings if call_op_name(b.value) == "relax.call_tir"] == [16, 20]
+    assert "relax.concat" in [call_op_name(b.value) for b in bindings]
+
+
+@pytest.mark.parametrize("channels, offset, available, margins", [
+    (120, 128, 256, (0, 8)),  # MixNet-S: a part of 120 in a group padded to 128
+    (300, 900, 1200, (4, 0)),  # the last part of 1200: the 4 channels before it
+    (90, 0, 90, (0, 0)),  # nothing around it to read
+    (24, 0, 64, (0, 0)),  # three 8-lane vectors: a third more lanes would cost a core that splits zmm operations
+    (48, 16, 64, (0, 0)),  # whole 16-lane vectors already
+])
+def test_vector_margins(channels, offset, available, margins):
+    assert split_reads._vector_margins(channels, offset, available) == margins
+
+
+@pytest.mark.parametrize("dtype, other_reader", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_built_part_off_the_vectors_matches_the_generic_build(dtype, other_reader):
+    """Tolerance: the same products in the same order, so fp32 matches exactly; bf16 rounds the same sums."""
+    mod = _part_off_the_vectors(dtype, other_reader)
+    data = RNG.standard_normal((1, 8, 8, 36)).astype("float32")
+    got = run_executable(build(mod, targets.host_preset()), [data])
+    expected = relay_amp.run(mod, [data])
+    for built, reference in zip(got, expected):
+        np.testing.assert_allclose(built.astype("float32"), reference.astype("float32"), rtol=1e-6, atol=1e-6)
