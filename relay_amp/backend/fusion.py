@@ -10,6 +10,7 @@ from .._folding import FoldConstants
 from ..passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from ..passes.selection import WidenedSelections
 from ..passes.splits import SplitsAsSlices
+from .cast_copies import CastsPerReader
 
 AUTO = "auto"  # a conv_layout that lets the backend pick the layout its kernels take
 
@@ -24,8 +25,8 @@ def deduplication_passes() -> list[tvm.transform.Pass]:
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """Global pooling windows as reductions, large max-pool windows as rows then columns, 16-bit sorts and
     arg-reductions on fp32 (relay_amp.passes.selection) and splits read part by part as slices
-    (relay_amp.passes.splits), then library dispatch, legalization, op-pattern annotation, constant folding and
-    fusion for `target`."""
+    (relay_amp.passes.splits), then library dispatch, legalization, op-pattern annotation, constant folding, a copy
+    of each cast for each of its fusible readers (relay_amp.backend.cast_copies) and fusion for `target`."""
     return [
         GlobalPoolWindows(),
         SeparableMaxPools(),
@@ -35,6 +36,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         FoldConstants,
+        CastsPerReader(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
     ]
