@@ -108,6 +108,20 @@ def read_counts(func: relax.Function) -> dict[relax.Var, int]:
     return counts
 
 
+def binding_readers(func: relax.Function) -> "dict[relax.Var, list[relax.Binding | None]]":
+    """The bindings of `func` that read each var, once per read; None for each read by the returned expression."""
+    readers: dict[relax.Var, list] = {}
+
+    def reads(binding: "relax.Binding | None"):
+        return lambda expr: readers.setdefault(expr, []).append(binding) if isinstance(expr, relax.Var) else None
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            relax.analysis.post_order_visit(binding.value, reads(binding))
+    relax.analysis.post_order_visit(func.body.body, reads(None))
+    return readers
+
+
 def tensor_dtype(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, None for anything else."""
     ty = expr.ty

@@ -171,3 +171,20 @@ def test_split_part_bounds_cut_where_the_parts_types_say_and_none_for_a_symbolic
     assert split_part_bounds(split((1, 4, 48), [16, 32], 2)) == [(0, 16), (16, 32), (32, 48)]
     assert split_part_bounds(split((2, 6, 8), 3, -2)) == [(0, 2), (2, 4), (4, 6)]
     assert split_part_bounds(split((1, tirx.Var("n", "int64"), 8), 2, 1)) is None
+
+
+def test_binding_readers_lists_each_read_and_the_result_as_none():
+    from relay_amp._ir import binding_readers
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 2), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            doubled = bb.emit(relax.op.add(x, x))
+            out = bb.emit_output(relax.op.multiply(doubled, x))
+        bb.emit_func_output(relax.Tuple([out, doubled]))
+    func = bb.get()["main"]
+    bindings = func.body.blocks[0].bindings
+    readers = binding_readers(func)
+    assert readers[x] == [bindings[0], bindings[0], bindings[1]]
+    assert readers[doubled] == [bindings[1], None] and readers[out] == [None]

@@ -12,7 +12,7 @@ in bf16 on Zen 5, one process: its 8 pooling mixers' cast functions gone, B/A 0.
 import tvm
 from tvm import relax
 
-from .._ir import called_prim_func, only_store, rewrite_each_function
+from .._ir import binding_readers, called_prim_func, only_store, rewrite_each_function
 
 MAX_FUSIBLE_PATTERN = 3  # relax's kCommReduce: fusion joins an elementwise producer to functions up to this pattern
 MAX_READERS = 4  # a cast read more often stays one function: each copy converts every value once more
@@ -41,23 +41,16 @@ class _CastCopier(relax.PyExprMutator):
 
 def _shared_casts(mod: tvm.IRModule, func: relax.Function) -> set[relax.Var]:
     """The vars bound to a cast function's call that 2 to MAX_READERS fusible functions read and nothing else."""
-    bindings = [binding for block in func.body.blocks for binding in block.bindings]
-    readers: dict[relax.Var, list] = {}
-    for binding in bindings:
-        for var in _vars_read(binding.value):
-            readers.setdefault(var, []).append(_pattern(mod, binding.value))
-    for var in _vars_read(func.body.body):
-        readers.setdefault(var, []).append(None)  # the function's result: stored anyway
-    return {binding.var for binding in bindings if _is_cast(_called(mod, binding.value))
-            and 2 <= len(readers.get(binding.var, [])) <= MAX_READERS
-            and all(pattern is not None and pattern <= MAX_FUSIBLE_PATTERN for pattern in readers[binding.var])}
+    readers = binding_readers(func)
+    return {binding.var for block in func.body.blocks for binding in block.bindings
+            if _is_cast(_called(mod, binding.value)) and 2 <= len(readers.get(binding.var, [])) <= MAX_READERS
+            and all(_fusible(mod, reader) for reader in readers[binding.var])}
 
 
-def _vars_read(expr: relax.Expr) -> list[relax.Var]:
-    """Every var `expr` reads, once per read."""
-    found = []
-    relax.analysis.post_order_visit(expr, lambda node: found.append(node) if isinstance(node, relax.Var) else None)
-    return found
+def _fusible(mod: tvm.IRModule, reader: "relax.Binding | None") -> bool:
+    """Whether `reader` calls a function fusion joins an elementwise producer to (not the returned expression)."""
+    pattern = None if reader is None else _pattern(mod, reader.value)
+    return pattern is not None and pattern <= MAX_FUSIBLE_PATTERN
 
 
 def _called(mod: tvm.IRModule, value: relax.Expr) -> "tvm.tirx.PrimFunc | None":

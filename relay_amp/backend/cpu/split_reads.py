@@ -25,8 +25,8 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx, topi
 
-from ..._ir import (depthwise_weight, rewrite_each_function, slice_window, split_part_bounds, tensor_dtype,
-                     tensor_shape)
+from ..._ir import (binding_readers, depthwise_weight, rewrite_each_function, slice_window, split_part_bounds,
+                     tensor_dtype, tensor_shape)
 from ...ops import bound_value, call_op_name, sliced_by_binding, tuple_fields
 from .dispatch import WIDENABLE, widenable_operand
 from .schedules import ACCUMULATOR_LANES
@@ -160,22 +160,9 @@ class _SplitPartReader(relax.PyExprMutator):
 def _concatenated_convs(func: relax.Function) -> set[relax.Call]:
     """The conv2d calls of `func` whose result only a concatenation of channels reads, through elementwise ops
     (dispatch's WIDENABLE) that only it reads."""
-    bindings = [binding for block in func.body.blocks for binding in block.bindings]
-    readers: dict[relax.Var, list] = {}
-    for binding in bindings:
-        for var in _vars_read(binding.value):
-            readers.setdefault(var, []).append(binding)
-    for var in _vars_read(func.body.body):
-        readers.setdefault(var, []).append(None)  # the function's result: no binding reads it
-    return {binding.value for binding in bindings
+    readers = binding_readers(func)
+    return {binding.value for block in func.body.blocks for binding in block.bindings
             if call_op_name(binding.value) == "relax.nn.conv2d" and _only_concatenated(binding.var, readers)}
-
-
-def _vars_read(expr: relax.Expr) -> list[relax.Var]:
-    """Every var `expr` reads, once per read."""
-    found = []
-    relax.analysis.post_order_visit(expr, lambda node: found.append(node) if isinstance(node, relax.Var) else None)
-    return found
 
 
 def _only_concatenated(var: relax.Var, readers: dict) -> bool:
