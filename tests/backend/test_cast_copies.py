@@ -8,6 +8,7 @@ from tvm import relax
 
 import relay_amp
 from relay_amp import targets
+from relay_amp.backend import cast_copies
 from relay_amp.backend.cast_copies import MAX_READERS, CastsPerReader
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
@@ -97,3 +98,26 @@ def test_edgenext_keeps_only_casts_a_conv_reads(tmp_path):
             readers.setdefault(arg, []).append(binding.value.args[0].name_hint)
     casts = [binding.var for binding in calls if binding.value.args[0].name_hint.startswith("cast")]
     assert casts and all(not all(name.startswith("fused_") for name in readers[var]) for var in casts)
+
+
+@pytest.mark.parametrize("bits, readers, pays", [
+    ((16, 32), 2, True), ((16, 32), MAX_READERS, True), ((16, 32), MAX_READERS + 1, False), ((16, 32), 1, False),
+    ((32, 16), 2, True), ((32, 16), 3, False),  # rounded once, three readers read half the bytes each
+    (None, 2, False),
+])
+def test_copies_pay(bits, readers, pays):
+    assert cast_copies._copies_pay(bits, readers) == pays
+
+
+def test_a_rounding_three_functions_read_stays_one_function():
+    """Three copies of a rounding to bf16 would read the fp32 tensor three times: rounded once, each reads half."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            narrow = bb.emit(relax.op.astype(x, "bfloat16"))
+            total = bb.emit(relax.op.sum(narrow, axis=1, keepdims=True))
+            out = bb.emit_output(bb.emit(relax.op.add(bb.emit(relax.op.multiply(narrow, narrow)), total)))
+        bb.emit_func_output(out)
+    before = _legalized(bb.get())
+    tvm.ir.assert_structural_equal(CastsPerReader()(before), before)
