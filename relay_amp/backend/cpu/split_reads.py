@@ -83,7 +83,7 @@ class _SplitPartReader(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         super().__init__(mod)
         self.concatenated = _concatenated_convs(func)
-        self.margins: dict[relax.Var, tuple[int, int]] = {}  # a result on whole vectors: channels before, after its part
+        self.margins: dict[relax.Var, tuple[int, int]] = {}  # a result on whole vectors: channels before, after
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)

@@ -276,6 +276,7 @@ class _NarrowNormInputs(relax.PyExprMutator):
         super().__init__(mod)
         self.fast_softmax = fast_softmax
         self.function = get_function(mod, func)
+        self.reads = read_counts(self.function)
         self.rounded: "set[relax.Var] | None" = None  # fastmath.rounded_values, found at the first softmax rewritten
         self.bound: relax.Var | None = None
 
@@ -327,8 +328,9 @@ class _NarrowNormInputs(relax.PyExprMutator):
     def _stored_source(self, data: relax.Expr) -> "tuple[relax.Expr, tuple[list, list] | None] | None":
         """The tensor the norm's input `data` reads and the window it slices of it, where fusion would compute
         `data` in a function of its own that stores it: an fp32 cast of a bf16 tensor, a slice (gMLP's gate: half
-        a kernel's channels), or a cast of a slice, of a kernel's output or a parameter (seen through reshapes).
-        None where `data` is none of those, or the cast fuses into the op producing its input."""
+        a kernel's channels), or a cast of a slice, of a kernel's output, a parameter or a tensor other ops read too
+        (Swin's residual stream, stored in bf16 for the next residual add), seen through reshapes. None where
+        `data` is none of those, or the cast fuses into the op producing its input."""
         cast = bound_call(self, data, "relax.astype")
         if cast is not None and (tensor_dtype(cast.args[0]) != NARROW or tensor_dtype(data) != WIDE):
             return None
@@ -339,20 +341,22 @@ class _NarrowNormInputs(relax.PyExprMutator):
             read = sliced.args[0]
         elif cast is None:
             return None  # an fp32 input read as it is: nothing to save
-        origin = read
-        while (reshape := bound_call(self, origin, "relax.reshape")) is not None:
-            origin = reshape.args[0]
-        producer = self.lookup_binding(origin) if isinstance(origin, relax.Var) else None
+        chain = [read]
+        while (reshape := bound_call(self, chain[-1], "relax.reshape")) is not None:
+            chain.append(reshape.args[0])
+        producer = self.lookup_binding(chain[-1]) if isinstance(chain[-1], relax.Var) else None
         stored = producer is None or call_op_name(producer) == "relax.call_tir"  # a kernel fuses nothing after it
-        return (read, window) if stored else None
+        read_elsewhere = any(self.reads.get(var, 0) > 1 for var in chain)  # stored for its other readers
+        return (read, window) if stored or read_elsewhere else None
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.NormsReadNarrow")
 class NormsReadNarrow:
-    """Layer and RMS norms and softmaxes of a kernel's bf16 output (or a parameter) cast to fp32 read the bf16
-    tensor and widen it as they load it: fusion puts a cast neither after a kernel nor into a norm or softmax, so
-    the cast would be a function of its own that stores an fp32 copy. A cast that fuses into the op producing its
-    input is left there. Norms and softmaxes of a slice of such a tensor (cast or not) read the slice's window of
+    """Layer and RMS norms and softmaxes of a kernel's bf16 output (or a parameter, or a tensor other ops read too)
+    cast to fp32 read the bf16 tensor and widen it as they load it: fusion puts a cast neither after a kernel nor
+    into a norm or softmax, nor after an op whose result others read, so the cast would be a function of its own
+    that stores an fp32 copy (Swin-T's 8 residual streams that a norm and the next residual add read: bf16 B/A
+    0.994, bit-identical). A cast that fuses into the op producing its input is left there. Norms and softmaxes of a slice of such a tensor (cast or not) read the slice's window of
     it, for the same reason: attention scores computed over whole pairs of 16-lane columns (224 for ViT's 197
     tokens in bf16) and sliced to the softmax's 208 were copied by a function of their own (ViT-S/16 bf16 12.53
     -> 12.28 ms without). A softmax so rewritten is formula.fast_softmax where `fast_softmax` (the CPU pipeline's

@@ -627,6 +627,51 @@ def test_a_cast_that_fuses_into_its_producer_stays_there():
     assert_transforms(NormsReadNarrow(), Module, Module)
 
 
+def _layer_norm_of_a_shared_sum(narrow_read: bool) -> tvm.IRModule:
+    """A layer norm of x + x (bf16) widened, x + x also a graph output (a residual stream the next block adds to):
+    with `narrow_read`, one TE function reads the bf16 sum and widens it as it loads it."""
+    x = relax.Var("x", relax.TensorType((4, 32), "bfloat16"))
+    gamma, beta = (relax.Var(name, relax.TensorType((32,), "float32")) for name in ("gamma", "beta"))
+
+    def layer_norm(x, gamma, beta):
+        return topi.nn.layer_norm(topi.cast(x, "float32"), gamma, beta, axis=[1], epsilon=1e-5)
+
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, gamma, beta]):
+        with builder.dataflow():
+            doubled = builder.emit(relax.op.add(x, x))
+            if narrow_read:
+                norm = builder.emit(builder.call_te(layer_norm, doubled, gamma, beta, primfunc_name_hint="layer_norm"))
+            else:
+                norm = builder.emit(relax.op.nn.layer_norm(builder.emit(relax.op.astype(doubled, "float32")), gamma,
+                                                           beta, axes=[1], epsilon=1e-5))
+            out = builder.emit_output(relax.Tuple([norm, doubled]))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def test_a_norm_of_a_widened_tensor_other_ops_read_reads_it_in_bf16():
+    """The sum is stored in bf16 for its other reader anyway, so its cast cannot join the add's function: the norm
+    reads the bf16 sum itself rather than an fp32 copy a cast function of its own would store."""
+    after = assert_transforms(NormsReadNarrow(), _layer_norm_of_a_shared_sum(False), _layer_norm_of_a_shared_sum(True))
+    inputs = [np.random.default_rng(2).standard_normal(shape).astype(dtype) for shape, dtype in
+              [((4, 32), ml_dtypes.bfloat16), ((32,), "float32"), ((32,), "float32")]]
+    expected = relay_amp.run(_layer_norm_of_a_shared_sum(False), inputs)
+    np.testing.assert_allclose(run_executable(build(after, "cpu"), inputs)[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_twins_layer_norms_read_its_bf16_residual_streams(tmp_path):
+    """timm's Twins-SVT-S in bf16 (a model this was not written on: its stages' position-encoding adds feed a norm
+    and the next residual add): no function of its build only casts a tensor for a norm to read."""
+    pytest.importorskip("timm")
+    _, imported, _, _ = timm_through_onnx("twins_svt_small", tmp_path)
+    main = prepared_module(relay_amp.to_mixed_precision(imported, "bfloat16"))["main"]
+    called = [binding.value.args[0].name_hint for block in main.body.blocks for binding in block.bindings
+              if isinstance(binding.value, relax.Call) and isinstance(binding.value.op, tvm.ir.Op)
+              and binding.value.op.name == "relax.call_tir"]
+    assert not [name for name in called if name.startswith("cast")]
+
+
 def test_a_mean_of_a_widened_bf16_tensor_reads_it_in_bf16():
     """An SE block's squeeze: FuseOps joins no cast to a mean, so the cast would store an fp32 copy of the
     activation (or make the function producing it store fp32)."""
