@@ -83,8 +83,9 @@ def _through_compaction(builder, tensor: relax.Expr, offset: int, width: int) ->
 @relax.expr_functor.mutator
 class _SplitPartReader(relax.PyExprMutator):
     """Rewrites depthwise convs of split parts as TE functions reading the split tensor in place, on whole vectors of
-    channels where the tensor holds the neighbouring channels that fill them, and the elementwise ops after such a
-    conv (its bias, a cast) on the same vectors."""
+    channels where the tensor holds the neighbouring channels that fill them, the elementwise ops after such a conv
+    (its bias, a cast) on the same vectors, and concatenations of channel slices as TE functions reading the sliced
+    tensors."""
 
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         super().__init__(mod)
