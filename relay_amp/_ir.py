@@ -95,17 +95,7 @@ class _TeCallRewriter(relax.PyExprMutator):
 
 def read_counts(func: relax.Function) -> dict[relax.Var, int]:
     """How many times each var is read in `func` (in binding values and the returned expression)."""
-    counts: dict[relax.Var, int] = {}
-
-    def count(expr: relax.Expr) -> None:
-        if isinstance(expr, relax.Var):
-            counts[expr] = counts.get(expr, 0) + 1
-
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            relax.analysis.post_order_visit(binding.value, count)
-    relax.analysis.post_order_visit(func.body.body, count)
-    return counts
+    return {var: len(readers) for var, readers in binding_readers(func).items()}
 
 
 def binding_readers(func: relax.Function) -> "dict[relax.Var, list[relax.Binding | None]]":

@@ -25,11 +25,12 @@ class _CastCopier(relax.PyExprMutator):
 
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         super().__init__(mod)
+        self.mod = mod
         self.shared = _shared_casts(mod, func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        if called_prim_func(self.builder_.get(), new_call) is None:
+        if called_prim_func(self.mod, new_call) is None:
             return new_call
         fields = list(new_call.args[1].fields)
         copies = [self.builder_.emit(self.lookup_binding(field)) if field in self.shared else field

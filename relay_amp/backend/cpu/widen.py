@@ -356,12 +356,12 @@ class NormsReadNarrow:
     cast to fp32 read the bf16 tensor and widen it as they load it: fusion puts a cast neither after a kernel nor
     into a norm or softmax, nor after an op whose result others read, so the cast would be a function of its own
     that stores an fp32 copy (Swin-T's 8 residual streams that a norm and the next residual add read: bf16 B/A
-    0.994, bit-identical). A cast that fuses into the op producing its input is left there. Norms and softmaxes of a slice of such a tensor (cast or not) read the slice's window of
-    it, for the same reason: attention scores computed over whole pairs of 16-lane columns (224 for ViT's 197
-    tokens in bf16) and sliced to the softmax's 208 were copied by a function of their own (ViT-S/16 bf16 12.53
-    -> 12.28 ms without). A softmax so rewritten is formula.fast_softmax where `fast_softmax` (the CPU pipeline's
-    fast math), with fastmath's narrow exps where its result is rounded to bf16 (fastmath.rounded_values). Means of any
-    widened bf16 tensor read it in bf16 too."""
+    0.994, bit-identical). A cast that fuses into the op producing its input is left there. Norms and softmaxes of a
+    slice of such a tensor (cast or not) read the slice's window of it, for the same reason: attention scores
+    computed over whole pairs of 16-lane columns (224 for ViT's 197 tokens in bf16) and sliced to the softmax's 208
+    were copied by a function of their own (ViT-S/16 bf16 12.53 -> 12.28 ms without). A softmax so rewritten is
+    formula.fast_softmax where `fast_softmax` (the CPU pipeline's fast math), with fastmath's narrow exps where its
+    result is rounded to bf16 (fastmath.rounded_values). Means of any widened bf16 tensor read it in bf16 too."""
 
     def __init__(self, func: str = "main", fast_softmax: bool = True):
         self.func = func
