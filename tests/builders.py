@@ -102,3 +102,33 @@ def timm_through_onnx(name: str, directory) -> tuple:
     with torch.no_grad():
         expected = module(x).numpy()
     return module, relay_amp.frontend.from_onnx(directory / f"{name}.onnx"), x.numpy(), expected
+
+
+def segformer_through_onnx(directory) -> tuple:
+    """transformers' SegFormer encoder (two stages of one block, random weights) exported to ONNX by the TorchScript
+    exporter on a 32x32 image and imported: (the imported module, the image as an array, torch's last hidden
+    state)."""
+    import torch
+    import transformers
+
+    import relay_amp
+
+    config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                          num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2])
+    torch.manual_seed(0)
+    model = transformers.SegformerModel(config).eval()
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixels):
+            return self.model(pixel_values=pixels).last_hidden_state
+
+    pixels = torch.randn(1, 3, 32, 32)
+    torch.onnx.export(LastHiddenState().eval(), (pixels,), directory / "segformer.onnx", opset_version=17,
+                      dynamo=False)
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).last_hidden_state.numpy()
+    return relay_amp.frontend.from_onnx(directory / "segformer.onnx"), pixels.numpy(), expected

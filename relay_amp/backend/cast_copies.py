@@ -8,6 +8,11 @@ conversion per value read, so here each reader (an elementwise, broadcast, injec
 fusion joins a cast to) gets a copy of its own, computed where it reads the tensor, where that moves fewer bytes
 (`_copies_pay`: any widening cast; a rounding to bf16 read twice). EfficientFormer-L1 (timm, 224x224)
 in bf16 on Zen 5, one process: its 8 pooling mixers' cast functions gone, B/A 0.970, outputs bit-identical.
+
+A rounding that fusion joins to the function computing its input (a layer norm whose result only the rounding
+reads) is stored by that function in bf16, so copies of it never pay there: PVT-v2's and SegFormer's norms feed
+a projection and, as an image, a strided conv, and copies had made each norm store fp32 and each reshape a
+function of its own rounding it (PVT-v2-B0: 12 such functions).
 """
 
 import tvm
@@ -16,6 +21,7 @@ from tvm import relax
 from .._ir import binding_readers, called_prim_func, only_store, rewrite_each_function
 
 MAX_FUSIBLE_PATTERN = 3  # relax's kCommReduce: fusion joins an elementwise producer to functions up to this pattern
+MAX_ABSORBING_PATTERN = 4  # relax's kOutEWiseFusable: fusion joins an elementwise reader to functions up to this one
 MAX_READERS = 4  # a cast read more often stays one function: each copy converts every value once more
 
 
@@ -45,9 +51,23 @@ def _shared_casts(mod: tvm.IRModule, func: relax.Function) -> set[relax.Var]:
     """The vars bound to a cast function's call that fusible functions read, and nothing else, as often as copies
     pay (`_copies_pay`)."""
     readers = binding_readers(func)
+    producers = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
+
+    def copies_pay(binding: relax.Binding) -> bool:
+        bits = _cast_bits(_called(mod, binding.value))
+        return bits is not None and _copies_pay(bits, len(readers.get(binding.var, [])),
+                                                _absorbed(mod, binding.value, producers, readers))
+
     return {binding.var for block in func.body.blocks for binding in block.bindings
-            if _copies_pay(_cast_bits(_called(mod, binding.value)), len(readers.get(binding.var, [])))
-            and all(_fusible(mod, reader) for reader in readers[binding.var])}
+            if copies_pay(binding) and all(_fusible(mod, reader) for reader in readers[binding.var])}
+
+
+def _absorbed(mod: tvm.IRModule, cast: relax.Call, producers: dict, readers: dict) -> bool:
+    """Whether fusion joins the cast call `cast` to the function that computes its input (a layer norm's, whose
+    result only the cast reads), so that the cast stores nothing of its own."""
+    data = cast.args[1].fields[0]
+    pattern = _pattern(mod, producers[data]) if data in producers else None
+    return pattern is not None and pattern <= MAX_ABSORBING_PATTERN and len(readers.get(data, [])) == 1
 
 
 def _fusible(mod: tvm.IRModule, reader: "relax.Binding | None") -> bool:
@@ -81,15 +101,19 @@ def _cast_bits(func: "tvm.tirx.PrimFunc | None") -> "tuple[int, int] | None":
     return tvm.DataType(str(load.ty)).bits, tvm.DataType(str(store.value.ty)).bits
 
 
-def _copies_pay(bits: "tuple[int, int] | None", readers: int) -> bool:
-    """Whether `readers` copies of a cast of (input, output) `bits` read fewer bytes than the cast function moves
-    and its readers read of its result: always for a widening cast (bf16 to fp32), for a narrowing one from 32 to
-    16 bits only with two readers (GroupNormsOverChannels' three sums of a kernel's result rounded to bf16 read it
-    rounded once)."""
+def _copies_pay(bits: "tuple[int, int] | None", readers: int, absorbed: bool = False) -> bool:
+    """Whether `readers` copies of a cast of (input, output) `bits` move fewer bytes than the cast does: than its
+    function moves and its readers read of its result (a widening cast's copies always; a narrowing one's from 32
+    to 16 bits only with two readers: GroupNormsOverChannels' three sums of a kernel's result rounded to bf16 read
+    it rounded once), or, where the cast is `absorbed` into the function computing its input, than that function
+    stores and the readers read (only a widening cast's: a layer norm rounded to bf16 stores and gives half the
+    bytes, where copies would store its fp32 result and each read that)."""
     if bits is None or not 2 <= readers <= MAX_READERS:
         return False
-    wide, narrow = bits
-    return readers * wide < wide + narrow + readers * narrow
+    source, result = bits
+    if absorbed:
+        return source < result
+    return readers * source < source + result + readers * result
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.CastsPerReader")
