@@ -21,13 +21,14 @@ from .passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
 from .passes.selection import WidenedSelections
+from .passes.reshapes import SinkReshapes
 from .passes.shapes import Specialize
 from .passes.splits import SplitsAsSlices
 from .passes.weight_only import DenseWeights, QuantizeWeights
 
 __all__ = ["ConvertLayout", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts",
            "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
-           "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs",
-           "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "Specialize",
-           "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic",
-           "WidenContractions", "WidenedSelections"]
+           "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize",
+           "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "SinkReshapes", "Specialize",
+           "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels",
+           "WidenArithmetic", "WidenContractions", "WidenedSelections"]

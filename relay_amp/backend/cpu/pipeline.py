@@ -8,6 +8,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from ...passes.conv_transpose import TransposedConvsAsConvs
 from ...passes.layout import conv_layout_passes
 from ...passes.moves import HoistOverMoves
+from ...passes.reshapes import SinkReshapes
 from ...passes.padding_taps import DropPaddingTaps
 from ...passes.sub_byte import HoldSubByteInBytes
 from ...passes.weight_only import DenseWeights
@@ -58,7 +59,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     (relay_amp.backend.cpu.operand_scales), bf16 chains widened, runs of scales, biases and clamps folded
     (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
     fp32 has kernels (AVX2) or fp32's are faster (the target's core: relay_amp.backend.cpu.cores), dot-product
-    kernel dispatch, kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations
+    kernel dispatch, elementwise ops of reshaped tensors computed before the reshapes (relay_amp.passes.reshapes),
+    kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations
     before fast math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel
     that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), depthwise
     convs reading their part of a channel split in place (relay_amp.backend.cpu.split_reads), norms and
@@ -88,6 +90,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         FoldAffineClamps(),
         PadSoftmaxRows(),
         *([WidenContractions(dtypes), UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
+        SinkReshapes(),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),
         DepthwiseReadsSplitInPlace(),
         NormsReadNarrow(fast_softmax=fast_math),
