@@ -20,6 +20,11 @@ each part where it lies (a slice would fuse into the conv's function, whose writ
 MixNet-S on Zen 5, one process, outputs bit-identical: bf16 B/A 0.951, fp32 0.976; its convs of 120 channels
 0.268 -> 0.144 ms in bf16, of 300 0.158 -> 0.105, of 90 0.126 -> 0.116.
 
+A part that AMP rounds to bf16 for its conv is read the same way, rounded as it is loaded: InceptionNeXt's token
+mixer in int8q splits the block's fp32 input, whose identity part is quantized with the concatenation, and each
+other part ran as a function of its own slicing and rounding it, convolved on 10 channels by the generic conv
+(InceptionNeXt-Atto int8q on Zen 5, one process: B/A 0.953, bit-identical).
+
 Any concatenation of NHWC channels reads its inputs' channel slices so, in place: GhostNet's ghost modules join
 a kernel's result and a depthwise conv of it, both computed on channels padded to whole vectors (dispatch) and
 sliced, and the depthwise conv's function had taken the slice and stored 24 of its 32 channels lane by lane (in
@@ -104,15 +109,19 @@ class _SplitPartReader(relax.PyExprMutator):
 
     def _depthwise_in_place(self, call: relax.Call, concatenated: bool) -> "relax.Expr | None":
         """`call` (a conv2d) as a TE function reading its part of a split tensor in place, where it is a depthwise
-        NHWC conv of float data, one output channel per input channel, with a constant weight, of such a part; else
-        None. Where only a concatenation reads its result (through elementwise ops), the function computes the
-        channels `_vector_margins` adds too (zero weights), and the concatenation reads its part of the result."""
+        NHWC conv of float data, one output channel per input channel, with a constant weight, of such a part (or
+        of its cast, which the function then computes as it reads); else None. Where only a concatenation reads its
+        result (through elementwise ops), the function computes the channels `_vector_margins` adds too (zero
+        weights), and the concatenation reads its part of the result."""
         attrs, data, weight = call.attrs, call.args[0], call.args[1]
         values = depthwise_weight(call)
         if values is None or tensor_dtype(data) not in FLOAT_DTYPES:
             return None
         layout, channels = str(attrs.kernel_layout), tensor_shape(data)[3]
         part = _split_part(self.builder_, data)
+        cast = bound_call(self, data, "relax.astype") if part is None else None
+        if cast is not None and tensor_dtype(cast.args[0]) in FLOAT_DTYPES:
+            part = _split_part(self.builder_, cast.args[0])  # a part AMP casts for the conv: cast as it is read
         if part is None:
             return None
         whole, offset = part
@@ -121,9 +130,9 @@ class _SplitPartReader(relax.PyExprMutator):
         hwio = relax.const(np.ascontiguousarray(np.pad(hwio, [(0, 0)] * 3 + [(before, after)])), tensor_dtype(weight))
         out_dtype = str(attrs.out_dtype)
         out_dtype = tensor_dtype(data) if out_dtype in ("", "void", "None") else out_dtype  # unset: the data's
-        result = self.builder_.call_te(_depthwise_nhwc_at, whole, hwio, offset - before, before + channels + after,
-                                       [int(s) for s in attrs.strides], [int(p) for p in attrs.padding],
-                                       [int(d) for d in attrs.dilation], out_dtype,
+        window = (offset - before, before + channels + after, tensor_dtype(data))
+        result = self.builder_.call_te(_depthwise_nhwc_at, whole, hwio, window, [int(s) for s in attrs.strides],
+                                       [int(p) for p in attrs.padding], [int(d) for d in attrs.dilation], out_dtype,
                                        primfunc_name_hint="depthwise_conv2d_at")
         return self._part_of(result, before, after)
 
@@ -221,20 +230,22 @@ def _margined_constant(call: relax.Call, constant: relax.Expr, before: int, afte
     return relax.const(np.pad(values, widths, constant_values=WIDENABLE[call.op.name]), tensor_dtype(constant))
 
 
-def _depthwise_nhwc_at(data: te.Tensor, weight: te.Tensor, offset: int, channels: int, strides, padding, dilation,
+def _depthwise_nhwc_at(data: te.Tensor, weight: te.Tensor, window: tuple, strides, padding, dilation,
                        out_dtype: str) -> te.Tensor:
-    """A depthwise NHWC conv of `data`'s channels [offset, offset + channels) by an HWIO `weight` (I = 1)."""
+    """A depthwise NHWC conv of `data`'s channels [offset, offset + channels) cast to dtype, for `window` (offset,
+    channels, dtype), by an HWIO `weight` (I = 1)."""
+    offset, channels, dtype = int(window[0]), int(window[1]), str(window[2])
     batch, height, width, _ = (int(d) for d in data.shape)
     taps_h, taps_w = int(weight.shape[0]), int(weight.shape[1])
     top, left, bottom, right = padding
     out_h = (height + top + bottom - dilation[0] * (taps_h - 1) - 1) // strides[0] + 1
     out_w = (width + left + right - dilation[1] * (taps_w - 1) - 1) // strides[1] + 1
-    zero = tirx.const(0, data.dtype)
+    zero = tirx.const(0, dtype)
     padded = te.compute(
         (batch, height + top + bottom, width + left + right, channels),
         lambda n, y, x, c: tirx.if_then_else(
             tirx.all(y >= top, y < height + top, x >= left, x < width + left),
-            data[n, y - top, x - left, offset + c], zero), name="pad_temp")
+            data[n, y - top, x - left, offset + c].astype(dtype), zero), name="pad_temp")
     ry, rx = te.reduce_axis((0, taps_h), "ry"), te.reduce_axis((0, taps_w), "rx")
     return te.compute(
         (batch, out_h, out_w, channels),

@@ -14,6 +14,7 @@ from relay_amp.compile.build import build
 from relay_amp._ir import tensor_shape
 from relay_amp.ops import call_op_name
 from relay_amp.runtime import run_executable
+from relay_amp.tools.bench import variant
 
 from builders import timm_through_onnx
 from pass_checks import assert_transforms, prepared_module
@@ -49,9 +50,9 @@ def _expected(strides: int = 1) -> tvm.IRModule:
     x = relax.Var("x", relax.TensorType((1, 8, 8, 40), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), offset,
-                                        weight.shape[3], [strides, strides], [pad] * 4, [1, 1], "float32",
-                                        primfunc_name_hint="depthwise_conv2d_at"))
+            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight),
+                                        (offset, weight.shape[3], "float32"), [strides, strides], [pad] * 4, [1, 1],
+                                        "float32", primfunc_name_hint="depthwise_conv2d_at"))
                      for weight, offset, pad in ((W3, 0, 1), (W5, 16, 2))]
             out = bb.emit_output(bb.emit(relax.op.concat(convs, axis=3)))
         bb.emit_func_output(out)
@@ -69,6 +70,49 @@ def test_a_split_part_another_op_reads_keeps_the_split():
     relax.analysis.well_formed(after)
     ops = [call_op_name(b.value) for b in after["main"].body.blocks[0].bindings]
     assert ops.count("relax.split") == 1 and ops.count("relax.call_tir") == 2 and "relax.nn.conv2d" not in ops
+
+
+def _parts_cast_for_their_convs() -> tvm.IRModule:
+    """A split of an fp32 tensor whose parts AMP rounds to bf16 for their depthwise convs (InceptionNeXt in int8q,
+    whose identity part stays fp32): 40 channels split into 16 and 24."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 40), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(x, [16], axis=3))
+            convs = []
+            for index, weight, pad in ((0, W3, 1), (1, W5, 2)):
+                narrow = bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(parts, index)), "bfloat16"))
+                convs.append(bb.emit(relax.op.nn.conv2d(
+                    narrow, relax.const(weight.astype(ml_dtypes.bfloat16)), padding=pad, groups=weight.shape[3],
+                    data_layout="NHWC", kernel_layout="HWIO", out_dtype="float32")))
+            out = bb.emit_output(bb.emit(relax.op.concat(convs, axis=3)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_depthwise_conv_of_a_part_cast_for_it_reads_the_split_tensor_and_casts_as_it_reads():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 40), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x,
+                                        relax.const(weight.astype(ml_dtypes.bfloat16), "bfloat16"),
+                                        (offset, weight.shape[3], "bfloat16"), [1, 1], [pad] * 4, [1, 1], "float32",
+                                        primfunc_name_hint="depthwise_conv2d_at"))
+                     for weight, offset, pad in ((W3, 0, 1), (W5, 16, 2))]
+            out = bb.emit_output(bb.emit(relax.op.concat(convs, axis=3)))
+        bb.emit_func_output(out)
+    assert_transforms(DepthwiseReadsSplitInPlace(), _parts_cast_for_their_convs(), bb.get())
+
+
+def test_built_parts_cast_for_their_convs_match_the_reference():
+    """Within the bf16 rounding of the parts, which the build may leave out (it never reaches memory)."""
+    mod = _parts_cast_for_their_convs()
+    data = RNG.standard_normal((1, 8, 8, 40)).astype("float32")
+    got = run_executable(build(mod, targets.host_preset()), [data])[0].astype("float64")
+    expected = relay_amp.run(mod, [data])[0].astype("float64")
+    assert np.abs(got - expected).max() <= 2 ** -7 * np.abs(expected).max()
 
 
 @pytest.mark.parametrize("module, reason", [
@@ -166,7 +210,7 @@ def test_parts_of_a_compacted_split_read_their_group_of_the_padded_result():
     weight = np.pad(W3[..., :12], [(0, 0)] * 3 + [(0, 4)])
     with bb.function("main", [x]):
         with bb.dataflow():
-            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), offset, 16,
+            convs = [bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), (offset, 16, "float32"),
                                         [1, 1], [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
                      for offset in (0, 16)]
             out = bb.emit_output(bb.emit(bb.call_te(split_reads._concat_of_parts, convs, [(0, 12), (0, 12)],
@@ -220,11 +264,11 @@ def test_a_part_off_the_vectors_is_convolved_with_channels_before_it_where_none_
     x = relax.Var("x", relax.TensorType((1, 8, 8, 36), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            first = bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(W3), 0, 16, [1, 1], [1] * 4,
-                                       [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
+            first = bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(W3), (0, 16, "float32"), [1, 1],
+                                       [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
             weight = np.pad(W20, [(0, 0)] * 3 + [(12, 0)])
-            second = bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), 4, 32, [1, 1],
-                                        [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
+            second = bb.emit(bb.call_te(split_reads._depthwise_nhwc_at, x, relax.const(weight), (4, 32, "float32"),
+                                        [1, 1], [1] * 4, [1, 1], "float32", primfunc_name_hint="depthwise_conv2d_at"))
             biased = bb.emit(relax.op.add(second, relax.const(np.pad(BIAS, [(12, 0)]))))
             cast = bb.emit(relax.op.astype(biased, "bfloat16"))
             out = bb.emit_output(bb.emit(bb.call_te(
@@ -311,3 +355,15 @@ def test_ghostnetv2s_convs_store_whole_vectors_for_its_concatenations(tmp_path):
     names = [gv.name_hint for gv in prepared.get_global_vars()]
     sliced = [name for name in names if "conv2d" in name and "strided_slice" in name]
     assert len(sliced) == 4 and all("sigmoid" in name for name in sliced), sliced
+
+
+def test_inception_next_int8q_convolves_its_split_parts_in_place(tmp_path):
+    """timm's InceptionNeXt-Atto quantized: its token mixer splits the block's fp32 input (its identity part is
+    quantized with the concatenation) and AMP rounds the other parts to bf16 for their depthwise convs; the convs
+    read the split tensor in place, and no function only slices and rounds a part."""
+    pytest.importorskip("timm")
+    _, imported, image, _ = timm_through_onnx("inception_next_atto", tmp_path)
+    names = [gv.name_hint for gv in prepared_module(variant(imported, "int8q", [image])).get_global_vars()]
+    assert sum("depthwise_conv2d_at" in name for name in names) == 12, names
+    ops = {name: [token.rstrip("0123456789") for token in name.split("_")] for name in names}
+    assert not [name for name, tokens in ops.items() if set(tokens) == {"fused", "strided", "slice", "cast"}], names
