@@ -85,13 +85,6 @@ class _ReshapeSinker(relax.PyExprMutator):
         super().__init__(mod)
         self.moved = _moved_ops(func)
         self.sources: dict[relax.Var, relax.Expr] = {}  # a reshape's or a moved op's var -> the tensor reshaped
-        self.in_dataflow = False
-
-    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
-        self.in_dataflow = True
-        visited = super().visit_dataflow_block_(block)
-        self.in_dataflow = False
-        return visited
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -103,7 +96,7 @@ class _ReshapeSinker(relax.PyExprMutator):
             return
         operands = [self.sources[arg] if arg in self.sources else arg for arg in value.args]
         applied = self.builder_.emit(relax.Call(value.op, operands, value.attrs))
-        output = self.in_dataflow and not isinstance(binding.var, relax.DataflowVar)
+        output = self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar)
         emit = self.builder_.emit_output if output else self.builder_.emit
         self.set_var_remap(binding.var, emit(relax.op.reshape(applied, tensor_shape(value))))
         self.sources[binding.var] = applied
