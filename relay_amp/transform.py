@@ -20,8 +20,8 @@ from .passes.parallel_convs import GroupSplitConvs, MergeParallelConvs
 from .passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from .passes.quantize import Quantize, RealizeQDQ
 from .passes.recast import Recast
-from .passes.selection import WidenedSelections
 from .passes.reshapes import SinkReshapes
+from .passes.selection import WidenedSelections
 from .passes.shapes import Specialize
 from .passes.splits import SplitsAsSlices
 from .passes.weight_only import DenseWeights, QuantizeWeights

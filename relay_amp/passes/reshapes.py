@@ -4,10 +4,11 @@ Operator fusion joins elementwise ops to the conv, pool or norm that computes th
 reshape between them (an injective op after such an op ends its function). A hierarchical vision transformer's
 MLP (PVT-v2's, SegFormer's Mix-FFN) reshapes its tokens to an image for a depthwise conv and the conv's result back
 to tokens for the GELU, which ONNX exporters spell x * (1 + erf(x / sqrt 2)) / 2: the GELU ran as a function of its
-own that read and stored the whole hidden tensor again (PVT-v2-B0: 8 functions, 0.6 ms of its bf16 profile). Here
-an elementwise op whose tensor operands are all reshapes of tensors of one shape to its own (its other operands
-scalar constants) is applied to those tensors and reshaped after: a reshape is a view, so this moves no data,
-whatever reads the reshape besides, and casts of either direction move too.
+own that read and stored the whole hidden tensor again. Here an elementwise op whose tensor operands are all
+reshapes of tensors of one shape to its own (its other operands scalar constants) is applied to those tensors and
+reshaped after: a reshape is a view, so this moves no data, whatever reads the reshape besides. A widening cast
+moves only where every reader moves too (`_moved_ops`). PVT-v2-B0 on Zen 5, one process: bf16 B/A 0.978, fp32
+0.977 (its largest depthwise conv and GELU, 0.071 and 0.099 ms apart, take 0.161 ms as one function).
 """
 
 import tvm

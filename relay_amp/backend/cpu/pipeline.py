@@ -8,8 +8,8 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from ...passes.conv_transpose import TransposedConvsAsConvs
 from ...passes.layout import conv_layout_passes
 from ...passes.moves import HoistOverMoves
-from ...passes.reshapes import SinkReshapes
 from ...passes.padding_taps import DropPaddingTaps
+from ...passes.reshapes import SinkReshapes
 from ...passes.sub_byte import HoldSubByteInBytes
 from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
