@@ -1,19 +1,20 @@
 """SinkTransposes: transposes moved past the ops that have no layout rule, until they cancel.
 
-Relax's ConvertLayout carries a layout only through ops with a layout rule; around any other (relax.nn.pad: the
-ONNX Pad of BiT's stem and of TF-ported "same" convs; leakyrelu, all of CSPNet's and DarkNet's activations, and
-softplus) it transposes back to the model's layout, and the ops after it run in that layout until the next
-convolution transposes again. This pass moves a transpose below each op that computes the same values on the
-untransposed tensor with its axes renamed (elementwise ops, pads, group norms, pools, strided slices, concats of
-tensors all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so that the transpose back and the next
-one forward meet and cancel. Past a reshape too, where it only merges or splits runs of axes that keep their order
-(an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed), or
-that merges axes lying together in x in another order, where transposing them in x first copies fewer elements
-in all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the shuffle becomes a transpose of the NHWC
-tensor's last two axes and the transposes to NCHW and back cancel); past a split of a conv's output back in NCHW
+Relax's ConvertLayout carries a layout only through ops with a layout rule; around any other (relax.nn.pad: the ONNX
+Pad of BiT's stem and of TF-ported "same" convs; leakyrelu, all of CSPNet's and DarkNet's activations, and softplus)
+it transposes back to the model's layout, and the ops after it run in that layout until the next convolution
+transposes again. This pass moves a transpose below each op that computes the same values on the untransposed tensor
+with its axes renamed (elementwise ops, pads, group norms, pools, reductions keeping their axes, strided slices,
+concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so that the transpose back and
+the next one forward meet and cancel (HGNetV2's head transposed its last feature map to NCHW to average it: now the
+mean's one pixel is transposed). Past a reshape too, where it only merges or splits runs of axes that keep their
+order (an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed),
+or that merges axes lying together in x in another order, where transposing them in x first copies fewer elements in
+all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the shuffle becomes a transpose of the NHWC tensor's
+last two axes and the transposes to NCHW and back cancel); past a split of a conv's output back in NCHW
 (EfficientViT's heads, CSPNet's halves: each part transposed); past a matmul of two operands transposed in their
-last two axes ((B A)^T = A^T B^T); and past a broadcast_to (no layout rule either: ECA's and MobileViTv2's
-gates), whose result, transposed, is its input transposed and broadcast.
+last two axes ((B A)^T = A^T B^T); and past a broadcast_to (no layout rule either: ECA's and MobileViTv2's gates),
+whose result, transposed, is its input transposed and broadcast.
 Two transposes in a row become one, and a transpose that permutes nothing, or only axes of extent one, a view. So
 a hierarchical ViT's tokens made an image for a conv (which ConvertLayout then transposes to NHWC) and the image
 made tokens again are reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164
@@ -36,6 +37,7 @@ BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
     "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
+REDUCTIONS = frozenset(f"relax.{name}" for name in ("mean", "sum", "max", "min", "prod"))  # keeping their axes
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
@@ -366,6 +368,9 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
         attrs = with_attr(call.attrs, layout=_renamed(call.attrs.layout, perm),
                           out_layout=_renamed(call.attrs.out_layout, perm))
         return relax.Call(call.op, [data], attrs, call.ty_args)
+    if name in REDUCTIONS and call.attrs.keepdims and call.attrs.axis is not None:
+        axes = [perm[int(axis) % len(perm)] for axis in call.attrs.axis]
+        return relax.Call(call.op, [data], with_attr(call.attrs, axis=axes), call.ty_args)
     return None
 
 
