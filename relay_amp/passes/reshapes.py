@@ -63,19 +63,15 @@ def _moved_ops(func: relax.Function) -> set[relax.Var]:
     (relay_amp.backend.cpu.widen, .epilogue), and a cast moved alone would make the function computing the tensor
     store it wide."""
     readers, kept = binding_readers(func), set()
+    values = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
+    widening = {var for var, value in values.items() if call_op_name(value) == "relax.astype" and _widens(value)}
     while True:
-        shapes = _source_shapes(func, kept)
-        moved = {var for var, value in _bound_calls(func) if var in shapes and call_op_name(value) != RESHAPE}
-        stranded = {var for var, value in _bound_calls(func) if var in moved and call_op_name(value) == "relax.astype"
-                    and _widens(value) and not all(reader is not None and reader.var in moved
-                                                   for reader in readers.get(var, []))}
+        moved = {var for var in _source_shapes(func, kept) if call_op_name(values[var]) != RESHAPE}
+        stranded = {var for var in widening & moved
+                    if not all(reader is not None and reader.var in moved for reader in readers.get(var, []))}
         if not stranded:
             return moved
         kept |= stranded
-
-
-def _bound_calls(func: relax.Function) -> list[tuple[relax.Var, relax.Expr]]:
-    return [(binding.var, binding.value) for block in func.body.blocks for binding in block.bindings]
 
 
 @relax.expr_functor.mutator
