@@ -92,3 +92,8 @@ def test_segformer_computes_its_gelus_in_its_convs(tmp_path):
     assert not [name for name in names if "erf" in name and "conv2d" not in name], names
     got = relay_amp.runtime.run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [pixels])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_a_function_the_module_lacks_is_a_module_error():
+    with pytest.raises(relay_amp.ModuleError, match="forward"):
+        SinkReshapes(func="forward")(MixFfn)
