@@ -125,6 +125,16 @@ def tensor_shape(expr: relax.Expr) -> tuple | None:
     return type_shape(expr.ty)
 
 
+def is_static_shape(shape: "tuple | None") -> bool:
+    """Whether `shape` (as tensor_shape gives it) is known and every extent is an int."""
+    return shape is not None and all(isinstance(extent, int) for extent in shape)
+
+
+def is_scalar_constant(expr: relax.Expr) -> bool:
+    """Whether `expr` is a constant of rank 0."""
+    return isinstance(expr, tvm.ir.expr.Constant) and not tensor_shape(expr)
+
+
 def type_shape(ty) -> tuple | None:
     """The static shape of a tensor type (symbolic dims as strings), None if unknown or not a tensor type."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tvm import relax
 
-from relay_amp._ir import depthwise_weight
+from relay_amp._ir import depthwise_weight, is_scalar_constant, is_static_shape
 
 IMPORT_IN_A_FRESH_PROCESS = """
 import inspect
@@ -188,3 +188,14 @@ def test_binding_readers_lists_each_read_and_the_result_as_none():
     readers = binding_readers(func)
     assert readers[x] == [bindings[0], bindings[0], bindings[1]]
     assert readers[doubled] == [bindings[1], None] and readers[out] == [None]
+
+
+@pytest.mark.parametrize("shape, static", [((1, 8), True), ((), True), ((1, "n"), False), (None, False)])
+def test_is_static_shape_wants_every_extent_an_int(shape, static):
+    assert is_static_shape(shape) == static
+
+
+def test_is_scalar_constant_is_true_for_rank_zero_constants_only():
+    assert is_scalar_constant(relax.const(1.0, "float32"))
+    assert not is_scalar_constant(relax.const(np.ones(3, "float32")))
+    assert not is_scalar_constant(relax.Var("x", relax.TensorType((), "float32")))

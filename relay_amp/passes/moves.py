@@ -45,7 +45,7 @@ import tvm_ffi
 from tvm import relax
 
 from .._dead_code import EliminateDeadCode
-from .._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from .._ir import get_function, is_scalar_constant, read_counts, rewrite_function, tensor_dtype
 from ..dtypes import MODEL_FLOAT_DTYPES, widens_exactly
 from ..ops import call_op_name
 
@@ -70,10 +70,6 @@ def _narrowing_cast(call: relax.Call) -> bool:
         target in MODEL_FLOAT_DTYPES and widens_exactly(target, source)))
 
 
-def _scalar_constant(expr: relax.Expr) -> bool:
-    return isinstance(expr, tvm.ir.expr.Constant) and not tensor_shape(expr)
-
-
 def nearest_resize(expr: relax.Expr) -> bool:
     """Whether `expr` is a nearest-neighbour resize: each output a copy of one input value."""
     return call_op_name(expr) == RESIZE and str(expr.attrs.method) == "nearest_neighbor"
@@ -93,7 +89,7 @@ def _movable_operand(call: relax.Call) -> "int | None":
     if (name == "relax.astype" and _narrowing_cast(call)) or name in ACTIVATIONS:
         return 0
     if name in SCALAR_OPS and len(call.args) == 2:
-        first, second = (_scalar_constant(arg) for arg in call.args)
+        first, second = (is_scalar_constant(arg) for arg in call.args)
         if first != second:
             return 1 if first else 0
     return None

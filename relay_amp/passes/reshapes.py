@@ -15,20 +15,13 @@ import tvm
 from tvm import relax
 
 from .._dead_code import EliminateDeadCode
-from .._ir import binding_readers, get_function, rewrite_function, tensor_dtype, tensor_shape
+from .._ir import (binding_readers, get_function, is_scalar_constant, is_static_shape, rewrite_function,
+                   tensor_dtype, tensor_shape)
 from ..dtypes import numpy_dtype
 from ..ops import call_op_name
 from .transposes import BINARY, UNARY
 
 RESHAPE = "relax.reshape"
-
-
-def _static(shape: "tuple | None") -> bool:
-    return shape is not None and all(isinstance(extent, int) for extent in shape)
-
-
-def _scalar_constant(expr: relax.Expr) -> bool:
-    return isinstance(expr, tvm.ir.expr.Constant) and not tensor_shape(expr)
 
 
 def _widens(cast: relax.Call) -> bool:
@@ -37,7 +30,7 @@ def _widens(cast: relax.Call) -> bool:
 
 
 def _tensor_operands(call: relax.Call) -> list[relax.Expr]:
-    return [arg for arg in call.args if not _scalar_constant(arg)]
+    return [arg for arg in call.args if not is_scalar_constant(arg)]
 
 
 def _source_shapes(func: relax.Function, kept: set[relax.Var]) -> dict[relax.Var, tuple]:
@@ -47,9 +40,10 @@ def _source_shapes(func: relax.Function, kept: set[relax.Var]) -> dict[relax.Var
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
-            if call_op_name(value) == RESHAPE and _static(tensor_shape(value.args[0])):
+            if call_op_name(value) == RESHAPE and is_static_shape(tensor_shape(value.args[0])):
                 shapes[binding.var] = shapes.get(value.args[0], tensor_shape(value.args[0]))
-            elif call_op_name(value) in UNARY | BINARY and binding.var not in kept and _static(tensor_shape(value)):
+            elif (call_op_name(value) in UNARY | BINARY and binding.var not in kept
+                  and is_static_shape(tensor_shape(value))):
                 tensors = _tensor_operands(value)
                 sources = {shapes.get(arg) if tensor_shape(arg) == tensor_shape(value) else None for arg in tensors}
                 if tensors and len(sources) == 1 and None not in sources:
@@ -87,7 +81,7 @@ class _ReshapeSinker(relax.PyExprMutator):
         value = binding.value
         if binding.var not in self.moved:
             super().visit_var_binding_(binding)
-            if call_op_name(value) == RESHAPE and _static(tensor_shape(value.args[0])):
+            if call_op_name(value) == RESHAPE and is_static_shape(tensor_shape(value.args[0])):
                 source = value.args[0]  # a reshape of a reshape reshapes the first one's input
                 self.sources[binding.var] = self.sources[source] if source in self.sources else self.visit_expr(source)
             return

@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 
 from .._dead_code import remove_all_unused
-from .._ir import read_counts, tensor_shape, with_attr
+from .._ir import is_static_shape, read_counts, tensor_shape, with_attr
 from ..ops import bound_call, bound_value, call_op_name, tuple_fields
 
 UNARY = frozenset(f"relax.{name}" for name in (
@@ -202,7 +202,7 @@ class _Sinker(relax.PyExprMutator):
 def _transposed_elements(func: relax.Function) -> int:
     """How many elements the transposes in `func` copy."""
     return sum(math.prod(tensor_shape(binding.var)) for block in func.body.blocks for binding in block.bindings
-               if call_op_name(binding.value) == "relax.permute_dims" and _static(tensor_shape(binding.var)))
+               if call_op_name(binding.value) == "relax.permute_dims" and is_static_shape(tensor_shape(binding.var)))
 
 
 def _last_two_swapped(rank: int) -> list[int]:
@@ -244,7 +244,7 @@ def _source_runs(source: "list | None", perm: list[int], target: "list[int] | No
     """(x's axes of extents other than one, the runs `_runs` cuts a reshape of permute_dims(x, perm) to `target`
     into, each run's axes as indices into those axes of x) for x of shape `source`, or None where the shapes are
     not static or hold different numbers of elements."""
-    if not (_static(source) and target is not None) or 0 in source or math.prod(source) != math.prod(target):
+    if not (is_static_shape(source) and target is not None) or 0 in source or math.prod(source) != math.prod(target):
         return None
     kept = [axis for axis in range(len(source)) if source[axis] != 1]
     perm = [kept.index(axis) for axis in perm if source[axis] != 1]
@@ -308,18 +308,13 @@ def _static_shape_of(shape: relax.Expr) -> "list[int] | None":
     return [int(size) for size in shape.values]
 
 
-def _static(shape) -> bool:
-    """Whether `shape` is known and every extent is an int."""
-    return shape is not None and all(isinstance(size, int) for size in shape)
-
-
 def _as_view(call: relax.Call) -> "relax.Expr | None":
     """The input of a transpose that permutes nothing (ConvertLayout leaves one where an exporter's transpose to NCHW
     meets its own back to NHWC: tf2onnx's Keras exports, 64 in MobileNetV3-Large), or its reshape where the
     transpose moves only axes of extent one (a squeeze-excite's [1, C, 1, 1] to [1, 1, 1, C]): a view, where the
     transpose copies. None for any other transpose."""
     shape = tensor_shape(call.args[0])
-    if call.attrs.axes is None or not _static(shape):
+    if call.attrs.axes is None or not is_static_shape(shape):
         return None
     perm = [int(axis) for axis in call.attrs.axes]
     if perm == list(range(len(perm))):

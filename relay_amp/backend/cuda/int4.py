@@ -26,7 +26,7 @@ from tvm import relax, te
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ..._ir import OPAQUE_PATTERN, rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import OPAQUE_PATTERN, is_static_shape, rewrite_function, tensor_dtype, tensor_shape
 from ...ops import call_op_name
 from ...serialization import dataclass_from_json
 
@@ -293,7 +293,7 @@ def kernel_name(spec: S4Spec) -> str:
 
 
 def _static(*exprs: relax.Expr) -> bool:
-    return all(tensor_shape(expr) is not None and all(isinstance(d, int) for d in tensor_shape(expr)) for expr in exprs)
+    return all(is_static_shape(tensor_shape(expr)) for expr in exprs)
 
 
 def _conv_spec(call: relax.Call, data_words: tuple, kernel_words: tuple) -> S4Spec:
