@@ -1533,7 +1533,8 @@ def test_a_timm_fasternet_reads_each_concatenated_run_in_one_vector(tmp_path):
     for gv, func in prepared_module(bf16).functions.items():
         if "concatenate" in gv.name_hint and isinstance(func, tvm.tirx.PrimFunc):
             text = untuned_schedule(func.with_attr("global_symbol", "main"), target).mod.script()
-            innermost = re.findall(r"for \w+ in ([\w.]+)\(.*\n\s*with T.sblock\(\"\w+(?<!_partition)(?<!_common)\"", text)
+            block_loops = r"for \w+ in ([\w.]+)\(.*\n\s*with T.sblock\(\"\w+(?<!_partition)(?<!_common)\""
+            innermost = re.findall(block_loops, text)  # the loops directly around a computing block
             assert innermost and all(loop == "T.vectorized" for loop in innermost), text
             widths |= {int(width) for width in re.findall(r"T.vectorized\((?:T.int64\()?(\d+)", text)}
     assert {10, 20} <= widths, widths
