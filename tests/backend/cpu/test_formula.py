@@ -148,25 +148,6 @@ def test_exps_rounded_to_a_narrow_float_take_the_narrow_polynomial():
     assert formula.narrowed(exact) == exact  # only the fast polynomial has a narrow one
 
 
-def test_the_narrow_erf_is_within_its_bound_everywhere_and_has_no_division():
-    """erf for a GELU rounded to bf16 or fp16: within 2.5e-5 over [-10, 10] (its clamp at 3 included), against a
-    bf16 half ulp of 2e-3 relative; a polynomial, where TVM's fast_erf divides two."""
-    values = np.linspace(-10.0, 10.0, 40001).astype("float32")
-    got = _exps(values, formula.PRIMITIVES["narrow_erf"])
-    assert np.abs(got - ERF(values.astype("float64"))).max() <= 2.5e-5
-    data = te.placeholder((4,), "float32")
-    assert "/" not in te.create_prim_func([data, formula.PRIMITIVES["narrow_erf"](data)]).script()
-
-
-def test_gelus_rounded_to_a_narrow_float_take_the_narrow_erf():
-    gelu = formula.activation("relax.nn.gelu", X, fast=True)
-    narrowed = formula.narrowed(gelu)
-    assert "narrow_erf" in str(narrowed) and "fast_erf" not in str(narrowed)
-    np.testing.assert_allclose(_evaluate(narrowed), REFERENCE["relax.nn.gelu"], rtol=0, atol=5.1e-5)
-    exact = formula.activation("relax.nn.gelu", X, fast=False)
-    assert formula.narrowed(exact) == exact
-
-
 def test_a_quotient_by_a_constant_is_a_product_with_its_reciprocal():
     """The exporters' GELU divides by sqrt(2): a multiply by 1 / sqrt(2), as PyTorch's GELU computes it (no vdivps);
     a quotient of a constant by a value stays one."""
