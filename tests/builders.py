@@ -87,9 +87,10 @@ def lraspp_logits():
     return Logits().eval()
 
 
-def timm_through_onnx(name: str, directory) -> tuple:
-    """A timm model with random weights and 10 classes, exported to ONNX by the TorchScript exporter on a 64x64
-    image and imported: (the torch module, the imported module, the image as an array, torch's output)."""
+def timm_through_onnx(name: str, directory, edit=None) -> tuple:
+    """A timm model with random weights and 10 classes (`edit`ed in place first, if given), exported to ONNX by the
+    TorchScript exporter on a 64x64 image and imported: (the torch module, the imported module, the image as an
+    array, torch's output)."""
     import timm
     import torch
 
@@ -97,6 +98,8 @@ def timm_through_onnx(name: str, directory) -> tuple:
 
     torch.manual_seed(0)
     module = timm.create_model(name, pretrained=False, num_classes=10).eval()
+    if edit is not None:
+        edit(module)
     x = torch.randn(1, 3, 64, 64)
     torch.onnx.export(module, (x,), directory / f"{name}.onnx", opset_version=17, dynamo=False)
     with torch.no_grad():

@@ -43,6 +43,15 @@ EXP_POLYNOMIAL = (1.000000032161834, 0.49999994208731763, 0.16666431277413943, 0
 # arithmetic (float16's half ulp: 4.9e-4). A degree 3, at 1.2e-4, biased a bf16 EfficientNet-B0's output 30% further
 # from fp32's than a degree 7 did.
 NARROW_EXP_POLYNOMIAL = (0.99996366, 0.50002222, 0.16790617, 0.04158984)
+# erf(x) = x P(x^2) on |x| <= 3 (erf(3) = 1 - 2.2e-5), P of degree 8 fitted here for absolute error (Lawson-weighted
+# least squares): within 2.5e-5 of erf everywhere in fp32 arithmetic and no division, where TVM's fast_erf divides two
+# polynomials (a vdivps a vector, and more than half of an int8 1x1 conv's time with a GELU write-back). For results
+# requantized to 8-bit integers only: their step is a 255th of the largest value, while a bf16 GELU's negative tail
+# (values near 1e-4) needs an erf within a few 1e-6
+NARROW_ERF_POLYNOMIAL = (1.1282684265863718, -0.37531487725282203, 0.11107933623366807, -0.02510286088635603,
+                         0.004235427019393558, -0.0005110367420977076, 4.1060505537407824e-05,
+                         -1.9448213378001067e-06, 4.0742065110510595e-08)
+NARROW_ERF_LIMIT = 3.0
 EXP_LIMIT = 88.0  # |x| clamped so that n stays within [-127, 127]: 2^n's exponent field within [0, 254]
 ROUNDING_MAGIC = 1.5 * 2 ** 23 + 127  # a float whose ulp is 1: adding it rounds to an integer, offset by 127
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
@@ -99,6 +108,15 @@ def _narrow_exp(x: te.Tensor, specials: bool = False) -> te.Tensor:
     return _polynomial_exp(x, NARROW_EXP_POLYNOMIAL, (LN2,), specials, name="narrow_exp")
 
 
+def _narrow_erf(x: te.Tensor) -> te.Tensor:
+    """erf(x) within NARROW_ERF_POLYNOMIAL's 2.5e-5: x clamped to NARROW_ERF_LIMIT, times the polynomial of x^2."""
+    def element(*index):
+        value = te.max(te.min(x(*index), _wide(NARROW_ERF_LIMIT)), _wide(-NARROW_ERF_LIMIT))
+        return _series(value * value, NARROW_ERF_POLYNOMIAL) * value
+
+    return te.compute(x.shape, element, name="narrow_erf")
+
+
 def _wide(value: float) -> tvm.ir.Expr:
     return tvm.tirx.const(value, WIDE)
 
@@ -147,6 +165,7 @@ def _fast_sine(x: te.Tensor, quarter_turns: int) -> te.Tensor:
 
 PRIMITIVES["fast_exp"] = _fast_exp
 PRIMITIVES["narrow_exp"] = _narrow_exp
+PRIMITIVES["narrow_erf"] = _narrow_erf
 PRIMITIVES["fast_log"] = _fast_log
 PRIMITIVES["fast_sin"] = lambda x: _fast_sine(x, 0)
 PRIMITIVES["fast_cos"] = lambda x: _fast_sine(x, 1)
@@ -161,9 +180,11 @@ def fast_softmax(x: te.Tensor, axis: int, narrow: bool = False) -> te.Tensor:
     return topi.divide(exps, topi.sum(exps, axis=axis, keepdims=True))
 
 
-def narrowed(formula: tuple) -> tuple:
-    """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp)."""
-    return _renamed(formula, "fast_exp", "narrow_exp")
+def narrowed(formula: tuple, requantized: bool = False) -> tuple:
+    """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp); where
+    `requantized` (a result rounded to 8-bit integers, in steps of its largest value) its fast erfs too (narrow_erf)."""
+    narrow = _renamed(formula, "fast_exp", "narrow_exp")
+    return _renamed(narrow, "fast_erf", "narrow_erf") if requantized else narrow
 
 
 def _renamed(formula: tuple, old: str, new: str) -> tuple:

@@ -148,6 +148,30 @@ def test_exps_rounded_to_a_narrow_float_take_the_narrow_polynomial():
     assert formula.narrowed(exact) == exact  # only the fast polynomial has a narrow one
 
 
+def test_the_narrow_erf_is_within_its_bound_everywhere_and_has_no_division():
+    """erf for a GELU requantized to 8 bits: within 2.5e-5 over [-10, 10] (its clamp at 3 included), against an
+    8-bit step of 1/255 of the largest value; a polynomial, where TVM's fast_erf divides two."""
+    values = np.linspace(-10.0, 10.0, 40001).astype("float32")
+    got = _exps(values, formula.PRIMITIVES["narrow_erf"])
+    assert np.abs(got - ERF(values.astype("float64"))).max() <= 2.5e-5
+    data = te.placeholder((4,), "float32")
+    assert "/" not in te.create_prim_func([data, formula.PRIMITIVES["narrow_erf"](data)]).script()
+
+
+def test_only_gelus_requantized_to_8_bits_take_the_narrow_erf():
+    """A GELU rounded to bf16 or fp16 keeps fast_erf: their tails (values near 1e-4) need an erf within a few
+    1e-6. Requantized, its exps are narrowed too."""
+    gelu = formula.activation("relax.nn.gelu", X, fast=True)
+    requantized = formula.narrowed(gelu, requantized=True)
+    assert "narrow_erf" in str(requantized) and "fast_erf" not in str(requantized)
+    np.testing.assert_allclose(_evaluate(requantized), REFERENCE["relax.nn.gelu"], rtol=0, atol=5.1e-5)
+    assert formula.narrowed(gelu) == gelu
+    silu = formula.activation("relax.nn.silu", X, fast=True)
+    assert formula.narrowed(silu, requantized=True) == formula.narrowed(silu)
+    exact = formula.activation("relax.nn.gelu", X, fast=False)
+    assert formula.narrowed(exact, requantized=True) == exact
+
+
 def test_a_quotient_by_a_constant_is_a_product_with_its_reciprocal():
     """The exporters' GELU divides by sqrt(2): a multiply by 1 / sqrt(2), as PyTorch's GELU computes it (no vdivps);
     a quotient of a constant by a value stays one."""
