@@ -46,8 +46,8 @@ NARROW_EXP_POLYNOMIAL = (0.99996366, 0.50002222, 0.16790617, 0.04158984)
 # erf(x) = x P(x^2) on |x| <= 3 (erf(3) = 1 - 2.2e-5), P of degree 8 fitted here for absolute error (Lawson-weighted
 # least squares): within 2.5e-5 of erf everywhere in fp32 arithmetic and no division, where TVM's fast_erf divides two
 # polynomials (a vdivps a vector, and more than half of an int8 1x1 conv's time with a GELU write-back). For results
-# requantized to 8-bit integers only: their step is a 255th of the largest value, while a bf16 GELU's negative tail
-# (values near 1e-4) needs an erf within a few 1e-6
+# requantized to 8-bit integers only: their step is a 127th to a 255th of their range, while a bf16 GELU's negative
+# tail (values near 1e-4) needs an erf within a few 1e-6
 NARROW_ERF_POLYNOMIAL = (1.1282684265863718, -0.37531487725282203, 0.11107933623366807, -0.02510286088635603,
                          0.004235427019393558, -0.0005110367420977076, 4.1060505537407824e-05,
                          -1.9448213378001067e-06, 4.0742065110510595e-08)
@@ -182,7 +182,7 @@ def fast_softmax(x: te.Tensor, axis: int, narrow: bool = False) -> te.Tensor:
 
 def narrowed(formula: tuple, requantized: bool = False) -> tuple:
     """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp); where
-    `requantized` (a result rounded to 8-bit integers, in steps of its largest value) its fast erfs too (narrow_erf)."""
+    `requantized` (a result rounded to 8-bit integers, in steps of its range) its fast erfs too (narrow_erf)."""
     narrow = _renamed(formula, "fast_exp", "narrow_exp")
     return _renamed(narrow, "fast_erf", "narrow_erf") if requantized else narrow
 
