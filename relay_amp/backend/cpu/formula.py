@@ -182,9 +182,11 @@ def fast_softmax(x: te.Tensor, axis: int, narrow: bool = False) -> te.Tensor:
 
 def narrowed(formula: tuple, requantized: bool = False) -> tuple:
     """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp); where
-    `requantized` (a result rounded to 8-bit integers, in steps of its range) its fast erfs too (narrow_erf)."""
-    narrow = _renamed(formula, "fast_exp", "narrow_exp")
-    return _renamed(narrow, "fast_erf", "narrow_erf") if requantized else narrow
+    `requantized` (a result rounded to 8-bit integers, in steps of its range), its fast erfs instead (narrow_erf):
+    its exps stay fast_exp, as narrow_exp's moved a quantized CSPDarkNet's codes past its module's rounding."""
+    if requantized:
+        return _renamed(formula, "fast_erf", "narrow_erf")
+    return _renamed(formula, "fast_exp", "narrow_exp")
 
 
 def _renamed(formula: tuple, old: str, new: str) -> tuple:
