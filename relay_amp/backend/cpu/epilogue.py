@@ -49,7 +49,6 @@ from ...ops import call_op_name
 from . import amx, formula, kernels
 
 _ALIAS = object()  # a step that only renames, reshapes or casts the value
-QUANTIZED_DTYPES = ("int8", "uint8")  # integer dtypes a kernel may store its finished value in
 ACTIVATION_WINDOW = 24  # bindings after a kernel's value searched for the ops of an activation
 
 
@@ -210,7 +209,7 @@ class _ChainFinder:
     def _quantizes(value: relax.Call, current: relax.Var) -> bool:
         """Whether `value` casts the fp32 `current` to an 8-bit integer: the chain's last step (the kernel stores
         the integer; nothing after it joins)."""
-        return (value.op.name == "relax.astype" and tensor_dtype(value) in QUANTIZED_DTYPES
+        return (value.op.name == "relax.astype" and tensor_dtype(value) in kernels.QUANTIZED_DTYPES
                 and tensor_dtype(current) == kernels.WIDE)
 
     def _other_operand(self, value: relax.Call, current: relax.Var) -> "relax.Expr | None":
@@ -257,7 +256,7 @@ class _ChainFinder:
                 or not isinstance(widened.args[0], relax.Var)):
             return None
         codes = widened.args[0]
-        if tensor_dtype(codes) not in QUANTIZED_DTYPES or codes in self.absorbed:
+        if tensor_dtype(codes) not in kernels.QUANTIZED_DTYPES or codes in self.absorbed:
             return None
         return codes, step, zero_point
 
@@ -313,7 +312,7 @@ class _ChainFinder:
         """A cast to fp32 goes on in fp32 (from int32 accumulators, or back from a narrow cast only it reads: TVM
         dropped such a round trip inside one function too); a narrow cast is stored unless a cast back follows."""
         dtype = tensor_dtype(value)
-        if tensor_dtype(current) in QUANTIZED_DTYPES or kernels.WIDE not in (dtype, tensor_dtype(current)):
+        if tensor_dtype(current) in kernels.QUANTIZED_DTYPES or kernels.WIDE not in (dtype, tensor_dtype(current)):
             return None
         chain.out_dtype = dtype
         return _ALIAS

@@ -58,7 +58,7 @@ SPEC_ANNOTATION = "relay_amp.conv_spec"
 _RULE_ATTRS = {"schedule_rule": RULE}
 FUSABLE_ATTR = "relay_amp.dot_spec"  # on a kernel without an epilogue: its ConvSpec as JSON, for epilogue fusion
 WIDE = "float32"  # the dtype epilogues compute in
-REQUANTIZED_DTYPES = ("int8", "uint8")  # results a kernel rounds to 8-bit integers: quantized activations
+QUANTIZED_DTYPES = ("int8", "uint8")  # integer dtypes a kernel may store its finished value in (requantized codes)
 BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  # epilogue step kinds
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
@@ -229,7 +229,7 @@ def _as_accurate_as(activation: tuple, out_dtype: str) -> tuple:
     """`activation` computed only as accurately as a result of `out_dtype` keeps it (formula.narrowed)."""
     if out_dtype in LOW_FLOAT_DTYPES:
         return formula.narrowed(activation)
-    return formula.narrowed(activation, requantized=True) if out_dtype in REQUANTIZED_DTYPES else activation
+    return formula.narrowed(activation, requantized=True) if out_dtype in QUANTIZED_DTYPES else activation
 
 
 def _clamped(value: tvm.ir.Expr, low: float, high: float) -> tvm.ir.Expr:

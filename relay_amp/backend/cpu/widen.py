@@ -47,8 +47,7 @@ from ..._ir import (cast_constant, get_function, read_counts, rewrite_function, 
                      tensor_shape, with_attr)
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import bound_call, call_op_name
-from . import formula
-from .epilogue import QUANTIZED_DTYPES
+from . import formula, kernels
 from .fastmath import rounded_values
 
 NARROW = "bfloat16"
@@ -70,7 +69,7 @@ def _is_narrow_grouped_conv(call: relax.Expr) -> bool:
         return False
     data, weight = call.args
     return (str(call.attrs.out_dtype) == WIDE and tensor_dtype(weight) == NARROW
-            and tensor_dtype(data) in (NARROW, *QUANTIZED_DTYPES))
+            and tensor_dtype(data) in (NARROW, *kernels.QUANTIZED_DTYPES))
 
 
 def _takes_unrounded_value(call: relax.Expr, flows: set) -> bool:

@@ -350,7 +350,7 @@ def test_an_epilogue_stored_in_bf16_computes_its_exps_to_bf16s_accuracy():
 
 @pytest.mark.parametrize("out_dtype", ["int8", "uint8"])
 def test_an_epilogue_requantized_to_8_bits_computes_its_gelu_without_a_division(out_dtype):
-    """A quantized model's GELU write-back rounds to 8-bit steps of its largest value: its erf is the narrow
+    """A quantized model's GELU write-back rounds to 8-bit steps of its range: its erf is the narrow
     polynomial (no vdivps); the same GELU stored in bf16 keeps TVM's fast_erf."""
     gelu = formula.activation("relax.nn.gelu", formula.X, fast=True)
     epilogue = kernels.Epilogue(steps=(kernels.Step(kernels.MAP, formula=gelu),))
