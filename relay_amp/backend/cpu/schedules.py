@@ -277,9 +277,40 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     sch.vectorize(inner[-1])
     copy_loops = _own_loops(sch, cache, found.block)
     if copy_loops:  # a 1x1 register tile leaves the write-back no loop of its own
-        sch.vectorize(copy_loops[-1])
+        _vectorize_predicated(sch, cache, copy_loops[-1])
     if found.reduction:
         sch.decompose_reduction(found.block, found.reduction[0])
+
+
+def _vectorize_predicated(sch: s_tir.Schedule, block, loop) -> None:
+    """Vectorize `block`'s innermost `loop`, by 8 lanes where the block's predicate (the channels of a slice it
+    stores: 72 of a depthwise conv's 80) tells the lanes of its vectors apart and not those of 8-lane vectors: split
+    from the loop, the vectors unrolled. TVM's vectorizer ran a loop whose lanes it tells apart lane by lane:
+    GhostNetV2's depthwise convs with a sigmoid over 28x28 channels sliced to 72 took 0.116 ms in bf16 (0.023 now)
+    against 0.019 in fp32."""
+    extent = _extent(sch, loop) or 0
+    if (extent > MIN_LANES and not extent % MIN_LANES and not _lanes_share_predicate(sch, block, loop, extent)
+            and _lanes_share_predicate(sch, block, loop, MIN_LANES)):
+        vectors, loop = sch.split(loop, [None, MIN_LANES])
+        sch.unroll(vectors)
+    sch.vectorize(loop)
+
+
+def _lanes_share_predicate(sch: s_tir.Schedule, block, loop, lanes: int) -> bool:
+    """Whether the predicate of `block` (a write-back of a slice) has one value for each `lanes` consecutive
+    iterations of its innermost `loop` (from 0), over the ranges of the other loops around it."""
+    var = sch.get(loop).loop_var
+    vector, lane = tirx.Var("vector", var.ty), tirx.Var("lane", var.ty)
+    analyzer = tvm.sym.Analyzer()
+    for outer in (sch.get(other) for other in sch.get_loops(block)):
+        if not outer.loop_var.same_as(var):
+            analyzer.bind(outer.loop_var, tvm.ir.Range.from_min_extent(outer.min, outer.extent))
+    analyzer.bind(vector, tvm.ir.Range(0, (_extent(sch, loop) or lanes) // lanes))
+    analyzer.bind(lane, tvm.ir.Range(0, lanes))
+    analyzer.bind(var, vector * lanes + lane)
+    realize = sch.get(loop).body  # the block's realize: its predicate, in the loops' vars
+    predicate = analyzer.simplify(realize.predicate) if isinstance(realize, s_tir.SBlockRealize) else True
+    return not any(used.same_as(lane) for used in vars_in(predicate))
 
 
 def _own_loops(sch: s_tir.Schedule, block, other) -> list:
