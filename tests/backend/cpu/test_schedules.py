@@ -1618,6 +1618,34 @@ def test_a_timm_ghostnetv2_reads_runs_off_16_lanes_in_whole_vectors(tmp_path):
     np.testing.assert_allclose(got, expected, atol=0.03 * np.abs(expected).max())
 
 
+def test_a_timm_ghostnetv3_writes_its_sliced_attention_maps_back_in_vectors(tmp_path):
+    """timm's GhostNetV3-1.0 (not the GhostNetV2 this was written on) gates its ghost modules by maps of depthwise
+    convs over channels padded to 16-lane vectors, with a sigmoid, sliced back to their 72, 120, 200 or 184
+    channels: in bf16 each such write-back runs in 8-lane vectors inside the slice (lane by lane before), and the
+    build matches PyTorch within bf16's rounding."""
+    pytest.importorskip("timm")
+    from builders import timm_through_onnx
+    from pass_checks import prepared_module
+
+    from relay_amp.backend.cpu.pipeline import untuned_schedule
+
+    _, imported, x, expected = timm_through_onnx("ghostnetv3_100", tmp_path)
+    bf16 = relay_amp.to_mixed_precision(imported, "bfloat16")
+    target = targets.get_target("cpu-avx512-bf16")
+    sliced_maps = 0
+    for gv, func in prepared_module(bf16).functions.items():
+        if "sigmoid" in gv.name_hint and "strided_slice" in gv.name_hint and isinstance(func, tvm.tirx.PrimFunc):
+            text = untuned_schedule(func.with_attr("global_symbol", "main"), target).mod.script()
+            lines = text.splitlines()
+            at = next(i for i, line in enumerate(lines) if "T.where" in line)
+            loop = next(line for line in reversed(lines[:at]) if line.lstrip().startswith("for "))
+            assert loop.endswith("in T.vectorized(T.int64(8)):"), text
+            sliced_maps += 1
+    assert sliced_maps == 4, sliced_maps
+    got = run_executable(build(bf16, targets.host_preset()), [x])[0]
+    np.testing.assert_allclose(got, expected, atol=0.03 * np.abs(expected).max())
+
+
 def test_a_timm_fasternet_reads_each_concatenated_run_in_one_vector(tmp_path):
     """timm's FasterNet-T0 (not the GhostNet this was written on) convolves the first quarter of its channels and
     concatenates the rest after it (runs of 10 and 30, 20 and 60): in bf16 each of those concatenations is a vector
