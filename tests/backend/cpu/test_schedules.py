@@ -556,18 +556,6 @@ def _concat_scale_scheduled(x0: T.Buffer((4, 12), "float32"), x1: T.Buffer((4, 1
                         out[v0, v1] = T.if_then_else(12 <= v1, x1[v0, v1 - 12], x0[v0, v1]) * T.float32(2.0)
 
 
-def test_a_concatenation_of_runs_off_the_vectors_reads_each_run_in_one_vector():
-    """Two runs of 12 (GhostNet's ghost modules concatenate runs of 12, 20, 36, 60 and 100): each run is a loop of
-    its own vectorized by its whole length. In 8-lane vectors, the one crossing from one input to the next ran lane
-    by lane (GhostNet's concat, cast and residual add over 56x56x24 in bf16: 40 us, 16 us a run at a time); over
-    the whole row, TVM computed every lane apart (a SiLU of four 90-channel inputs: 37 times slower than of one)."""
-    scheduled = schedules.ElementwiseRule().apply(_concat_scale, targets.get_target("cpu"), False)
-    assert scheduled.mod["main"].script() == _concat_scale_scheduled.script()
-    rng = np.random.default_rng(6)
-    x0, x1 = rng.standard_normal((4, 12)).astype("float32"), rng.standard_normal((4, 12)).astype("float32")
-    np.testing.assert_array_equal(_run_scheduled(scheduled, [x0, x1], (4, 24)), np.concatenate([x0, x1], axis=1) * 2)
-
-
 @T.prim_func(private=True, s_tir=True)
 def _concat_long_runs(x0: T.Buffer((4, 24), "float32"), x1: T.Buffer((4, 300), "float32"),
                       out: T.Buffer((4, 324), "float32")):
@@ -613,16 +601,22 @@ def _concat_long_runs_scheduled(x0: T.Buffer((4, 24), "float32"), x1: T.Buffer((
                         out[v0, v1] = T.if_then_else(24 <= v1, x1[v0, v1 - 24], x0[v0, v1]) * T.float32(2.0)
 
 
-def test_runs_on_8_lanes_but_off_16_take_one_vector_each_and_long_runs_pieces_of_256():
-    """Runs of 24 (on 8-lane vectors, off 16) and 300 (off both): the run of 24 is one vector (a 16-lane register and
-    an 8-lane one, against three 8-lane vectors), the run of 300 two, of 256 and 44. MixNet's SiLU of two
-    concatenated runs of 120 over 28x28 ran in 8-lane vectors (0.062 ms in bf16, 0.033 a run at a time), and its
-    runs of 300 left the 8-lane vectors crossing runs serial (0.022 ms, 0.018 now)."""
-    scheduled = schedules.ElementwiseRule().apply(_concat_long_runs, targets.get_target("cpu"), False)
-    assert scheduled.mod["main"].script() == _concat_long_runs_scheduled.script()
-    rng = np.random.default_rng(8)
-    x0, x1 = rng.standard_normal((4, 24)).astype("float32"), rng.standard_normal((4, 300)).astype("float32")
-    np.testing.assert_array_equal(_run_scheduled(scheduled, [x0, x1], (4, 324)), np.concatenate([x0, x1], axis=1) * 2)
+@pytest.mark.parametrize("before, expected, runs", [(_concat_scale, _concat_scale_scheduled, (12, 12)),
+                                                    (_concat_long_runs, _concat_long_runs_scheduled, (24, 300))])
+def test_a_concatenation_of_runs_off_16_lanes_reads_each_run_in_one_vector(before, expected, runs):
+    """Runs off 16-lane vectors: each run is a loop of its own vectorized by its whole length, in pieces of at most
+    256 (a run of 300: 256 and 44). Two runs of 12 (GhostNet's ghost modules concatenate runs of 12, 20, 36, 60 and
+    100): in 8-lane vectors, the one crossing from one input to the next ran lane by lane (GhostNet's concat, cast and
+    residual add over 56x56x24 in bf16: 40 us, 16 us a run at a time); over the whole row, TVM computed every lane
+    apart (a SiLU of four 90-channel inputs: 37 times slower than of one). Runs of 24 (on 8-lane vectors, off 16)
+    and 300: the 24 is one vector (a 16-lane register and an 8-lane one, against three 8-lane vectors). MixNet's SiLU
+    of two concatenated runs of 120 over 28x28 ran in 8-lane vectors (0.062 ms in bf16, 0.033 a run at a time), and
+    its runs of 300 left the 8-lane vectors crossing runs serial (0.022 ms, 0.018 now)."""
+    scheduled = schedules.ElementwiseRule().apply(before, targets.get_target("cpu"), False)
+    assert scheduled.mod["main"].script() == expected.script()
+    rng = np.random.default_rng(6)
+    inputs = [rng.standard_normal((4, run)).astype("float32") for run in runs]
+    np.testing.assert_array_equal(_run_scheduled(scheduled, inputs, (4, sum(runs))), np.concatenate(inputs, axis=1) * 2)
 
 
 @T.prim_func(private=True, s_tir=True)
