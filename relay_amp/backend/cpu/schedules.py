@@ -249,7 +249,10 @@ def _inline_epilogue(sch: s_tir.Schedule, block) -> None:
 
 
 def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
-    """Register tile (rows x lanes), cache tile (whose operands fit in L2), then parallel tiles, outermost first."""
+    """Register tile (rows x lanes), cache tile (whose operands fit in L2), then parallel tiles, outermost first.
+    The register tile's write-back is unrolled over its rows: a rolled loop indexed the accumulators by its
+    variable, so LLVM stored them to a stack buffer and read them back, one row's epilogue after the other
+    (EfficientNet-B0's 3x3 depthwise conv and SiLU over 56x56x144 in bf16: 72 -> 60 us)."""
     spatial = list(found.spatial)
     depth = math.prod(_extent(sch, loop) or 0 for loop in found.reduction) or None
     vector_lanes = _vector_factor(_extent(sch, spatial[found.vector_index]))
@@ -278,6 +281,8 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     copy_loops = _own_loops(sch, cache, found.block)
     if copy_loops:  # a 1x1 register tile leaves the write-back no loop of its own
         _vectorize_predicated(sch, cache, copy_loops[-1])
+        for rows in copy_loops[:-1]:
+            sch.unroll(rows)
     if found.reduction:
         sch.decompose_reduction(found.block, found.reduction[0])
 

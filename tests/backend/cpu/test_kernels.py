@@ -298,6 +298,17 @@ def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_fu
     assert kernels.DotKernelRule().apply(te.create_prim_func([a, b, matmul]), target, False) is None
 
 
+def test_the_write_back_runs_unrolled_over_the_tiles_pixel_rows_and_vectorized_over_its_channels():
+    """The accumulators' copy to the output (where an epilogue runs) takes the register tile's 4 pixel rows
+    unrolled, each row's 2 x 16 channels as one vector: rolled, LLVM kept the accumulators in a stack buffer."""
+    spec, _ = CASES["int8_conv_stride2"]
+    sch = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), targets.get_target("cpu-avx512-bf16"),
+                                        False)
+    *_, rows, channels = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("acc_global")))
+    assert (rows.kind, int(rows.extent)) == (tvm.tirx.ForKind.UNROLLED, kernels.default_tile(spec.out_shape[2], 32)[1])
+    assert (channels.kind, int(channels.extent)) == (tvm.tirx.ForKind.VECTORIZED, 32)
+
+
 @pytest.mark.parametrize("mcpu, registers", [("znver3", kernels.AVX2_REGISTERS), ("haswell", kernels.AVX2_REGISTERS),
                                              ("znver4", kernels.AVX512_REGISTERS),
                                              ("sapphirerapids", kernels.AVX512_REGISTERS)])

@@ -221,7 +221,7 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
                             T.reads(mm_global[v0, v1], x[v0, v2], w[v2, v1])
                             T.writes(mm_global[v0, v1])
                             mm_global[v0, v1] = mm_global[v0, v1] + x[v0, v2] * w[v2, v1]
-            for row in range(T.int64(4)):
+            for row in T.unroll(T.int64(4)):
                 for lane in T.vectorized(T.int64(32)):
                     with T.sblock("mm_global"):
                         v0 = T.axis.spatial(T.int64(8), tile * T.int64(4) + row)
@@ -234,7 +234,8 @@ def _matmul_bias_scheduled(x: T.Buffer((T.int64(8), T.int64(16)), "float32"),
 def test_contraction_rule_blocks_vectorizes_and_fuses_the_epilogue():
     """4 rows x 32 lanes (two zmm) of accumulators: under 1 KiB, so on the stack and in registers; a cache tile
     of row blocks over the whole (L2-sized) reduction, as few rows as leave PARALLEL_TILES parallel tiles where
-    there are rows for them (here two); the bias add fused into the write-back."""
+    there are rows for them (here two); the bias add fused into the write-back, which is unrolled over the rows
+    (rolled, it read the accumulators back from a stack buffer)."""
     scheduled = schedules.ContractionRule().apply(_matmul_bias, targets.get_target("cpu"), False)
     tvm.ir.assert_structural_equal(scheduled.mod["main"], _matmul_bias_scheduled)
 
