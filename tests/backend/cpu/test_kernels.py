@@ -12,7 +12,7 @@ from tvm.s_tir import meta_schedule as ms
 import relay_amp
 from relay_amp import targets
 from relay_amp._ir import import_tensor_intrinsics
-from relay_amp.backend.cpu import formula, kernels
+from relay_amp.backend.cpu import formula, kernels, schedules
 from relay_amp.passes.quantize import realize
 
 from conv_cases import max_relative_error, random_operands, reference_conv
@@ -307,6 +307,16 @@ def test_the_write_back_runs_unrolled_over_the_tiles_pixel_rows_and_vectorized_o
     *_, rows, channels = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("acc_global")))
     assert (rows.kind, int(rows.extent)) == (tvm.tirx.ForKind.UNROLLED, kernels.default_tile(spec.out_shape[2], 32)[1])
     assert (channels.kind, int(channels.extent)) == (tvm.tirx.ForKind.VECTORIZED, 32)
+
+
+def test_a_write_back_storing_fewer_pixels_than_its_tile_keeps_its_rows_rolled():
+    """Under the predicate that keeps the tile's rows past the stored width out, unrolled rows took 20x as long."""
+    spec, _ = CASES["int8_conv_stride2_stored_pixels"]
+    sch = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), targets.get_target("cpu-avx512-bf16"),
+                                        False)
+    *_, rows, channels = sch.get_loops(sch.get_sblock("acc_global"))
+    assert not schedules.unpredicated(sch, channels)
+    assert sch.get(rows).kind == tvm.tirx.ForKind.SERIAL and int(sch.get(rows).extent) > 1
 
 
 @pytest.mark.parametrize("mcpu, registers", [("znver3", kernels.AVX2_REGISTERS), ("haswell", kernels.AVX2_REGISTERS),
