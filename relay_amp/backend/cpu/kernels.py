@@ -44,7 +44,7 @@ from ...dtypes import LOW_FLOAT_DTYPES
 from ...errors import DTypeError
 from ...serialization import dataclass_from_json
 from . import formula
-from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injective, unpredicated
+from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, rows_unroll, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
@@ -691,7 +691,7 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, ve
     if vectorize_copies:
         *_, copy_rows, copy_lanes = sch.get_loops(cache)
         sch.vectorize(copy_lanes)
-        if not sch.get(copy_rows).same_as(sch.get(tile)) and unpredicated(sch, copy_lanes):
+        if not sch.get(copy_rows).same_as(sch.get(tile)) and rows_unroll(sch, copy_lanes):
             sch.unroll(copy_rows)  # (one row: the tile's loop is the only one around the copy)
         sch.vectorize(sch.get_loops(init)[-1])
     if tensorized:
