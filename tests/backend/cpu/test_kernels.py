@@ -309,10 +309,11 @@ def test_the_write_back_runs_unrolled_over_the_tiles_pixel_rows_and_vectorized_o
     assert (channels.kind, int(channels.extent)) == (tvm.tirx.ForKind.VECTORIZED, 32)
 
 
-def test_a_write_back_storing_fewer_pixels_than_its_tile_keeps_its_rows_rolled():
-    """Under the predicate that keeps the tile's rows past the stored width out, the rows stay rolled
-    (schedules.rows_unroll)."""
-    spec, _ = CASES["int8_conv_stride2_stored_pixels"]
+@pytest.mark.parametrize("case", ["int8_conv_stride2_stored_pixels", "bf16_matmul"])
+def test_a_write_back_under_a_predicate_or_of_three_registers_a_row_keeps_its_rows_rolled(case):
+    """Under the predicate that keeps the tile's rows past the stored width out, or 48 channels a row (3 columns:
+    unrolled, BERT's bf16 matmuls took 24x as long), the rows stay rolled (schedules.rows_unroll)."""
+    spec, _ = CASES[case]
     sch = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), targets.get_target("cpu-avx512-bf16"),
                                         False)
     *_, rows, channels = sch.get_loops(sch.get_sblock("acc_global"))
