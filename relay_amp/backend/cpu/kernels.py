@@ -44,7 +44,7 @@ from ...dtypes import LOW_FLOAT_DTYPES
 from ...errors import DTypeError
 from ...serialization import dataclass_from_json
 from . import formula
-from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, rows_unroll, schedule_injective
+from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injective
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
@@ -666,8 +666,10 @@ def pixels_outermost(spec: ConvSpec) -> bool:
 
 def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, vectorize_copies: bool) -> None:
     """The kernel's loop nest. The accumulators' copy to the output (the epilogue's write-back) is unrolled over
-    its pixel rows, as in schedules._tile: rolled, LLVM kept the accumulators in a stack buffer and computed one
-    row's epilogue after the other (EfficientNet-B0's int8 stem with its SiLU: 73 -> 47 us). With sampled tiles
+    its pixel rows and output-channel columns, a 16-lane vector each, as in schedules._tile: rolled, LLVM kept the
+    accumulators in a stack buffer and computed one row's epilogue after the other (EfficientNet-B0's int8 stem
+    with its SiLU: 63 -> 42 us). Each vector is one accumulator register: rows of 48 lanes, as one vector, made LLVM
+    move the accumulators lane by lane inside the reduction loop (BERT's bf16 matmuls: 24x as long). With sampled tiles
     the accumulator copies are left to LLVM's vectorizer: how many loops they keep depends on the sample, and a
     traced get_loops must return as many loops on every replay."""
     batch, out_y, out_x, out_c, row, col, chan = sch.get_loops(block)
@@ -690,9 +692,11 @@ def _schedule_conv(sch: s_tir.Schedule, spec: ConvSpec, block, columns, rows, ve
     init = sch.decompose_reduction(block, row)
     if vectorize_copies:
         *_, copy_rows, copy_lanes = sch.get_loops(cache)
+        copy_columns, copy_lanes = sch.split(copy_lanes, [None, LANES])
         sch.vectorize(copy_lanes)
-        if not sch.get(copy_rows).same_as(sch.get(tile)) and rows_unroll(sch, copy_lanes):
-            sch.unroll(copy_rows)  # (one row: the tile's loop is the only one around the copy)
+        sch.unroll(copy_columns)
+        if not sch.get(copy_rows).same_as(sch.get(tile)):  # one row: the tile's loop is the only one around it
+            sch.unroll(copy_rows)
         sch.vectorize(sch.get_loops(init)[-1])
     if tensorized:
         sch.tensorize(out_c_lane, spec.dot.name)

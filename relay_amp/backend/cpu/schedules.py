@@ -252,7 +252,8 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     """Register tile (rows x lanes), cache tile (whose operands fit in L2), then parallel tiles, outermost first.
     The register tile's write-back is unrolled over its rows: a rolled loop indexed the accumulators by its
     variable, so LLVM stored them to a stack buffer and read them back, one row's epilogue after the other
-    (EfficientNet-B0's 3x3 depthwise conv and SiLU over 56x56x144 in bf16: 72 -> 60 us), where `rows_unroll`."""
+    (EfficientNet-B0's 3x3 depthwise conv and SiLU over 56x56x144 in bf16: 72 -> 60 us). The rows' vectors take 8,
+    16 or 32 lanes, as the accumulating loop's do (`_vector_factor`)."""
     spatial = list(found.spatial)
     depth = math.prod(_extent(sch, loop) or 0 for loop in found.reduction) or None
     vector_lanes = _vector_factor(_extent(sch, spatial[found.vector_index]))
@@ -281,7 +282,7 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     copy_loops = _own_loops(sch, cache, found.block)
     if copy_loops:  # a 1x1 register tile leaves the write-back no loop of its own
         _vectorize_predicated(sch, cache, copy_loops[-1])
-        for rows in copy_loops[:-1] if rows_unroll(sch, sch.get_loops(cache)[-1]) else []:
+        for rows in copy_loops[:-1]:
             sch.unroll(rows)
     if found.reduction:
         sch.decompose_reduction(found.block, found.reduction[0])
@@ -299,16 +300,6 @@ def _vectorize_predicated(sch: s_tir.Schedule, block, loop) -> None:
         vectors, loop = sch.split(loop, [None, MIN_LANES])
         sch.unroll(vectors)
     sch.vectorize(loop)
-
-
-def rows_unroll(sch: s_tir.Schedule, lanes) -> bool:
-    """Whether a write-back whose innermost loop is `lanes` may be unrolled over its rows: it stores one or two whole
-    registers a row, as measured, under no predicate. Rows of three (48 lanes: BERT's bf16 matmuls; MixNet-S's int8
-    1x1 convs to 720 channels, predicated too) took 20-24x as long unrolled."""
-    realize = sch.get(lanes).body
-    predicate = realize.predicate if isinstance(realize, s_tir.SBlockRealize) else None
-    whole = predicate is None or (isinstance(predicate, tirx.IntImm) and bool(predicate.value))
-    return whole and _extent(sch, lanes) in (ACCUMULATOR_LANES, 2 * ACCUMULATOR_LANES)
 
 
 def _lanes_share_predicate(sch: s_tir.Schedule, block, loop, lanes: int) -> bool:

@@ -12,7 +12,7 @@ from tvm.s_tir import meta_schedule as ms
 import relay_amp
 from relay_amp import targets
 from relay_amp._ir import import_tensor_intrinsics
-from relay_amp.backend.cpu import formula, kernels, schedules
+from relay_amp.backend.cpu import formula, kernels
 from relay_amp.passes.quantize import realize
 
 from conv_cases import max_relative_error, random_operands, reference_conv
@@ -298,27 +298,20 @@ def test_default_rule_gives_kernel_computes_the_default_tile_and_leaves_other_fu
     assert kernels.DotKernelRule().apply(te.create_prim_func([a, b, matmul]), target, False) is None
 
 
-def test_the_write_back_runs_unrolled_over_the_tiles_pixel_rows_and_vectorized_over_its_channels():
-    """The accumulators' copy to the output (where an epilogue runs) takes the register tile's 4 pixel rows
-    unrolled, each row's 2 x 16 channels as one vector: rolled, LLVM kept the accumulators in a stack buffer."""
-    spec, _ = CASES["int8_conv_stride2"]
-    sch = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), targets.get_target("cpu-avx512-bf16"),
-                                        False)
-    *_, rows, channels = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("acc_global")))
-    assert (rows.kind, int(rows.extent)) == (tvm.tirx.ForKind.UNROLLED, kernels.default_tile(spec.out_shape[2], 32)[1])
-    assert (channels.kind, int(channels.extent)) == (tvm.tirx.ForKind.VECTORIZED, 32)
-
-
-@pytest.mark.parametrize("case", ["int8_conv_stride2_stored_pixels", "bf16_matmul"])
-def test_a_write_back_under_a_predicate_or_of_three_registers_a_row_keeps_its_rows_rolled(case):
-    """Under the predicate that keeps the tile's rows past the stored width out, or 48 channels a row (3 columns:
-    unrolled, BERT's bf16 matmuls took 24x as long), the rows stay rolled (schedules.rows_unroll)."""
+@pytest.mark.parametrize("case", ["int8_conv_stride2", "int8_conv_stride2_stored_pixels", "bf16_matmul"])
+def test_the_write_back_runs_unrolled_over_the_tiles_rows_and_columns_a_16_lane_vector_each(case):
+    """The accumulators' copy to the output (where an epilogue runs) takes the register tile's pixel rows and
+    output-channel columns unrolled, each a 16-lane vector, as the accumulators are: rolled, LLVM kept them in a
+    stack buffer; 48 lanes as one vector (3 columns: bf16_matmul) made it move them lane by lane in the reduction
+    loop. So too under a predicate (stored_pixels: the tile's rows past the stored width are not stored)."""
     spec, _ = CASES[case]
     sch = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(spec), targets.get_target("cpu-avx512-bf16"),
                                         False)
-    *_, rows, channels = sch.get_loops(sch.get_sblock("acc_global"))
-    assert not schedules.rows_unroll(sch, channels)
-    assert sch.get(rows).kind == tvm.tirx.ForKind.SERIAL and int(sch.get(rows).extent) > 1
+    *_, rows, columns, lanes = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("acc_global")))
+    tile_columns, tile_rows = kernels.default_tile(spec.out_shape[2], spec.out_channels)
+    assert (rows.kind, int(rows.extent)) == (tvm.tirx.ForKind.UNROLLED, tile_rows)
+    assert (columns.kind, int(columns.extent)) == (tvm.tirx.ForKind.UNROLLED, tile_columns)
+    assert (lanes.kind, int(lanes.extent)) == (tvm.tirx.ForKind.VECTORIZED, kernels.LANES)
 
 
 @pytest.mark.parametrize("mcpu, registers", [("znver3", kernels.AVX2_REGISTERS), ("haswell", kernels.AVX2_REGISTERS),
