@@ -252,8 +252,9 @@ def _tile(sch: s_tir.Schedule, found: _Contraction) -> None:
     """Register tile (rows x lanes), cache tile (whose operands fit in L2), then parallel tiles, outermost first.
     The register tile's write-back is unrolled over its rows: a rolled loop indexed the accumulators by its
     variable, so LLVM stored them to a stack buffer and read them back, one row's epilogue after the other
-    (EfficientNet-B0's 3x3 depthwise conv and SiLU over 56x56x144 in bf16: 72 -> 60 us). The rows' vectors take 8,
-    16 or 32 lanes, as the accumulating loop's do (`_vector_factor`)."""
+    (EfficientNet-B0's 3x3 depthwise conv and SiLU over 56x56x144 in bf16: 72 -> 60 us). Its vectors are as wide as
+    the accumulating loop's (`_vector_factor`: at most two registers), or 8-lane parts of them under a slice's
+    predicate (`_vectorize_predicated`); a kernel's 48-lane rows read as one vector took 24x as long (kernels)."""
     spatial = list(found.spatial)
     depth = math.prod(_extent(sch, loop) or 0 for loop in found.reduction) or None
     vector_lanes = _vector_factor(_extent(sch, spatial[found.vector_index]))
