@@ -34,6 +34,7 @@ MAX_INLINED_NODES = 32768  # a block whose stored value has more expression node
 ARITHMETIC = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div)  # not a cast, a pad's select or a concat's
 BROADCAST_RATIO = 8  # a block writing this many times fewer values than its function's output is broadcast
 MIN_PARALLEL_VALUES = 4096  # a spatial block writing fewer values runs serially (a pool launch costs more)
+PARTIAL_VECTORS = 4  # a row reduction adds its values into this many vectors of partial results, where they divide
 PARALLEL_TILES = 16  # a contraction's parallel loop gets at least this many tiles where its rows allow: a cache
 # tile over all of a 1-D conv's 2000 outputs left one tile, and one core computing it
 
@@ -801,8 +802,9 @@ class RowReductionRule(_CpuRule):
     """Row reductions (softmax, layer norm, RMS norm, a dynamic int8 matmul's row scales): blocks sharing leading
     spatial axes (the rows), reducing over the rest in whole vectors, ending in an elementwise block or in a
     reduction. Each row runs all the blocks in one parallel iteration; each reduction keeps ACCUMULATOR_LANES
-    partial results in one vector (rfactor; 8 where the row is made of those: a layer norm over ConvNeXt-atto's
-    40 channels) and adds them up at the end of the row in halves (`_halve_partial_results`).
+    partial results in each of up to PARTIAL_VECTORS vectors (rfactor; 8 where the row is made of those: a layer
+    norm over ConvNeXt-atto's 40 channels; `_partial_result_lanes`) and adds them up at the end of the row in halves
+    (`_halve_partial_results`).
 
     A function of one reduction over rows that are not whole vectors (ConViT's sum of 196 attention weights a row)
     runs the same way with a serial tail (`_reduction_with_tail`). TVM's dl.cpu.Reduction reduces one scalar at a
@@ -1069,19 +1071,29 @@ def _reduction_with_tail(sch: s_tir.Schedule, infos: list, reductions: list, row
 
 
 def _factor_reduction(sch: s_tir.Schedule, block, rows: int):
-    """Split `block`'s reduction into a vector of partial results (the rfactor block, returned; `_row_lanes` of
-    them: 8 over a layer norm's 40 channels) and their sum into the original output."""
+    """Split `block`'s reduction into vectors of partial results (the rfactor block, returned;
+    `_partial_result_lanes` of them: 8 over a layer norm's 40 channels, 64 over 384) and their sum into the original
+    output."""
     loops = sch.get_loops(block)[rows:]
     reduction = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    _, lanes = sch.split(reduction, [None, _row_lanes(_extent(sch, reduction))])
+    _, lanes = sch.split(reduction, [None, _partial_result_lanes(_extent(sch, reduction))])
     return sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].source.shape))
 
 
+def _partial_result_lanes(row: int) -> int:
+    """Partial results a row reduction of `row` values keeps: `_row_lanes` of them in each of up to PARTIAL_VECTORS
+    vectors, as many as divide the row into two rounds or more (independent chains of adds, where one vector's chain
+    of dependent adds bounded a layer norm over 384 channels)."""
+    lanes = _row_lanes(row)
+    counts = (count for count in (PARTIAL_VECTORS, 2) if row % (lanes * count) == 0 and row >= 2 * lanes * count)
+    return lanes * next(counts, 1)
+
+
 def _halve_partial_results(sch: s_tir.Schedule, block) -> list:
-    """Add up the partial results a factored reduction `block` ends with in halves, a vector op each (16 -> 8 -> 4
-    -> 2, in rfactor blocks, returned), leaving it the last two: added one at a time they were a chain of 15
-    dependent adds a row, about 60 cycles, which outlasts a layer norm's row of 32 channels (SegFormer-B0's 16384
-    rows of 32: 104 -> 63 us in bf16)."""
+    """Add up the partial results a factored reduction `block` ends with in halves, a vector op each (64 -> 32 ->
+    16 -> 8 -> 4 -> 2, in rfactor blocks, returned), leaving it the last two: added one at a time they were a chain
+    of 15 dependent adds a row, about 60 cycles, which outlasts a layer norm's row of 32 channels (SegFormer-B0's
+    16384 rows of 32: 104 -> 63 us in bf16)."""
     halves = []
     while (extent := _extent(sch, sch.get_loops(block)[-1]) or 0) >= 4 and extent % 2 == 0:
         _, half = sch.split(sch.get_loops(block)[-1], [2, extent // 2])
