@@ -804,7 +804,8 @@ class RowReductionRule(_CpuRule):
     reduction. Each row runs all the blocks in one parallel iteration; each reduction keeps ACCUMULATOR_LANES
     partial results in each of up to PARTIAL_VECTORS vectors (rfactor; 8 where the row is made of those: a layer
     norm over ConvNeXt-atto's 40 channels; `_partial_result_lanes`) and adds them up at the end of the row in halves
-    (`_halve_partial_results`).
+    (`_halve_partial_results`). A block storing a bf16 row stores it in vectors of two registers where they divide
+    it, which are rounded by one instruction (`_vectorize_row`).
 
     A function of one reduction over rows that are not whole vectors (ConViT's sum of 196 attention weights a row)
     runs the same way with a serial tail (`_reduction_with_tail`). TVM's dl.cpu.Reduction reduces one scalar at a
@@ -1125,14 +1126,19 @@ def _parallel_rows(sch: s_tir.Schedule, block, rows: int, vectorize: bool):
 
 def _vectorize_row(sch: s_tir.Schedule, block) -> None:
     """Fuse the loops of `block` inside its row loop and vectorize them by whole registers, or halves, where they
-    divide (`_row_lanes`)."""
+    divide (`_row_lanes`); by two registers where `block` stores bfloat16 and they divide (rounded two registers
+    at a time, relay_amp.backend.cpu.bf16_round)."""
     inner = sch.get_loops(block)[1:]
     if not inner:
         return
     fused = sch.fuse(*inner) if len(inner) > 1 else inner[0]
     extent = _extent(sch, fused)
-    if extent and extent % _row_lanes(extent) == 0:
-        sch.vectorize(sch.split(fused, [None, _row_lanes(extent)])[1])
+    if not extent:
+        return
+    pairs = str(sch.get(block).writes[0].source.dtype) == "bfloat16" and not extent % (2 * ACCUMULATOR_LANES)
+    lanes = 2 * ACCUMULATOR_LANES if pairs else _row_lanes(extent)
+    if extent % lanes == 0:
+        sch.vectorize(sch.split(fused, [None, lanes])[1])
 
 
 def _vectorize_row_tails(sch: s_tir.Schedule, blocks: list) -> None:

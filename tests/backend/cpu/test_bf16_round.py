@@ -133,10 +133,12 @@ def _assembly(lanes: int) -> str:
     return tvm.compile(_rounding_module(lanes), target=BF16_TARGET).mod.inspect_source("asm")
 
 
-@pytest.mark.parametrize("lanes", [1, 4, 15, 16, 20, 32])  # 15: one lane of padding
+@pytest.mark.parametrize("lanes", [1, 4, 15, 16, 20, 32, 96])  # 15: one lane of padding
 def test_every_vector_width_compiles_to_the_instruction_and_no_integer_rounding(lanes):
     assembly = _assembly(lanes)
-    assert "vcvtneps2bf16" in assembly
+    whole_pairs = lanes % 32 == 0
+    assert ("vcvtne2ps2bf16" in assembly) == whole_pairs  # two registers into one, where the lanes are whole 32s
+    assert ("vcvtneps2bf16" in assembly) != whole_pairs
     assert "vpsrld" not in assembly  # TVM's integer rounding shifts the fp32 bits right by 16
 
 
@@ -147,7 +149,7 @@ def test_a_scalar_loop_keeps_integer_rounding_for_llvm_to_vectorize():
 
 
 @BF16_HOST
-@pytest.mark.parametrize("lanes", [1, 4, 15, 16, 20, 32])  # 15: one lane of padding
+@pytest.mark.parametrize("lanes", [1, 4, 15, 16, 20, 32, 96])  # 15: one lane of padding; 32, 96: in pairs
 def test_rounding_matches_round_to_nearest_even(lanes):
     values = np.random.default_rng(lanes).standard_normal(480).astype("float32") * 1000
     values[:6] = [np.nan, np.inf, -np.inf, 0.0, 1.00390625, 1.01171875]  # the last two are ties: round to even

@@ -12,6 +12,7 @@ from tvm.script import tirx as T
 import relay_amp
 from relay_amp import models, targets
 from relay_amp.backend.cpu import schedules
+from relay_amp.backend.cpu.pipeline import candidate_passes
 from relay_amp.compile import tuning
 from relay_amp.compile.build import build
 from relay_amp.runtime import run_executable
@@ -1367,6 +1368,13 @@ def _layer_norm_rows(channels: int, dtype: str) -> tvm.tirx.PrimFunc:
     return te.create_prim_func([x, gamma, beta, norm if dtype == "float32" else topi.cast(norm, dtype)])
 
 
+def _vector_lanes(sch: "tvm.s_tir.Schedule", block: str) -> int:
+    """The lanes of the innermost (vectorized) loop of `block`."""
+    innermost = sch.get(sch.get_loops(sch.get_sblock(block))[-1])
+    assert innermost.kind == tvm.tirx.ForKind.VECTORIZED
+    return int(innermost.extent)
+
+
 @pytest.mark.parametrize("channels,partial_lanes", [(384, 64), (96, 32), (64, 32), (32, 16), (40, 8)])
 def test_row_reduction_rule_adds_a_row_into_independent_vectors_of_partial_sums(channels, partial_lanes):
     """Each pass of a layer norm adds its row into up to four vectors of partial sums, as many as divide the row
@@ -1380,6 +1388,33 @@ def test_row_reduction_rule_adds_a_row_into_independent_vectors_of_partial_sums(
     assert partial_sums["x_sum.rf"] == partial_sums["x_var_sum.rf"] == partial_lanes
     script = scheduled.mod["main"].script()
     assert f"for ax0_1 in T.vectorized({partial_lanes}):" in script  # the additions into them, vectorized
+
+
+@pytest.mark.parametrize("channels,dtype,lanes", [(96, "bfloat16", 32), (96, "float32", 16), (40, "bfloat16", 8),
+                                                  (48, "bfloat16", 16)])
+def test_row_reduction_rule_stores_bf16_rows_in_vectors_of_two_registers(channels, dtype, lanes):
+    """A row stored as bf16 is written 32 lanes at a time where they divide it, which bf16_round rounds with one
+    instruction (vcvtne2ps2bf16) into one 64-byte store; fp32 rows and rows off 32 lanes keep `_row_lanes`."""
+    scheduled = schedules.RowReductionRule().apply(_layer_norm_rows(channels, dtype), targets.get_target("cpu"), False)
+    last = scheduled.get(scheduled.get_child_blocks(scheduled.get_sblock("root"))[-1]).name_hint
+    assert _vector_lanes(scheduled, last) == lanes
+
+
+@pytest.mark.skipif(not targets.host_supports("avx512_bf16"), reason="host CPU lacks avx512_bf16")
+def test_a_bf16_layer_norm_stored_two_registers_at_a_time_matches_numpy():
+    """Built as a bf16 target builds it (the roundings on the instructions), the layer norm over 96 channels rounds
+    its rows 32 lanes at a time and matches numpy's within a bf16 rounding."""
+    target = targets.get_target("cpu-avx512-bf16")
+    scheduled = schedules.RowReductionRule().apply(_layer_norm_rows(96, "bfloat16"), target, False)
+    func = scheduled.mod["main"].with_attr("global_symbol", "main")
+    lib = tvm.compile(candidate_passes(target)(tvm.IRModule({"main": func})), target=target)
+    assert "vcvtne2ps2bf16" in lib.mod.inspect_source("asm")
+    rng = np.random.default_rng(5)
+    x, gamma, beta = (rng.standard_normal(shape).astype("float32") for shape in ((6, 96), (96,), (96,)))
+    got = tvm.runtime.empty((6, 96), "bfloat16")
+    lib["main"](*(tvm.runtime.tensor(value) for value in (x, gamma, beta)), got)
+    expected = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5) * gamma + beta
+    np.testing.assert_allclose(got.numpy().astype("float32"), expected, rtol=2 ** -8, atol=1e-6)
 
 
 def test_row_reduction_rule_vectorizes_a_row_off_whole_vectors_with_a_serial_rest():
