@@ -26,6 +26,7 @@ from tvm.ir.prim.expr import Cast
 ROUND_OP = "relay_amp.round_to_bf16"  # fp32 value -> the uint16 bits of its bfloat16 rounding
 FEATURE = "avx512bf16"
 CHUNK = 16  # fp32 lanes `vcvtneps2bf16` rounds at once (one zmm register)
+PAIR_LANES = 2 * CHUNK  # fp32 lanes `vcvtne2ps2bf16` rounds at once (two registers into one)
 _LLVM_INTRINSIC = "llvm.x86.avx512bf16.cvtneps2bf16.512"
 _PAIR_INTRINSIC = "llvm.x86.avx512bf16.cvtne2ps2bf16.512"  # 32 lanes of two fp32 registers into one
 _PURE = tvm.ir.Op.get("tirx.exp").get_attr("TCallEffectKind")  # the effect kind of a pure math op
@@ -65,8 +66,8 @@ def lower_round(call: tvm.ir.Expr) -> tvm.ir.Expr:
     value = call.args[0]
     lanes = lanes_of(value)
     chunks = _as_chunks(value)
-    if lanes % (2 * CHUNK) == 0:  # the instruction's second operand fills the low half
-        rounded = [_bits(2 * CHUNK, _PAIR_INTRINSIC, high, low) for low, high in zip(chunks[::2], chunks[1::2])]
+    if lanes % PAIR_LANES == 0:  # the instruction's second operand fills the low half
+        rounded = [_bits(PAIR_LANES, _PAIR_INTRINSIC, high, low) for low, high in zip(chunks[::2], chunks[1::2])]
     else:
         rounded = [_bits(CHUNK, _LLVM_INTRINSIC, chunk) for chunk in chunks]
     return rounded[0] if lanes_of(rounded[0]) == lanes else _shuffle(rounded, range(lanes))

@@ -20,6 +20,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 from ..._ir import index_vars, try_primitive, vars_in
+from .bf16_round import PAIR_LANES
 
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
 MAX_WINDOW_TAPS = 1024  # a reduction over a window alone (a depthwise conv's, up to 31x31) reads its input in place
@@ -1135,8 +1136,8 @@ def _vectorize_row(sch: s_tir.Schedule, block) -> None:
     extent = _extent(sch, fused)
     if not extent:
         return
-    pairs = str(sch.get(block).writes[0].source.dtype) == "bfloat16" and not extent % (2 * ACCUMULATOR_LANES)
-    lanes = 2 * ACCUMULATOR_LANES if pairs else _row_lanes(extent)
+    pairs = str(sch.get(block).writes[0].source.dtype) == "bfloat16" and not extent % PAIR_LANES
+    lanes = PAIR_LANES if pairs else _row_lanes(extent)
     if extent % lanes == 0:
         sch.vectorize(sch.split(fused, [None, lanes])[1])
 
