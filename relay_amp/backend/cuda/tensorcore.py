@@ -26,7 +26,6 @@ MAX_WARPS = 2  # warps per block along i and along j
 MAX_FRAGMENTS = 2  # accumulator fragments per warp along i and along j
 WMMA_ALIGN_BYTES = 32  # wmma loads need 256-bit aligned fragment pointers
 VECTOR_BYTES = 16  # the widest CUDA load/store (int4 / float4)
-WIDEST_VECTOR_BYTES = 32  # the widest vector value TVM's CUDA codegen prints (float32x8; float32x16 has no type)
 SHARED = "shared"
 # Lanes for a predicated (padded) or transposing copy: TVM 0.27's CUDA codegen writes wider int8 vectors of those
 # as code nvcc rejects (make_int4 of 16 chars; 64-bit shifts packing 8 chars into an int)
@@ -290,11 +289,12 @@ def _fragment_loop(sch: s_tir.Schedule, block):
 
 def _store_lanes(sch: s_tir.Schedule, block) -> int:
     """Vector lanes for the final store, where the output's innermost index is the block's innermost axis: 16 bytes
-    of the output, and no more than WIDEST_VECTOR_BYTES of the widest value the epilogue reads, since its arithmetic
-    runs in that dtype (an int8 output requantized in fp32 gets 8 lanes: 16 would be float32x16)."""
+    of the output, and no more than 16 bytes of the widest value the epilogue reads, since its arithmetic runs in
+    that dtype (an int8 output requantized in fp32 gets 4 lanes). TVM 0.27's CUDA codegen prints wider vectors
+    as ulonglong4 and their constants as make_ulonglong4 of 8 floats, which nvcc rejects."""
     stmt = sch.get(block)
     widest = max(tvm.DataType(str(region.source.dtype)).itemsize for region in [*stmt.reads, *stmt.writes])
-    return min(_vector_lanes(stmt.writes[0], stmt.iter_vars[-1], _dtype(sch, block)), WIDEST_VECTOR_BYTES // widest)
+    return min(_vector_lanes(stmt.writes[0], stmt.iter_vars[-1], _dtype(sch, block)), VECTOR_BYTES // widest)
 
 
 def _spread_over_warp(sch: s_tir.Schedule, block, lanes: int) -> None:

@@ -200,13 +200,17 @@ def _two_convs() -> tvm.IRModule:
 def test_an_int8_output_requantized_in_fp32_stores_vectors_cuda_has_a_type_for():
     """Calibrated int8 in NHWC: the first conv's epilogue dequantizes, applies the ReLU and rounds the second conv's
     int8 codes in fp32. Its store of 16 int8 channels made float32x16 values, which TVM's CUDA codegen cannot
-    print; the stores now take 8 lanes."""
+    print; 8 lanes made float32x8, printed as ulonglong4 with its constants as make_ulonglong4 of 8 floats, which
+    nvcc rejects (an H200 run failed there). The stores take 4 lanes: no vector value is wider than 16 bytes."""
     mod = _two_convs()
     calibration = [np.random.default_rng(1).normal(size=(1, 16, 8, 8)).astype("float32")]
     quantized = relay_amp.quantize(mod, calibration, activation_dtype="int8")
     source = cuda_source(build(convert_layout(quantized, {"relax.nn.conv2d": ["NHWC", "default"]}), "cuda-tensorcore"))
     convs = {name: wmma for name, wmma in tensor_core_kernels(source).items() if "conv2d" in name}
     assert len(convs) == 2 and all(convs.values()), convs
+    assert "longlong4" not in source  # TVM's type for 32-byte vectors
+    if shutil.which("nvcc"):
+        assert S8_MMA in _ptx_instructions(source)
 
 
 @pytest.mark.parametrize("size", [256, 200])  # 200: the GEMM is padded to whole 64x64 tiles
