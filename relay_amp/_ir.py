@@ -269,11 +269,16 @@ def fold_weights(mod: tvm.IRModule) -> tvm.IRModule:
 
 def calls_any_op(mod: tvm.IRModule, op_names: Iterable[str]) -> bool:
     """Whether a Relax function of `mod` calls an op named in `op_names`."""
+    return bool(op_calls(mod, op_names))
+
+
+def op_calls(mod: tvm.IRModule, op_names: Iterable[str]) -> list[relax.Call]:
+    """The calls of ops named in `op_names` in the Relax functions of `mod`."""
     wanted, found = set(op_names), []
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func, lambda e: found.append(e) if call_op_name(e) in wanted else None)
-    return bool(found)
+    return found
 
 
 def fold_batch_norm(mod: tvm.IRModule) -> tvm.IRModule:

@@ -26,7 +26,8 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
     rule-based schedules (relay_amp.backend.cpu.schedules) the rest. On CUDA targets matmuls and convs in int8 or float16
     run on tensor cores (relay_amp.backend.cuda.tensorcore), and TVM's dlight rules schedule the rest.
     `conv_layout` "auto" lets the backend choose the convolutions' layout (CPU: NHWC, converted at the graph's
-    edges; CUDA: as the model has it); a data layout such as "NCHW" forces one, None keeps the model's.
+    edges; CUDA: NHWC for a model's NCHW convs that run on tensor cores, float16 or int8); a data layout such as
+    "NCHW" forces one, None keeps the model's.
     Inputs with symbolic dims (an export's dynamic axes) get a warning: the kernels need static shapes, so bind them
     first (`frontend.from_onnx(path, dims=...)`, `specialize`); where TVM cannot compile the dynamic model, the
     ModuleError says so.

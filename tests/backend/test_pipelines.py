@@ -1,4 +1,5 @@
-"""Each backend's choice of convolution layout: CPU builds convert to NHWC by themselves, CUDA keeps the model's."""
+"""Each backend's choice of convolution layout: CPU builds convert to NHWC by themselves; CUDA builds convert
+convolutions that run on tensor cores (tests/backend/cuda/test_pipeline.py) and keep fp32 ones."""
 
 import numpy as np
 import pytest
@@ -63,9 +64,12 @@ def test_cpu_layout_choice_leaves_the_layout_config_skip_layers_alone():
 
 
 @pytest.mark.parametrize("pipeline", [cpu_pipeline, cuda_pipeline])
-def test_none_keeps_the_models_layouts_and_cuda_keeps_them_by_default(pipeline):
+def test_none_keeps_the_models_layouts(pipeline):
     assert pipeline.layout_passes(None) == []
-    assert cuda_pipeline.layout_passes("auto") == []
+
+
+def test_cuda_keeps_fp32_convs_in_the_models_layout_by_default():
+    assert_transforms(_layouts(cuda_pipeline.layout_passes("auto")), TwoConvs, TwoConvs)
 
 
 def test_a_forced_layout_overrides_the_choice():
