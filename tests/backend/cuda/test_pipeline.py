@@ -3,15 +3,17 @@
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relay_amp
 from relay_amp import models, targets
 from relay_amp.backend.cuda.pipeline import TensorCoreLayout, prepare_passes
+from relay_amp.compile.build import build
 from relay_amp.passes.layout import convert_layout
 from relay_amp.runtime import run
+
+from pass_checks import assert_transforms
 
 TOLERANCE = 1e-2  # float16 sums of 144 products added in another order (0.3% seen)
 
@@ -56,11 +58,7 @@ class Float32Conv:
 
 
 def test_a_float16_nchw_conv_goes_to_nhwc_transposed_at_the_edges():
-    printed = Float16Conv.script()
-    out = TensorCoreLayout()(Float16Conv)
-    tvm.ir.assert_structural_equal(out, Float16ConvNHWC)
-    assert Float16Conv.script() == printed  # the input is not mutated
-    assert relax.analysis.check_well_formed(out)
+    assert_transforms(TensorCoreLayout(), Float16Conv, Float16ConvNHWC)
 
 
 def test_the_nhwc_conv_computes_what_the_nchw_one_does():
@@ -88,3 +86,8 @@ def test_a_cuda_build_feeds_calibrated_int8_convs_images_laid_out_by_conv_layout
         prepared = prepare_passes(target, conv_layout=conv_layout)(quantized)
     convs = [func for gvar, func in prepared.functions_items() if "conv2d" in gvar.name_hint]
     assert [tuple(map(int, func.params[0].ty.shape)) for func in convs] == [expected]
+
+
+def test_a_cuda_build_replays_its_kernels_as_a_cuda_graph():
+    executable = build(relay_amp.to_mixed_precision(models.bert_encoder(), "float16"), "cuda-tensorcore")
+    assert "vm.builtin.cuda_graph.run_or_capture" in executable.as_text()
