@@ -19,6 +19,7 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.s_tir.dlight.gpu.matmul import get_index_map, get_reduction_blocks
 
 from ..._ir import import_tensor_intrinsics, index_vars, try_primitive, vars_in
+from .short_reductions import ShortReductionRule
 
 FRAGMENT = 16  # wmma m16n16k16: the side of every fragment
 WARP_SIZE = 32
@@ -305,9 +306,10 @@ def _spread_over_warp(sch: s_tir.Schedule, block, lanes: int) -> None:
 
 
 def gpu_schedules() -> tvm.transform.Pass:
-    """The pass that schedules every unscheduled CUDA PrimFunc: tensor cores where they fit, else TVM's dlight rules."""
-    return dl.ApplyDefaultSchedule(TensorCoreRule(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                   dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+    """The pass that schedules every unscheduled CUDA PrimFunc: tensor cores where they fit, short reductions one
+    output a thread (relay_amp.backend.cuda.short_reductions), else TVM's dlight rules."""
+    return dl.ApplyDefaultSchedule(TensorCoreRule(), dl.gpu.Matmul(), dl.gpu.GEMV(), ShortReductionRule(),
+                                   dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
 def tensor_core_kernels(cuda_source: str) -> dict[str, bool]:
