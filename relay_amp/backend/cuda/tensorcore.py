@@ -315,7 +315,11 @@ def gpu_schedules() -> tvm.transform.Pass:
 def tensor_core_kernels(cuda_source: str) -> dict[str, bool]:
     """Each CUDA kernel of a generated source (see relay_amp.cuda_source), by name: whether it runs on tensor cores
     (wmma fragments, or PTX `mma.sync` such as the s4 kernels of relay_amp.backend.cuda.int4)."""
+    return {name: any(mark in body for mark in TENSOR_CORE_MARKS) for name, body in kernel_sources(cuda_source).items()}
+
+
+def kernel_sources(cuda_source: str) -> dict[str, str]:
+    """Each CUDA kernel's body in a generated source (see relay_amp.cuda_source), by name."""
     starts = list(KERNEL.finditer(cuda_source))
     ends = [found.start() for found in starts[1:]] + [len(cuda_source)]
-    return {found.group(1): any(mark in cuda_source[found.end():end] for mark in TENSOR_CORE_MARKS)
-            for found, end in zip(starts, ends)}
+    return {found.group(1): cuda_source[found.end():end] for found, end in zip(starts, ends)}

@@ -1,6 +1,5 @@
 """short_reductions: depthwise convs' and pools' windows one output a thread on CUDA, checked without a GPU."""
 
-import re
 import shutil
 
 import numpy as np
@@ -12,13 +11,12 @@ from tvm.s_tir import dlight as dl
 import relay_amp
 from relay_amp import models, targets
 from relay_amp.backend.cuda.short_reductions import SHORT_REDUCTION, ShortReductionRule
-from relay_amp.backend.cuda.tensorcore import tensor_core_kernels
+from relay_amp.backend.cuda.tensorcore import kernel_sources, tensor_core_kernels
 from relay_amp.compile.build import build, compile_ptx, cuda_source
 
 from builders import single_output_module, tensor
 
 TARGET = "cuda-tensorcore"
-KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\) \{')
 
 
 def _depthwise(window: int, channels: int = 32) -> tvm.IRModule:
@@ -32,12 +30,6 @@ def _depthwise(window: int, channels: int = 32) -> tvm.IRModule:
 def _prim_func(mod: tvm.IRModule, name_part: str) -> tvm.tirx.PrimFunc:
     legalized = relax.transform.LegalizeOps()(mod)
     return next(func for gvar, func in legalized.functions_items() if name_part in gvar.name_hint)
-
-
-def _kernel_sources(source: str) -> dict[str, str]:
-    starts = list(KERNEL.finditer(source))
-    ends = [found.start() for found in starts[1:]] + [len(source)]
-    return {found.group(1): source[found.end():end] for found, end in zip(starts, ends)}
 
 
 def test_a_depthwise_conv_is_scheduled_as_dlights_fallback_schedules_it():
@@ -66,7 +58,7 @@ def test_elementwise_functions_and_cpu_targets_are_left_to_other_rules():
 
 
 def test_a_matmul_over_a_short_k_stays_with_dlights_matmul_rule_ahead_of_this_one():
-    kernels = _kernel_sources(cuda_source(build(models.matmul(size=64), TARGET)))  # fp32, K = 64
+    kernels = kernel_sources(cuda_source(build(models.matmul(size=64), TARGET)))  # fp32, K = 64
     assert [body for body in kernels.values() if "__shared__" in body], list(kernels)  # staged tiles
 
 
@@ -75,7 +67,7 @@ def test_float16_mobilenet_like_block_runs_its_depthwise_conv_a_thread_an_output
     took half its time on an H200)."""
     mod = relay_amp.to_mixed_precision(_depthwise(3), "float16")
     source = cuda_source(build(mod, TARGET))
-    convs = {name: body for name, body in _kernel_sources(source).items() if "conv2d" in name}
+    convs = {name: body for name, body in kernel_sources(source).items() if "conv2d" in name}
     assert convs and not any("__shfl_down_sync" in body for body in convs.values()), list(convs)
     assert not any(tensor_core_kernels(source).values())
     if shutil.which("nvcc"):
@@ -84,6 +76,6 @@ def test_float16_mobilenet_like_block_runs_its_depthwise_conv_a_thread_an_output
 
 def test_layer_norms_rows_still_reduce_across_threads():
     mod = relay_amp.to_mixed_precision(models.bert_encoder(), "float16")
-    kernels = _kernel_sources(cuda_source(build(mod, TARGET)))
+    kernels = kernel_sources(cuda_source(build(mod, TARGET)))
     norms = [body for name, body in kernels.items() if "layer_norm" in name]
     assert norms and all("__shfl_down_sync" in body for body in norms)
