@@ -13,7 +13,7 @@ from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from ..views import view_passes
 from .int4 import PackInt4Operands, UseS4TensorCores
-from .tensorcore import gpu_schedules
+from .tensorcore import WMMA_DTYPES, gpu_schedules
 
 # No StorageRewrite: it reuses a float16 staging buffer for a float32 accumulator write-back (a conv with a
 # 16-pixel GEMM side), and lowering then fails on the mismatched wmma store pointer ("tvm_access_ptr element type
@@ -27,7 +27,7 @@ TIR_PIPELINE = "default"  # TVM's
 # than in NCHW, float16 MobileNetV3 1.28x
 TENSOR_CORE_LAYOUT = "NHWC"
 MODEL_LAYOUT = "NCHW"  # what exporters write; a model laid out otherwise was laid out on purpose
-TENSOR_CORE_DTYPES = ("float16", "int8")  # the conv inputs wmma takes
+TENSOR_CORE_DTYPES = {operand for operand, _ in WMMA_DTYPES}  # the conv inputs wmma takes
 
 
 def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.transform.Pass]:
