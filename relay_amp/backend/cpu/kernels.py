@@ -554,19 +554,23 @@ def spec_from_json(text: str) -> ConvSpec:
 @dataclass(frozen=True)
 class RegisterFile:
     """What an untuned register tile is sized for: the target's vector registers, how many of them a 16-lane vector
-    takes, the cycles a product's accumulator chain needs to stay busy, and the operand loads a core issues a
-    cycle. AVX-512's figures are fitted on Zen 5 (bf16 tiles of 15 accumulators ran 5-9% faster than tiles of 12
-    at ViT's shapes; a lone column of 14 or 15 rows, whose every product loads its own broadcast, 10% slower than
-    two or three columns of as many accumulators); AVX2's are an FMA's latency, its only instruction, and two
-    loads a cycle."""
+    takes, the cycles a product's accumulator chain needs to stay busy, the operand loads a core issues a cycle, and
+    the bytes of weight vectors it streams a cycle from L2 (a weight panel, a column's 64 bytes a step of the
+    reduction over all of it, outgrows L1 from 512 products deep). AVX-512's figures are fitted on Zen 5 (bf16
+    tiles of 15 accumulators ran 5-9% faster than tiles of 12 at ViT's shapes; a lone column of 14 or 15 rows,
+    whose every product loads its own broadcast, 10% slower than two or three columns of as many accumulators;
+    its L2 feeds 64 bytes a cycle); AVX2's are an FMA's latency, its only instruction, two loads a cycle, and a
+    Zen 3's 16 bytes of weight a cycle (2 x 2 tiles, which stream 32 at full rate, ran ResNet-18's 3x3 convs and
+    BERT's 768x768 matmuls 4-20% slower than 1 x 4 tiles, in fp32 and int8)."""
     registers: int
     per_vector: int
     chain_cycles: int
     loads_per_cycle: float
+    weight_bytes_per_cycle: float
 
 
-AVX512_REGISTERS = RegisterFile(32, 1, 8, 1.75)
-AVX2_REGISTERS = RegisterFile(16, 2, 4, 2)
+AVX512_REGISTERS = RegisterFile(32, 1, 8, 1.75, 64)
+AVX2_REGISTERS = RegisterFile(16, 2, 4, 2, 16)
 
 
 def register_file() -> RegisterFile:
@@ -622,20 +626,24 @@ def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
 def _tile_rows(width: int, columns: int, padding: bool) -> list[int]:
     """Pixel rows a tile of `columns` may take: the most that divide `width` and fit `row_budget`, and, with
     `padding` where those are under MIN_ROWS (197 tokens: a 1-row tile runs two accumulator chains,
-    latency-bound), the budget, rows past the width completing the last tile."""
+    latency-bound), the budget and each count from MIN_ROWS below it, rows past the width completing the last tile (on AVX2,
+    7 pixels in a 4-row tile and one zero row, not a 6-row tile and five)."""
     budget = row_budget(columns)
     rows = largest_divisor(width, budget)
-    return [rows, budget] if padding and rows < MIN_ROWS and width > budget else [rows]
+    return [rows, budget, *range(MIN_ROWS, budget)] if padding and rows < MIN_ROWS and width > budget else [rows]
 
 
 def _products_per_cycle(columns: int, rows: int) -> float:
     """Vector products a (columns, rows) tile issues a cycle in a model of the core: ISSUE_PER_CYCLE products, the
-    RegisterFile's loads (a weight vector per column and a broadcast per row each step of the reduction), and its
-    chain cycles before an accumulator takes its next product. BERT's 128 tokens in 4-row tiles of 2 columns, 8
-    accumulators, latency-bound, ran a 768x768 bf16 matmul 1.29x slower than 3 columns' 12 on Zen 5."""
+    RegisterFile's loads (a weight vector per column and a broadcast per row each step of the reduction) and the
+    weight bytes it streams, and its chain cycles before an accumulator takes its next product. BERT's 128 tokens
+    in 4-row tiles of 2 columns, 8 accumulators, latency-bound, ran a 768x768 bf16 matmul 1.29x slower than 3
+    columns' 12 on Zen 5."""
     registers = register_file()
     products, loads = columns * rows * registers.per_vector, columns * registers.per_vector + rows
-    return products / max(products / ISSUE_PER_CYCLE, loads / registers.loads_per_cycle, registers.chain_cycles)
+    weight_cycles = columns * LANES * 4 / registers.weight_bytes_per_cycle  # 16 lanes of 32-bit groups a column
+    return products / max(products / ISSUE_PER_CYCLE, loads / registers.loads_per_cycle, registers.chain_cycles,
+                          weight_cycles)
 
 
 def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:

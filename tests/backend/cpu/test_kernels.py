@@ -348,8 +348,23 @@ def test_the_untuned_tile_on_avx2_keeps_one_column_where_two_would_spill_rows():
     with tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}):
         assert [kernels.row_budget(c) for c in (1, 2, 3, 4)] == [6, 2, 1, 0]
         assert kernels.default_tile(56, 144) == (1, 4)  # not 3 x 1: three accumulators, latency-bound
-        assert kernels.default_tile(56, 64) == (2, 2)
         assert kernels.default_tile(kernels.padded_width(197, 384), 384) == (1, 6)
+
+
+@pytest.mark.parametrize("width, channels, tile, padded", [
+    (56, 64, (1, 4), 56),  # ResNet's convs: not 2 x 2, which streams a weight vector for every 2 products
+    (128, 768, (1, 4), 128),  # BERT's tokens
+    (7, 512, (1, 4), 8),  # one zero row, not a 6-row tile's five
+    (14, 256, (1, 5), 15),
+])
+def test_the_untuned_tile_on_avx2_streams_at_most_16_weight_bytes_a_cycle(width, channels, tile, padded):
+    """Where a layer's weight panel outgrows L1, a Zen 3 core streams about 16 bytes of it a cycle from L2: a
+    column's 64-byte weight vector then feeds at least 4 rows of products."""
+    with tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}):
+        assert kernels.padded_width(width, channels) == padded
+        assert kernels.default_tile(padded, channels) == tile
+        columns, rows = tile
+        assert columns * kernels.LANES * 4 / kernels.AVX2_REGISTERS.weight_bytes_per_cycle <= rows
 
 
 def test_an_epilogue_stored_in_bf16_computes_its_exps_to_bf16s_accuracy():
