@@ -560,8 +560,8 @@ class RegisterFile:
     tiles of 15 accumulators ran 5-9% faster than tiles of 12 at ViT's shapes; a lone column of 14 or 15 rows,
     whose every product loads its own broadcast, 10% slower than two or three columns of as many accumulators;
     its L2 feeds 64 bytes a cycle); AVX2's are an FMA's latency, its only instruction, two loads a cycle, and a
-    Zen 3's 16 bytes of weight a cycle (2 x 2 tiles, which stream 32 at full rate, ran ResNet-18's 3x3 convs and
-    BERT's 768x768 matmuls 4-20% slower than 1 x 4 tiles, in fp32 and int8)."""
+    Zen 3's 16 bytes of weight a cycle (2 x 2 tiles, which stream 32 at full rate, ran ResNet-18's fp32 3x3 convs
+    and BERT's 768x768 matmuls, fp32 and int8, 4-20% slower than 1 x 4 tiles)."""
     registers: int
     per_vector: int
     chain_cycles: int
@@ -626,8 +626,8 @@ def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
 def _tile_rows(width: int, columns: int, padding: bool) -> list[int]:
     """Pixel rows a tile of `columns` may take: the most that divide `width` and fit `row_budget`, and, with
     `padding` where those are under MIN_ROWS (197 tokens: a 1-row tile runs two accumulator chains,
-    latency-bound), the budget and each count from MIN_ROWS below it, rows past the width completing the last tile (on AVX2,
-    7 pixels in a 4-row tile and one zero row, not a 6-row tile and five)."""
+    latency-bound), the budget and each count from MIN_ROWS below it, rows past the width completing the last tile
+    (on AVX2, 7 pixels in a 4-row tile and one zero row, not a 6-row tile and five)."""
     budget = row_budget(columns)
     rows = largest_divisor(width, budget)
     return [rows, budget, *range(MIN_ROWS, budget)] if padding and rows < MIN_ROWS and width > budget else [rows]
