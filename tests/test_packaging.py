@@ -36,3 +36,10 @@ def test_wheel_imports_without_the_checkout(wheel, tmp_path):
     found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)},
                            check=True, capture_output=True, text=True).stdout
     assert found.startswith(str(tmp_path))
+
+
+def test_the_files_the_suite_runs_first_exist():
+    """conftest.LONGEST_FILES names test files by path: a renamed one would silently lose its place."""
+    from conftest import LONGEST_FILES
+
+    assert [name for name in LONGEST_FILES if not (ROOT / "tests" / name).is_file()] == []
