@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ[CPU_MODEL_ENV] = ""  # set before any test module makes a target
 
 
-# the files that take longest, longest first: xdist hands each worker a whole file at a time in collection order,
-# so these start first and the short files fill in beside them (seconds on a 2-core Zen 3, session 77; collected
-# in path order, the 330 s zoo file started near the end and ran alone for minutes: 1322 s for 988 s of work a
-# worker)
+# the files that take longest, longest first: xdist hands each worker a whole file at a time in collection order
+# (--no-loadscope-reorder), so these start first and the short files fill in beside them (measured on a 2-core Zen 3,
+# session 77: in xdist's default order, by each file's count of tests, the workers took 1322 s for 988 s of work
+# each, 330 s of it the zoo file's; 1038 s in this order)
 LONGEST_FILES = ("tools/test_zoo.py", "passes/test_quantize.py", "compile/test_tuning.py",
                  "backend/cpu/test_schedules.py", "test_onnx_quantized.py", "tools/test_accuracy.py",
                  "test_tutorials.py", "passes/test_transposes.py", "backend/cpu/test_widen.py",
