@@ -11,7 +11,8 @@ from ..backend import pipeline_for
 from ..backend.fusion import AUTO
 from ..errors import ModuleError, TargetError, TuningError
 from ..passes.shapes import bind_advice, symbolic_dims
-from ..targets import check_host, get_target
+from ..runtime import set_host_compiler
+from ..targets import check_host, get_target, host_preset
 from .tuning import load_database, prepared_records
 
 
@@ -58,6 +59,14 @@ def _build(mod: tvm.IRModule, tgt: tvm.target.Target, tune_logs, fast_math: bool
             _require_records(prepared_records(database, prepared, tgt), tune_logs)
         return relax.build(prepared, target=tgt, relax_pipeline=backend.lowering_passes(tgt, database is not None),
                            tir_pipeline=backend.TIR_PIPELINE)
+
+
+def build_for_host(mod: tvm.IRModule) -> relax.VMExecutable:
+    """`build` for this host's fastest CPU preset: what calibration runs its probes on (`runtime.compile_for_host`)."""
+    return build(mod, host_preset())
+
+
+set_host_compiler(build_for_host)
 
 
 def _symbolic_input_dims(mod: tvm.IRModule) -> list[str]:

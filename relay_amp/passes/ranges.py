@@ -11,7 +11,7 @@ from tvm import relax
 
 from .._ir import get_function
 from ..errors import LayerIndexError, ModelLoadError, OptionError
-from ..runtime import compile_module, run_executable
+from ..runtime import compile_for_host, run_executable
 from ..serialization import atomic_write_text
 from .layers import DEFAULT_LAYER_OPS, layer_bindings, list_layers
 from .shapes import static_input_shape
@@ -106,7 +106,7 @@ def observe(mod: tvm.IRModule, dataset: Iterable, ops: Iterable[str] = DEFAULT_L
     """Run `mod` on every input batch of `dataset`; per batch, the value take(binding) of each layer of `ops`."""
     if not list_layers(mod, ops, func):
         raise OptionError(f"the module has no layers of {list(ops)} to calibrate")
-    executable = compile_module(_probe(mod, ops, func, take))
+    executable = compile_for_host(_probe(mod, ops, func, take))
     seen = 0
     for batch in dataset:
         inputs = as_input_list(batch)

@@ -10,8 +10,8 @@ from tvm import relax
 
 import relay_amp
 from relay_amp import models, targets
-from relay_amp.compile.build import build, compile_ptx, cuda_source
-from relay_amp.runtime import run_executable
+from relay_amp.compile.build import build, build_for_host, compile_ptx, cuda_source
+from relay_amp.runtime import compile_for_host, run_executable
 
 from builders import positions_onnx, single_output_module, tensor
 
@@ -25,6 +25,17 @@ def test_build_for_host_cpu_matches_reference():
     inputs = models.example_inputs(mod)
     np.testing.assert_allclose(run_executable(build(mod, "cpu"), inputs)[0], relay_amp.run(mod, inputs)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_host_compiler_is_build_for_the_host_preset(monkeypatch):
+    built = []
+    monkeypatch.setattr(relay_amp.compile.build, "build", lambda mod, target: built.append(target) or build(mod, target))
+    mod = models.small_cnn()
+    inputs = models.example_inputs(mod)
+    np.testing.assert_allclose(run_executable(compile_for_host(mod), inputs)[0], relay_amp.run(mod, inputs)[0],
+                               rtol=1e-5, atol=1e-5)
+    assert built == [targets.host_preset()]
+    assert relay_amp.runtime._host_compiler["compile"] is build_for_host
 
 
 @pytest.mark.skipif(not targets.host_supports("avx512_bf16"), reason="host CPU lacks avx512_bf16")

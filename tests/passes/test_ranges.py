@@ -5,6 +5,7 @@ import pytest
 
 import relay_amp
 from relay_amp import calibrate, digits
+from relay_amp.compile.build import build_for_host
 from relay_amp.passes.ranges import RangeStats
 
 
@@ -27,6 +28,24 @@ def test_calibrate_records_each_layer_max_against_numpy(images):
     first_conv = relay_amp.run(relay_amp.frontend.from_onnx(_first_conv_model(), {"image": [50, 1, 8, 8]}),
                                [images[0]])[0]
     assert stats.layers[0].max_abs >= float(np.abs(first_conv).max()) - 1e-5
+
+
+def test_calibration_compiles_its_probe_with_the_host_compiler_and_records_the_same_ranges(images):
+    plain_compiles = []
+
+    def plain(mod):
+        plain_compiles.append(mod)
+        return relay_amp.runtime.compile_module(mod)
+
+    relay_amp.runtime.set_host_compiler(plain)
+    try:
+        unscheduled = calibrate(digits.load_model(), images)
+    finally:
+        relay_amp.runtime.set_host_compiler(build_for_host)
+    assert len(plain_compiles) == 1
+    kernels = calibrate(digits.load_model(), images)  # the probe on relay_amp's kernels and schedules
+    np.testing.assert_allclose([l.max_abs for l in kernels.layers], [l.max_abs for l in unscheduled.layers],
+                               rtol=1e-5)
 
 
 def _first_conv_model():
