@@ -9,6 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .._bodies import with_function
 from .._ir import get_function
 from ..errors import LayerIndexError, ModelLoadError, OptionError
 from ..runtime import compile_for_host, run_executable
@@ -81,14 +82,32 @@ def check_inputs(mod: tvm.IRModule, inputs: Sequence[np.ndarray], func: str = "m
 
 
 def _probe(mod: tvm.IRModule, ops: Iterable[str], func: str, take: Callable) -> tvm.IRModule:
-    """`mod` with `func` returning take(binding) for each of its layer bindings instead of its result."""
-    flat = relax.transform.ToNonDataflow()(mod)
-    outputs = [take(b) for b in layer_bindings(flat, ops, func)]
-    original = flat[func]
-    body = relax.BlockBuilder().normalize(relax.SeqExpr(original.body.blocks, relax.Tuple(outputs)))
+    """`mod` with `func` returning take(binding) for each of its layer bindings instead of its result. Each value a
+    dataflow block computes leaves it through an output var bound at the block's end, so the blocks stay dataflow
+    and the build still reaches its kernels (a function made non-dataflow got none: ResNet-50's probe ran 0.55 s,
+    its model 0.05 s)."""
+    original = get_function(mod, func)
+    values = [take(b) for b in layer_bindings(mod, ops, func)]
+    exported: dict[relax.Var, relax.Var] = {}
+    blocks = [_exporting(block, values, exported) for block in original.body.blocks]
+    outputs = relax.Tuple([exported.get(value, value) for value in values])
+    body = relax.BlockBuilder().normalize(relax.SeqExpr(blocks, outputs))
     probe = relax.Function(original.params, body, None, original.is_pure, original.attrs)
-    return flat.__class__({flat.get_global_var(func): probe, **{
-        gv: f for gv, f in flat.functions_items() if gv.name_hint != func}})
+    return with_function(mod, func, probe)
+
+
+def _exporting(block: relax.BindingBlock, values: list[relax.Expr], exported: dict) -> relax.BindingBlock:
+    """`block` with an output var bound at its end for each of `values` it binds to a dataflow var (recorded in
+    `exported`); any other block as it is."""
+    if not isinstance(block, relax.DataflowBlock):
+        return block
+    bound = {binding.var for binding in block.bindings}
+    exports = []
+    for value in values:
+        if isinstance(value, relax.DataflowVar) and value in bound and value not in exported:
+            exported[value] = relax.Var(f"{value.name}_observed", value.ty)
+            exports.append(relax.VarBinding(exported[value], value))
+    return relax.DataflowBlock([*block.bindings, *exports])
 
 
 def layer_output(binding: relax.VarBinding) -> relax.Expr:

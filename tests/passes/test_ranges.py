@@ -2,11 +2,15 @@
 
 import numpy as np
 import pytest
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import relay_amp
 from relay_amp import calibrate, digits
 from relay_amp.compile.build import build_for_host
-from relay_amp.passes.ranges import RangeStats
+from relay_amp.passes.ranges import RangeStats, _probe, layer_input
+
+from pass_checks import assert_transforms
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,36 @@ def test_calibration_compiles_its_probe_with_the_host_compiler_and_records_the_s
     kernels = calibrate(digits.load_model(), images)  # the probe on relay_amp's kernels and schedules
     np.testing.assert_allclose([l.max_abs for l in kernels.layers], [l.max_abs for l in unscheduled.layers],
                                rtol=1e-5)
+
+
+@I.ir_module
+class TwoConvs:
+    @R.function
+    def main(x: R.Tensor((1, 2, 4, 4), "float32")) -> R.Tensor((1, 2, 4, 4), "float32"):
+        with R.dataflow():
+            a = R.nn.conv2d(x, R.const(np.ones((2, 2, 1, 1), "float32")))
+            b = R.nn.relu(a)
+            c = R.nn.conv2d(b, R.const(np.ones((2, 2, 1, 1), "float32")))
+            R.output(c)
+        return c
+
+
+@I.ir_module
+class TwoConvsProbed:  # each conv's input; b leaves the dataflow block through an output var
+    @R.function
+    def main(x: R.Tensor((1, 2, 4, 4), "float32")) -> R.Tuple(R.Tensor((1, 2, 4, 4), "float32"),
+                                                           R.Tensor((1, 2, 4, 4), "float32")):
+        with R.dataflow():
+            a = R.nn.conv2d(x, R.const(np.ones((2, 2, 1, 1), "float32")))
+            b = R.nn.relu(a)
+            c = R.nn.conv2d(b, R.const(np.ones((2, 2, 1, 1), "float32")))
+            b_observed = b
+            R.output(c, b_observed)
+        return (x, b_observed)
+
+
+def test_the_probe_keeps_the_dataflow_block_and_hands_each_observed_value_out_of_it():
+    assert_transforms(lambda mod: _probe(mod, ["relax.nn.conv2d"], "main", layer_input), TwoConvs, TwoConvsProbed)
 
 
 def _first_conv_model():
