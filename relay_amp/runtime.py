@@ -53,6 +53,8 @@ def compile_for_host(mod: tvm.IRModule) -> relax.VMExecutable:
 
 def set_host_compiler(compiler: Callable[[tvm.IRModule], relax.VMExecutable]) -> None:
     """Make `compiler` the one `compile_for_host` uses (the compile pipeline, which the passes may not import)."""
+    if not callable(compiler):
+        raise OptionError(f"a host compiler must be a function of an IRModule, got {type(compiler).__name__}")
     _host_compiler["compile"] = compiler
 
 

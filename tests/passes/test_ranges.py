@@ -78,6 +78,11 @@ class TwoConvsProbed:  # each conv's input; b leaves the dataflow block through 
         return (x, b_observed)
 
 
+def test_a_host_compiler_that_is_not_a_function_is_an_option_error():
+    with pytest.raises(relay_amp.OptionError, match="host compiler must be a function"):
+        relay_amp.runtime.set_host_compiler("llvm")
+
+
 def test_the_probe_keeps_the_dataflow_block_and_hands_each_observed_value_out_of_it():
     assert_transforms(lambda mod: _probe(mod, ["relax.nn.conv2d"], "main", layer_input), TwoConvs, TwoConvsProbed)
 
