@@ -266,7 +266,7 @@ def _imported_with_weights(proto, shapes: dict) -> tvm.IRModule:
     names = {value.name: f"{WEIGHT_PREFIX}{index}" for index, value in enumerate(lean.graph.input)
              if value.name in weights}
     rename_values(lean.graph, names)
-    graph = upsamples_with_attribute_scales(_simplified(lean))
+    graph = upsamples_with_attribute_scales(recurrences_unrolled(_simplified(lean)))
     imported = relax_from_onnx(graph, shape_dict=shapes, keep_params_in_input=False)
     params = imported["main"].params
     inputs = [value.name for value in graph.graph.input if value.name not in constants]
@@ -324,8 +324,8 @@ def _empty_inputs(proto) -> dict[str, list[int]]:
 def _as_tvm_reads(proto):
     """`proto` with the ops TVM's importer lacks or misreads written as ops it reads (those that read the weights'
     values; simplification and Upsample's scales follow on the graph without its large weights)."""
-    unrolled = recurrences_unrolled(constant_dequantizes_folded(as_qdq(proto)), _simplified)
-    return col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(unrolled))))
+    dequantized = constant_dequantizes_folded(as_qdq(proto))
+    return col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(dequantized))))
 
 
 def _sizing_hint(proto) -> str:

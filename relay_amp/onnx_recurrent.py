@@ -10,13 +10,11 @@ import folds with the file's other constants. `sequence_lens`, LSTM peepholes, `
 activations other than Sigmoid, Tanh and Relu are refused with a ModelLoadError naming the node.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import (Writer, default_opset, inferred_values, node_attributes, node_label, rewrite_nodes,
-                          weights_as_inputs)
+from ._onnx_graph import Writer, default_opset, inferred_values, node_attributes, node_label, rewrite_nodes
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -52,11 +50,11 @@ class _Recurrence:
         return inputs[position] if len(inputs) > position and inputs[position] else None
 
 
-def recurrences_unrolled(proto, simplified: "Callable | None" = None):
+def recurrences_unrolled(proto):
     """`proto` with its LSTM, GRU and RNN nodes written as the ops they compute (a copy; `proto` is unchanged).
-    Where ONNX's shape inference leaves a recurrence's input dims unknown (an exporter's pads computed from the
-    input's length in float arithmetic: EnCodec's), they are read from `simplified(graph)`, the graph with its
-    constant subgraphs folded, where it is given."""
+    The import unrolls a graph whose constant subgraphs onnxscript has folded: its shapes then include those
+    ONNX's shape inference alone leaves unknown (an exporter's pads computed from the input's length in float
+    arithmetic: EnCodec's), and the optimizer's rewrite rules are not tried at each of the unrolled steps' ops."""
     recurrent = [node for node in proto.graph.node if node.op_type in RECURRENT_OPS]
     if not recurrent:
         return proto
@@ -65,15 +63,7 @@ def recurrences_unrolled(proto, simplified: "Callable | None" = None):
         raise ModelLoadError(f"relay_amp unrolls LSTM, GRU and RNN in ONNX opset {MIN_OPSET} and later; "
                              f"this file is opset {opset} (export it again with a newer opset)")
     values = inferred_values(proto)
-    if simplified is not None and not all(_sized(values, node.input[0]) for node in recurrent):
-        folded = inferred_values(simplified(weights_as_inputs(proto)))
-        values.update({name: value for name, value in folded.items() if not _sized(values, name)})
     return rewrite_nodes(proto, RECURRENT_OPS, lambda node, writer: _unroll(_recurrence(node, values), writer))
-
-
-def _sized(values: dict, name: str) -> bool:
-    dims, _ = values.get(name, (None, None))
-    return dims is not None and None not in dims
 
 
 def _recurrence(node, values: dict) -> _Recurrence:

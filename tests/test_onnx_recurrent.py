@@ -119,7 +119,7 @@ class _PaddedToFrames(torch.nn.Module):
 
 
 def test_a_recurrence_whose_length_only_simplification_finds_imports(tmp_path):
-    """The recurrence's input dims are read from the graph with its constant subgraphs folded."""
+    """The import unrolls the graph with its constant subgraphs folded, where the recurrence's input dims are known."""
     torch.manual_seed(0)
     module = _PaddedToFrames().eval()
     x = np.random.default_rng(0).standard_normal((1, 1, 30)).astype("float32")
@@ -128,7 +128,7 @@ def test_a_recurrence_whose_length_only_simplification_finds_imports(tmp_path):
     proto = onnx.load(_exported(tmp_path, module, x))
     with pytest.raises(ModelLoadError, match="sequence length and batch are not static"):
         recurrences_unrolled(proto)  # ONNX's inference alone leaves them unknown
-    assert "LSTM" not in [node.op_type for node in recurrences_unrolled(proto, simplify_onnx).graph.node]
+    assert "LSTM" not in [node.op_type for node in recurrences_unrolled(simplify_onnx(proto)).graph.node]
     got = run_executable(relay_amp.build(relay_amp.frontend.from_onnx(proto)), [x])[0]
     assert got.shape == expected.shape == (8, 1, 6)
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
