@@ -5,6 +5,7 @@ import math
 import numpy as np
 import onnx
 import pytest
+import tvm
 from onnx import TensorProto, helper, numpy_helper
 
 import relay_amp
@@ -131,4 +132,32 @@ def test_a_recurrence_whose_length_only_simplification_finds_imports(tmp_path):
     assert "LSTM" not in [node.op_type for node in recurrences_unrolled(simplify_onnx(proto)).graph.node]
     got = run_executable(relay_amp.build(relay_amp.frontend.from_onnx(proto)), [x])[0]
     assert got.shape == expected.shape == (8, 1, 6)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_a_bidirectional_grus_outputs_are_written_run_by_run_in_vectors(tmp_path):
+    """PyTorch's export of a bidirectional GRU (not the LSTM this was found on) joins the directions' outputs and
+    flattens them to [steps, batch, 2 * hidden]: the function writing them reads each direction's run of the row in a
+    vector loop of its own (relay_amp.backend.cpu.schedules._input_segments), none lane by lane, and the build
+    matches PyTorch."""
+    import re
+
+    from pass_checks import prepared_module
+
+    from relay_amp.backend.cpu.pipeline import untuned_schedule
+
+    torch.manual_seed(0)
+    module = torch.nn.GRU(16, 32, bidirectional=True).eval()
+    x = np.random.default_rng(0).standard_normal((6, 4, 16)).astype("float32")
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x))[0].numpy()
+    imported = relay_amp.frontend.from_onnx(onnx.load(_exported(tmp_path, module, x)))
+    target = relay_amp.targets.get_target("cpu")
+    written = [func for _, func in prepared_module(imported).functions_items() if isinstance(func, tvm.tirx.PrimFunc)
+               and [int(d) for d in func.params[-1].shape] == [6, 4, 64]]
+    assert len(written) == 1
+    text = untuned_schedule(written[0].with_attr("global_symbol", "main"), target).mod.script()
+    innermost = re.findall(r"for \w+ in ([\w.]+)\(.*\n\s*with T.sblock\(\"\w+(?<!_partition)(?<!_common)\"", text)
+    assert len(innermost) == 2 and all(loop == "T.vectorized" for loop in innermost), text
+    got = run_executable(relay_amp.build(imported), [x])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()

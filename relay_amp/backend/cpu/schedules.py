@@ -518,9 +518,10 @@ _OPERAND_FIELDS: dict[type, tuple] = {}  # a TIR expression type -> the fields _
 def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
     """The lengths of the runs of the innermost axis over which `block` reads one input of a concatenation along it
     (topi's if_then_else(start <= c, next input, ...) chain; c as the arithmetic simplifies it: a concat fused with a
-    split into heads of 8 reads c // 8 * 8 + c % 8), else [row]. Each run is a loop of its own, where the
-    conditions fold away: vectorized over the whole row, every lane evaluated the chain and loaded its input apart
-    (DenseNet-121's concatenations of 13-32 inputs, each fused with a batch norm and a ReLU: 13 of 45 ms)."""
+    split into heads of 8 reads c // 8 * 8 + c % 8), or along an axis a reshape merges into it (start <= c // k: a
+    bidirectional recurrence's directions, joined and flattened into the row), else [row]. Each run is a loop of its
+    own, where the conditions fold away: vectorized over the whole row, every lane evaluated the chain and loaded its
+    input apart (DenseNet-121's concatenations of 13-32 inputs, each fused with a batch norm and a ReLU: 13 of 45 ms)."""
     stmt = sch.get(block)
     if not isinstance(stmt.body, tvm.tirx.BufferStore):
         return [row]
@@ -528,11 +529,21 @@ def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
     for node in _subexpressions(stmt.body.value):
         if isinstance(node, tvm.ir.expr.Call) and node.op.name == "prim.if_then_else":
             condition = node.args[0]
-            if (isinstance(condition, tirx.LE) and isinstance(condition.a, tirx.IntImm)
-                    and analyzer.simplify(condition.b).same_as(axis) and 0 < condition.a.value < row):
-                starts.add(int(condition.a.value))
+            step = _run_step(analyzer.simplify(condition.b), axis) if isinstance(condition, tirx.LE) else None
+            if step and isinstance(condition.a, tirx.IntImm) and 0 < condition.a.value * step < row:
+                starts.add(int(condition.a.value) * step)
     edges = [0, *sorted(starts), row]
     return [end - start for start, end in zip(edges, edges[1:])]
+
+
+def _run_step(bound, axis: tirx.Var) -> "int | None":
+    """k where `bound` is `axis // k` (1 where it is `axis` itself): a condition `start <= bound` holds from
+    `axis` = start * k on; None for any other bound."""
+    if bound.same_as(axis):
+        return 1
+    if isinstance(bound, tirx.FloorDiv) and bound.a.same_as(axis) and isinstance(bound.b, tirx.IntImm):
+        return int(bound.b.value) if bound.b.value > 0 else None
+    return None
 
 
 def _contiguous_group(sch: s_tir.Schedule, block, row: int) -> "int | None":
