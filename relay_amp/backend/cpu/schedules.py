@@ -519,9 +519,10 @@ def _input_segments(sch: s_tir.Schedule, block, row: int) -> list[int]:
     """The lengths of the runs of the innermost axis over which `block` reads one input of a concatenation along it
     (topi's if_then_else(start <= c, next input, ...) chain; c as the arithmetic simplifies it: a concat fused with a
     split into heads of 8 reads c // 8 * 8 + c % 8), or along an axis a reshape merges into it (start <= c // k: a
-    bidirectional recurrence's directions, joined and flattened into the row), else [row]. Each run is a loop of its
-    own, where the conditions fold away: vectorized over the whole row, every lane evaluated the chain and loaded its
-    input apart (DenseNet-121's concatenations of 13-32 inputs, each fused with a batch norm and a ReLU: 13 of 45 ms)."""
+    bidirectional recurrence's directions, joined and flattened into the row), else [row]. Each run is a loop of
+    its own, where the conditions fold away: vectorized over the whole row, every lane evaluated the chain and loaded
+    its input apart (DenseNet-121's concatenations of 13-32 inputs, each fused with a batch norm and a ReLU: 13 of
+    45 ms)."""
     stmt = sch.get(block)
     if not isinstance(stmt.body, tvm.tirx.BufferStore):
         return [row]
