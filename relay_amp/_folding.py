@@ -120,19 +120,19 @@ def _static_tensors(ty) -> bool:
 def _read_elsewhere(func: relax.Function, bindings: list) -> list:
     """The tensor vars `bindings` bind that another binding, or the function's result, reads."""
     inside = {binding.var for binding in bindings}
-    read = []
+    read = {}  # the vars in order of first read (a dict: a membership test in constant time, not one per var read)
 
     def note(expr: relax.Expr) -> None:
-        if isinstance(expr, relax.Var) and expr in inside and isinstance(expr.ty, relax.TensorType) \
-                and expr not in read:
-            read.append(expr)
+        if isinstance(expr, relax.Var) and expr in inside and expr not in read \
+                and isinstance(expr.ty, relax.TensorType):
+            read[expr] = None
 
     for block in func.body.blocks:
         for binding in block.bindings:
             if binding.var not in inside:
                 relax.analysis.post_order_visit(binding.value, note)
     relax.analysis.post_order_visit(func.body.body, note)
-    return read
+    return list(read)
 
 
 def _evaluate(mod: tvm.IRModule, bindings: list, wanted: list) -> dict:
