@@ -255,9 +255,10 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
 
 
 def _imported_with_weights(proto, shapes: dict) -> tvm.IRModule:
-    """TVM's import of `proto` with its large weights apart: the graph, simplified, reaches TVM's importer with
-    them as typed inputs (named as TVM keeps names, without a warning each), and each is bound as a constant after:
-    one copy of the weights at a time, and no serialization of a model over protobuf's 2 GB."""
+    """TVM's import of `proto` with its large weights apart: the graph, simplified (then its recurrences unrolled,
+    relay_amp.onnx_recurrent), reaches TVM's importer with them as typed inputs (named as TVM keeps names, without a
+    warning each), and each is bound as a constant after: one copy of the weights at a time, and no serialization of
+    a model over protobuf's 2 GB."""
     from tvm.relax.frontend.onnx import from_onnx as relax_from_onnx
 
     lean = weights_as_inputs(proto, WEIGHT_INPUT_VALUES)
@@ -323,7 +324,8 @@ def _empty_inputs(proto) -> dict[str, list[int]]:
 
 def _as_tvm_reads(proto):
     """`proto` with the ops TVM's importer lacks or misreads written as ops it reads (those that read the weights'
-    values; simplification and Upsample's scales follow on the graph without its large weights)."""
+    values; simplification, then the recurrences' unrolling and Upsample's scales, follow on the graph without its
+    large weights)."""
     dequantized = constant_dequantizes_folded(as_qdq(proto))
     return col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(dequantized))))
 
