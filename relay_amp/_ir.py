@@ -112,6 +112,22 @@ def binding_readers(func: relax.Function) -> "dict[relax.Var, list[relax.Binding
     return readers
 
 
+def call_te_once(builder: relax.BlockBuilder, known: dict, key, te_func: Callable, *args: relax.Expr,
+                 **kwargs) -> relax.Call:
+    """`builder.call_te(te_func, *args, **kwargs)`, or, where `known` holds such a call made with `key` (naming what
+    `te_func` computes) on arguments of the same static types, a call of the PrimFunc that one added: an unrolled
+    recurrence's thousands of sigmoids of one shape each built a TE function (1.3 ms apiece) that the builder then
+    found equal to the first. Arguments of symbolic shape always take call_te."""
+    types = tuple((tensor_shape(arg), tensor_dtype(arg)) for arg in args)
+    if not all(is_static_shape(shape) for shape, _ in types):
+        return builder.call_te(te_func, *args, **kwargs)
+    first = known.get((key, types))
+    if first is None:
+        first = known[(key, types)] = builder.call_te(te_func, *args, **kwargs)
+        return first
+    return relax.call_tir(first.args[0], relax.Tuple(list(args)), list(first.ty_args))
+
+
 def tensor_dtype(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, None for anything else."""
     ty = expr.ty

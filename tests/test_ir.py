@@ -199,3 +199,47 @@ def test_is_scalar_constant_is_true_for_rank_zero_constants_only():
     assert is_scalar_constant(relax.const(1.0, "float32"))
     assert not is_scalar_constant(relax.const(np.ones(3, "float32")))
     assert not is_scalar_constant(relax.Var("x", relax.TensorType((), "float32")))
+
+
+def test_call_te_once_builds_a_te_function_once_per_key_and_argument_types():
+    """Equal keys on arguments of one static type call the first call's PrimFunc; another shape, another key or a
+    symbolic shape builds again. The module holds one PrimFunc per TE function built, and computes what call_te's
+    would."""
+    import tvm
+    from tvm import topi
+
+    from relay_amp._ir import call_te_once
+    from relay_amp.runtime import run
+
+    bb, known, built = relax.BlockBuilder(), {}, []
+    x, y = relax.Var("x", relax.TensorType((2, 3), "float32")), relax.Var("y", relax.TensorType((3, 2), "float32"))
+    n = tvm.tirx.Var("n", "int64")
+    z = relax.Var("z", relax.TensorType((n, 2), "float32"))
+
+    def sigmoid(a):
+        built.append(a.shape)
+        return topi.sigmoid(a)
+
+    with bb.function("main", [x, y, z]):
+        with bb.dataflow():
+            first = bb.emit(call_te_once(bb, known, "sigmoid", sigmoid, x, primfunc_name_hint="sigmoid"))
+            again = bb.emit(call_te_once(bb, known, "sigmoid", sigmoid, first, primfunc_name_hint="sigmoid"))
+            other_shape = bb.emit(call_te_once(bb, known, "sigmoid", sigmoid, y, primfunc_name_hint="sigmoid"))
+            other_key = bb.emit(call_te_once(bb, known, "tanh", lambda a: topi.tanh(a), x, primfunc_name_hint="tanh"))
+            symbolic = bb.emit(call_te_once(bb, known, "sigmoid", sigmoid, z, primfunc_name_hint="sigmoid"))
+            out = bb.emit_output(relax.Tuple([again, other_shape, other_key, symbolic]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    bindings = mod["main"].body.blocks[0].bindings
+    assert len(built) == 3  # x's type, y's, z's: `again` called the first PrimFunc
+    assert bindings[1].value.args[0].same_as(bindings[0].value.args[0])
+    assert len([f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]) == 4
+    a = np.linspace(-3, 3, 6, dtype="float32").reshape(2, 3)
+    b, c = a.reshape(3, 2) / 2, np.linspace(-2, 2, 4, dtype="float32").reshape(2, 2)
+    got = run(mod, [a, b, c])
+    for value, expected in zip(got, [_sigmoid(_sigmoid(a)), _sigmoid(b), np.tanh(a), _sigmoid(c)]):
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+
+
+def _sigmoid(values: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-values))

@@ -382,6 +382,7 @@ class _Fuser(relax.PyExprMutator):
         super().__init__(mod)
         self.absorbed = {var for chain in chains for var in chain.absorbed}
         self.chain_of = {chain.end: chain for chain in chains}
+        self.kernels: dict = {}  # (maker, spec, the epilogue's repr, tile_rows_out) -> the kernel's GlobalVar
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.absorbed:
@@ -397,15 +398,26 @@ class _Fuser(relax.PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit_output(fused) if leaves_block else self.builder_.emit(fused))
 
     def _fused_call(self, chain: _Chain) -> relax.Expr:
-        spec, out_dtype = chain.spec, chain.out_dtype or chain.spec.out_dtype
+        out_dtype = chain.out_dtype or chain.spec.out_dtype
         epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
         operands = [self._as_operand_shape(self.visit_expr(operand),
                                            epilogue.operand_buffer(step, chain.operand_shape)[0])
                     for step, operand in zip(epilogue.operand_steps, chain.operands)]
-        kernel = chain.make(spec, epilogue, tile_rows_out=True) if chain.tile_rows_out else chain.make(spec, epilogue)
-        gvar = self.builder_.add_func(kernel, "relay_amp_dot_kernel")
+        gvar = self._kernel(chain, epilogue)
         inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]
         return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(chain.out_shape, out_dtype))
+
+    def _kernel(self, chain: _Chain, epilogue: "kernels.Epilogue") -> relax.GlobalVar:
+        """The kernel of `chain`'s spec with `epilogue`, built and added once (repr tells -0.0 from 0.0 in its
+        formulas): an unrolled recurrence's thousand recurrent matmuls of one shape each built it before the
+        builder found it equal to the first."""
+        key = (chain.make, chain.spec, repr(epilogue), chain.tile_rows_out)
+        gvar = self.kernels.get(key)
+        if gvar is None:
+            kernel = (chain.make(chain.spec, epilogue, tile_rows_out=True) if chain.tile_rows_out
+                      else chain.make(chain.spec, epilogue))
+            gvar = self.kernels[key] = self.builder_.add_func(kernel, "relay_amp_dot_kernel")
+        return gvar
 
     def _as_operand_shape(self, operand: relax.Expr, shape: tuple) -> relax.Expr:
         if isinstance(operand, tvm.ir.expr.Constant) or tensor_shape(operand) == shape:

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax import dpl
 
-from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import call_te_once, get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import LOW_FLOAT_DTYPES, MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
 from . import formula
@@ -147,6 +147,7 @@ class _FastMathRewriter(relax.PyExprMutator):
         self.rounded = rounded_values(function)
         self.reads, self.values = read_counts(function), relax.analysis.get_var2val(function)
         self.bound: relax.Var | None = None
+        self.te_calls: dict = {}  # call_te_once's calls, one per TE function and argument types
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         self.bound = binding.var
@@ -168,14 +169,16 @@ class _FastMathRewriter(relax.PyExprMutator):
         if masked is not None:
             return masked
         if name == "relax.nn.softmax":
-            return self.builder_.call_te(_softmax_in_fp32(int(new_call.attrs.axis), narrow), new_call.args[0],
-                                         primfunc_name_hint="fast_softmax")
+            axis = int(new_call.attrs.axis)
+            return self._call_te((name, axis, narrow), _softmax_in_fp32(axis, narrow), new_call.args[0],
+                                 primfunc_name_hint="fast_softmax")
         if name == "relax.nn.log_softmax":
-            return self.builder_.call_te(_log_softmax_in_fp32(int(new_call.attrs.axis)), new_call.args[0],
-                                         primfunc_name_hint="fast_log_softmax")
+            axis = int(new_call.attrs.axis)
+            return self._call_te((name, axis), _log_softmax_in_fp32(axis), new_call.args[0],
+                                 primfunc_name_hint="fast_log_softmax")
         if name in ACTIVATIONS:
             hint = "fast_" + name.rpartition(".")[2]
-            return self.builder_.call_te(_in_fp32(name, narrow), new_call.args[0], primfunc_name_hint=hint)
+            return self._call_te((name, narrow), _in_fp32(name, narrow), new_call.args[0], primfunc_name_hint=hint)
         if name in WIDENED_OPS and dtype in LOW_FLOAT_DTYPES:
             wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))
             return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
@@ -196,8 +199,13 @@ class _FastMathRewriter(relax.PyExprMutator):
         if tensor_shape(wide) != tensor_shape(added) or tensor_shape(mask) == tensor_shape(added) or (
                 tensor_dtype(wide) != tensor_dtype(mask)):
             return None
-        return self.builder_.call_te(_masked_softmax_in_fp32(int(new_call.attrs.axis), narrow), wide, mask,
-                                     primfunc_name_hint="fast_softmax")
+        axis = int(new_call.attrs.axis)
+        return self._call_te(("masked_softmax", axis, narrow), _masked_softmax_in_fp32(axis, narrow), wide, mask,
+                             primfunc_name_hint="fast_softmax")
+
+    def _call_te(self, key, te_func, *args: relax.Expr, **kwargs) -> relax.Call:
+        """call_te_once in this rewrite's builder: `key` names what `te_func` computes."""
+        return call_te_once(self.builder_, self.te_calls, key, te_func, *args, **kwargs)
 
     def _small_power(self, call: relax.Call) -> relax.Expr:
         """A power by a constant multiple of 1/4 up to 4 as multiplies and square roots (formula.root_power): LLVM
