@@ -128,6 +128,17 @@ def call_te_once(builder: relax.BlockBuilder, known: dict, key, te_func: Callabl
     return relax.call_tir(first.args[0], relax.Tuple(list(args)), list(first.ty_args))
 
 
+def add_func_once(builder: relax.BlockBuilder, known: dict, key, make: Callable[[], tvm.tirx.PrimFunc],
+                  name: str) -> relax.GlobalVar:
+    """The GlobalVar `known` holds for `key`, else `make()`'s PrimFunc added to `builder` as `name` and recorded: a
+    kernel built once per spec within a pass (an unrolled recurrence's thousand recurrent matmuls of one shape each
+    built it, and the builder then found it equal to the first)."""
+    gvar = known.get(key)
+    if gvar is None:
+        gvar = known[key] = builder.add_func(make(), name)
+    return gvar
+
+
 def tensor_dtype(expr: relax.Expr) -> str | None:
     """The dtype of a tensor-typed expression, None for anything else."""
     ty = expr.ty

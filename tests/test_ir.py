@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 from tvm import relax
+from tvm.script import tirx as T
 
 from relay_amp._ir import depthwise_weight, is_scalar_constant, is_static_shape
 
@@ -243,3 +244,25 @@ def test_call_te_once_builds_a_te_function_once_per_key_and_argument_types():
 
 def _sigmoid(values: np.ndarray) -> np.ndarray:
     return 1 / (1 + np.exp(-values))
+
+
+@T.prim_func(private=True)
+def _copy(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
+    for i in range(4):
+        y[i] = x[i]
+
+
+def test_add_func_once_adds_one_primfunc_per_key():
+    """A key seen before returns the GlobalVar its first call added, without making the function again."""
+    from relay_amp._ir import add_func_once
+
+    bb, known, made = relax.BlockBuilder(), {}, []
+
+    def make():
+        made.append(1)
+        return _copy
+
+    first = add_func_once(bb, known, "copy", make, "copy")
+    assert add_func_once(bb, known, "copy", make, "copy_again").same_as(first) and len(made) == 1
+    assert not add_func_once(bb, known, "other", lambda: _copy.with_attr("other", 1), "other").same_as(first)
+    assert len(bb.get().functions) == 2

@@ -42,7 +42,6 @@ bit-identical: bf16 B/A 0.94, int8q 0.95-0.96, fp32 within noise; all 8 compacti
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import numpy as np
 import tvm
@@ -50,7 +49,7 @@ from tvm import relax
 
 from ..._dead_code import EliminateDeadCode
 from ..._folding import fold_constants
-from ..._ir import depthwise_weight, pad_after, rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import add_func_once, depthwise_weight, pad_after, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
@@ -123,7 +122,7 @@ class _Dispatcher(relax.PyExprMutator):
         self.dtypes = dtypes
         self.amx_dtypes = amx_dtypes
         self.kernel_count = 0
-        self.kernel_funcs: dict = {}  # (maker, ConvSpec) -> the GlobalVar of the kernel built for it
+        self.kernel_funcs: dict = {}  # ("dot" or "amx", ConvSpec) -> the kernel's GlobalVar (add_func_once)
         self.zero_tailed: set[relax.Var] = set()  # kernel results whose channels past the sliced ones are zeros
         self.finite_tailed: set[relax.Var] = set()  # ... are finite: zero-tailed, or elementwise ops of those
         self.padded_groups: set[relax.Var] = set()  # grouped kernel results of groups padded to whole blocks
@@ -512,16 +511,9 @@ class _Dispatcher(relax.PyExprMutator):
         if spec.shifted:  # shifted to uint8: the correction is 128 x each output channel's weight sum
             args.append(relax.const(kernels.weight_sums(packed)) if isinstance(packed, np.ndarray)
                         else self.builder_.emit(_run_time_weight_sums(packed, spec)))
-        gvar = self._kernel_func(kernels.conv2d_nhwc_compute, spec, name)
+        gvar = add_func_once(self.builder_, self.kernel_funcs, ("dot", spec), lambda: kernels.conv2d_nhwc_compute(spec),
+                             name)
         return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.stored_shape, spec.out_dtype)))
-
-    def _kernel_func(self, maker: Callable, spec: kernels.ConvSpec, name: str) -> relax.GlobalVar:
-        """The kernel `maker` builds for `spec`, added to the module once: an unrolled recurrence's thousand
-        recurrent matmuls of one shape each built it before the builder found it equal to the first."""
-        gvar = self.kernel_funcs.get((maker, spec))
-        if gvar is None:
-            gvar = self.kernel_funcs[(maker, spec)] = self.builder_.add_func(maker(spec), name)
-        return gvar
 
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
         return spec.data_dtype in self.amx_dtypes and amx.supports(spec)
@@ -531,7 +523,7 @@ class _Dispatcher(relax.PyExprMutator):
         extra_rows = amx.tiling(spec).data_shape[1] - spec.data_shape[1]
         if extra_rows:
             data = self.builder_.emit(pad_after(data, 4, 1, extra_rows))
-        gvar = self._kernel_func(amx.conv2d_nhwc, spec, name)
+        gvar = add_func_once(self.builder_, self.kernel_funcs, ("amx", spec), lambda: amx.conv2d_nhwc(spec), name)
         out_type = relax.TensorType(spec.out_shape, spec.out_dtype)
         return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))
 

@@ -43,7 +43,8 @@ import tvm
 from tvm import relax
 
 from ..._dead_code import EliminateDeadCode
-from ..._ir import get_function, read_counts, rewrite_function, slice_window, tensor_dtype, tensor_shape
+from ..._ir import (add_func_once, get_function, read_counts, rewrite_function, slice_window, tensor_dtype,
+                     tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
 from . import amx, formula, kernels
@@ -408,16 +409,11 @@ class _Fuser(relax.PyExprMutator):
         return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(chain.out_shape, out_dtype))
 
     def _kernel(self, chain: _Chain, epilogue: "kernels.Epilogue") -> relax.GlobalVar:
-        """The kernel of `chain`'s spec with `epilogue`, built and added once (repr tells -0.0 from 0.0 in its
-        formulas): an unrolled recurrence's thousand recurrent matmuls of one shape each built it before the
-        builder found it equal to the first."""
+        """The kernel of `chain`'s spec with `epilogue`, added once (repr tells -0.0 from 0.0 in its formulas)."""
         key = (chain.make, chain.spec, repr(epilogue), chain.tile_rows_out)
-        gvar = self.kernels.get(key)
-        if gvar is None:
-            kernel = (chain.make(chain.spec, epilogue, tile_rows_out=True) if chain.tile_rows_out
-                      else chain.make(chain.spec, epilogue))
-            gvar = self.kernels[key] = self.builder_.add_func(kernel, "relay_amp_dot_kernel")
-        return gvar
+        extra = {"tile_rows_out": True} if chain.tile_rows_out else {}
+        return add_func_once(self.builder_, self.kernels, key, lambda: chain.make(chain.spec, epilogue, **extra),
+                             "relay_amp_dot_kernel")
 
     def _as_operand_shape(self, operand: relax.Expr, shape: tuple) -> relax.Expr:
         if isinstance(operand, tvm.ir.expr.Constant) or tensor_shape(operand) == shape:
