@@ -161,3 +161,22 @@ def test_a_bidirectional_grus_outputs_are_written_run_by_run_in_vectors(tmp_path
     assert len(innermost) == 2 and all(loop == "T.vectorized" for loop in innermost), text
     got = run_executable(relay_amp.build(imported), [x])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_an_unrolled_recurrences_steps_read_their_input_rows_in_place(tmp_path):
+    """PyTorch's export of an RNN (not the LSTM this was found on): each unrolled step reads its row of the input
+    projection computed for all steps as a view (relay_amp.backend.views.ContiguousTakesAsViews), not a copy made
+    by a take function of its own, and the build matches PyTorch."""
+    from pass_checks import prepared_module
+
+    torch.manual_seed(0)
+    module = torch.nn.RNN(16, 32).eval()
+    x = np.random.default_rng(0).standard_normal((9, 4, 16)).astype("float32")
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x))[0].numpy()
+    imported = relay_amp.frontend.from_onnx(onnx.load(_exported(tmp_path, module, x)))
+    prepared = prepared_module(imported)
+    assert not [gv.name_hint for gv in prepared.get_global_vars() if "take" in gv.name_hint]
+    assert prepared["main"].script().count("R.memory.view(") == 9
+    got = run_executable(relay_amp.build(imported), [x])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()

@@ -1,4 +1,5 @@
-"""views: reshapes made views of the tensors they reshape, the function's own output's too.
+"""views: reshapes made views of the tensors they reshape, the function's own output's too; takes of one
+index that select a contiguous block made views of it.
 
 TVM's RewriteDataflowReshape makes reshapes of dataflow values views (`vm.builtin.reshape`) and leaves the ones
 bound to a dataflow block's outputs as copies. A model whose output comes straight from a kernel (a classifier's
@@ -9,12 +10,24 @@ planner gives a returned tensor storage of its own, and it follows a reshape to 
 
 Both run before any schedule: TVM tells a reshape by its PrimFunc's unscheduled pattern, and relay_amp's
 schedules (a row of 50257 channels split into whole vectors and a serial rest) hide it.
+
+A take of one index along a tensor's outermost axis past extent 1 selects a contiguous block of it: an
+unrolled recurrence's step reads its row of the input projection computed for all steps at once (a take each
+step), and TVM copied each row out in a function of its own before the step's kernel read it.
+ContiguousTakesAsViews makes such a block a view (`relax.memory.view` at the block's byte offset, moved into the
+data pointer by `ensure_zero_offset`, since TVM's functions take tensors at offset 0). TVM's memory planner keeps
+the viewed tensor's storage while the view is read. A block that starts off a VIEW_ALIGNMENT boundary stays a
+copy: TVM allocates tensors on it, and its functions may load them assuming so.
 """
 
+import numpy as np
 import tvm
 from tvm import relax
 
-from .._ir import rewrite_function
+from .._ir import calls_any_op, is_scalar_constant, rewrite_function, rewrite_op_calls, tensor_shape
+
+TAKE = "relax.take"
+VIEW_ALIGNMENT = 64  # bytes: TVM's allocation alignment (kAllocAlignment)
 
 
 @relax.expr_functor.mutator
@@ -96,3 +109,40 @@ def view_passes() -> list[tvm.transform.Pass]:
     before any schedule: TVM recognizes a reshape by its PrimFunc's unscheduled pattern, which a partitioned or
     vectorized loop nest no longer shows (a reshape of 50257 channels stayed a 1.1 ms copy)."""
     return [relax.transform.RewriteDataflowReshape(), OutputReshapesAsViews()]
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.ContiguousTakesAsViews")
+class ContiguousTakesAsViews:
+    """Rewrite each take of a constant index from a tensor var (not a constant, which folds) that selects a
+    contiguous block of it, starting on a VIEW_ALIGNMENT boundary, as a view of it."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod`; the input module is left as it was."""
+        if not calls_any_op(mod, [TAKE]):
+            return mod
+        return rewrite_op_calls(mod, self.func, {TAKE: _take_view})
+
+
+def _take_view(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+    data, index = call.args[0], call.args[1]
+    shape = tensor_shape(data)
+    if call.attrs.axis is None or not is_scalar_constant(index) or not _viewable(data, shape):
+        return None
+    axis = int(call.attrs.axis) % len(shape)
+    position = int(index.value.numpy())
+    if any(extent != 1 for extent in shape[:axis]) or not 0 <= position < shape[axis]:
+        return None  # not contiguous; or out of range, where TVM's take clips or wraps (its mode)
+    row_bytes = int(np.prod(shape[axis + 1:], dtype=np.int64)) * tvm.DataType(data.ty.dtype).bits // 8
+    if position * row_bytes % VIEW_ALIGNMENT:
+        return None
+    view = builder.emit(relax.op.memory.view(data, [*shape[axis + 1:]], str(data.ty.dtype), position * row_bytes))
+    return relax.op.memory.ensure_zero_offset(view)
+
+
+def _viewable(data: relax.Expr, shape: "tuple | None") -> bool:
+    """Whether `data` is a tensor var of a static shape and a whole-byte dtype."""
+    return (isinstance(data, relax.Var) and bool(shape) and all(isinstance(extent, int) for extent in shape)
+            and tvm.DataType(data.ty.dtype).bits % 8 == 0)

@@ -1,5 +1,6 @@
 """OutputReshapesAsViews: a reshape bound to a block's output is a view of a tensor the block computed for it
-alone; a kernel result that is the model's output (logits) is not copied."""
+alone; a kernel result that is the model's output (logits) is not copied. ContiguousTakesAsViews: a take of one
+index that selects an aligned contiguous block is a view of it."""
 
 import numpy as np
 import tvm
@@ -9,7 +10,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import relay_amp
-from relay_amp.backend.views import OutputReshapesAsViews
+from relay_amp.backend.views import ContiguousTakesAsViews, OutputReshapesAsViews
 from relay_amp.runtime import virtual_machine
 
 from pass_checks import assert_transforms
@@ -132,3 +133,82 @@ def test_a_kernel_result_returned_by_the_model_is_its_own_storage_on_every_run()
     kept = vm["main"](tvm.runtime.tensor(first))
     vm["main"](tvm.runtime.tensor(second))
     np.testing.assert_allclose(kept.numpy(), first @ weight, rtol=1e-5, atol=1e-5)
+
+
+@I.ir_module
+class Takes:
+    @R.function
+    def main(x: R.Tensor((3, 2, 16), "float32"), odd: R.Tensor((3, 5), "float32"), flat: R.Tensor((1, 4, 16), "float32")):
+        with R.dataflow():
+            y = R.multiply(x, R.const(2.0, "float32"))
+            row = R.take(y, R.const(1, "int64"), axis=0)
+            inner = R.take(y, R.const(1, "int64"), axis=1)
+            of_input = R.take(x, R.const(2, "int64"), axis=-3)
+            misaligned = R.take(odd, R.const(1, "int64"), axis=0)
+            past_unit_axis = R.take(flat, R.const(3, "int64"), axis=1)
+            rows = R.take(y, R.const([0, 2], "int64"), axis=0)
+            out_of_range = R.take(y, R.const(3, "int64"), axis=0, mode="clip")
+            gv = (row, inner, of_input, misaligned, past_unit_axis, rows, out_of_range)
+            R.output(gv)
+        return gv
+
+
+def test_a_take_of_one_index_that_selects_an_aligned_contiguous_block_becomes_a_view():
+    """A row along the leading axis (of a computed tensor or an input), and one along an axis after unit ones; not
+    a take along an inner axis past an outer one (strided), one of 20-byte rows (off TVM's 64-byte alignment), one
+    of several indices, nor one out of range (TVM's take clips it)."""
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((3, 2, 16), "float32"), odd: R.Tensor((3, 5), "float32"),
+                 flat: R.Tensor((1, 4, 16), "float32")):
+            with R.dataflow():
+                y = R.multiply(x, R.const(2.0, "float32"))
+                row_view = R.memory.view(y, R.shape([2, 16]), R.dtype("float32"), R.prim_value(128))
+                row = R.memory.ensure_zero_offset(row_view)
+                inner = R.take(y, R.const(1, "int64"), axis=1)
+                input_view = R.memory.view(x, R.shape([2, 16]), R.dtype("float32"), R.prim_value(256))
+                of_input = R.memory.ensure_zero_offset(input_view)
+                misaligned = R.take(odd, R.const(1, "int64"), axis=0)
+                flat_view = R.memory.view(flat, R.shape([16]), R.dtype("float32"), R.prim_value(192))
+                past_unit_axis = R.memory.ensure_zero_offset(flat_view)
+                rows = R.take(y, R.const([0, 2], "int64"), axis=0)
+                out_of_range = R.take(y, R.const(3, "int64"), axis=0, mode="clip")
+                gv = (row, inner, of_input, misaligned, past_unit_axis, rows, out_of_range)
+                R.output(gv)
+            return gv
+
+    assert_transforms(ContiguousTakesAsViews(), Takes, Expected)
+
+
+@I.ir_module
+class ViewedPastLastRead:
+    @R.function
+    def main(x: R.Tensor((3, 2, 16), "float32")):
+        with R.dataflow():
+            doubled = R.multiply(x, R.const(2.0, "float32"))
+            row = R.take(doubled, R.const(1, "int64"), axis=0)
+            tripled = R.multiply(x, R.const(3.0, "float32"))  # doubled's size, allocated after its last read
+            gv = R.add(row, R.take(tripled, R.const(2, "int64"), axis=0))
+            R.output(gv)
+        return gv
+
+
+def test_takes_read_as_views_compute_what_copies_do_on_every_run():
+    """Built and run twice: the views read the rows they stand for (exactly), the kept takes stay functions, and
+    the memory planner keeps a viewed tensor's storage while its view is read, though the view is the tensor's
+    last reader (a tensor of its size allocated after that would otherwise take its storage)."""
+    rng = np.random.default_rng(0)
+    executable = relay_amp.build(Takes, relay_amp.targets.host_preset())
+    called = {line.split()[1] for line in executable.as_text().splitlines() if line.strip().startswith("call ")}
+    assert "vm.builtin.ensure_zero_offset" in called and len([name for name in called if "take" in name]) == 4
+    vm, reused = virtual_machine(executable), virtual_machine(relay_amp.build(ViewedPastLastRead, "cpu"))
+    for _ in range(2):
+        x, odd, flat = (rng.standard_normal(shape).astype("float32") for shape in ((3, 2, 16), (3, 5), (1, 4, 16)))
+        got = [item.numpy() for item in vm["main"](*(tvm.runtime.tensor(v) for v in (x, odd, flat)))]
+        y = 2 * x
+        expected = [y[1], y[:, 1], x[2], odd[1], flat[0, 3], y[[0, 2]], y[2]]
+        for value, want in zip(got, expected):
+            np.testing.assert_array_equal(value, want)
+        np.testing.assert_array_equal(reused["main"](tvm.runtime.tensor(x)).numpy(), 2 * x[1] + 3 * x[2])

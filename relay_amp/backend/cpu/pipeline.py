@@ -13,7 +13,7 @@ from ...passes.reshapes import SinkReshapes
 from ...passes.sub_byte import HoldSubByteInBytes
 from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
-from ..views import view_passes
+from ..views import ContiguousTakesAsViews, view_passes
 from . import amx
 from .affine import FoldAffineClamps
 from .bf16_round import rounding_passes
@@ -65,7 +65,9 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), depthwise
     convs reading their part of a channel split in place (relay_amp.backend.cpu.split_reads), norms and
     softmaxes reading a kernel's output in place, widened or through a slice's window (relay_amp.backend.cpu.widen),
-    fast math (unless turned off) and packed int4 kernels, then legalization and fusion.
+    fast math (unless turned off) and packed int4 kernels, takes of one index that select a contiguous block made
+    views of it (an unrolled recurrence's step reading its input row: relay_amp.backend.views), then legalization
+    and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
@@ -96,6 +98,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         NormsReadNarrow(fast_softmax=fast_math),
         *([FastMath()] if fast_math else []),
         UsePackedInt4Kernels(target),
+        ContiguousTakesAsViews(),
         *fusion_passes(target),
     ], name="relay_amp_cpu_prepare")
 
