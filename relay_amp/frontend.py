@@ -40,6 +40,7 @@ FOLD_ROUNDS = 4  # rounds of onnxscript's constant folding and optimization an O
 # no node with an input above 8192 values but a Transpose, which relay_amp._ir.fold_weights folds after binding)
 WEIGHT_INPUT_VALUES = 4096
 WEIGHT_PREFIX = "relay_amp_weight_"  # those inputs' names
+VALUE_SIZED_OPS = ("NonZero", "NonMaxSuppression", "Unique", "Compress")  # outputs sized by the input's values
 TINY_ADDEND = 1e-8  # onnxscript's no-op rules drop `x + c` and `x - c` for a scalar constant c this close to 0
 
 
@@ -248,7 +249,8 @@ def from_onnx(model, shape_dict: dict[str, Sequence[int]] | None = None,
                 proto = _as_tvm_reads(proto)
                 imported = _imported_with_weights(proto, shapes)
         except Exception as err:  # the checker and the importer raise many error types
-            raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}") from err
+            raise ModelLoadError(f"cannot import ONNX model {proto.graph.name!r}: {err}{_sizing_hint(proto)}"
+                                 f"{_value_sizes_hint(proto)}") from err
     if has_upsamples(proto):
         imported = nearest_upsamples_rounded_down(imported)
     return _canonical(imported)
@@ -340,6 +342,38 @@ def _sizing_hint(proto) -> str:
     example = ", ".join(f'"{name}": ...' for name in names)
     return (f" (its inputs have symbolic dims {names}; where the importer fails on shapes computed from them, "
             f"size them at import: from_onnx(..., dims={{{example}}}), or --dim on the command line)")
+
+
+def _value_sizes_hint(proto) -> str:
+    """Where `proto` sizes tensors by their values (a detector's post-processing: boxes above a score threshold,
+    the best k of them, NMS), what to do: TVM's importer fails on the shapes computed from such sizes ("cannot
+    handle ShapeExpr inputs", "TopK k must be a constant")."""
+    found = _value_sized_nodes(proto.graph)
+    if not found:
+        return ""
+    named = ", ".join(f"{op} {label}" for op, label in found[:3]) + (", ..." if len(found) > 3 else "")
+    return (f" (its graph sizes tensors by their values: {named}, as a detector's post-processing does; where the "
+            f"importer fails there, import the part before it: export the model without it (a torchvision "
+            f"detector's backbone and head), or cut the file with onnx.utils.extract_model, and run the rest in "
+            f"its framework)")
+
+
+def _value_sized_nodes(graph) -> "list[tuple[str, str]]":
+    """(op type, quoted name, or its first output's for a node without one) of each node of `graph` and its
+    subgraphs whose outputs are sized by values: VALUE_SIZED_OPS, and TopK of a k the graph computes."""
+    import onnx
+
+    constants = {init.name for init in graph.initializer} | {
+        name for node in graph.node if node.op_type == "Constant" for name in node.output}
+    found = []
+    for node in graph.node:
+        if node.op_type in VALUE_SIZED_OPS or (node.op_type == "TopK" and node.input[1:2] and
+                                               node.input[1] not in constants):
+            found.append((node.op_type, repr(node.name) if node.name else f"(output {node.output[0]!r})"))
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                found.extend(_value_sized_nodes(attr.g))
+    return found
 
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:

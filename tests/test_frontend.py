@@ -524,6 +524,36 @@ def test_an_import_failure_of_a_model_with_symbolic_dims_says_how_to_size_them()
         frontend.from_onnx(model)
 
 
+def _best_scores_above(threshold: float, cap: int) -> onnx.ModelProto:
+    """A detector's post-processing: the best of at most `cap` scores above `threshold` (NonZero, then a TopK of
+    k = min(cap, how many there are)), its nodes named as the test expects."""
+    nodes = [
+        helper.make_node("Constant", [], ["threshold"],
+                         value=helper.make_tensor("t", TensorProto.FLOAT, [], [threshold])),
+        helper.make_node("Constant", [], ["cap"], value=helper.make_tensor("c", TensorProto.INT64, [1], [cap])),
+        helper.make_node("Greater", ["scores", "threshold"], ["above"]),
+        helper.make_node("NonZero", ["above"], ["where"], name="candidates"),
+        helper.make_node("Transpose", ["where"], ["rows"], perm=[1, 0]),
+        helper.make_node("GatherND", ["scores", "rows"], ["kept"]),
+        helper.make_node("Shape", ["kept"], ["count"]),
+        helper.make_node("Concat", ["cap", "count"], ["limits"], axis=0),
+        helper.make_node("ReduceMin", ["limits"], ["k"], keepdims=1),
+        helper.make_node("TopK", ["kept", "k"], ["best", "order"]),
+    ]
+    scores = helper.make_tensor_value_info("scores", TensorProto.FLOAT, [20])
+    best = helper.make_tensor_value_info("best", TensorProto.FLOAT, ["k"])
+    graph = helper.make_graph(nodes, "post_processing", [scores], [best])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_import_failure_of_a_graph_sized_by_its_values_names_those_nodes_and_says_what_to_import():
+    """TVM's importer fails on the shapes a detector's post-processing computes from its values; the error names
+    the nodes that size tensors by values (a computed k's TopK without a name by its output) and the way out."""
+    with pytest.raises(relay_amp.ModelLoadError, match=r"sizes tensors by their values: NonZero 'candidates', "
+                                                       r"TopK \(output 'best'\).*onnx.utils.extract_model"):
+        frontend.from_onnx(_best_scores_above(0.5, 5))
+
+
 def test_from_onnx_rejects_dims_the_file_does_not_have():
     with pytest.raises(relay_amp.OptionError, match="no symbolic input dim 'sequence'; its symbolic dims: batch, seq"):
         frontend.from_onnx(positions_onnx(), dims={"sequence": 5})

@@ -138,7 +138,8 @@ def test_a_kernel_result_returned_by_the_model_is_its_own_storage_on_every_run()
 @I.ir_module
 class Takes:
     @R.function
-    def main(x: R.Tensor((3, 2, 16), "float32"), odd: R.Tensor((3, 5), "float32"), flat: R.Tensor((1, 4, 16), "float32")):
+    def main(x: R.Tensor((3, 2, 16), "float32"), odd: R.Tensor((3, 5), "float32"),
+             flat: R.Tensor((1, 4, 16), "float32")):
         with R.dataflow():
             y = R.multiply(x, R.const(2.0, "float32"))
             row = R.take(y, R.const(1, "int64"), axis=0)
