@@ -1,0 +1,126 @@
+"""winograd: 3x3 stride-1 fp32 convolutions on AVX2 as Winograd's F(2x2, 3x3), 16 matmuls on the kernels between
+an input and an output transform, matching the direct convolution within fp32 rounding."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp.backend.cpu import winograd
+from relay_amp.backend.cpu.winograd import WinogradConvs
+from relay_amp.runtime import run_executable
+
+from pass_checks import assert_transforms
+
+AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}  # FMA and AVX2, no AVX-512: any x86 host CI runs on
+
+
+def _weight(kernel: int, channels: int, outputs: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((kernel, kernel, channels, outputs)) / np.sqrt(9 * channels)).astype("float32")
+
+
+def _convs(shape=(1, 8, 8, 64), outputs: int = 64, padding=(1, 1, 1, 1)) -> tvm.IRModule:
+    """A conv Winograd takes, then one of stride 2 (it does not), each NHWC by a constant HWIO weight."""
+    data = relax.Var("data", relax.TensorType(shape, "float32"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            taken = builder.emit(relax.op.nn.conv2d(data, relax.const(_weight(3, shape[3], outputs)), padding=padding,
+                                                    data_layout="NHWC", kernel_layout="HWIO"))
+            strided = builder.emit(relax.op.nn.conv2d(taken, relax.const(_weight(3, outputs, outputs, 1)), strides=2,
+                                                      padding=1, data_layout="NHWC", kernel_layout="HWIO"))
+            out = builder.emit_output(strided)
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def test_a_3x3_stride_1_conv_becomes_a_pad_16_transformed_matmuls_and_an_output_transform():
+    """8x8 outputs are 4x4 tiles of 2x2, read from the input padded by 1 on each side; the stride-2 conv stays."""
+    before = _convs()
+    (data,), weight = before["main"].params, _weight(3, 64, 64)
+    builder = relax.BlockBuilder()
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            padded = builder.emit(relax.op.nn.pad(data, [0, 0, 1, 1, 1, 1, 0, 0]))
+            products = [builder.emit(relax.op.matmul(
+                builder.emit_te(winograd.window_part, padded, 4, 4, element, primfunc_name_hint="winograd_input"),
+                relax.const(winograd.transformed_weights(weight)[element]))) for element in range(16)]
+            taken = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 8, 8, 64), 4, 4,
+                                                 primfunc_name_hint="winograd_output"))
+            strided = builder.emit(relax.op.nn.conv2d(taken, relax.const(_weight(3, 64, 64, 1)), strides=2, padding=1,
+                                                      data_layout="NHWC", kernel_layout="HWIO"))
+            out = builder.emit_output(strided)
+        builder.emit_func_output(out)
+    assert_transforms(WinogradConvs(), before, builder.get())
+
+
+@pytest.mark.parametrize("reason, module", [
+    ("32 channels in", _convs(shape=(1, 8, 8, 32))),
+    ("6 outputs high", _convs(shape=(1, 6, 8, 64))),
+    ("a bf16 input", relay_amp.to_mixed_precision(_convs(), "bfloat16")),
+])
+def test_convs_outside_what_was_measured_keep_the_direct_kernels(reason, module):
+    assert WinogradConvs()(module).script().count("winograd") == 0, reason
+
+
+def test_the_transformed_weights_are_g_g_gt_of_each_filter():
+    weight = _weight(3, 2, 3)
+    expected = [winograd.WEIGHT_TRANSFORM @ weight[:, :, c, k] @ winograd.WEIGHT_TRANSFORM.T for c in range(2)
+                for k in range(3)]
+    got = winograd.transformed_weights(weight).reshape(4, 4, 2, 3)
+    np.testing.assert_allclose([got[:, :, c, k] for c in range(2) for k in range(3)], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape, padding", [((2, 9, 7, 64), (1, 1, 1, 1)), ((1, 10, 12, 64), (0, 0, 0, 0))])
+def test_a_built_winograd_conv_computes_what_the_direct_one_does(shape, padding):
+    """Odd output sizes (tiles past the edge), a batch of two, no padding; bias, ReLU and a residual add after it
+    (fused into the output transform). fp32, within 1e-5 of the largest output: Winograd rounds otherwise."""
+    rng = np.random.default_rng(0)
+    data = relax.Var("data", relax.TensorType(shape, "float32"))
+    weight, bias = _weight(3, 64, 64), rng.standard_normal(64).astype("float32")
+    out_shape = (shape[0], shape[1] + padding[0] + padding[2] - 2, shape[2] + padding[1] + padding[3] - 2, 64)
+    residual = rng.standard_normal(out_shape).astype("float32")
+    builder = relax.BlockBuilder()
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            conv = builder.emit(relax.op.nn.conv2d(data, relax.const(weight), padding=padding, data_layout="NHWC",
+                                                   kernel_layout="HWIO"))
+            biased = builder.emit(relax.op.nn.relu(relax.op.add(conv, relax.const(bias))))
+            out = builder.emit_output(relax.op.add(biased, relax.const(residual)))
+        builder.emit_func_output(out)
+    executable = relay_amp.build(builder.get(), tvm.target.Target(AVX2))
+    assert "winograd" in executable.as_text()
+    x = rng.standard_normal(shape).astype("float32")
+    padded = np.pad(x, [(0, 0), (padding[0], padding[2]), (padding[1], padding[3]), (0, 0)]).astype("float64")
+    direct = sum(np.einsum("nhwc,ck->nhwk", padded[:, i:i + out_shape[1], j:j + out_shape[2]], weight[i, j])
+                 for i in range(3) for j in range(3))
+    expected = np.maximum(direct + bias, 0) + residual
+    got = run_executable(executable, [x])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_torchvisions_resnet18_on_avx2_runs_its_3x3_convs_as_winograd_and_matches_pytorch():
+    """A model nobody here wrote (random weights, 112x112: the first three stages' 3x3 convs take it, the last
+    stage's 4x4 maps do not), exported by PyTorch to ONNX; fp32 within 1e-5 of PyTorch's largest output."""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    import io
+
+    import onnx
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    x = np.random.default_rng(0).standard_normal((1, 3, 112, 112)).astype("float32")
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (torch.from_numpy(x),), buffer, opset_version=17, dynamo=False)
+    executable = relay_amp.build(relay_amp.frontend.from_onnx(onnx.load_from_string(buffer.getvalue())),
+                                 tvm.target.Target(AVX2))
+    transforms = {line.split()[1] for line in executable.as_text().splitlines()
+                  if line.strip().startswith("call ") and "winograd_output" in line}
+    assert len(transforms) >= 3, transforms  # a function per stage's shape at least
+    got = run_executable(executable, [x])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
