@@ -25,8 +25,11 @@ CONV = "relax.nn.conv2d"
 INPUT_TRANSFORM = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])  # B^T
 WEIGHT_TRANSFORM = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])  # G
 OUTPUT_TRANSFORM = np.array([[1, 1, 1, 0], [0, 1, -1, -1]])  # A^T
-MIN_CHANNELS = 64  # fewer input or output channels: not measured (the transforms weigh more against the products)
+MIN_CHANNELS = 64  # fewer channels in or out: no faster (56x56x32 -> 32: 1.08x the direct conv's time)
 MIN_EXTENT = 7  # an output height or width below this: not measured
+MIN_PRODUCTS = 1 << 18  # tiles x channels in x out of each of the 16 matmuls: below this their calls and the
+# transforms cost more than the multiplies saved (7x7x64 -> 64: 1.26x the direct conv's time, 14x14x64: 1.12x;
+# 8x8x128 -> 128, at this bound: 0.93x)
 
 
 def suits(target: tvm.target.Target) -> bool:
@@ -37,8 +40,9 @@ def suits(target: tvm.target.Target) -> bool:
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.WinogradConvs")
 class WinogradConvs:
     """Rewrite each fp32 NHWC 3x3 stride-1 undilated ungrouped convolution with a constant HWIO weight, at least
-    MIN_CHANNELS channels in and out and an output at least MIN_EXTENT high and wide, as Winograd's F(2x2, 3x3):
-    a pad, 16 input transforms, 16 matmuls by the transformed weights and an output transform."""
+    MIN_CHANNELS channels in and out, an output at least MIN_EXTENT high and wide and MIN_PRODUCTS products in each
+    transformed element's matmul, as Winograd's F(2x2, 3x3): a pad, 16 input transforms, 16 matmuls by the
+    transformed weights and an output transform."""
 
     def __init__(self, func: str = "main"):
         self.func = func
@@ -77,8 +81,11 @@ def _takes_winograd(call: relax.Call) -> bool:
     if {tensor_dtype(data), tensor_dtype(weight), tensor_dtype(call)} != {"float32"}:
         return False
     kernel = tensor_shape(weight)
-    return (kernel[:2] == (3, 3) and all(isinstance(extent, int) for extent in [*shape, *out_shape])
-            and min(kernel[2:]) >= MIN_CHANNELS and min(out_shape[1:3]) >= MIN_EXTENT)
+    if kernel[:2] != (3, 3) or not all(isinstance(extent, int) for extent in [*shape, *out_shape]):
+        return False
+    tiles = out_shape[0] * -(-out_shape[1] // 2) * -(-out_shape[2] // 2)
+    return (min(kernel[2:]) >= MIN_CHANNELS and min(out_shape[1:3]) >= MIN_EXTENT
+            and tiles * kernel[2] * kernel[3] >= MIN_PRODUCTS)
 
 
 def transformed_weights(weight: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ def _weight(kernel: int, channels: int, outputs: int, seed: int = 0) -> np.ndarr
     return (rng.standard_normal((kernel, kernel, channels, outputs)) / np.sqrt(9 * channels)).astype("float32")
 
 
-def _convs(shape=(1, 8, 8, 64), outputs: int = 64, padding=(1, 1, 1, 1)) -> tvm.IRModule:
+def _convs(shape=(1, 8, 8, 128), outputs: int = 128, padding=(1, 1, 1, 1)) -> tvm.IRModule:
     """A conv Winograd takes, then one of stride 2 (it does not), each NHWC by a constant HWIO weight."""
     data = relax.Var("data", relax.TensorType(shape, "float32"))
     builder = relax.BlockBuilder()
@@ -37,9 +37,10 @@ def _convs(shape=(1, 8, 8, 64), outputs: int = 64, padding=(1, 1, 1, 1)) -> tvm.
 
 
 def test_a_3x3_stride_1_conv_becomes_a_pad_16_transformed_matmuls_and_an_output_transform():
-    """8x8 outputs are 4x4 tiles of 2x2, read from the input padded by 1 on each side; the stride-2 conv stays."""
+    """8x8 outputs are 4x4 tiles of 2x2 (16 x 128 x 128 products in each matmul: MIN_PRODUCTS), read from the input
+    padded by 1 on each side; the stride-2 conv stays."""
     before = _convs()
-    (data,), weight = before["main"].params, _weight(3, 64, 64)
+    (data,), weight = before["main"].params, _weight(3, 128, 128)
     builder = relax.BlockBuilder()
     with builder.function("main", [data]):
         with builder.dataflow():
@@ -47,9 +48,9 @@ def test_a_3x3_stride_1_conv_becomes_a_pad_16_transformed_matmuls_and_an_output_
             products = [builder.emit(relax.op.matmul(
                 builder.emit_te(winograd.window_part, padded, 4, 4, element, primfunc_name_hint="winograd_input"),
                 relax.const(winograd.transformed_weights(weight)[element]))) for element in range(16)]
-            taken = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 8, 8, 64), 4, 4,
+            taken = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 8, 8, 128), 4, 4,
                                                  primfunc_name_hint="winograd_output"))
-            strided = builder.emit(relax.op.nn.conv2d(taken, relax.const(_weight(3, 64, 64, 1)), strides=2, padding=1,
+            strided = builder.emit(relax.op.nn.conv2d(taken, relax.const(_weight(3, 128, 128, 1)), strides=2, padding=1,
                                                       data_layout="NHWC", kernel_layout="HWIO"))
             out = builder.emit_output(strided)
         builder.emit_func_output(out)
@@ -57,8 +58,9 @@ def test_a_3x3_stride_1_conv_becomes_a_pad_16_transformed_matmuls_and_an_output_
 
 
 @pytest.mark.parametrize("reason, module", [
-    ("32 channels in", _convs(shape=(1, 8, 8, 32))),
-    ("6 outputs high", _convs(shape=(1, 6, 8, 64))),
+    ("32 channels in", _convs(shape=(1, 16, 16, 32))),
+    ("6 outputs high", _convs(shape=(1, 6, 32, 128))),
+    ("14x14 outputs by 64 channels in and out (under MIN_PRODUCTS)", _convs(shape=(1, 14, 14, 64), outputs=64)),
     ("a bf16 input", relay_amp.to_mixed_precision(_convs(), "bfloat16")),
 ])
 def test_convs_outside_what_was_measured_keep_the_direct_kernels(reason, module):
@@ -73,14 +75,14 @@ def test_the_transformed_weights_are_g_g_gt_of_each_filter():
     np.testing.assert_allclose([got[:, :, c, k] for c in range(2) for k in range(3)], expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("shape, padding", [((2, 9, 7, 64), (1, 1, 1, 1)), ((1, 10, 12, 64), (0, 0, 0, 0))])
+@pytest.mark.parametrize("shape, padding", [((2, 9, 7, 128), (1, 1, 1, 1)), ((1, 10, 12, 128), (0, 0, 0, 0))])
 def test_a_built_winograd_conv_computes_what_the_direct_one_does(shape, padding):
     """Odd output sizes (tiles past the edge), a batch of two, no padding; bias, ReLU and a residual add after it
     (fused into the output transform). fp32, within 1e-5 of the largest output: Winograd rounds otherwise."""
     rng = np.random.default_rng(0)
     data = relax.Var("data", relax.TensorType(shape, "float32"))
-    weight, bias = _weight(3, 64, 64), rng.standard_normal(64).astype("float32")
-    out_shape = (shape[0], shape[1] + padding[0] + padding[2] - 2, shape[2] + padding[1] + padding[3] - 2, 64)
+    weight, bias = _weight(3, 128, 128), rng.standard_normal(128).astype("float32")
+    out_shape = (shape[0], shape[1] + padding[0] + padding[2] - 2, shape[2] + padding[1] + padding[3] - 2, 128)
     residual = rng.standard_normal(out_shape).astype("float32")
     builder = relax.BlockBuilder()
     with builder.function("main", [data]):
