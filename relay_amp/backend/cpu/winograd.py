@@ -55,6 +55,7 @@ class WinogradConvs:
 
 
 def _winograd(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+    """`call` as Winograd's pad, transforms and matmuls, or None where it does not take them."""
     if not _takes_winograd(call):
         return None
     data, weight = call.args
@@ -72,6 +73,7 @@ def _winograd(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | No
 
 
 def _takes_winograd(call: relax.Call) -> bool:
+    """Whether the conv2d `call` is one WinogradConvs rewrites."""
     attrs, (data, weight) = call.attrs, call.args
     shape, out_shape = tensor_shape(data), tensor_shape(call)
     if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NHWC", "HWIO", "NHWC") or int(attrs.groups) != 1:
@@ -115,9 +117,9 @@ def output_tiles(products: list, shape: tuple, rows: int, cols: int) -> te.Tenso
         corners = [_signed_sum([(products[4 * a + b][tile, channel], int(sign)) for a in range(4) for b in range(4)
                                 if (sign := OUTPUT_TRANSFORM[i, a] * OUTPUT_TRANSFORM[j, b])])
                    for i in range(2) for j in range(2)]
-        left = tvm.tirx.Select(x % 2 == 0, corners[0], corners[1])
-        right = tvm.tirx.Select(x % 2 == 0, corners[2], corners[3])
-        return tvm.tirx.Select(y % 2 == 0, left, right)
+        upper = tvm.tirx.Select(x % 2 == 0, corners[0], corners[1])
+        lower = tvm.tirx.Select(x % 2 == 0, corners[2], corners[3])
+        return tvm.tirx.Select(y % 2 == 0, upper, lower)
 
     return te.compute(shape, value, name="winograd_output")
 
