@@ -126,3 +126,9 @@ def test_torchvisions_resnet18_on_avx2_runs_its_3x3_convs_as_winograd_and_matche
     assert len(transforms) >= 3, transforms  # a function per stage's shape at least
     got = run_executable(executable, [x])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_only_cpu_targets_without_avx512_take_winograd():
+    assert winograd.suits(tvm.target.Target(AVX2))
+    assert not winograd.suits(relay_amp.targets.get_target("cpu-avx512-bf16"))
+    assert not winograd.suits(relay_amp.targets.get_target("cuda-tensorcore"))
