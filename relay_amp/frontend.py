@@ -13,7 +13,7 @@ from ._einsum import einsums_as_matmuls
 from ._group_norm import group_norms_as_ops
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
-from ._onnx_graph import (constant_values, held_value, importing_file, importing_model, inferred_values,
+from ._onnx_graph import (constant_values, held_value, importing_file, importing_model, inferred_values, node_label,
                           rename_values, subgraphs, tensor_value, weights_as_inputs, writable)
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
@@ -351,28 +351,24 @@ def _value_sizes_hint(proto) -> str:
     found = _value_sized_nodes(proto.graph)
     if not found:
         return ""
-    named = ", ".join(f"{op} {label}" for op, label in found[:3]) + (", ..." if len(found) > 3 else "")
+    named = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
     return (f" (its graph sizes tensors by their values: {named}, as a detector's post-processing does; where the "
             f"importer fails there, import the part before it: export the model without it (a torchvision "
             f"detector's backbone and head), or cut the file with onnx.utils.extract_model, and run the rest in "
             f"its framework)")
 
 
-def _value_sized_nodes(graph) -> "list[tuple[str, str]]":
-    """(op type, quoted name, or its first output's for a node without one) of each node of `graph` and its
-    subgraphs whose outputs are sized by values: VALUE_SIZED_OPS, and TopK of a k the graph computes."""
-    import onnx
-
-    constants = {init.name for init in graph.initializer} | {
-        name for node in graph.node if node.op_type == "Constant" for name in node.output}
+def _value_sized_nodes(graph) -> "list[str]":
+    """How errors name (node_label) each node of `graph` and its subgraphs whose outputs are sized by values:
+    VALUE_SIZED_OPS, and TopK of a k the graph computes."""
+    constants = constant_values(graph)
     found = []
     for node in graph.node:
         if node.op_type in VALUE_SIZED_OPS or (node.op_type == "TopK" and node.input[1:2] and
                                                node.input[1] not in constants):
-            found.append((node.op_type, repr(node.name) if node.name else f"(output {node.output[0]!r})"))
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                found.extend(_value_sized_nodes(attr.g))
+            found.append(node_label(node))
+        for subgraph in subgraphs(node):
+            found.extend(_value_sized_nodes(subgraph))
     return found
 
 

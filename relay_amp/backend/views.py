@@ -24,7 +24,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._ir import calls_any_op, is_scalar_constant, rewrite_function, rewrite_op_calls, tensor_shape
+from .._ir import calls_any_op, is_scalar_constant, is_static_shape, rewrite_function, rewrite_op_calls, tensor_shape
 
 TAKE = "relax.take"
 VIEW_ALIGNMENT = 64  # bytes: TVM's allocation alignment (kAllocAlignment)
@@ -144,5 +144,5 @@ def _take_view(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | N
 
 def _viewable(data: relax.Expr, shape: "tuple | None") -> bool:
     """Whether `data` is a tensor var of a static shape and a whole-byte dtype."""
-    return (isinstance(data, relax.Var) and bool(shape) and all(isinstance(extent, int) for extent in shape)
+    return (isinstance(data, relax.Var) and bool(shape) and is_static_shape(shape)
             and tvm.DataType(data.ty.dtype).bits % 8 == 0)

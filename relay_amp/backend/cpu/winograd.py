@@ -15,11 +15,13 @@ in fp32). Hosts with AVX-512 keep the direct kernels (not measured there), and b
 theirs (the transforms would add in their precision); AVX2's bf16 convolutions, widened to fp32 first, take it.
 """
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax, te
 
-from ..._ir import calls_any_op, rewrite_op_calls, tensor_dtype, tensor_shape
+from ..._ir import calls_any_op, is_static_shape, rewrite_op_calls, tensor_dtype, tensor_shape
 
 CONV = "relax.nn.conv2d"
 INPUT_TRANSFORM = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])  # B^T
@@ -60,7 +62,7 @@ def _winograd(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | No
         return None
     data, weight = call.args
     (batch, height, width, _), (_, out_height, out_width, _) = tensor_shape(data), tensor_shape(call)
-    rows, cols = -(-out_height // 2), -(-out_width // 2)  # tiles down and across
+    rows, cols = _tile_grid(out_height, out_width)
     top, left = (int(pad) for pad in call.attrs.padding[:2])
     padded = builder.emit(relax.op.nn.pad(data, [0, 0, top, 2 * rows + 2 - height - top,
                                                  left, 2 * cols + 2 - width - left, 0, 0]))
@@ -83,11 +85,16 @@ def _takes_winograd(call: relax.Call) -> bool:
     if {tensor_dtype(data), tensor_dtype(weight), tensor_dtype(call)} != {"float32"}:
         return False
     kernel = tensor_shape(weight)
-    if kernel[:2] != (3, 3) or not all(isinstance(extent, int) for extent in [*shape, *out_shape]):
+    if kernel[:2] != (3, 3) or not is_static_shape(shape) or not is_static_shape(out_shape):
         return False
-    tiles = out_shape[0] * -(-out_shape[1] // 2) * -(-out_shape[2] // 2)
+    tiles = out_shape[0] * math.prod(_tile_grid(*out_shape[1:3]))
     return (min(kernel[2:]) >= MIN_CHANNELS and min(out_shape[1:3]) >= MIN_EXTENT
             and tiles * kernel[2] * kernel[3] >= MIN_PRODUCTS)
+
+
+def _tile_grid(height: int, width: int) -> tuple[int, int]:
+    """The 2x2 output tiles down and across an output of `height` x `width`."""
+    return -(-height // 2), -(-width // 2)
 
 
 def transformed_weights(weight: np.ndarray) -> np.ndarray:
