@@ -7,14 +7,16 @@ from relay_amp.backend.cpu import kernels
 
 
 def random_operands(spec: kernels.ConvSpec, rng) -> tuple[np.ndarray, np.ndarray]:
-    """Data (NHWC) and an OIHW weight in the spec's dtypes: normal floats, integers over their whole range."""
+    """Data (NHWC) and an OIHW weight in the spec's dtypes: normal floats, integers over their whole range (weight
+    codes over seven bits for AVX2_BYTE_DOT, whose pairs must fit: kernels.byte_pairs_fit)."""
     weight_shape = (spec.out_channels, spec.depth, *spec.kernel_size)
     if spec.data_dtype in ("bfloat16", "float32"):
         dtype = ml_dtypes.bfloat16 if spec.data_dtype == "bfloat16" else "float32"
         return rng.standard_normal(spec.data_shape).astype(dtype), rng.standard_normal(weight_shape).astype(dtype)
     low = 0 if spec.data_dtype == "uint8" else -128
+    weight_low, weight_high = (-64, 63) if spec.dot is kernels.AVX2_BYTE_DOT else (-128, 127)  # any pair fits it
     return (rng.integers(low, low + 256, spec.data_shape).astype(spec.data_dtype),
-            rng.integers(-128, 128, weight_shape).astype("int8"))
+            rng.integers(weight_low, weight_high + 1, weight_shape).astype("int8"))
 
 
 def reference_conv(data: np.ndarray, weight_oihw: np.ndarray, spec: kernels.ConvSpec) -> np.ndarray:

@@ -48,6 +48,8 @@ from .schedules import CACHE_BYTES, STACK_BYTES, largest_divisor, schedule_injec
 
 LANES = 16  # 32-bit accumulator lanes of one zmm register
 INT8_SHIFT = 128  # int8 -> uint8 offset for vpdpbusd's unsigned operand
+UINT8_MAX = 255
+INT16_MAX = 2 ** 15 - 1  # the largest sum of products AVX2_BYTE_DOT's vpmaddubsw holds without saturating
 MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x columns) that stay on the stack: 15
 MAX_GROUP_WASTE = 4  # products per useful one a grouped conv's block-diagonal weight may cost (see grouped_weight)
 MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: pad the rows instead
@@ -85,6 +87,9 @@ class DotIntrin:
     commutes: bool = False
     halves: int = 1  # 2: the instruction takes 256-bit registers, and each 16-lane product is two of them (AVX2)
     accumulates: bool = True  # the instruction adds its products to an accumulator operand (not vpmaddwd)
+    # the instruction's products are int16 sums of byte pairs (vpmaddubsw), which this one (vpmaddwd against ones)
+    # sums in pairs into the accumulator's 32-bit lanes
+    pair_sums: str = ""
 
     @property
     def symbol(self) -> str:
@@ -105,8 +110,11 @@ class DotIntrin:
         acc = f"<{lanes} x {self.llvm_acc}>"
         sources = f"{self.llvm_operand}, {self.llvm_operand}"
         parts = "\n".join(self._part_ir(part, acc) for part in range(self.halves))
+        declarations = (f"declare {acc} @{self.llvm_intrinsic}({f'{acc}, {sources}' if self.accumulates else sources})"
+                        if not self.pair_sums else f"declare {self._pairs} @{self.llvm_intrinsic}({sources})\n"
+                        f"declare {acc} @{self.pair_sums}({self._pairs}, {self._pairs})")
         return f"""
-declare {acc} @{self.llvm_intrinsic}({f"{acc}, {sources}" if self.accumulates else sources})
+{declarations}
 define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
   %group = load i32, ptr %a, align 1
   %one = insertelement <{lanes} x i32> poison, i32 %group, i64 0
@@ -117,13 +125,25 @@ define void @{self.symbol}(ptr %c, ptr %a, ptr %b) {{
 }}
 """
 
+    @property
+    def _pairs(self) -> str:
+        """The LLVM type of a `pair_sums` instruction's operands: int16 sums of byte pairs, filling a register."""
+        return f"<{LANES // self.halves * 2} x i16>"
+
     def _part_ir(self, part: int, acc: str) -> str:
         """The IR of one register's share of the lanes: load its accumulators and its b vector, add the products."""
         offset = part * LANES // self.halves * 4  # bytes: 32-bit accumulators, and b's groups of 32 bits per lane
         operands = self._operands.replace("%bv", f"%b{part}")
-        product = (f"%r{part} = call {acc} @{self.llvm_intrinsic}({acc} %acc{part}, {operands})" if self.accumulates
-                   else f"%p{part} = call {acc} @{self.llvm_intrinsic}({operands})\n"
-                        f"  %r{part} = add {acc} %acc{part}, %p{part}")
+        if self.accumulates:
+            product = f"%r{part} = call {acc} @{self.llvm_intrinsic}({acc} %acc{part}, {operands})"
+        elif self.pair_sums:
+            ones = f"{self._pairs} <{', '.join(['i16 1'] * (LANES // self.halves * 2))}>"
+            product = (f"%s{part} = call {self._pairs} @{self.llvm_intrinsic}({operands})\n"
+                       f"  %p{part} = call {acc} @{self.pair_sums}({self._pairs} %s{part}, {ones})\n"
+                       f"  %r{part} = add {acc} %acc{part}, %p{part}")
+        else:
+            product = (f"%p{part} = call {acc} @{self.llvm_intrinsic}({operands})\n"
+                       f"  %r{part} = add {acc} %acc{part}, %p{part}")
         return f"""  %c{part} = getelementptr i8, ptr %c, i64 {offset}
   %bp{part} = getelementptr i8, ptr %b, i64 {offset}
   %acc{part} = load {acc}, ptr %c{part}, align 4
@@ -142,12 +162,18 @@ AVX512_INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16_zmm", "int16", "int16", "in
                              "llvm.x86.avx512.pmaddw.d.512", "i32", "<32 x i16>", accumulates=False)
 INT16_DOT = DotIntrin("relay_amp.dot_16x2_i16", "int16", "int16", "int32", 2, "avx2", "llvm.x86.avx2.pmadd.wd", "i32",
                       "<16 x i16>", halves=2, accumulates=False)
+# uint8 codes times int8 weight codes on AVX2 hosts without VNNI, where no pair of products can saturate vpmaddubsw's
+# int16 sums (byte_pairs_fit: 7-bit data, as relay_amp.targets.seven_bit_codes has quantize make it); vpmaddwd
+# against ones adds those sums in pairs
+AVX2_BYTE_DOT = DotIntrin("relay_amp.dot_16x4_u8i8_avx2", "uint8", "int8", "int32", 4, "avx2",
+                          "llvm.x86.avx2.pmadd.ub.sw", "i32", "<32 x i8>", halves=2, accumulates=False,
+                          pair_sums="llvm.x86.avx2.pmadd.wd")
 # int8 codes on hosts with AVX-VNNI but no AVX-512 (Intel's client CPUs since Alder Lake): vpdpbusd on 256 bits
 AVX_VNNI_DOT = DotIntrin("relay_amp.dot_16x4_u8i8_ymm", "uint8", "int8", "int32", 4, "avxvnni",
                          "llvm.x86.avx512.vpdpbusd.256", "i32", "<8 x i32>", halves=2)
 FP32_FMA = DotIntrin("relay_amp.fma_16x1_fp32", "float32", "float32", "float32", 1, "fma")  # AVX2 hosts too
 # registered as tensor intrinsics; FP32_FMA is plain vectorized code
-INTRINSICS = (BF16_DOT, INT8_DOT, AVX_VNNI_DOT, AVX512_INT16_DOT, INT16_DOT)
+INTRINSICS = (BF16_DOT, INT8_DOT, AVX_VNNI_DOT, AVX512_INT16_DOT, INT16_DOT, AVX2_BYTE_DOT)
 INTRINSICS_BY_NAME = {dot.name: dot for dot in INTRINSICS}
 EIGHT_BIT_CHOICES = (INT8_DOT, AVX_VNNI_DOT, AVX512_INT16_DOT, INT16_DOT)  # 8-bit codes' instructions, best first
 
@@ -302,10 +328,35 @@ def target_intrinsic(dtype: str, target: "tvm.target.Target | None" = None) -> D
     return next((choice for choice in EIGHT_BIT_CHOICES if has(choice.llvm_feature, target)), dot)
 
 
-def instruction_name(dtype: str) -> str:
-    """`ConvSpec.instruction` for a kernel of `dtype` operands on the current target: its `target_intrinsic`'s
-    name where that is not `intrinsic_for`'s, else ""."""
-    dot = target_intrinsic(dtype)
+def weight_intrinsic(dot: DotIntrin, weight: np.ndarray, in_axis: int, data_high: int = UINT8_MAX) -> DotIntrin:
+    """`dot`, or AVX2_BYTE_DOT in place of INT16_DOT where its products of uint8 data up to `data_high` by the
+    constant integer `weight` (input channels on `in_axis`) cannot saturate (`byte_pairs_fit`)."""
+    return AVX2_BYTE_DOT if dot is INT16_DOT and byte_pairs_fit(weight, in_axis, data_high) else dot
+
+
+def byte_pairs_fit(codes: np.ndarray, axis: int, data_high: int = UINT8_MAX) -> bool:
+    """Whether vpmaddubsw's int16 sum of two uint8 values up to `data_high` times each pair of integer `codes` along
+    `axis` (channels 2j and 2j + 1, as the kernels pack them) cannot saturate: `data_high` times the larger of a
+    pair's positive and negative codes' magnitudes summed is at most 32767 (any int8 pair for 7-bit data; pairs
+    summing to 128 for 8-bit data)."""
+    if codes.dtype.kind not in "iu":
+        return False
+    pairs = _pairs(codes.astype("int32"), axis)
+    positive, negative = np.maximum(pairs, 0).sum(-1), np.maximum(-pairs, 0).sum(-1)
+    return bool(data_high * np.maximum(positive, negative).max(initial=0) <= INT16_MAX)
+
+
+def _pairs(values: np.ndarray, axis: int) -> np.ndarray:
+    """`values` with `axis` moved last, zero-padded to even length and split into pairs: [..., pairs, 2]."""
+    moved = np.moveaxis(values, axis, -1)
+    padded = np.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, moved.shape[-1] % 2)])
+    return padded.reshape(*padded.shape[:-1], -1, 2)
+
+
+def instruction_name(dtype: str, dot: DotIntrin | None = None) -> str:
+    """`ConvSpec.instruction` for a kernel of `dtype` operands on `dot` (the current target's `target_intrinsic` by
+    default): its name where that is not `intrinsic_for`'s, else ""."""
+    dot = dot or target_intrinsic(dtype)
     return "" if dot is intrinsic_for(dtype) else dot.name
 
 

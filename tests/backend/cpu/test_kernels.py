@@ -50,6 +50,12 @@ CASES = {
     "uint8_matmul_int16_pairs_stored_rows": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "uint8", "int32",
                                                               stored_width=23, instruction=kernels.INT16_DOT.name),
                                              "avx2"),
+    # ... or, where the weight codes fit seven bits, uint8 data times them by vpmaddubsw (int8 data shifted)
+    "int8_conv_stride2_byte_pairs": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
+                                                      instruction=kernels.AVX2_BYTE_DOT.name), "avx2"),
+    "uint8_matmul_byte_pairs_stored_rows": (kernels.ConvSpec((1, 1, 25, 64), (1, 1), 48, (1, 1), "uint8", "int32",
+                                                             stored_width=23, instruction=kernels.AVX2_BYTE_DOT.name),
+                                            "avx2"),
     # ... on AVX-512 hosts without VNNI (Skylake-SP): vpmaddwd on zmm registers
     "int8_conv_stride2_int16_pairs_zmm": (kernels.ConvSpec((1, 9, 9, 8), (3, 3), 32, (2, 2), "int8", "int32",
                                                            instruction=kernels.AVX512_INT16_DOT.name), "avx512bw"),
@@ -61,7 +67,8 @@ CASES = {
                                  "avx512f"),
 }
 INSTRUCTION = {kernels.BF16_DOT: "vdpbf16ps", kernels.INT8_DOT: "vpdpbusd", kernels.AVX_VNNI_DOT: "vpdpbusd",
-               kernels.AVX512_INT16_DOT: "vpmaddwd", kernels.INT16_DOT: "vpmaddwd", kernels.FP32_FMA: "vfmadd"}
+               kernels.AVX512_INT16_DOT: "vpmaddwd", kernels.INT16_DOT: "vpmaddwd", kernels.FP32_FMA: "vfmadd",
+               kernels.AVX2_BYTE_DOT: "vpmaddubsw"}
 YMM_HOSTS = {"avx2": "haswell", "avx_vnni": "alderlake"}  # host feature -> an LLVM cpu with it and no AVX-512
 NO_VNNI_CPU = "skylake-avx512"  # AVX-512 without VNNI: LLVM fuses no vpmaddwd and add into vpdpwssd there
 
@@ -153,6 +160,18 @@ def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_av
     assert kernels.target_intrinsic("bfloat16", avx2) is kernels.BF16_DOT  # dispatch widens bf16 there instead
     with avx2:
         assert kernels.instruction_name("int8") == kernels.INT16_DOT.name and kernels.instruction_name("float32") == ""
+    # pairs along axis 0: (127, 1) and (-127, -1) sum to 128 in magnitude, (127, 2) to 129; along axis 1 the pairs
+    # (127, -128) and (2, -1) are of opposite signs, which never saturate
+    fitting, saturating = np.array([[127, -127], [1, -1]], "int8"), np.array([[127, -128], [2, -1]], "int8")
+    assert kernels.weight_intrinsic(kernels.INT16_DOT, fitting, 0) is kernels.AVX2_BYTE_DOT
+    assert kernels.weight_intrinsic(kernels.INT16_DOT, saturating, 0) is kernels.INT16_DOT
+    assert kernels.weight_intrinsic(kernels.INT16_DOT, saturating, 1) is kernels.AVX2_BYTE_DOT
+    assert kernels.weight_intrinsic(kernels.INT16_DOT, np.array([1, 2, 127, 2], "int8"), 0) is kernels.INT16_DOT
+    assert kernels.weight_intrinsic(kernels.INT16_DOT, fitting.astype("float32"), 0) is kernels.INT16_DOT
+    for other in (kernels.AVX512_INT16_DOT, kernels.AVX_VNNI_DOT, kernels.INT8_DOT):  # AVX2's only
+        assert kernels.weight_intrinsic(other, fitting, 0) is other
+    with avx2:
+        assert kernels.instruction_name("uint8", kernels.AVX2_BYTE_DOT) == kernels.AVX2_BYTE_DOT.name
     spec = kernels.ConvSpec((1, 4, 4, 8), (1, 1), 16, data_dtype="int8", instruction=kernels.INT16_DOT.name)
     assert spec.dot is kernels.INT16_DOT and not spec.shifted  # widened, not shifted: no weight sums
     assert spec.input_stage == "widened" and dataclasses.replace(spec, instruction="").input_stage == "shifted"
