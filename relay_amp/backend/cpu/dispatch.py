@@ -54,6 +54,7 @@ from ...dtypes import numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
 from . import amx, cores, kernels
+from .code_bounds import value_range
 
 FEW_ROWS = 8  # a runtime matmul of this many rows or fewer packs no cache (_Dispatcher._few_rows)
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -155,16 +156,16 @@ class _Dispatcher(relax.PyExprMutator):
         if shape is None:
             return None
         if weight is not None:
-            dot = kernels.target_intrinsic(dtype)
             if weight.ndim > 2 and weight.ndim <= len(shape) and all(d == 1 for d in weight.shape[:-2]):
                 weight = weight.reshape(weight.shape[-2:])  # a batch of one (torch.export's einsum as bmm)
             if weight.ndim != 2:
                 return None
+            dot = kernels.weight_intrinsic(kernels.target_intrinsic(dtype), weight, 0, self._largest_code(data))
             width = weight.shape[1]
             weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)])
             if not kernels.supports(weight.shape[1], weight.shape[0], dot):
                 return None
-            result = self._emit_matmul(call, data, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot))
+            result = self._emit_matmul(call, data, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot), dot)
             return self._first_channels(result, len(shape) - 1, width, weight.shape[1])
         return self._runtime_matmul(call, shape)
 
@@ -301,7 +302,7 @@ class _Dispatcher(relax.PyExprMutator):
             operand = self.builder_.emit(pad_after(operand, len(operand_shape), -1, extra_width))
             operand_shape = _deeper(operand_shape, -1, extra_width)
         packed = self.builder_.emit(_packed_at_run_time(operand, operand_shape, dot, batch))
-        result = self._emit_matmul(call, data, shape, operand_shape[-1], packed, batch)
+        result = self._emit_matmul(call, data, shape, operand_shape[-1], packed, dot, batch)
         return self._first_channels(result, len(shape) - 1, width, operand_shape[-1])
 
     def _few_rows(self, call: relax.Call, shape: tuple[int, ...]) -> relax.Expr | None:
@@ -335,13 +336,13 @@ class _Dispatcher(relax.PyExprMutator):
         return kernels.LANES * (2 if two_columns else 1)
 
     def _emit_matmul(self, call: relax.Call, data: relax.Expr, shape: tuple[int, ...], out_ch: int,
-                     packed: "np.ndarray | relax.Expr", weight_batch: int = 0) -> relax.Expr:
-        """The kernel call for `call`, a matmul of `data` (of `shape`), as a 1x1 conv: rows as pixels (per weight
-        when `weight_batch`); `packed` is a constant packed here or a runtime operand packed by Relax ops."""
+                     packed: "np.ndarray | relax.Expr", dot: kernels.DotIntrin, weight_batch: int = 0) -> relax.Expr:
+        """The kernel call for `call`, a matmul of `data` (of `shape`), as a 1x1 conv on `dot`: rows as pixels (per
+        weight when `weight_batch`); `packed` is a constant packed here or a runtime operand packed by Relax ops."""
         dtype, in_ch = tensor_dtype(call.args[0]), shape[-1]
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
-                                weight_batch, instruction=kernels.instruction_name(dtype))
+                                weight_batch, instruction=kernels.instruction_name(dtype, dot))
         on_amx = self._on_amx(spec)
         if on_amx:
             spec = _fewest_padded_rows(spec, dataclasses.replace(spec, data_shape=(images, rows, 1, in_ch)))
@@ -367,6 +368,7 @@ class _Dispatcher(relax.PyExprMutator):
         channels = weight.shape[layout.index("O")]  # outputs padded up to the 16 lanes are sliced off after
         group_width = channels // int(attrs.groups)
         if int(attrs.groups) == 1:  # zero input channels: the rest of a whole result it reads, or up to the dot's group
+            dot = kernels.weight_intrinsic(dot, weight, layout.index("I"), self._largest_code(data))
             extra = self._whole_extra(data, dot.group) or -weight.shape[layout.index("I")] % dot.group
             weight = np.pad(weight, [(0, {"I": extra, "O": -channels % kernels.LANES}.get(axis, 0)) for axis in layout])
         else:
@@ -375,6 +377,7 @@ class _Dispatcher(relax.PyExprMutator):
             if grouped is None:
                 return None
             (weight, groups), layout = grouped, "OIHW"
+            dot = kernels.weight_intrinsic(dot, weight, 1, self._largest_code(data))  # input channels as packed
             extra = groups * weight.shape[1] - shape[3]  # zero input channels for a last block short of groups
         out_ch, in_ch = weight.shape[layout.index("O")], shape[3] + extra
         if not kernels.supports(out_ch, in_ch, dot, groups):
@@ -384,7 +387,7 @@ class _Dispatcher(relax.PyExprMutator):
         kernel_size = (weight.shape[layout.index("H")], weight.shape[layout.index("W")])
         spec = kernels.ConvSpec(padded_shape, kernel_size, out_ch, tuple(int(s) for s in attrs.strides), dtype,
                                 _out_dtype(call, dtype), groups=groups, dilation=tuple(int(d) for d in attrs.dilation),
-                                instruction=kernels.instruction_name(dtype))
+                                instruction=kernels.instruction_name(dtype, dot))
         in_one_row = None if self._on_amx(spec) else _pixels_in_one_row(spec)
         spec = in_one_row or spec
         width = spec.out_shape[2]
@@ -514,6 +517,13 @@ class _Dispatcher(relax.PyExprMutator):
         gvar = add_func_once(self.builder_, self.kernel_funcs, ("dot", spec), lambda: kernels.conv2d_nhwc_compute(spec),
                              name)
         return self.builder_.emit(relax.call_tir(gvar, args, relax.TensorType(spec.stored_shape, spec.out_dtype)))
+
+    def _largest_code(self, data: relax.Expr) -> int:
+        """The largest uint8 code a kernel's 8-bit `data` gives its instruction: uint8 data's largest value
+        (code_bounds: 127 for 7-bit codes), 255 for int8 data, which the kernel shifts by 128."""
+        if tensor_dtype(data) != "uint8":
+            return kernels.UINT8_MAX
+        return int(min(value_range(self, data)[1], kernels.UINT8_MAX))
 
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
         return spec.data_dtype in self.amx_dtypes and amx.supports(spec)

@@ -211,15 +211,53 @@ def _runtime_int8_matmul() -> tvm.IRModule:
                                 tensor("a", (2, 16, 32), "int8"), tensor("b", (2, 32, 32), "int8"))
 
 
+def _codes_conv(high: float) -> tvm.IRModule:
+    """quantize's uint8 codes up to `high` of a float input, then a 3x3 conv by int8 weights of 127 and -128 (each
+    pair of input channels sums to 254 or 256: vpmaddubsw's pair sums of 8-bit codes would saturate)."""
+    weight = np.where(np.arange(3 * 3 * 8 * 16).reshape(3, 3, 8, 16) % 3 == 0, -128, 127).astype("int8")
+
+    def body(x):
+        clamped = relax.op.minimum(relax.op.maximum(relax.op.floor(x), relax.const(0.0)), relax.const(high))
+        return relax.op.nn.conv2d(relax.op.astype(clamped, "uint8"), relax.const(weight), padding=1,
+                                  data_layout="NHWC", kernel_layout="HWIO", out_dtype="int32")
+    return single_output_module(body, tensor("x", (1, 7, 7, 8)))
+
+
+@pytest.mark.parametrize("high, dot", [(127.0, kernels.AVX2_BYTE_DOT), (255.0, kernels.INT16_DOT)])
+def test_7_bit_codes_take_avx2s_byte_products_whatever_the_weights_and_8_bit_ones_int16_pairs(high, dot):
+    """A conv of codes clamped to 127 (quantize's 7-bit codes: code_bounds reads the clamp back) cannot saturate
+    vpmaddubsw; of codes up to 255 it could, by these weights, so they are widened to int16 pairs. Both builds are
+    exact: the codes and weights at their extremes give the same sums as the generic build."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    mod = _codes_conv(high)
+    with target:
+        after = dispatch.UseDotKernels({"uint8"})(relax.transform.Normalize()(mod))
+    (kernel,) = [b.value for b in after["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"
+                 and b.value.args[0].name_hint.startswith("relay_amp_dot_kernel")]
+    assert _kernel_spec(after, kernel).dot is dot
+    if not targets.host_supports("avx2"):
+        pytest.skip("host CPU lacks avx2")
+    data = [np.full((1, 7, 7, 8), 300.0, "float32")]  # every code at its clamp
+    np.testing.assert_array_equal(run_executable(build(mod, target), data)[0], relay_amp.run(mod, data)[0])
+
+
+def _small_weight_conv():
+    return _conv_module(np.ones((3, 3, 8, 16), "int8"))
+
+
+def _large_weight_conv():  # pairs of input channels' weights sum to 200: vpmaddubsw would saturate
+    return _conv_module(np.full((3, 3, 8, 16), 100, "int8"))
+
+
 @pytest.mark.parametrize("mcpu, dot, feature", [("haswell", kernels.INT16_DOT, "avx2"),
                                                 ("alderlake", kernels.AVX_VNNI_DOT, "avx_vnni"),
                                                 ("skylake-avx512", kernels.AVX512_INT16_DOT, "avx512bw")])
-@pytest.mark.parametrize("module", [_audio_conv_module, lambda: _conv_module(np.ones((3, 3, 8, 16), "int8")),
-                                    _runtime_int8_matmul])
+@pytest.mark.parametrize("module", [_audio_conv_module, _small_weight_conv, _large_weight_conv, _runtime_int8_matmul])
 def test_int8_kernels_for_a_target_without_avx512_vnni_match_the_generic_build(module, mcpu, dot, feature):
     """A host without AVX-512 VNNI computes 8-bit codes with AVX-VNNI's 256-bit vpdpbusd where it has it, else
     widened to int16 pairs (kernels.INT16_DOT, AVX512_INT16_DOT: the weights packed in int16, a runtime operand as
-    it is packed), exact as the generic build's integer sums."""
+    it is packed); on AVX2 a constant weight whose pairs fit takes vpmaddubsw instead (AVX2_BYTE_DOT), its int8
+    data shifted to uint8: all exact as the generic build's integer sums."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     assert {"float32", "int8", "uint8"} <= dispatch.target_dtypes(target) and BF16 not in dispatch.target_dtypes(target)
     mod = module()
@@ -227,6 +265,8 @@ def test_int8_kernels_for_a_target_without_avx512_vnni_match_the_generic_build(m
         after = dispatch.UseDotKernels({"int8"})(mod)
     (kernel,) = [b.value for b in after["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.call_tir"
                  and b.value.args[0].name_hint.startswith("relay_amp_dot_kernel")]
+    if dot is kernels.INT16_DOT and module in (_audio_conv_module, _small_weight_conv):
+        dot = kernels.AVX2_BYTE_DOT
     assert _kernel_spec(after, kernel).dot is dot and tensor_dtype(kernel.args[1].fields[1]) == dot.b_dtype
     if not targets.host_supports(feature):
         pytest.skip(f"host CPU lacks {feature}")
