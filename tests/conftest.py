@@ -1,7 +1,7 @@
 """Test configuration: make sibling test modules importable (shared model builders and checks), build the CPU
-presets for no core in particular (the same kernels on every host; tests of per-core choices name a core), split the
-cores between pytest-xdist's workers, and keep PyTorch off AMX where its AMX kernels die (before any test runs a
-torch op)."""
+presets for no core in particular (the same kernels on every host; tests of per-core choices name a core), quantize
+to 8-bit activation codes on every host (tests of 7-bit codes name them), split the cores between pytest-xdist's
+workers, and keep PyTorch off AMX where its AMX kernels die (before any test runs a torch op)."""
 
 import importlib.util
 import os
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each worker before it imports this file
 if WORKERS > 1:  # each worker's TVM, OpenMP (PyTorch) and their spinning threads on its share of the cores only
@@ -30,6 +31,15 @@ LONGEST_FILES = ("tools/test_zoo.py", "passes/test_quantize.py", "compile/test_t
                  "test_tutorials.py", "passes/test_transposes.py", "backend/cpu/test_widen.py",
                  "compile/test_tuning_rpc.py", "passes/test_amp_numeric.py")
 WORKER_MEMORY = 3 << 30  # a worker's peak resident memory is about 2 GB (torch, TVM, a zoo model's builds)
+
+
+@pytest.fixture(autouse=True)
+def eight_bit_activation_codes(monkeypatch):
+    """quantize's automatic activation bits follow the host (relay_amp.targets.seven_bit_codes: 7 on AVX2 hosts
+    without VNNI); tests quantize to 8 bits on every host unless they name the bits or put the host's rule back."""
+    from relay_amp.passes.quantize import realize
+
+    monkeypatch.setattr(realize, "seven_bit_codes", lambda target=None: False)
 
 
 def pytest_xdist_auto_num_workers(config):

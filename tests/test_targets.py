@@ -82,3 +82,15 @@ def test_the_cpu_preset_turns_off_the_features_its_core_names_that_the_host_cann
     assert str(target.attrs["mcpu"]) == "sapphirerapids"
     assert not tvm.target.codegen.target_has_features("amx-tile", target)
     assert tvm.target.codegen.target_has_features("avx512f", target) == targets.host_supports("avx512f")
+
+
+@pytest.mark.parametrize("target, seven", [({"kind": "llvm", "mcpu": "znver3"}, True),
+                                           ({"kind": "llvm", "mcpu": "haswell"}, True),
+                                           ({"kind": "llvm", "mcpu": "alderlake"}, False),  # AVX-VNNI
+                                           ({"kind": "llvm", "mcpu": "skylake-avx512"}, False),
+                                           ({"kind": "llvm", "mcpu": "sandybridge"}, False),  # no AVX2
+                                           ({"kind": "cuda", "arch": "sm_80"}, False)])
+def test_seven_bit_codes_pay_on_avx2_without_vnni_or_avx512(target, seven):
+    assert targets.seven_bit_codes(tvm.target.Target(target)) is seven
+    with tvm.target.Target(target):
+        assert targets.seven_bit_codes() is seven

@@ -113,7 +113,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch, args.dim)
     if args.from_qdq:
         _require_unset(args, "--from-qdq", calib=None, apply_plan=None, exclude=[], dynamic_matmuls=False,
-                       float_residuals=False, separate_ranges=False)
+                       float_residuals=False, separate_ranges=False, activation_bits="auto")
         quantized = realize_qdq(mod, fallback_dtype=args.fallback)
     elif args.apply_plan:
         quantized = apply_quant_plan(mod, QuantPlan.load(args.apply_plan))
@@ -122,7 +122,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         quantized = quantize(mod, batches, observer=args.observer, percentile=args.percentile,
                              excluded_layers=args.exclude, fallback_dtype=args.fallback,
                              dynamic_matmuls=args.dynamic_matmuls, quantized_residuals=not args.float_residuals,
-                             shared_ranges=not args.separate_ranges)
+                             shared_ranges=not args.separate_ranges, activation_bits=args.activation_bits)
     plan = quant_plan(quantized)
     print(plan.summary())
     _write_plan_and_module(args, plan, quantized)
@@ -194,6 +194,11 @@ def _target(text: str) -> str:
 
 def _dtype_list(text: str) -> list[str]:
     return [_dtype(part) for part in _op_list(text)]
+
+
+def _auto_or_int(text: str) -> "str | int":
+    """ "auto", or the integer `text` spells (argparse's choices then check it)."""
+    return text if text == "auto" or not text.lstrip("-").isdigit() else int(text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -279,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "point (default: a uint8 operand's codes, as ONNX Runtime's QDQ models do)")
     qz.add_argument("--separate-ranges", action="store_true", help="each layer keeps its own calibrated range "
                     "(default: layers reading moves of one value, a concat's or split's, share one)")
+    qz.add_argument("--activation-bits", type=_auto_or_int, choices=("auto", 7, 8), default="auto", help="bits of the activation codes: "
+                    "7 or 8 (auto: 7 for unsigned codes where the host multiplies bytes on AVX2 alone, exact and "
+                    "faster there; else 8)")
     qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
     qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (ONNX Runtime's QDQ, "
                     "QOperator or dynamic int8 files): run it on relay_amp's int8 layers with its own ranges, no "

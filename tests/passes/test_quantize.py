@@ -11,7 +11,8 @@ from relay_amp import ModelLoadError, OptionError, digits, metrics, models, targ
 from relay_amp.compile.build import build
 from relay_amp.passes.quantize import QuantEntry, QuantPlan
 from relay_amp.passes.quantize.observers import BINS, Histogram, threshold
-from relay_amp.passes.quantize.plan import zero_point_position
+from relay_amp.passes.quantize import realize
+from relay_amp.passes.quantize.plan import code_levels, zero_point_position
 from relay_amp.ops import call_op_name
 from relay_amp.passes.quantize.realize import quantize_weight
 from relay_amp.runtime import run_executable
@@ -34,18 +35,20 @@ def linear_module() -> tvm.IRModule:
     return bb.get()
 
 
-def expected_linear(dtype: str, step: float, zero_point: int = 0) -> tvm.IRModule:
-    """What quantization makes of linear_module with activations in `dtype` codes of `step` around `zero_point`."""
+def expected_linear(dtype: str, step: float, zero_point: int = 0, bits: int = 8) -> tvm.IRModule:
+    """What quantization makes of linear_module with activations in `bits`-bit `dtype` codes of `step` around
+    `zero_point`."""
+    levels = code_levels(dtype, bits)
     codes = np.array([[127, -127, 127], [-64, 64, 64]], "int8")  # WEIGHT / its column max |w| * 127
-    scales = np.abs(WEIGHT).max(axis=0) / 127 * step
+    scales = np.abs(WEIGHT).max(axis=0).astype("float64") / 127 * step  # as quantize_weight computes them
     bb = relax.BlockBuilder()
     x = tensor("x", (4, 2))
     with bb.function("main", [x]):
         with bb.dataflow():
             scaled = bb.emit(relax.op.multiply(x, relax.const(1 / step)))
             rounded = bb.emit(relax.op.floor(bb.emit(relax.op.add(scaled, relax.const(zero_point + 0.5)))))
-            floored = bb.emit(relax.op.maximum(rounded, relax.const(0.0 if dtype == "uint8" else -127.0)))
-            clipped = bb.emit(relax.op.minimum(floored, relax.const(255.0 if dtype == "uint8" else 127.0)))
+            floored = bb.emit(relax.op.maximum(rounded, relax.const(0.0 if dtype == "uint8" else -float(levels))))
+            clipped = bb.emit(relax.op.minimum(floored, relax.const(float(levels))))
             activations = bb.emit(relax.op.astype(clipped, dtype))
             accumulated = bb.emit(relax.op.matmul(activations, relax.const(codes), out_dtype="int32"))
             real = relax.op.multiply(relax.op.astype(accumulated, "float32"),
@@ -354,6 +357,39 @@ def test_signed_inputs_get_int8s_codes_offset_to_uint8_and_int8_can_be_forced():
     assert relay_amp.quant_plan(forced).entries[0].dtype == "int8"
 
 
+def test_7_bit_activation_codes_take_half_the_levels_and_offset_signed_codes_by_64():
+    """Unsigned inputs get codes up to 127 (twice 8-bit codes' step), signed ones symmetric 7-bit codes plus 64;
+    weights stay 8-bit."""
+    unsigned = [np.array([[0.0, 1.0], [2.0, 0.5], [0.25, 1.5], [1.0, 1.0]], "float32")]
+    quantized = relay_amp.quantize(linear_module(), unsigned, fallback_dtype="float32", activation_bits=7)
+    [entry] = relay_amp.quant_plan(quantized).entries
+    assert (entry.dtype, entry.bits, entry.step) == ("uint8", 7, pytest.approx(2.0 / 127))
+    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", entry.step, bits=7))
+    signed = [np.array([[-3.0, 1.0], [2.0, 0.5], [0.25, 1.5], [1.0, 1.0]], "float32")]
+    offset = relay_amp.quantize(linear_module(), signed, fallback_dtype="float32", activation_bits=7)
+    [entry] = relay_amp.quant_plan(offset).entries
+    assert (entry.dtype, entry.zero_point, entry.step) == ("uint8", 64, pytest.approx(3.0 / 63))
+    tvm.ir.assert_structural_equal(offset.without_attr(QuantPlan.ATTR), expected_linear("uint8", entry.step, 64, bits=7))
+    inputs = [np.array([[-2.9, 0.3], [1.7, -0.4], [0.6, 2.2], [-1.1, 1.3]], "float32")]
+    exact = inputs[0] @ WEIGHT
+    assert np.abs(relay_amp.run(offset, inputs)[0] - exact).max() <= 3.0 / 63 * np.abs(WEIGHT).sum(axis=0).max()
+
+
+@pytest.mark.parametrize("mcpu, bits", [("znver3", 7), ("haswell", 7), ("alderlake", 8), ("skylake-avx512", 8),
+                                        ("znver4", 8)])
+def test_automatic_activation_bits_are_7_for_unsigned_codes_on_avx2_without_vnni_or_avx512(monkeypatch, mcpu, bits):
+    """Signed inputs (codes with a zero point) keep 8 bits on every target."""
+    monkeypatch.setattr(realize, "seven_bit_codes", targets.seven_bit_codes)  # the host's rule, not conftest's pin
+    data = [np.random.default_rng(0).normal(size=(4, 2)).astype("float32")]
+    with tvm.target.Target({"kind": "llvm", "mcpu": mcpu}):
+        unsigned = relay_amp.quantize(linear_module(), [np.abs(data[0])], fallback_dtype="float32")
+        signed = relay_amp.quantize(linear_module(), data, fallback_dtype="float32")
+    assert relay_amp.quant_plan(unsigned).entries[0].bits == bits
+    [entry] = relay_amp.quant_plan(signed).entries
+    assert entry.bits == 8 and entry.zero_point > 0
+    assert relay_amp.quant_plan(relay_amp.quantize(linear_module(), data, activation_bits=8)).entries[0].bits == 8
+
+
 def test_quantize_weight_per_channel_and_per_tensor():
     codes, scales = quantize_weight(WEIGHT, 1)
     np.testing.assert_allclose(scales, [0.5 / 127, 1 / 127, 0.25 / 127])
@@ -460,8 +496,9 @@ def test_a_plan_saved_before_quantized_residuals_loads_with_float_residuals(tmp_
     text = linear_plan("uint8", 1.0).to_json()
     data = json.loads(text)
     data.pop("quantized_residuals")
+    data["entries"][0].pop("bits")  # and before 7-bit codes
     path.write_text(json.dumps(data))
-    assert not QuantPlan.load(path).quantized_residuals
+    assert not QuantPlan.load(path).quantized_residuals and QuantPlan.load(path).entries[0].bits == 8
 
 
 def test_plan_errors_name_the_file_or_layer(tmp_path):
@@ -480,6 +517,11 @@ def test_plan_errors_name_the_file_or_layer(tmp_path):
         relay_amp.apply_quant_plan(models.bert_encoder(seq_len=16, hidden=64, heads=2, layers=1), bad)
     with pytest.raises(relay_amp.ModuleError, match="no quantization plan"):
         relay_amp.quant_plan(linear_module())
+    layer = relay_amp.list_layers(linear_module(), ["matmul"])[0]
+    nine_bits = QuantPlan(["relax.matmul"], "minmax", "per_channel", "float32",
+                          entries=[QuantEntry(0, layer.op, layer.name, "uint8", 1.0, "by hand", bits=9)])
+    with pytest.raises(OptionError, match="layer 0 .*activation codes of 9 bits"):
+        relay_amp.apply_quant_plan(linear_module(), nine_bits)
 
 
 @pytest.mark.parametrize("dataset, options, match", [
@@ -490,6 +532,8 @@ def test_plan_errors_name_the_file_or_layer(tmp_path):
     ([np.zeros((4, 2), "float32")], {"observer": "kl"}, "observer must be one of"),
     ([np.zeros((4, 2), "float32")], {"percentile": 0}, "percentile"),
     ([np.zeros((4, 2), "float32")], {"weight_granularity": "per_row"}, "weight_granularity"),
+    ([np.zeros((4, 2), "float32")], {"activation_bits": 6}, "activation_bits must be"),
+    ([np.zeros((4, 2), "float32")], {"activation_bits": True}, "activation_bits must be"),
     ([np.zeros((4, 2), "float32")], {"excluded_layers": [3]}, "out of range"),
 ])
 def test_bad_input_is_a_relay_amp_error_that_names_it(dataset, options, match):

@@ -16,13 +16,19 @@ QUANT_PLAN_ATTR = "relay_amp.quant_plan"
 STATIC_DTYPES = ("int8", "uint8")
 DYNAMIC = "dynamic int8"
 QUANTIZED_DTYPES = (*STATIC_DTYPES, DYNAMIC)
-CODE_LEVELS = {"int8": 127, "uint8": 255}  # steps above zero: symmetric int8 uses [-127, 127]
 SHARED_RANGE = "one range with layers"  # how a reason ends where the layer shares its range (quantize.shared)
 
 
-def zero_point_position(low: float, high: float) -> float:
-    """Where 0.0 falls among the uint8 codes that span [low, high] (low < 0 < high): the zero point, unrounded."""
-    return -low / (high - low) * CODE_LEVELS["uint8"]
+def code_levels(dtype: str, bits: int = 8) -> int:
+    """Steps above zero of `bits`-bit activation codes of `dtype`: uint8's [0, 2^bits - 1], symmetric int8's
+    [-(2^(bits - 1) - 1), 2^(bits - 1) - 1] (8 bits: 255 and 127; 7 bits: 127 and 63)."""
+    return 2 ** bits - 1 if dtype == "uint8" else 2 ** (bits - 1) - 1
+
+
+def zero_point_position(low: float, high: float, bits: int = 8) -> float:
+    """Where 0.0 falls among the `bits`-bit uint8 codes that span [low, high] (low < 0 < high): the zero point,
+    unrounded."""
+    return -low / (high - low) * code_levels("uint8", bits)
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class QuantEntry:
     threshold: float
     reason: str
     zero_point: int = 0  # the uint8 code of 0.0 (0: symmetric codes)
+    bits: int = 8  # the codes' bits: 7 keeps uint8 codes under 128 (see relay_amp.targets.seven_bit_codes)
 
     @property
     def quantized(self) -> bool:
@@ -49,7 +56,7 @@ class QuantEntry:
     @property
     def step(self) -> float:
         """The value of one code of a static entry: its threshold over the codes above the zero point."""
-        return self.threshold / (CODE_LEVELS[self.dtype] - self.zero_point) if self.threshold > 0 else 1.0
+        return self.threshold / (code_levels(self.dtype, self.bits) - self.zero_point) if self.threshold > 0 else 1.0
 
 
 @dataclass
@@ -78,9 +85,11 @@ class QuantPlan(StoredPlan):
         quantized = sum(entry.quantized for entry in self.entries)
         residuals = "uint8 codes" if self.quantized_residuals else "floating point"
         shared = sum(SHARED_RANGE in entry.reason for entry in self.entries)
+        narrow = sum(entry.quantized and entry.bits < 8 for entry in self.entries)
         return (f"{table}\n\n{quantized} of {len(self.entries)} layers in int8 ({self.observer} observer, "
-                f"{self.weight_granularity} weights); the rest in {self.fallback_dtype}; residual adds read "
-                f"{residuals}; {shared} layers share a range with others")
+                f"{self.weight_granularity} weights{f'; {narrow} with 7-bit activation codes' if narrow else ''}); "
+                f"the rest in {self.fallback_dtype}; residual adds read {residuals}; {shared} layers share a range "
+                "with others")
 
 
 def quant_plan(mod: tvm.IRModule) -> QuantPlan:
