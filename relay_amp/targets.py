@@ -98,7 +98,7 @@ def seven_bit_codes(target: "tvm.target.Target | None" = None) -> bool:
     an x86 llvm target with AVX2 and neither AVX-512 nor AVX-VNNI. Its byte product, vpmaddubsw, sums two uint8 x
     int8 products in int16, which codes up to 255 overflow (2 x 255 x 128) and codes under 128 cannot (2 x 127 x
     128 = 32512), so the CPU backend takes 7-bit codes in one byte (relay_amp.backend.cpu.kernels.AVX2_BYTE_DOT)
-    where it widens 8-bit ones to int16 pairs (ResNet-50 int8q on Zen 3: 0.75x the time)."""
+    where it widens 8-bit ones to int16 pairs (ResNet-50 int8q on Zen 3: 0.77x the time)."""
     target = target or tvm.target.Target.current(allow_none=True) or get_target(host_preset())
     has = tvm.target.codegen.target_has_features
     return (target.kind.name == "llvm" and has("avx2", target)

@@ -390,6 +390,24 @@ def test_automatic_activation_bits_are_7_for_unsigned_codes_on_avx2_without_vnni
     assert relay_amp.quant_plan(relay_amp.quantize(linear_module(), data, activation_bits=8)).entries[0].bits == 8
 
 
+def test_automatic_7_bit_codes_need_an_input_whose_values_fill_them(monkeypatch):
+    """An unsigned input whose RMS is under a tenth of its threshold (a few outliers over small values) keeps 8-bit
+    codes: 7 would round most of its values to a few codes."""
+    monkeypatch.setattr(realize, "seven_bit_codes", lambda target=None: True)
+    spread = [np.linspace(0.0, 2.0, 8, dtype="float32").reshape(4, 2)]
+    outlier = [np.full((4, 2), 0.01, "float32") for _ in range(50)]
+    outlier[0][0, 0] = 2.0
+    for data, bits in ((spread, 7), (outlier, 8)):
+        histogram = Histogram()
+        for batch in data:
+            histogram.add(batch)
+        assert histogram.rms == pytest.approx(np.sqrt((np.stack(data) ** 2).mean()), rel=1e-3)
+        assert (histogram.rms >= realize.SEVEN_BIT_RMS * 2.0) == (bits == 7)
+        quantized = relay_amp.quantize(linear_module(), data, fallback_dtype="float32")
+        assert relay_amp.quant_plan(quantized).entries[0].bits == bits
+        assert relay_amp.quant_plan(relay_amp.quantize(linear_module(), data, activation_bits=7)).entries[0].bits == 7
+
+
 def test_quantize_weight_per_channel_and_per_tensor():
     codes, scales = quantize_weight(WEIGHT, 1)
     np.testing.assert_allclose(scales, [0.5 / 127, 1 / 127, 0.25 / 127])

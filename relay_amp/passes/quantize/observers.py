@@ -61,6 +61,13 @@ class Histogram:
                            minlength=BINS)
 
     @property
+    def rms(self) -> float:
+        """The root mean square of the values counted (bin centres for the nonzero ones), zeros included."""
+        centres = (np.arange(BINS) + 0.5) * (self.top / BINS)
+        total = self.counts.sum() + self.zeros
+        return float(np.sqrt((self.counts * centres * centres).sum() / total)) if total else 0.0
+
+    @property
     def signed(self) -> bool:
         """Whether a negative value was seen."""
         return self.minimum < 0

@@ -85,6 +85,11 @@ INT8_MAX = 127  # weight codes and dynamic activation codes: symmetric int8
 # (relay_amp.targets.seven_bit_codes); auto: 7 for unsigned codes where the current target (else the host) is such
 # a target (see _activation_bits)
 ACTIVATION_BITS = (7, 8)
+# auto gives an unsigned input 7-bit codes only where its RMS is at least this share of its threshold, so that their
+# rounding noise (step^2 / 12, the step threshold / 127) stays under 1/44 of the RMS: ResNet-50's ReLU outputs
+# measured 0.10-0.21 of theirs; MobileNetV3-Large's early ReLU outputs 0.056-0.098, and 7 bits there had cost it
+# top-1 agreements
+SEVEN_BIT_RMS = 0.1
 
 
 def int8_offset(bits: int) -> int:
@@ -308,6 +313,7 @@ class Quantize:
         self.weight_granularity = _one_of(weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
         self.activation_dtype = _one_of(activation_dtype, ACTIVATION_DTYPES, "activation_dtype")
         self.activation_bits = _activation_bits(activation_bits)
+        self.bits_by_range = activation_bits == "auto"  # 7 only where an input's values fill its codes (see _decide)
         self.excluded_layers = list(excluded_layers or ())
         self.fallback_dtype = check_choice(fallback_dtype, FALLBACK_DTYPES, "fallback_dtype")
         self.dynamic_matmuls = bool(dynamic_matmuls)
@@ -380,6 +386,9 @@ class Quantize:
         dtype = "uint8" if self.activation_dtype != "int8" and not histogram.signed else "int8"
         bits = unsigned_bits if dtype == "uint8" else signed_bits
         limit = threshold(histogram, self.observer, code_levels(dtype, bits), self.percentile)
+        if bits < 8 and self.bits_by_range and histogram.rms < SEVEN_BIT_RMS * limit:
+            bits = 8
+            limit = threshold(histogram, self.observer, code_levels(dtype, bits), self.percentile)
         symmetric = entry(dtype, limit, f"calibrated: {self.observer}", bits=bits)
         if dtype == "uint8" or self.activation_dtype != "auto":
             return symmetric
@@ -407,8 +416,9 @@ class Quantize:
 def _activation_bits(bits: "int | str") -> tuple[int, int]:
     """`activation_bits` resolved to the bits of unsigned codes (a ReLU's output) and of signed ones (codes with a
     zero point): 7 or 8 as given; for "auto", 7 and 8 where `seven_bit_codes` holds for the current target (else
-    the host's preset: unsigned codes then take the byte kernel; signed ones, after hardswish or GELU, lost more to
-    7 bits than ReLUs' did: MobileNetV3-Large's top-1 agreement 20 -> 13 of 32), else 8 and 8."""
+    the host's preset: unsigned codes then take the byte kernel, where their values fill them: SEVEN_BIT_RMS;
+    signed ones, after hardswish or GELU, lost more to 7 bits than ReLUs' did: MobileNetV3-Large's top-1 agreement
+    20 -> 13 of 32), else 8 and 8."""
     if bits == "auto":
         return (7 if seven_bit_codes() else 8), 8
     if isinstance(bits, bool) or bits not in ACTIVATION_BITS:
