@@ -13,6 +13,7 @@ from relay_amp.passes.quantize import QuantEntry, QuantPlan
 from relay_amp.passes.quantize.observers import BINS, Histogram, threshold
 from relay_amp.passes.quantize import realize
 from relay_amp.passes.quantize.plan import code_levels, zero_point_position
+from relay_amp._ir import tensor_dtype
 from relay_amp.ops import call_op_name
 from relay_amp.passes.quantize.realize import quantize_weight
 from relay_amp.runtime import run_executable
@@ -417,13 +418,18 @@ def test_quantize_weight_per_channel_and_per_tensor():
     np.testing.assert_array_equal(codes, np.rint(WEIGHT * 127))
 
 
-def test_dynamic_matmuls_scale_each_row_at_run_time_and_keep_the_encoder_close_to_fp32():
+@pytest.mark.parametrize("bits", [8, 7])
+def test_dynamic_matmuls_scale_each_row_at_run_time_and_keep_the_encoder_close_to_fp32(bits):
+    """8-bit per-row codes are int8; 7-bit ones (AVX2's byte products) uint8 around zero point 64."""
     mod = models.bert_encoder(batch=1, seq_len=16, hidden=64, heads=2, layers=2)
     calib = [example_inputs(mod, seed) for seed in (1, 2)]
-    quantized = relay_amp.quantize(mod, calib, dynamic_matmuls=True, fallback_dtype="float32")
+    quantized = relay_amp.quantize(mod, calib, dynamic_matmuls=True, fallback_dtype="float32", activation_bits=bits)
     plan = relay_amp.quant_plan(quantized)
     dynamic = [e for e in plan.entries if e.dtype == "dynamic int8"]
-    assert dynamic and all(e.op == "relax.matmul" for e in dynamic)
+    assert dynamic and all(e.op == "relax.matmul" and e.bits == bits for e in dynamic)
+    codes = {tensor_dtype(b.value.args[0]) for b in quantized["main"].body.blocks[0].bindings
+             if call_op_name(b.value) == "relax.matmul" and "int32" in str(b.value.attrs.out_dtype)}
+    assert codes == {"int8" if bits == 8 else "uint8"}
     assert any(e.dtype == "fallback" and "second operand" in e.reason for e in plan.entries)  # attention
     inputs = example_inputs(mod, 7)
     expected, actual = relay_amp.run(mod, inputs)[0], relay_amp.run(quantized, inputs)[0]

@@ -87,7 +87,7 @@ ACTIVATION_DTYPES = ("auto", "symmetric", "int8")
 SKEWED = 0.75  # a zero point is taken where its step is under this share of symmetric int8's
 FALLBACK_DTYPES = ("float32", "bfloat16", "float16")
 FALLBACK = "fallback"
-INT8_MAX = 127  # weight codes and dynamic activation codes: symmetric int8
+INT8_MAX = 127  # weight codes: symmetric int8
 # activation codes' bits: 8, or 7 where 8-bit codes would saturate the target's byte products
 # (relay_amp.targets.seven_bit_codes); auto: 7 for unsigned codes where the current target (else the host) is such
 # a target (see _activation_bits)
@@ -193,11 +193,15 @@ class _Realizer(relax.PyExprMutator):
         weight_axis, out_axis = _channel_axes(call)
         codes, weight_scales = quantize_weight(weight.value.numpy(), weight_axis if self.per_channel else None)
         exact = self.builder_.emit(relax.op.astype(data, "float32"))  # see _codes
-        if entry.dtype == DYNAMIC:
-            row_scale = self.builder_.emit(relax.op.divide(
-                relax.op.max(relax.op.abs(exact), axis=-1, keepdims=True), relax.const(float(INT8_MAX))))
+        zero_point = entry.zero_point
+        if entry.dtype == DYNAMIC:  # 7-bit codes offset to uint8, as a signed input's static ones
+            row_scale = self.builder_.emit(relax.op.divide(relax.op.max(relax.op.abs(exact), axis=-1, keepdims=True),
+                                                           relax.const(float(code_levels("int8", entry.bits)))))
             row_scale = self.builder_.emit(relax.op.maximum(row_scale, relax.const(np.finfo("float32").tiny)))
-            activations, scale = self._codes(relax.op.divide(exact, row_scale), "int8"), row_scale
+            zero_point = int8_offset(entry.bits) if entry.bits < 8 else 0
+            activations = self._codes(relax.op.divide(exact, row_scale), "uint8" if zero_point else "int8", zero_point,
+                                      entry.bits)
+            scale = row_scale
         else:
             step = entry.step
             activations = self._codes(relax.op.multiply(exact, relax.const(1.0 / step)), entry.dtype, entry.zero_point,
@@ -211,9 +215,9 @@ class _Realizer(relax.PyExprMutator):
         shape[out_axis] = -1 if self.per_channel else 1
         real = relax.op.multiply(self._accumulated(new_call, activations, codes),
                                  relax.const(weight_scales.reshape(shape).astype("float32")))
-        if scale is None and entry.zero_point:  # the zero point's products: zero_point x each output's weight sum
+        if zero_point:  # the zero point's products: zero_point x each output's weight sum (before a row's scale)
             sums = codes.astype("int64").sum(axis=tuple(a for a in range(codes.ndim) if a != weight_axis))
-            correction = -entry.zero_point * sums * np.broadcast_to(weight_scales, sums.shape)
+            correction = -zero_point * sums * np.broadcast_to(weight_scales, sums.shape)
             shape[out_axis] = -1  # one per output channel, whatever the weights' granularity
             real = relax.op.add(self.builder_.emit(real), relax.const(correction.reshape(shape).astype("float32")))
         return real if scale is None else relax.op.multiply(self.builder_.emit(real), scale)
@@ -376,7 +380,7 @@ class Quantize:
             entries[index] = replace(entry, reason=f"{entry.reason}; {SHARED_RANGE} {names}")
 
     def _decide(self, layer, call: relax.Call, histogram: Histogram, excluded: bool) -> QuantEntry:
-        unsigned_bits, signed_bits = self.activation_bits
+        unsigned_bits, signed_bits, dynamic_bits = self.activation_bits
 
         def entry(dtype: str, limit: float, reason: str, zero_point: int = 0, bits: int = 8) -> QuantEntry:
             return QuantEntry(layer.index, layer.op, layer.name, dtype, float(limit), reason, zero_point, bits)
@@ -387,7 +391,7 @@ class Quantize:
         if excluded:
             return entry(FALLBACK, 0.0, "excluded")
         if self.dynamic_matmuls and layer.op == "relax.matmul":
-            return entry(DYNAMIC, 0.0, "dynamic: per-row scales at run time")
+            return entry(DYNAMIC, 0.0, "dynamic: per-row scales at run time", bits=dynamic_bits)
         if _narrow_grouped_conv(call) and histogram.signed:
             return entry(FALLBACK, 0.0, "grouped convolution of a signed input (kept in the fallback, see realize)")
         dtype = "uint8" if self.activation_dtype != "int8" and not histogram.signed else "int8"
@@ -420,17 +424,18 @@ class Quantize:
         return limit, min(int(np.rint(zero_point_position(low, limit, bits))), levels - 1)
 
 
-def _activation_bits(bits: "int | str") -> tuple[int, int]:
-    """`activation_bits` resolved to the bits of unsigned codes (a ReLU's output) and of signed ones (codes with a
-    zero point): 7 or 8 as given; for "auto", 7 and 8 where `seven_bit_codes` holds for the current target (else
-    the host's preset: unsigned codes then take the byte kernel, where their values fill them: SEVEN_BIT_RMS;
-    signed ones, after hardswish or GELU, lost more to 7 bits than ReLUs' did: MobileNetV3-Large's top-1 agreement
-    20 -> 13 of 32), else 8 and 8."""
+def _activation_bits(bits: "int | str") -> tuple[int, int, int]:
+    """`activation_bits` resolved to the bits of unsigned codes (a ReLU's output), of signed ones (codes with a
+    zero point) and of dynamic matmuls' per-row codes: 7 or 8 as given; for "auto", 7, 8 and 7 where
+    `seven_bit_codes` holds for the current target (else the host's preset: unsigned codes then take the byte
+    kernel, where their values fill them: SEVEN_BIT_RMS; signed static ones, after hardswish or GELU, lost more to 7
+    bits than ReLUs' did: MobileNetV3-Large's top-1 agreement 20 -> 13 of 32; per-row codes span each row), else 8."""
     if bits == "auto":
-        return (7 if seven_bit_codes() else 8), 8
+        seven = 7 if seven_bit_codes() else 8
+        return seven, 8, seven
     if isinstance(bits, bool) or bits not in ACTIVATION_BITS:
         raise OptionError(f"activation_bits must be \"auto\" or one of {list(ACTIVATION_BITS)}, got {bits!r}")
-    return int(bits), int(bits)
+    return int(bits), int(bits), int(bits)
 
 
 def _one_of(value: str, allowed: tuple[str, ...], option: str) -> str:
