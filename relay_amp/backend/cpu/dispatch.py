@@ -53,8 +53,8 @@ from ..._ir import add_func_once, depthwise_weight, pad_after, rewrite_function,
 from ...dtypes import numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
+from ..code_bounds import value_range
 from . import amx, cores, kernels
-from .code_bounds import value_range
 
 FEW_ROWS = 8  # a runtime matmul of this many rows or fewer packs no cache (_Dispatcher._few_rows)
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for

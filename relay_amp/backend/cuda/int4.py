@@ -27,8 +27,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ..._ir import OPAQUE_PATTERN, is_static_shape, rewrite_function, tensor_dtype, tensor_shape
-from ...ops import call_op_name
 from ...serialization import dataclass_from_json
+from ..code_bounds import value_range
 
 SPEC_ATTR = "relay_amp.s4_gemm"  # on the reference PrimFunc: its S4Spec as JSON
 VALUES_PER_WORD = 8
@@ -41,7 +41,6 @@ LANES_PER_ROW = 4  # lanes sharing a fragment row (or column): PTX's "thread ID 
 INT4_RANGE = (-8, 7)
 CONV_LAYOUTS = ("HWNC", "NHWC")  # data (and output) layouts whose channels are innermost
 PACKED_KERNEL_LAYOUT = "HWOI"
-MOVES = ("relax.permute_dims", "relax.reshape")  # ops that keep the values they move
 
 
 @dataclass(frozen=True)
@@ -255,36 +254,12 @@ def _opaque(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return func.without_attr("global_symbol").with_attr("op_pattern", OPAQUE_PATTERN)
 
 
-def _clip_bounds(call: relax.Expr) -> tuple[float, float] | None:
-    if call_op_name(call) != "relax.clip":
-        return None
-    return tuple(float(bound.value) for bound in call.args[1:3])
-
-
-class _Int4Reader:
-    """Whether an operand holds int4 values: a cast to int8 of values clamped into [-8, 7], maybe moved by
-    reshapes and transposes (the layout conversion to HWNC adds one)."""
-
-    def __init__(self, mutator: relax.PyExprMutator):
-        self.mutator = mutator
-
-    def _bound(self, expr: relax.Expr) -> relax.Expr:
-        while isinstance(expr, relax.Var):
-            value = self.mutator.lookup_binding(expr)
-            if value is None:
-                break
-            expr = value
-        return expr
-
-    def holds_int4(self, expr: relax.Expr) -> bool:
-        """Whether every value of `expr` (an int8 tensor) lies in int4's range by construction."""
-        value = self._bound(expr)
-        while call_op_name(value) in MOVES:
-            value = self._bound(value.args[0])
-        if not (call_op_name(value) == "relax.astype" and tensor_dtype(value) == "int8"):
-            return False
-        bounds = _clip_bounds(self._bound(value.args[0]))
-        return bounds is not None and INT4_RANGE[0] <= bounds[0] and bounds[1] <= INT4_RANGE[1]
+def _holds_int4(mutator: relax.PyExprMutator, expr: relax.Expr) -> bool:
+    """Whether every value of the int8 tensor `expr` lies in int4's range by construction (a cast to int8 of values
+    clamped into [-8, 7], maybe moved by reshapes and transposes: the layout conversion to HWNC adds one;
+    backend.code_bounds)."""
+    low, high = value_range(mutator, expr)
+    return tensor_dtype(expr) == "int8" and INT4_RANGE[0] <= low and high <= INT4_RANGE[1]
 
 
 def kernel_name(spec: S4Spec) -> str:
@@ -303,13 +278,13 @@ def _conv_spec(call: relax.Call, data_words: tuple, kernel_words: tuple) -> S4Sp
                   tuple(int(d) for d in attrs.dilation))
 
 
-def packable(call: relax.Call, reader: _Int4Reader) -> bool:
+def packable(call: relax.Call, mutator: relax.PyExprMutator) -> bool:
     """Whether `call` is a matmul (2-D weight) or an ungrouped NHWC/HWNC convolution to int32 whose operands both
-    hold int4 values, with static shapes."""
+    hold int4 values (bound in `mutator`'s builder), with static shapes."""
     if not isinstance(call.op, tvm.ir.Op) or tensor_dtype(call) != "int32" or len(call.args) < 2:
         return False
     data, weight = call.args[:2]
-    if not (_static(data, weight, call) and reader.holds_int4(data) and reader.holds_int4(weight)):
+    if not (_static(data, weight, call) and _holds_int4(mutator, data) and _holds_int4(mutator, weight)):
         return False
     if call.op.name == "relax.matmul":
         return len(tensor_shape(data)) >= 2 and len(tensor_shape(weight)) == 2
@@ -322,13 +297,9 @@ def packable(call: relax.Call, reader: _Int4Reader) -> bool:
 class _PackOperands(relax.PyExprMutator):
     """Matmuls and convolutions over int4 values become reference calls on packed words."""
 
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.reader = _Int4Reader(self)
-
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        if not packable(new_call, self.reader):
+        if not packable(new_call, self):
             return new_call
         data, weight = new_call.args[:2]
         if new_call.op.name == "relax.matmul":

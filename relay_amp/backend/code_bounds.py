@@ -1,11 +1,12 @@
 """code_bounds: the range of values a tensor can hold, read from the ops that computed it.
 
 quantize writes activation codes as a clamp cast to uint8 (`astype(minimum(maximum(x, 0), 127), "uint8")` for
-7-bit codes), and the CPU backend's byte kernel (kernels.AVX2_BYTE_DOT) takes data whose largest code times its
-weights' pair sums fits vpmaddubsw's int16. `value_range` follows a kernel's data back through the ops that keep
-a range or narrow it: moves, slices, splits, concatenations, max pools, ReLUs, pads (with their pad value), clamps
-and maximums or minimums with a constant, and casts (an integer cast of a range its dtype does not hold gives the
-dtype's whole range: wrapped values are still in it). Anything else spans its dtype.
+7-bit codes): the CPU backend's byte kernel (relay_amp.backend.cpu.kernels.AVX2_BYTE_DOT) takes data whose largest
+code times its weights' pair sums fits vpmaddubsw's int16, and the CUDA backend packs operands whose values lie in
+int4's range (relay_amp.backend.cuda.int4). `value_range` follows a value back through the ops that keep a range or
+narrow it: moves, slices, splits, concatenations, max pools, ReLUs, pads (with their pad value), clips, minimums
+and maximums, and casts (an integer cast of a range its dtype does not hold gives the dtype's whole range: wrapped
+values are still in it). Anything else spans its dtype.
 """
 
 import math
@@ -14,11 +15,10 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..._ir import tensor_dtype
-from ...dtypes import numpy_dtype
-from ...ops import bound_value, call_op_name, tuple_fields
-from ...passes.moves import CONCAT, MAX_POOLS, MOVES, SLICE, SPLIT
-from .formula import scalar
+from .._ir import tensor_dtype
+from ..dtypes import numpy_dtype
+from ..ops import bound_value, call_op_name, tuple_fields
+from ..passes.moves import CONCAT, MAX_POOLS, MOVES, SLICE, SPLIT
 
 KEEPS_RANGE = frozenset((*MOVES, SLICE, *MAX_POOLS, "relax.expand_dims", "relax.squeeze"))
 DEPTH = 64  # bindings followed back at most: a model's codes are a few ops from their clamp
@@ -51,7 +51,7 @@ def value_range(mutator, expr: relax.Expr, depth: int = DEPTH) -> tuple[float, f
 
 
 def _narrowed(mutator, call: relax.Call, name: str, depth: int) -> tuple[float, float]:
-    """The range of a cast, ReLU, clip, pad, or a minimum or maximum with a constant, from its input's."""
+    """The range of a cast, ReLU, clip, pad, minimum or maximum, from its inputs'."""
     low, high = value_range(mutator, call.args[0], depth - 1)
     if name == "relax.astype":
         whole = _dtype_range(call)
@@ -63,10 +63,9 @@ def _narrowed(mutator, call: relax.Call, name: str, depth: int) -> tuple[float, 
         return min(max(low, floor), ceiling), max(min(high, ceiling), floor)
     if name == "relax.nn.pad":
         return min(low, float(call.attrs.pad_value)), max(high, float(call.attrs.pad_value))
-    limit = scalar(call.args[1])
-    if limit is None:
-        return _dtype_range(call)
-    return (min(low, limit), min(high, limit)) if name == "relax.minimum" else (max(low, limit), max(high, limit))
+    other_low, other_high = value_range(mutator, call.args[1], depth - 1)
+    pick = min if name == "relax.minimum" else max
+    return pick(low, other_low), pick(high, other_high)
 
 
 def _dtype_range(expr: relax.Expr) -> tuple[float, float]:

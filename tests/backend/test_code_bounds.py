@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tvm import relax
 
-from relay_amp.backend.cpu.code_bounds import value_range
+from relay_amp.backend.code_bounds import value_range
 
 from builders import tensor
 
