@@ -1,4 +1,5 @@
-"""code_bounds: the range a tensor's values can take, read back through the ops that computed it."""
+"""code_bounds: the range a tensor's values can take, read back through the ops that computed it (the CUDA backend's
+int4 operands are tested through its packing, in tests/backend/cuda)."""
 
 import math
 
@@ -56,11 +57,13 @@ def _split_part(bb, x):
     (_split_part, (0, 127)),
     (lambda bb, x: bb.emit(relax.op.permute_dims(_codes(bb, x, 100.0), [0, 3, 1, 2])), (0, 100)),
     (lambda bb, x: bb.emit(relax.op.add(_codes(bb, x, 100.0), _codes(bb, x, 100.0))), (0, 255)),  # unknown: uint8's
+    (lambda bb, x: bb.emit(relax.op.minimum(_codes(bb, x, 127.0), _codes(bb, x, 100.0))), (0, 100)),
+    (lambda bb, x: bb.emit(relax.op.maximum(_codes(bb, x, 127.0), _codes(bb, x, 100.0))), (0, 127)),
     (lambda bb, x: bb.emit(relax.op.nn.relu(x)), (0, math.inf)),
     (lambda bb, x: bb.emit(relax.op.clip(x, 1.0, 5.0)), (1, 5)),
     (lambda bb, x: relax.const(np.array([[3, -2]], "int8")), (-2, 3)),
 ], ids=["codes", "codes_unclamped_below", "padded_by_zero_point", "padded_higher", "max_pooled", "concatenated",
-        "split", "transposed", "added", "relu", "clip", "constant"])
+        "split", "transposed", "added", "minimum_of_two", "maximum_of_two", "relu", "clip", "constant"])
 def test_value_range_follows_codes_back_to_their_clamp(build, expected):
     assert _range(build) == expected
 
