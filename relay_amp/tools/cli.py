@@ -284,9 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "point (default: a uint8 operand's codes, as ONNX Runtime's QDQ models do)")
     qz.add_argument("--separate-ranges", action="store_true", help="each layer keeps its own calibrated range "
                     "(default: layers reading moves of one value, a concat's or split's, share one)")
-    qz.add_argument("--activation-bits", type=_auto_or_int, choices=("auto", 7, 8), default="auto", help="bits of the activation codes: "
-                    "7 or 8 (auto: 7 for unsigned codes where the host multiplies bytes on AVX2 alone, exact and "
-                    "faster there; else 8)")
+    qz.add_argument("--activation-bits", type=_auto_or_int, choices=("auto", 7, 8), default="auto",
+                    help="bits of the activation codes: 7 or 8 (auto: 7 for unsigned and per-row codes where the host "
+                    "multiplies bytes on AVX2 alone, exact and faster there; else 8)")
     qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
     qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (ONNX Runtime's QDQ, "
                     "QOperator or dynamic int8 files): run it on relay_amp's int8 layers with its own ranges, no "

@@ -370,7 +370,8 @@ def test_7_bit_activation_codes_take_half_the_levels_and_offset_signed_codes_by_
     offset = relay_amp.quantize(linear_module(), signed, fallback_dtype="float32", activation_bits=7)
     [entry] = relay_amp.quant_plan(offset).entries
     assert (entry.dtype, entry.zero_point, entry.step) == ("uint8", 64, pytest.approx(3.0 / 63))
-    tvm.ir.assert_structural_equal(offset.without_attr(QuantPlan.ATTR), expected_linear("uint8", entry.step, 64, bits=7))
+    tvm.ir.assert_structural_equal(offset.without_attr(QuantPlan.ATTR),
+                                   expected_linear("uint8", entry.step, 64, bits=7))
     inputs = [np.array([[-2.9, 0.3], [1.7, -0.4], [0.6, 2.2], [-1.1, 1.3]], "float32")]
     exact = inputs[0] @ WEIGHT
     assert np.abs(relay_amp.run(offset, inputs)[0] - exact).max() <= 3.0 / 63 * np.abs(WEIGHT).sum(axis=0).max()

@@ -90,8 +90,8 @@ FALLBACK_DTYPES = ("float32", "bfloat16", "float16")
 FALLBACK = "fallback"
 INT8_MAX = 127  # weight codes: symmetric int8
 # activation codes' bits: 8, or 7 where 8-bit codes would saturate the target's byte products
-# (relay_amp.targets.seven_bit_codes); auto: 7 for unsigned codes where the current target (else the host) is such
-# a target (see _activation_bits)
+# (relay_amp.targets.seven_bit_codes); auto: 7 for unsigned and per-row codes where the current target (else the
+# host) is such a target (see _activation_bits)
 ACTIVATION_BITS = (7, 8)
 # auto gives an unsigned input 7-bit codes only where its RMS is at least this share of its threshold, so that their
 # rounding noise (step^2 / 12, the step threshold / 127) stays under 1/44 of the RMS: ResNet-50's ReLU outputs
@@ -195,7 +195,7 @@ class _Realizer(relax.PyExprMutator):
         codes, weight_scales = quantize_weight(weight.value.numpy(), weight_axis if self.per_channel else None)
         exact = self.builder_.emit(relax.op.astype(data, "float32"))  # see _codes
         zero_point = entry.zero_point
-        if entry.dtype == DYNAMIC:  # 7-bit codes offset to uint8, as a signed input's static ones
+        if entry.dtype == DYNAMIC:  # per-row int8 codes, or 7-bit ones offset to uint8 as a signed input's static ones
             row_scale = self.builder_.emit(relax.op.divide(relax.op.max(relax.op.abs(exact), axis=-1, keepdims=True),
                                                            relax.const(float(code_levels("int8", entry.bits)))))
             row_scale = self.builder_.emit(relax.op.maximum(row_scale, relax.const(np.finfo("float32").tiny)))
