@@ -353,10 +353,9 @@ def _pairs(values: np.ndarray, axis: int) -> np.ndarray:
     return padded.reshape(*padded.shape[:-1], -1, 2)
 
 
-def instruction_name(dtype: str, dot: DotIntrin | None = None) -> str:
-    """`ConvSpec.instruction` for a kernel of `dtype` operands on `dot` (the current target's `target_intrinsic` by
-    default): its name where that is not `intrinsic_for`'s, else ""."""
-    dot = dot or target_intrinsic(dtype)
+def instruction_name(dtype: str, dot: DotIntrin) -> str:
+    """`ConvSpec.instruction` for a kernel of `dtype` operands on `dot`: its name where that is not
+    `intrinsic_for`'s, else ""."""
     return "" if dot is intrinsic_for(dtype) else dot.name
 
 

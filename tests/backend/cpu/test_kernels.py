@@ -159,7 +159,8 @@ def test_8_bit_codes_take_vpdpbusd_where_the_target_has_it_and_int16_pairs_on_av
     assert kernels.target_intrinsic("int8", avx512) is kernels.target_intrinsic("int8") is kernels.INT8_DOT
     assert kernels.target_intrinsic("bfloat16", avx2) is kernels.BF16_DOT  # dispatch widens bf16 there instead
     with avx2:
-        assert kernels.instruction_name("int8") == kernels.INT16_DOT.name and kernels.instruction_name("float32") == ""
+        assert kernels.instruction_name("int8", kernels.target_intrinsic("int8")) == kernels.INT16_DOT.name
+        assert kernels.instruction_name("float32", kernels.target_intrinsic("float32")) == ""
     # pairs along axis 0: (127, 1) and (-127, -1) sum to 128 in magnitude, (127, 2) to 129; along axis 1 the pairs
     # (127, -128) and (2, -1) are of opposite signs, which never saturate
     fitting, saturating = np.array([[127, -127], [1, -1]], "int8"), np.array([[127, -128], [2, -1]], "int8")
