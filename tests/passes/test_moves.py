@@ -410,10 +410,13 @@ def test_a_csp_darknets_concats_move_quantized_codes(tmp_path):
     """timm's CSPDarkNet (cs3darknet_s: each stage splits a conv's output in halves, runs its blocks on one and
     concatenates both for a quantized 1x1 conv; written on GoogLeNet and YOLOv8n): the halves' convs share one range
     (relay_amp.passes.quantize.shared), so the codes the kernels store are split and concatenated as bytes. The build
-    computes what the quantized module does."""
+    computes what the quantized module does. Without bias correction: this random model's logits are 1e-5 of the
+    sums they come from, and with its constants the kernels' fused multiply-adds round a few codes one step from
+    where the VM's separate ops do (24 of a residual's), which moves the logits by 10%."""
     _, imported, x, _ = timm_through_onnx("cs3darknet_s", tmp_path)
     rng = np.random.default_rng(0)
-    quantized = relay_amp.quantize(imported, [rng.standard_normal(x.shape).astype("float32") for _ in range(4)])
+    quantized = relay_amp.quantize(imported, [rng.standard_normal(x.shape).astype("float32") for _ in range(4)],
+                                   bias_correction=False)
     concats = prepared_calls(quantized, "concatenate")
     assert len(concats) == 4
     assert all(field.ty.dtype == "uint8" for value in concats for field in value.args[1].fields)

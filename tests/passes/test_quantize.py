@@ -36,12 +36,15 @@ def linear_module() -> tvm.IRModule:
     return bb.get()
 
 
-def expected_linear(dtype: str, step: float, zero_point: int = 0, bits: int = 8) -> tvm.IRModule:
+def expected_linear(dtype: str, step: float, zero_point: int = 0, bits: int = 8,
+                    input_means: tuple = (0.0, 0.0)) -> tvm.IRModule:
     """What quantization makes of linear_module with activations in `bits`-bit `dtype` codes of `step` around
-    `zero_point`."""
+    `zero_point`, and the weights' rounding error over inputs of `input_means` (per column) taken out."""
     levels = code_levels(dtype, bits)
     codes = np.array([[127, -127, 127], [-64, 64, 64]], "int8")  # WEIGHT / its column max |w| * 127
-    scales = np.abs(WEIGHT).max(axis=0).astype("float64") / 127 * step  # as quantize_weight computes them
+    weight_scales = np.abs(WEIGHT).max(axis=0).astype("float64") / 127
+    scales = weight_scales * step  # as quantize_weight computes them
+    rounding = np.asarray(input_means) @ (codes * weight_scales - WEIGHT)  # -0.25 became -64/127 * 0.5
     bb = relax.BlockBuilder()
     x = tensor("x", (4, 2))
     with bb.function("main", [x]):
@@ -54,8 +57,9 @@ def expected_linear(dtype: str, step: float, zero_point: int = 0, bits: int = 8)
             accumulated = bb.emit(relax.op.matmul(activations, relax.const(codes), out_dtype="int32"))
             real = relax.op.multiply(relax.op.astype(accumulated, "float32"),
                                      relax.const(scales.reshape(1, -1).astype("float32")))
-            if zero_point:  # minus the zero point's products: zero_point x each column's code sum
-                correction = -zero_point * codes.astype("int64").sum(axis=0) * scales
+            # minus the zero point's products (zero_point x each column's code sum) and the rounding's mean error
+            correction = -zero_point * codes.astype("int64").sum(axis=0) * scales - rounding
+            if correction.any():
                 real = relax.op.add(bb.emit(real), relax.const(correction.reshape(1, -1).astype("float32")))
             out = bb.emit_output(real)
         bb.emit_func_output(out)
@@ -338,7 +342,9 @@ def test_quantize_picks_uint8_for_non_negative_inputs_and_the_observed_maximum()
     quantized = relay_amp.quantize(linear_module(), data, fallback_dtype="float32")
     [entry] = relay_amp.quant_plan(quantized).entries
     assert (entry.dtype, entry.threshold) == ("uint8", pytest.approx(2.0))
-    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", 2.0 / 255))
+    assert entry.input_means == pytest.approx((0.8125, 1.0))  # each column's mean
+    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR),
+                                   expected_linear("uint8", 2.0 / 255, input_means=entry.input_means))
 
 
 def test_signed_inputs_get_int8s_codes_offset_to_uint8_and_int8_can_be_forced():
@@ -347,7 +353,8 @@ def test_signed_inputs_get_int8s_codes_offset_to_uint8_and_int8_can_be_forced():
     quantized = relay_amp.quantize(linear_module(), signed, fallback_dtype="float32")
     [entry] = relay_amp.quant_plan(quantized).entries
     assert (entry.dtype, entry.zero_point, entry.step) == ("uint8", 128, pytest.approx(3.0 / 127))
-    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", 3.0 / 127, 128))
+    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR),
+                                   expected_linear("uint8", 3.0 / 127, 128, input_means=entry.input_means))
     symmetric = relay_amp.quantize(linear_module(), signed, activation_dtype="symmetric", fallback_dtype="float32")
     assert relay_amp.quant_plan(symmetric).entries[0].dtype == "int8"
     inputs = [np.array([[-2.9, 0.3], [1.7, -0.4], [0.6, 2.2], [-1.1, 1.3]], "float32")]
@@ -365,13 +372,14 @@ def test_7_bit_activation_codes_take_half_the_levels_and_offset_signed_codes_by_
     quantized = relay_amp.quantize(linear_module(), unsigned, fallback_dtype="float32", activation_bits=7)
     [entry] = relay_amp.quant_plan(quantized).entries
     assert (entry.dtype, entry.bits, entry.step) == ("uint8", 7, pytest.approx(2.0 / 127))
-    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR), expected_linear("uint8", entry.step, bits=7))
+    tvm.ir.assert_structural_equal(quantized.without_attr(QuantPlan.ATTR),
+                                   expected_linear("uint8", entry.step, bits=7, input_means=entry.input_means))
     signed = [np.array([[-3.0, 1.0], [2.0, 0.5], [0.25, 1.5], [1.0, 1.0]], "float32")]
     offset = relay_amp.quantize(linear_module(), signed, fallback_dtype="float32", activation_bits=7)
     [entry] = relay_amp.quant_plan(offset).entries
     assert (entry.dtype, entry.zero_point, entry.step) == ("uint8", 64, pytest.approx(3.0 / 63))
     tvm.ir.assert_structural_equal(offset.without_attr(QuantPlan.ATTR),
-                                   expected_linear("uint8", entry.step, 64, bits=7))
+                                   expected_linear("uint8", entry.step, 64, bits=7, input_means=entry.input_means))
     inputs = [np.array([[-2.9, 0.3], [1.7, -0.4], [0.6, 2.2], [-1.1, 1.3]], "float32")]
     exact = inputs[0] @ WEIGHT
     assert np.abs(relay_amp.run(offset, inputs)[0] - exact).max() <= 3.0 / 63 * np.abs(WEIGHT).sum(axis=0).max()

@@ -47,6 +47,12 @@ class QuantEntry:
     reason: str
     zero_point: int = 0  # the uint8 code of 0.0 (0: symmetric codes)
     bits: int = 8  # the codes' bits: 7 keeps uint8 codes under 128 (see relay_amp.targets.seven_bit_codes)
+    # per channel of the layer's input, its mean in calibration: the layer takes out the mean error its weights'
+    # rounding makes (relay_amp.passes.quantize.bias); empty: no correction (and in plans saved before)
+    input_means: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "input_means", tuple(self.input_means))  # a JSON plan's list
 
     @property
     def quantized(self) -> bool:
@@ -86,8 +92,10 @@ class QuantPlan(StoredPlan):
         residuals = "uint8 codes" if self.quantized_residuals else "floating point"
         shared = sum(SHARED_RANGE in entry.reason for entry in self.entries)
         narrow = sum(entry.quantized and entry.bits < 8 for entry in self.entries)
+        corrected = sum(bool(entry.input_means) for entry in self.entries)
         return (f"{table}\n\n{quantized} of {len(self.entries)} layers in int8 ({self.observer} observer, "
-                f"{self.weight_granularity} weights{f'; {narrow} with 7-bit activation codes' if narrow else ''}); "
+                f"{self.weight_granularity} weights{f'; {narrow} with 7-bit activation codes' if narrow else ''}; "
+                f"{corrected} correct their weights' rounding error); "
                 f"the rest in {self.fallback_dtype}; residual adds read {residuals}; {shared} layers share a range "
                 "with others")
 

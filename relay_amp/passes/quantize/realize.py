@@ -46,6 +46,11 @@ whose RMS is at least SEVEN_BIT_RMS of their threshold do, and signed inputs kee
 top-1 agreements to 7 bits on both. Dynamic matmuls' per-row codes are 7-bit there too, offset to uint8 around zero
 point 64 (BERT int8q 0.79x the time, output cosine to fp32 0.99985 -> 0.99957).
 
+With `bias_correction` (the default), calibration also measures each input channel's mean, and each layer takes out
+the mean error its weights' rounding makes over such inputs, in the per-channel constant its epilogue adds anyway
+(relay_amp.passes.quantize.bias): on Zen 3, 32 random inputs, ResNet-50 int8q's largest error against fp32 0.024 ->
+0.017 (ONNX Runtime's static int8: 0.023), EfficientNet-B0's 0.051 -> 0.044.
+
 With `shared_ranges` (the default), layers whose inputs are moves of one value (a split's halves and their concat,
 a concat and its max pools) share one range (relay_amp.passes.quantize.shared), so the CPU backend computes the
 codes once, in the kernels that make the values, and moves bytes.
@@ -70,6 +75,7 @@ from ..batch_norm import FoldBatchNorm
 from ..casts import eliminate_redundant_casts
 from ..layers import layer_bindings, list_layers, resolve_layers
 from ..ranges import layer_input, observe
+from .bias import ChannelMeans, input_channel_axis, rounding_shift, weight_axes
 from .observers import DEFAULT_PERCENTILE, OBSERVERS, Histogram, merged, threshold
 from .plan import DYNAMIC, SHARED_RANGE, STATIC_DTYPES, QuantEntry, QuantPlan, code_levels, zero_point_position
 from .shared import MAX_WIDENING, moved_input_groups
@@ -154,9 +160,8 @@ def quantize_weight(weight: np.ndarray, channel_axis: int | None) -> tuple[np.nd
 def _channel_axes(call: relax.Call) -> tuple[int, int]:
     """The output-channel axis of the call's weight and of its result."""
     if call.op.name == "relax.matmul":
-        return 1, len(tensor_shape(call)) - 1
-    out_layout = str(call.attrs.out_layout or call.attrs.data_layout)
-    return str(call.attrs.kernel_layout).index("O"), out_layout.index("C")
+        return weight_axes(call)[0], len(tensor_shape(call)) - 1
+    return weight_axes(call)[0], str(call.attrs.out_layout or call.attrs.data_layout).index("C")
 
 
 class _LayerCodes(NamedTuple):
@@ -193,6 +198,7 @@ class _Realizer(relax.PyExprMutator):
         data, weight = new_call.args
         weight_axis, out_axis = _channel_axes(call)
         codes, weight_scales = quantize_weight(weight.value.numpy(), weight_axis if self.per_channel else None)
+        rounding = self._rounding_shift(call, weight.value.numpy(), codes, weight_scales, entry)
         exact = self.builder_.emit(relax.op.astype(data, "float32"))  # see _codes
         zero_point = entry.zero_point
         if entry.dtype == DYNAMIC:  # per-row int8 codes, or 7-bit ones offset to uint8 as a signed input's static ones
@@ -216,12 +222,33 @@ class _Realizer(relax.PyExprMutator):
         shape[out_axis] = -1 if self.per_channel else 1
         real = relax.op.multiply(self._accumulated(new_call, activations, codes),
                                  relax.const(weight_scales.reshape(shape).astype("float32")))
-        if zero_point:  # the zero point's products: zero_point x each output's weight sum (before a row's scale)
-            sums = codes.astype("int64").sum(axis=tuple(a for a in range(codes.ndim) if a != weight_axis))
-            correction = -zero_point * sums * np.broadcast_to(weight_scales, sums.shape)
-            shape[out_axis] = -1  # one per output channel, whatever the weights' granularity
-            real = relax.op.add(self.builder_.emit(real), relax.const(correction.reshape(shape).astype("float32")))
-        return real if scale is None else relax.op.multiply(self.builder_.emit(real), scale)
+        # per output channel, added before a row's scale: the zero point's products (zero_point x the channel's
+        # weight-code sum) and, for static codes, the weights' rounding error; for per-row codes that comes after
+        sums = codes.astype("int64").sum(axis=tuple(a for a in range(codes.ndim) if a != weight_axis))
+        before_scale = -zero_point * sums * np.broadcast_to(weight_scales, sums.shape)
+        shape[out_axis] = -1  # one per output channel, whatever the weights' granularity
+        if scale is None:
+            return self._channel_constant(real, before_scale - rounding, shape)
+        real = self._channel_constant(real, before_scale, shape)
+        return self._channel_constant(relax.op.multiply(self.builder_.emit(real), scale), -rounding, shape)
+
+    def _rounding_shift(self, call: relax.Call, weight: np.ndarray, codes: np.ndarray, weight_scales: np.ndarray,
+                        entry: QuantEntry) -> np.ndarray:
+        """Per output channel, the mean output error of the weights' rounding over calibration's inputs (zero
+        where the entry has no input means: see relay_amp.passes.quantize.bias)."""
+        weight_axis = _channel_axes(call)[0]
+        if not entry.input_means:
+            return np.zeros(weight.shape[weight_axis])
+        shape = [1] * weight.ndim
+        shape[weight_axis] = -1
+        return rounding_shift(call, weight, codes * weight_scales.reshape(shape), entry.input_means)
+
+    def _channel_constant(self, real: relax.Expr, values: np.ndarray, shape: list[int]) -> relax.Expr:
+        """`real` plus one constant per output channel (`values`, reshaped to `shape`), or `real` itself where they
+        are all zero."""
+        if not values.any():
+            return real
+        return relax.op.add(self.builder_.emit(real), relax.const(values.reshape(shape).astype("float32")))
 
     def _padded_with_zero_point(self, call: relax.Call, activations: relax.Expr, zero_point: int):
         """A conv's codes padded with its zero point (the code of 0.0) by a pad op, and the conv without padding;
@@ -292,12 +319,7 @@ def realize_prepared(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
             raise LayerIndexError(f"quantization plan entry {entry.index} ({entry.op} {entry.name!r}) does not "
                                   "match this module's layers: quantize this module")
         call = bindings[entry.index].value
-        reason = unquantizable(call) if entry.quantized else None
-        if reason:
-            raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: {reason}")
-        if entry.bits not in ACTIVATION_BITS:
-            raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}): activation codes of {entry.bits!r} "
-                              f"bits; they have {' or '.join(map(str, ACTIVATION_BITS))}")
+        _check_entry(entry, call)
         chosen[call] = entry
     _one_of(plan.weight_granularity, WEIGHT_GRANULARITIES, "weight_granularity")
     realizer = _Realizer(mod, chosen, plan.weight_granularity == "per_channel", plan.quantized_residuals)
@@ -308,6 +330,21 @@ def realize_prepared(mod: tvm.IRModule, plan: QuantPlan) -> tvm.IRModule:
     return plan.attach(to_mixed_precision(realized, fallback, func=plan.func))  # AMP removes them where it can
 
 
+def _check_entry(entry: QuantEntry, call: relax.Call) -> None:
+    """Raise OptionError or LayerIndexError where a plan's entry cannot be realized on the layer `call`."""
+    reason = unquantizable(call) if entry.quantized else None
+    if reason:
+        raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: {reason}")
+    channels = tensor_shape(call.args[0])[input_channel_axis(call)]
+    if entry.input_means and len(entry.input_means) != channels:
+        raise LayerIndexError(f"quantization plan entry {entry.index} ({entry.op} {entry.name!r}) has "
+                              f"{len(entry.input_means)} input means; the layer's input has {channels} channels: "
+                              "quantize this module")
+    if entry.bits not in ACTIVATION_BITS:
+        raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}): activation codes of {entry.bits!r} "
+                          f"bits; they have {' or '.join(map(str, ACTIVATION_BITS))}")
+
+
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.Quantize")
 class Quantize:
     """Pass form of `quantize`; the QuantPlan is stored on the output module."""
@@ -316,7 +353,8 @@ class Quantize:
                  percentile: float = DEFAULT_PERCENTILE, weight_granularity: str = "per_channel",
                  activation_dtype: str = "auto", excluded_layers: Iterable[int | str] | None = None,
                  fallback_dtype: str = "bfloat16", dynamic_matmuls: bool = False, quantized_residuals: bool = True,
-                 shared_ranges: bool = True, activation_bits: "int | str" = "auto", func: str = "main"):
+                 shared_ranges: bool = True, activation_bits: "int | str" = "auto", bias_correction: bool = True,
+                 func: str = "main"):
         self.ops = quantizable_ops(ops, "quantize")
         self.observer = _one_of(observer, OBSERVERS, "observer")
         self.percentile = float(percentile)
@@ -331,6 +369,7 @@ class Quantize:
         self.dynamic_matmuls = bool(dynamic_matmuls)
         self.quantized_residuals = bool(quantized_residuals)
         self.shared_ranges = bool(shared_ranges)
+        self.bias_correction = bool(bias_correction)
         self.func = func
         self.dataset = list(dataset)
 
@@ -344,25 +383,32 @@ class Quantize:
         get_function(mod, self.func)
         layers, bindings = list_layers(mod, self.ops, self.func), layer_bindings(mod, self.ops, self.func)
         excluded = resolve_layers(layers, self.excluded_layers)
-        histograms = self._calibrate(mod, layers)
+        histograms, means = self._calibrate(mod, layers, bindings)
         entries = [self._decide(layer, binding.value, histogram, layer.index in excluded)
                    for layer, binding, histogram in zip(layers, bindings, histograms)]
         inputs = [binding.value.args[0] for binding in bindings]
         for group in moved_input_groups(get_function(mod, self.func), inputs) if self.shared_ranges else []:
             static = [index for index in group if entries[index].dtype in STATIC_DTYPES]
             self._share_range(static, layers, bindings, histograms, entries)
+        if self.bias_correction:
+            entries = [replace(entry, input_means=channels.means) if entry.quantized else entry
+                       for entry, channels in zip(entries, means)]
         return QuantPlan(list(self.ops), self.observer, self.weight_granularity, self.fallback_dtype, self.func,
                          entries, self.quantized_residuals)
 
-    def _calibrate(self, mod: tvm.IRModule, layers: list) -> list[Histogram]:
+    def _calibrate(self, mod: tvm.IRModule, layers: list,
+                   bindings: list) -> tuple[list[Histogram], list[ChannelMeans]]:
+        """One run over the dataset: per layer, a histogram of its input and its input channels' means."""
         histograms = [Histogram() for _ in layers]
+        means = [ChannelMeans(input_channel_axis(binding.value)) for binding in bindings]
         for number, inputs in enumerate(observe(mod, self.dataset, self.ops, self.func, take=layer_input)):
-            for layer, histogram, values in zip(layers, histograms, inputs):
+            for layer, histogram, channels, values in zip(layers, histograms, means, inputs):
                 if not np.isfinite(values).all():
                     raise OptionError(f"calibration batch {number}: the input of layer {layer.index} ({layer.op} "
                                       f"{layer.name!r}) holds NaN or inf")
                 histogram.add(values)
-        return histograms
+                channels.add(values)
+        return histograms, means
 
     def _share_range(self, members: list[int], layers: list, bindings: list, histograms: list[Histogram],
                      entries: list[QuantEntry]) -> None:
