@@ -113,7 +113,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     mod = load_model(args.model, args.batch, args.dim)
     if args.from_qdq:
         _require_unset(args, "--from-qdq", calib=None, apply_plan=None, exclude=[], dynamic_matmuls=False,
-                       float_residuals=False, separate_ranges=False, activation_bits="auto")
+                       float_residuals=False, separate_ranges=False, activation_bits="auto",
+                       no_bias_correction=False)
         quantized = realize_qdq(mod, fallback_dtype=args.fallback)
     elif args.apply_plan:
         quantized = apply_quant_plan(mod, QuantPlan.load(args.apply_plan))
@@ -122,7 +123,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         quantized = quantize(mod, batches, observer=args.observer, percentile=args.percentile,
                              excluded_layers=args.exclude, fallback_dtype=args.fallback,
                              dynamic_matmuls=args.dynamic_matmuls, quantized_residuals=not args.float_residuals,
-                             shared_ranges=not args.separate_ranges, activation_bits=args.activation_bits)
+                             shared_ranges=not args.separate_ranges, activation_bits=args.activation_bits,
+                             bias_correction=not args.no_bias_correction)
     plan = quant_plan(quantized)
     print(plan.summary())
     _write_plan_and_module(args, plan, quantized)
@@ -287,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--activation-bits", type=_auto_or_int, choices=("auto", 7, 8), default="auto",
                     help="bits of the activation codes: 7 or 8 (auto: 7 for unsigned and per-row codes where the host "
                     "multiplies bytes on AVX2 alone, exact and faster there; else 8)")
+    qz.add_argument("--no-bias-correction", action="store_true", help="leave the mean output error of the weights' "
+                    "rounding in (default: each layer takes it out, from its input channels' calibration means)")
     qz.add_argument("--apply-plan", help="re-apply a saved (possibly edited) quantization plan instead")
     qz.add_argument("--from-qdq", action="store_true", help="the model is quantized already (ONNX Runtime's QDQ, "
                     "QOperator or dynamic int8 files): run it on relay_amp's int8 layers with its own ranges, no "

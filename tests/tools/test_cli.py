@@ -88,9 +88,12 @@ def test_quantize_calibrates_on_a_npz_prints_the_plan_and_writes_plan_and_module
     assert "residual adds read floating point" in capsys.readouterr().out
     assert not QuantPlan.load(plan_path).quantized_residuals
     assert main(["quantize", "small_cnn", "--activation-bits", "7", "--plan", str(plan_path)]) == 0
-    assert "3 of 3 layers in int8 (minmax observer, per_channel weights; 3 with 7-bit activation codes)" in (
-        capsys.readouterr().out)
+    assert ("3 of 3 layers in int8 (minmax observer, per_channel weights; 3 with 7-bit activation codes; 3 correct "
+            "their weights' rounding error)") in capsys.readouterr().out
     assert {entry.bits for entry in QuantPlan.load(plan_path).entries} == {7}
+    assert main(["quantize", "small_cnn", "--no-bias-correction", "--plan", str(plan_path)]) == 0
+    assert "; 0 correct their weights' rounding error" in capsys.readouterr().out
+    assert not any(entry.input_means for entry in QuantPlan.load(plan_path).entries)
 
 
 def test_quantize_shares_a_range_between_layers_reading_one_tensor_unless_told_not_to(tmp_path, capsys):
