@@ -526,14 +526,16 @@ def test_a_saved_plan_edited_by_hand_reapplies_without_calibration(tmp_path):
     assert edited["main"].script().count('out_dtype="int32"') == len(plan.entries) - 1
 
 
-def test_a_plan_saved_before_quantized_residuals_loads_with_float_residuals(tmp_path):
+def test_a_plan_saved_before_quantized_residuals_loads_with_float_residuals_and_no_bias_correction(tmp_path):
     path = tmp_path / "old.json"
     text = linear_plan("uint8", 1.0).to_json()
     data = json.loads(text)
     data.pop("quantized_residuals")
     data["entries"][0].pop("bits")  # and before 7-bit codes
+    data["entries"][0].pop("input_means")  # and before bias correction
     path.write_text(json.dumps(data))
     assert not QuantPlan.load(path).quantized_residuals and QuantPlan.load(path).entries[0].bits == 8
+    assert QuantPlan.load(path).entries[0].input_means == ()
 
 
 def test_plan_errors_name_the_file_or_layer(tmp_path):

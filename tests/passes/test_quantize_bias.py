@@ -93,3 +93,25 @@ def test_the_plan_holds_each_quantized_layers_input_means_and_a_mismatch_is_refu
     plan.entries[0] = type(entry)(**{**entry.__dict__, "input_means": entry.input_means[:4]})
     with pytest.raises(LayerIndexError, match="entry 0 .* has 4 input means; the layer's input has 6 channels"):
         relay_amp.apply_quant_plan(mod, plan)
+
+
+def test_per_row_matmuls_take_the_rounding_error_out_after_the_rows_scale():
+    """Dynamic matmuls (per-row codes): each output column's mean error over 8 unseen batches falls to at most a
+    third. Weights are coarse enough that their codes' rounding dominates."""
+    rng = np.random.default_rng(8)
+    weight = (np.round(rng.normal(size=(16, 8)) * 2) / 2 + 0.01 * rng.normal(size=(16, 8))).astype("float32")
+    mod = single_output_module(lambda x: relax.op.matmul(x, relax.const(weight)), tensor("x", (64, 16)))
+
+    def batches(count, seed):
+        generator = np.random.default_rng(seed)
+        return [(generator.normal(size=(64, 16)) + 1.0).astype("float32") for _ in range(count)]
+
+    inputs = batches(8, 9)
+    reference = np.stack([relay_amp.run(mod, [x])[0] for x in inputs])
+    column_mean = {}
+    for corrected in (False, True):
+        quantized = relay_amp.quantize(mod, batches(8, 10), dynamic_matmuls=True, fallback_dtype="float32",
+                                       bias_correction=corrected)
+        error = np.stack([relay_amp.run(quantized, [x])[0] for x in inputs]) - reference
+        column_mean[corrected] = np.abs(error.mean(axis=(0, 1))).max()
+    assert column_mean[True] <= column_mean[False] / 3
