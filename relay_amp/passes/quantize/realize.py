@@ -49,7 +49,7 @@ point 64 (BERT int8q 0.79x the time, output cosine to fp32 0.99985 -> 0.99957).
 With `bias_correction` (the default), calibration also measures each input channel's mean, and each layer takes out
 the mean error its weights' rounding makes over such inputs, in the per-channel constant its epilogue adds anyway
 (relay_amp.passes.quantize.bias): on Zen 3, 32 random inputs, ResNet-50 int8q's largest error against fp32 0.024 ->
-0.017 (ONNX Runtime's static int8: 0.023), EfficientNet-B0's 0.051 -> 0.044.
+0.015 (ONNX Runtime's static int8: 0.023), EfficientNet-B0's 0.051 -> 0.044.
 
 With `shared_ranges` (the default), layers whose inputs are moves of one value (a split's halves and their concat,
 a concat and its max pools) share one range (relay_amp.passes.quantize.shared), so the CPU backend computes the
