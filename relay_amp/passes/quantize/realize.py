@@ -198,7 +198,7 @@ class _Realizer(relax.PyExprMutator):
         data, weight = new_call.args
         weight_axis, out_axis = _channel_axes(call)
         codes, weight_scales = quantize_weight(weight.value.numpy(), weight_axis if self.per_channel else None)
-        rounding = self._rounding_shift(call, weight.value.numpy(), codes, weight_scales, entry)
+        rounding = self._rounding_shift(call, weight.value.numpy(), codes, weight_scales, weight_axis, entry)
         exact = self.builder_.emit(relax.op.astype(data, "float32"))  # see _codes
         zero_point = entry.zero_point
         if entry.dtype == DYNAMIC:  # per-row int8 codes, or 7-bit ones offset to uint8 as a signed input's static ones
@@ -232,11 +232,11 @@ class _Realizer(relax.PyExprMutator):
         real = self._channel_constant(real, before_scale, shape)
         return self._channel_constant(relax.op.multiply(self.builder_.emit(real), scale), -rounding, shape)
 
-    def _rounding_shift(self, call: relax.Call, weight: np.ndarray, codes: np.ndarray, weight_scales: np.ndarray,
-                        entry: QuantEntry) -> np.ndarray:
-        """Per output channel, the mean output error of the weights' rounding over calibration's inputs (zero
-        where the entry has no input means: see relay_amp.passes.quantize.bias)."""
-        weight_axis = _channel_axes(call)[0]
+    @staticmethod
+    def _rounding_shift(call: relax.Call, weight: np.ndarray, codes: np.ndarray, weight_scales: np.ndarray,
+                        weight_axis: int, entry: QuantEntry) -> np.ndarray:
+        """Per output channel (along `weight_axis` of the weight), the mean output error of the weights' rounding
+        over calibration's inputs (zero where the entry has no input means: see relay_amp.passes.quantize.bias)."""
         if not entry.input_means:
             return np.zeros(weight.shape[weight_axis])
         shape = [1] * weight.ndim
@@ -335,8 +335,9 @@ def _check_entry(entry: QuantEntry, call: relax.Call) -> None:
     reason = unquantizable(call) if entry.quantized else None
     if reason:
         raise OptionError(f"layer {entry.index} ({entry.op} {entry.name!r}) cannot be int8: {reason}")
-    channels = tensor_shape(call.args[0])[input_channel_axis(call)]
-    if entry.input_means and len(entry.input_means) != channels:
+    shape = tensor_shape(call.args[0]) or ()
+    channels = shape[input_channel_axis(call)] if shape else None
+    if entry.input_means and isinstance(channels, int) and len(entry.input_means) != channels:
         raise LayerIndexError(f"quantization plan entry {entry.index} ({entry.op} {entry.name!r}) has "
                               f"{len(entry.input_means)} input means; the layer's input has {channels} channels: "
                               "quantize this module")
