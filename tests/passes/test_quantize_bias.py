@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 
 import relay_amp
@@ -14,7 +15,7 @@ from builders import single_output_module, tensor
 GROUPED = np.random.default_rng(0).normal(size=(8, 3, 3, 3)).astype("float32")  # 2 groups of 3 input channels
 
 
-def conv_module(weight: np.ndarray, padding: int = 1) -> relax.Expr:
+def conv_module(weight: np.ndarray, padding: int = 1) -> tvm.IRModule:
     """main(x) = relu(x) convolved with `weight` (in groups of its input depth), then a ReLU."""
     groups = 6 // weight.shape[1]
     return single_output_module(lambda x: relax.op.nn.relu(relax.op.nn.conv2d(
