@@ -8,7 +8,7 @@ from tvm import relax
 import relay_amp
 from relay_amp import LayerIndexError
 from relay_amp.passes.quantize import QuantPlan
-from relay_amp.passes.quantize.bias import ChannelMeans, input_channel_axis, rounding_shift
+from relay_amp.passes.quantize.bias import ChannelMeans, input_channel_axis, rounding_shift, weight_axes
 
 from builders import single_output_module, tensor
 
@@ -35,11 +35,12 @@ def test_channel_means_average_each_channel_over_every_batch():
     assert rows.means == (2.0, 4.0)
 
 
-def test_input_channel_axis_is_a_convs_c_and_a_matmuls_last():
+def test_input_channel_axis_is_a_convs_c_and_a_matmuls_last_and_weight_axes_read_o_and_i():
     conv = relax.op.nn.conv2d(tensor("x", (1, 8, 8, 6)), relax.const(GROUPED.transpose(2, 3, 1, 0)),
                               data_layout="NHWC", kernel_layout="HWIO", groups=2)
-    assert input_channel_axis(conv) == 3
-    assert input_channel_axis(relax.op.matmul(tensor("x", (4, 2)), relax.const(np.ones((2, 3), "float32")))) == -1
+    assert input_channel_axis(conv) == 3 and weight_axes(conv) == (3, 2)
+    matmul = relax.op.matmul(tensor("x", (4, 2)), relax.const(np.ones((2, 3), "float32")))
+    assert input_channel_axis(matmul) == -1 and weight_axes(matmul) == (1, 0)
 
 
 def test_the_rounding_shift_is_what_a_conv_of_the_error_makes_of_an_input_at_its_channel_means():
