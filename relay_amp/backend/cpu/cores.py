@@ -1,6 +1,6 @@
 """What the CPU backend knows of cores past their instruction set: the dtypes whose dot-product instruction computes
-fewer products a cycle than fp32's FMA on the core a target names (its `model`, which relay_amp's presets set to
-the host's: relay_amp.targets.host_model)."""
+fewer products a cycle than fp32's FMA, and whether an AVX-512 FMA runs in two halves, on the core a target names
+(its `model`, which relay_amp's presets set to the host's: relay_amp.targets.host_model)."""
 
 import tvm
 
@@ -9,6 +9,9 @@ import tvm
 # ones (their bf16 speed is in AMX tiles). Zen 4 and Zen 5 issue it as often as an FMA.
 SLOW_DOTS = dict.fromkeys(("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d"),
                           frozenset({"bfloat16"}))
+# Zen 4 runs an AVX-512 FMA as two 256-bit halves: 16 fp32 products a cycle, as AVX2's cores compute, where Zen 5's
+# and Intel's server cores compute 32. There fp32 3x3 convs run faster as Winograd's (relay_amp.backend.cpu.winograd).
+HALF_WIDTH_AVX512 = frozenset({"znver4"})
 
 
 def target_core(target: tvm.target.Target) -> str:
@@ -20,3 +23,8 @@ def slow_dtypes(target: tvm.target.Target) -> frozenset[str]:
     """The data dtypes whose dot-product instruction computes fewer products a cycle than fp32's FMA on the core
     `target` builds for."""
     return SLOW_DOTS.get(target_core(target), frozenset())
+
+
+def splits_avx512(target: tvm.target.Target) -> bool:
+    """Whether the core `target` builds for computes each AVX-512 FMA in two 256-bit halves (Zen 4)."""
+    return target_core(target) in HALF_WIDTH_AVX512

@@ -60,8 +60,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     (relay_amp.backend.cpu.operand_scales), bf16 chains widened, runs of scales, biases and clamps folded
     (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
     fp32 has kernels (AVX2) or fp32's are faster (the target's core: relay_amp.backend.cpu.cores), fp32 3x3 convs
-    as Winograd's F(2x2, 3x3) on targets without AVX-512 (relay_amp.backend.cpu.winograd), dot-product kernel
-    dispatch, elementwise ops of reshaped tensors computed before the reshapes (relay_amp.passes.reshapes),
+    as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4 (relay_amp.backend.cpu.winograd), dot-product
+    kernel dispatch, elementwise ops of reshaped tensors computed before the reshapes (relay_amp.passes.reshapes),
     kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations
     before fast math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel
     that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), depthwise

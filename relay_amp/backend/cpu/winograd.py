@@ -1,4 +1,4 @@
-"""winograd: 3x3 stride-1 fp32 convolutions as Winograd's F(2x2, 3x3) on hosts without AVX-512.
+"""winograd: 3x3 stride-1 fp32 convolutions as Winograd's F(2x2, 3x3) where fp32 FMAs are 256 bits wide.
 
 Each 2x2 block ("tile") of a 3x3 convolution's outputs is A^T [(G g G^T) . (B^T d B)] A, d the tile's 4x4
 window of the padded input and g a 3x3 filter (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks",
@@ -11,8 +11,13 @@ in TE functions that the ops after the convolution (bias, ReLU, a residual add) 
 On a 2-core AVX2 Zen 3, against the direct kernels (ReLU after; one process, medians): 56x56x64 -> 64
 1.67 -> 1.25 ms, 28x28x128 -> 128 1.34 -> 0.83 ms, 14x14x256 -> 256 1.77 -> 0.95 ms, 7x7x512 -> 512 1.81 ->
 1.52 ms. The results differ from the direct convolution's by rounding (about 1e-6 of the output's largest value
-in fp32). Hosts with AVX-512 keep the direct kernels (not measured there), and bf16 and int8 convolutions keep
-theirs (the transforms would add in their precision); AVX2's bf16 convolutions, widened to fp32 first, take it.
+in fp32). Zen 4 computes each AVX-512 FMA in two 256-bit halves, as many products a cycle as AVX2's cores, and its
+direct kernels run near that peak (ResNet-50 fp32 at about 105 GMAC/s on two cores), so it takes them too (2-core
+Zen 4, the direct kernels' time against these, ReLU after: 56x56x64 0.63x, 28x28x128 0.54x, 14x14x256 0.59x,
+7x7x512 0.77-0.91x; the bounds below measured the same way there: 14x14x64 1.27x and 56x56x32 0.92x with them
+lowered). Cores that compute a whole AVX-512 FMA a cycle (Zen 5, Intel's server cores; AMX hosts) keep the direct
+kernels (not measured there), and bf16 and int8 convolutions keep theirs (the transforms would add in their
+precision); AVX2's bf16 convolutions, widened to fp32 first, take it.
 """
 
 import math
@@ -22,6 +27,7 @@ import tvm
 from tvm import relax, te
 
 from ..._ir import calls_any_op, is_static_shape, rewrite_op_calls, tensor_dtype, tensor_shape
+from .cores import splits_avx512
 
 CONV = "relax.nn.conv2d"
 INPUT_TRANSFORM = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])  # B^T
@@ -35,8 +41,10 @@ MIN_PRODUCTS = 1 << 18  # tiles x channels in x out of each of the 16 matmuls: b
 
 
 def suits(target: tvm.target.Target) -> bool:
-    """Whether `target` takes Winograd convolutions: an LLVM CPU without AVX-512."""
-    return target.kind.name == "llvm" and not tvm.target.codegen.target_has_features("avx512f", target)
+    """Whether `target` takes Winograd convolutions: an LLVM CPU without AVX-512, or one whose core computes an
+    AVX-512 FMA in two halves (Zen 4), where fp32 FMAs compute 16 products a cycle."""
+    return target.kind.name == "llvm" and (not tvm.target.codegen.target_has_features("avx512f", target)
+                                           or splits_avx512(target))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.WinogradConvs")

@@ -36,6 +36,14 @@ def test_slow_dtypes_are_those_of_the_cores_whose_bf16_dot_is_half_rate(target, 
     assert cores.slow_dtypes(target) == slow
 
 
+@pytest.mark.parametrize("target, splits", [(_llvm(targets.BF16_CPU, "znver4"), True), (_llvm("znver4"), True),
+                                            (_llvm(targets.BF16_CPU, "znver5"), False),
+                                            (_llvm(targets.BF16_CPU, "emeraldrapids"), False),
+                                            (_llvm("haswell"), False)])
+def test_only_zen4_computes_an_avx512_fma_in_two_halves(target, splits):
+    assert cores.splits_avx512(target) == splits
+
+
 def test_kernel_dtypes_drop_a_slow_dot_unless_amx_tiles_take_its_dtype():
     """Emerald Rapids without AMX computes bf16 on fp32's kernels; with AMX (the cpu-amx preset's Sapphire Rapids),
     its tiles take bf16 and the AVX-512 kernels keep vdpbf16ps for the shapes they do not fit."""
