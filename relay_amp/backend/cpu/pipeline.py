@@ -25,6 +25,7 @@ from .epilogue import FuseKernelEpilogues
 from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
+from .lane_predicates import WholeVectorWriteBacks
 from .multiplier import RepeatMultiplierInputs
 from .nan_tests import NanTestsAsBitTests
 from .norms import GroupNormsOverChannels
@@ -108,13 +109,16 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
 
 def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pass:
     """For a prepared module: reshapes made views, outputs' too (relay_amp.backend.views), tuning records (when
-    `tuned`), default schedules for the rest, NaN tests as tests of the bits (relay_amp.backend.cpu.nan_tests), bf16
-    roundings dropped in registers and native elsewhere (on avx512_bf16 targets), lower."""
+    `tuned`), default schedules for the rest, NaN tests as tests of the bits (relay_amp.backend.cpu.nan_tests), vector
+    write-backs that store part of their lanes split into whole vectors and the cut one
+    (relay_amp.backend.cpu.lane_predicates), bf16 roundings dropped in registers and native elsewhere (on avx512_bf16
+    targets), lower."""
     return tvm.transform.Sequential([
         *view_passes(),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
         NanTestsAsBitTests,
+        WholeVectorWriteBacks,
         *rounding_passes(target),
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
@@ -123,9 +127,11 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
 
 def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
     """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: its NaN tests as
-    bit tests (relay_amp.backend.cpu.nan_tests) and bf16 roundings (relay_amp.backend.cpu.bf16_round), so that
-    tuning measures the code a build runs."""
-    return tvm.transform.Sequential([NanTestsAsBitTests, *rounding_passes(target)], name="relay_amp_cpu_candidate")
+    bit tests (relay_amp.backend.cpu.nan_tests), its cut vector write-backs split
+    (relay_amp.backend.cpu.lane_predicates) and bf16 roundings (relay_amp.backend.cpu.bf16_round), so that tuning
+    measures the code a build runs."""
+    return tvm.transform.Sequential([NanTestsAsBitTests, WholeVectorWriteBacks, *rounding_passes(target)],
+                                    name="relay_amp_cpu_candidate")
 
 
 def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "tvm.s_tir.Schedule | None":
