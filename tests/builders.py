@@ -87,6 +87,24 @@ def lraspp_logits():
     return Logits().eval()
 
 
+def torchvision_through_onnx(model, size: int) -> tuple:
+    """A torchvision module (`model`, built after torch.manual_seed(0)) exported to ONNX by the TorchScript exporter
+    on a `size`x`size` image and imported: (the imported module, the image as an array, torch's output)."""
+    import io
+
+    import torch
+
+    import relay_amp
+
+    model = model.eval()
+    x = np.random.default_rng(0).standard_normal((1, 3, size, size)).astype("float32")
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (torch.from_numpy(x),), buffer, opset_version=17, dynamo=False)
+    return relay_amp.frontend.from_onnx(onnx.load_from_string(buffer.getvalue())), x, expected
+
+
 def timm_through_onnx(name: str, directory, edit=None) -> tuple:
     """A timm model with random weights and 10 classes (`edit`ed in place first, if given), exported to ONNX by the
     TorchScript exporter on a 64x64 image and imported: (the torch module, the imported module, the image as an

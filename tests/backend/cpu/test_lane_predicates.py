@@ -14,6 +14,7 @@ from relay_amp.compile.tuning import prepare
 from relay_amp.runtime import run_executable
 from relay_amp.tools import models
 
+from builders import torchvision_through_onnx
 from pass_checks import assert_transforms
 
 
@@ -120,18 +121,8 @@ def test_torchvisions_resnet18_stores_its_1000_logits_in_whole_vectors_and_match
     PyTorch within 1e-5 of the largest logit (fp32)."""
     torch = pytest.importorskip("torch")
     torchvision = pytest.importorskip("torchvision")
-    import io
-
-    import onnx
-
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
-    x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype("float32")
-    with torch.no_grad():
-        expected = model(torch.from_numpy(x)).numpy()
-    buffer = io.BytesIO()
-    torch.onnx.export(model, (torch.from_numpy(x),), buffer, opset_version=17, dynamo=False)
-    mod = relay_amp.frontend.from_onnx(onnx.load_from_string(buffer.getvalue()))
+    mod, x, expected = torchvision_through_onnx(torchvision.models.resnet18(weights=None), 64)
     target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
     with target:
         prepared = prepare(mod, target)

@@ -11,6 +11,7 @@ from relay_amp.backend.cpu import winograd
 from relay_amp.backend.cpu.winograd import WinogradConvs
 from relay_amp.runtime import run_executable
 
+from builders import torchvision_through_onnx
 from pass_checks import assert_transforms
 
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}  # FMA and AVX2, no AVX-512: any x86 host CI runs on
@@ -117,19 +118,9 @@ def test_torchvisions_resnet18_on_avx2_runs_its_3x3_convs_as_winograd_and_matche
     stage's 4x4 maps do not), exported by PyTorch to ONNX; fp32 within 1e-5 of PyTorch's largest output."""
     torch = pytest.importorskip("torch")
     torchvision = pytest.importorskip("torchvision")
-    import io
-
-    import onnx
-
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
-    x = np.random.default_rng(0).standard_normal((1, 3, 112, 112)).astype("float32")
-    with torch.no_grad():
-        expected = model(torch.from_numpy(x)).numpy()
-    buffer = io.BytesIO()
-    torch.onnx.export(model, (torch.from_numpy(x),), buffer, opset_version=17, dynamo=False)
-    executable = relay_amp.build(relay_amp.frontend.from_onnx(onnx.load_from_string(buffer.getvalue())),
-                                 tvm.target.Target(AVX2))
+    mod, x, expected = torchvision_through_onnx(torchvision.models.resnet18(weights=None), 112)
+    executable = relay_amp.build(mod, tvm.target.Target(AVX2))
     transforms = {line.split()[1] for line in executable.as_text().splitlines()
                   if line.strip().startswith("call ") and "winograd_output" in line}
     assert len(transforms) >= 3, transforms  # a function per stage's shape at least
@@ -143,19 +134,9 @@ def test_torchvisions_vgg11_on_zen4_runs_its_3x3_convs_as_winograd_and_matches_p
     output where the host runs AVX-512."""
     torch = pytest.importorskip("torch")
     torchvision = pytest.importorskip("torchvision")
-    import io
-
-    import onnx
-
     torch.manual_seed(0)
-    model = torchvision.models.vgg11(weights=None).features.eval()
-    x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype("float32")
-    with torch.no_grad():
-        expected = model(torch.from_numpy(x)).numpy()
-    buffer = io.BytesIO()
-    torch.onnx.export(model, (torch.from_numpy(x),), buffer, opset_version=17, dynamo=False)
-    executable = relay_amp.build(relay_amp.frontend.from_onnx(onnx.load_from_string(buffer.getvalue())),
-                                 tvm.target.Target(ZEN4))
+    mod, x, expected = torchvision_through_onnx(torchvision.models.vgg11(weights=None).features, 64)
+    executable = relay_amp.build(mod, tvm.target.Target(ZEN4))
     calls = [line for line in executable.as_text().splitlines() if line.strip().startswith("call ")]
     assert sum("winograd_output" in line for line in calls) == 5
     _runnable(ZEN4)
