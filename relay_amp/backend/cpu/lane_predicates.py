@@ -60,20 +60,25 @@ def _renamed(stmt: tirx.Stmt, variables: list) -> tirx.Stmt:
     return tvm_ffi.structural_map(stmt, [(tirx.Var, rename)])
 
 
+def _reads(term: tvm.ir.Expr, var: tirx.Var) -> bool:
+    return any(used.same_as(var) for used in vars_in(term))
+
+
 def _split_vector_loop(loop: tirx.For) -> tirx.Stmt:
+    """`loop` split where it is a vector loop of one block whose predicate bounds the lanes from above."""
     if loop.kind != tirx.ForKind.VECTORIZED or not isinstance(loop.body, s_tir.SBlockRealize):
         return loop
     if not isinstance(loop.min, tirx.IntImm) or not isinstance(loop.extent, tirx.IntImm):
         return loop
     realize, lane = loop.body, loop.loop_var
     terms = _conjuncts(realize.predicate)
-    varying = [term for term in terms if any(var.same_as(lane) for var in vars_in(term))]
+    varying = [term for term in terms if _reads(term, lane)]
     if not varying:
         return loop
     whole = [_last_lane_passes(term, lane, loop.min.value + loop.extent.value - 1) for term in varying]
     if any(test is None for test in whole):
         return loop
-    uniform = _conjunction([term for term in terms if not any(var.same_as(lane) for var in vars_in(term))])
+    uniform = _conjunction([term for term in terms if not _reads(term, lane)])
     vectors = tirx.For(lane, loop.min, loop.extent, loop.kind,
                        s_tir.SBlockRealize(realize.iter_values, uniform, realize.block), loop.thread_binding,
                        loop.annotations)
