@@ -249,6 +249,18 @@ def vars_in(expr) -> list:
     return list(tvm.tirx.analysis.undefined_vars(expr))
 
 
+def reads_var(expr, var) -> bool:
+    """Whether the TIR expression `expr` reads `var`."""
+    return any(used.same_as(var) for used in vars_in(expr))
+
+
+def conjuncts(condition) -> list:
+    """A TIR condition split at its ands."""
+    if isinstance(condition, tvm.tirx.And):
+        return [*conjuncts(condition.a), *conjuncts(condition.b)]
+    return [condition]
+
+
 def index_vars(access) -> list:
     """The variables in every index of a TIR block's buffer access (a read or write region)."""
     return [var for index in access.region for var in vars_in(index.min)]

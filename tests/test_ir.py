@@ -5,10 +5,11 @@ import sys
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from relay_amp._ir import depthwise_weight, is_scalar_constant, is_static_shape
+from relay_amp._ir import conjuncts, depthwise_weight, is_scalar_constant, is_static_shape, reads_var
 
 IMPORT_IN_A_FRESH_PROCESS = """
 import inspect
@@ -266,3 +267,13 @@ def test_add_func_once_adds_one_primfunc_per_key():
     assert add_func_once(bb, known, "copy", make, "copy_again").same_as(first) and len(made) == 1
     assert not add_func_once(bb, known, "other", lambda: _copy.with_attr("other", 1), "other").same_as(first)
     assert len(bb.get().functions) == 2
+
+
+def test_conjuncts_split_a_condition_at_its_ands_and_reads_var_finds_the_variables_it_reads():
+    row, lane = tvm.tirx.Var("row", "int32"), tvm.tirx.Var("lane", "int32")
+    bound, cut = row < 3, lane < 5
+    terms = conjuncts(tvm.tirx.And(tvm.tirx.And(bound, cut), row < lane))
+    assert len(terms) == 3 and terms[0].same_as(bound) and terms[1].same_as(cut)
+    (alone,) = conjuncts(bound)
+    assert alone.same_as(bound)
+    assert [reads_var(term, lane) for term in terms] == [False, True, True]

@@ -18,24 +18,12 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from ..._ir import vars_in
-
-
-def _conjuncts(predicate: tvm.ir.Expr) -> list:
-    """The terms of a conjunction (a predicate itself where it is not one)."""
-    if isinstance(predicate, tirx.And):
-        return _conjuncts(predicate.a) + _conjuncts(predicate.b)
-    return [predicate]
+from ..._ir import conjuncts, reads_var
 
 
 def _conjunction(terms: list) -> tvm.ir.Expr:
     """The terms joined by `and` (true for none)."""
-    if not terms:
-        return tirx.const(True, "bool")
-    result = terms[0]
-    for term in terms[1:]:
-        result = tirx.And(result, term)
-    return result
+    return tirx.all(*terms) if terms else tirx.const(True, "bool")
 
 
 def _last_lane_passes(term: tvm.ir.Expr, lane: tirx.Var, last: int) -> "tvm.ir.Expr | None":
@@ -60,10 +48,6 @@ def _renamed(stmt: tirx.Stmt, variables: list) -> tirx.Stmt:
     return tvm_ffi.structural_map(stmt, [(tirx.Var, rename)])
 
 
-def _reads(term: tvm.ir.Expr, var: tirx.Var) -> bool:
-    return any(used.same_as(var) for used in vars_in(term))
-
-
 def _split_vector_loop(loop: tirx.For) -> tirx.Stmt:
     """`loop` split where it is a vector loop of one block whose predicate bounds the lanes from above."""
     if loop.kind != tirx.ForKind.VECTORIZED or not isinstance(loop.body, s_tir.SBlockRealize):
@@ -71,14 +55,14 @@ def _split_vector_loop(loop: tirx.For) -> tirx.Stmt:
     if not isinstance(loop.min, tirx.IntImm) or not isinstance(loop.extent, tirx.IntImm):
         return loop
     realize, lane = loop.body, loop.loop_var
-    terms = _conjuncts(realize.predicate)
-    varying = [term for term in terms if _reads(term, lane)]
+    terms = conjuncts(realize.predicate)
+    varying = [term for term in terms if reads_var(term, lane)]
     if not varying:
         return loop
     whole = [_last_lane_passes(term, lane, loop.min.value + loop.extent.value - 1) for term in varying]
     if any(test is None for test in whole):
         return loop
-    uniform = _conjunction([term for term in terms if not _reads(term, lane)])
+    uniform = _conjunction([term for term in terms if not reads_var(term, lane)])
     vectors = tirx.For(lane, loop.min, loop.extent, loop.kind,
                        s_tir.SBlockRealize(realize.iter_values, uniform, realize.block), loop.thread_binding,
                        loop.annotations)

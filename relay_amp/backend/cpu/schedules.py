@@ -19,7 +19,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
-from ..._ir import index_vars, try_primitive, vars_in
+from ..._ir import conjuncts, index_vars, reads_var, try_primitive, vars_in
 from .bf16_round import PAIR_LANES
 
 MAX_WINDOW = 64  # single-tensor reductions up to this size (pooling windows) are scheduled like contractions
@@ -319,7 +319,7 @@ def _lanes_share_predicate(sch: s_tir.Schedule, block, loop, lanes: int) -> bool
     analyzer.bind(var, vector * lanes + lane)
     realize = sch.get(loop).body  # the block's realize: its predicate, in the loops' vars
     predicate = analyzer.simplify(realize.predicate) if isinstance(realize, s_tir.SBlockRealize) else True
-    return not any(used.same_as(lane) for used in vars_in(predicate))
+    return not reads_var(predicate, lane)
 
 
 def _own_loops(sch: s_tir.Schedule, block, other) -> list:
@@ -433,9 +433,9 @@ def _gathered_along(stmt, lane: tirx.Var) -> list:
 
 def _strided_along(indices: list, lane: tirx.Var) -> bool:
     """Whether buffer `indices` step by other than one element as `lane` steps by one."""
-    if any(_reads_var(index, lane) for index in indices[:-1]):
+    if any(reads_var(index, lane) for index in indices[:-1]):
         return True
-    if not indices or not _reads_var(indices[-1], lane):
+    if not indices or not reads_var(indices[-1], lane):
         return False
     coefficients = tvm.sym.detect_linear_equation(indices[-1], [lane])
     return len(coefficients) != 2 or not isinstance(coefficients[0], tirx.IntImm) or coefficients[0].value != 1
@@ -446,7 +446,7 @@ def _lane_uniform_range(sch: s_tir.Schedule, stmt, loops: list) -> "tuple[int, i
     holds across the whole second-to-last (lane) axis, all of them where no condition involves that axis (axis
     0). None where the conditions on the lanes involve no outer axis or several, or the values are not one run."""
     lane = stmt.iter_vars[-2].var
-    terms = [term for term in _condition_terms(stmt.body) if _reads_var(term, lane)]
+    terms = [term for term in _condition_terms(stmt.body) if reads_var(term, lane)]
     if not terms:
         return 0, 0, _extent(sch, loops[0]) or 0
     others = [v for term in terms for v in vars_in(term) if not v.same_as(lane)]
@@ -459,11 +459,6 @@ def _lane_uniform_range(sch: s_tir.Schedule, stmt, loops: list) -> "tuple[int, i
     if not holding or holding != list(range(holding[0], holding[-1] + 1)):
         return None
     return axis, holding[0], holding[-1] + 1
-
-
-def _reads_var(expr, var: tirx.Var) -> bool:
-    """Whether the TIR expression `expr` reads `var`."""
-    return any(v.same_as(var) for v in vars_in(expr))
 
 
 def _holds_across(condition, lane: tirx.Var, lanes: int, axis: tirx.Var, value: int) -> bool:
@@ -479,15 +474,8 @@ def _condition_terms(store) -> list:
     terms = []
     for node in _subexpressions(store.value if isinstance(store, tirx.BufferStore) else None):
         if isinstance(node, tvm.ir.expr.Call) and node.op.name == "prim.if_then_else":
-            terms.extend(_conjuncts(node.args[0]))
+            terms.extend(conjuncts(node.args[0]))
     return terms
-
-
-def _conjuncts(condition) -> list:
-    """`condition` split at its ands."""
-    if isinstance(condition, tirx.And):
-        return [*_conjuncts(condition.a), *_conjuncts(condition.b)]
-    return [condition]
 
 
 def _subexpressions(expr) -> list:
@@ -558,7 +546,7 @@ def _contiguous_group(sch: s_tir.Schedule, block, row: int) -> "int | None":
         return None
     axis = stmt.iter_vars[-1].var
     loads = [node.indices for node in _subexpressions(stmt.body.value) if isinstance(node, tvm.ir.expr.TensorLoad)
-             and any(_reads_var(index, axis) for index in node.indices)]
+             and any(reads_var(index, axis) for index in node.indices)]
     jumping = [indices for indices in loads if _strided_along(list(indices), axis)]
     divisors = {int(node.b.value) for indices in jumping for index in indices for node in _subexpressions(index)
                 if isinstance(node, (tirx.FloorDiv, tirx.FloorMod)) and isinstance(node.b, tirx.IntImm)}
