@@ -79,21 +79,25 @@ def _series(value: tvm.ir.Expr, coefficients: tuple) -> tvm.ir.Expr:
     return result
 
 
-def _polynomial_exp(x: te.Tensor, polynomial: tuple, ln2_parts: tuple, specials: bool, name: str) -> te.Tensor:
+def _polynomial_exp(x: te.Tensor, polynomial: tuple, ln2_parts: tuple, specials: bool, name: str,
+                    negated: bool = False) -> te.Tensor:
     """e^x as 2^n times e^f, e^f by `polynomial` (the coefficients after 1, lowest power first), f = x - n ln2 with ln2
     subtracted in `ln2_parts`, n rounded by adding ROUNDING_MAGIC, whose low mantissa bits then hold n + 127, the
     exponent field of 2^n (no floor, no conversion). With `specials`, a last max with x lets NaN and +inf through
     (e^x exceeds x everywhere else); without it they give e^88 (one instruction fewer: SiLU's exps, where x carries a
-    NaN through anyway)."""
+    NaN through anyway). `negated`: e^-x, the sign folded into the constants (-x never computed: one instruction
+    fewer, the same bits, as rounding to nearest is symmetric)."""
+    sign = -1.0 if negated else 1.0
+
     def element(*index):
         value = te.max(te.min(x(*index), _wide(EXP_LIMIT)), _wide(-EXP_LIMIT))
-        rounded = value * _wide(LOG2E) + _wide(ROUNDING_MAGIC)
+        rounded = value * _wide(sign * LOG2E) + _wide(ROUNDING_MAGIC)
         bits = tvm.tirx.reinterpret("int32", rounded)
         whole = tvm.tirx.reinterpret(WIDE, bits) - _wide(ROUNDING_MAGIC)  # as bits, or TVM folds the magic away
-        fraction = value
+        fraction = value  # sign * f
         for part in ln2_parts:
-            fraction = fraction - whole * _wide(part)
-        power = _series(fraction, (1.0, *polynomial)) * tvm.tirx.reinterpret(WIDE, bits << 23)
+            fraction = fraction - whole * _wide(sign * part)
+        power = _series(-fraction if negated else fraction, (1.0, *polynomial)) * tvm.tirx.reinterpret(WIDE, bits << 23)
         return te.max(power, x(*index)) if specials else power
     return te.compute(x.shape, element, name=name)
 
@@ -106,6 +110,15 @@ def _fast_exp(x: te.Tensor) -> te.Tensor:
 def _narrow_exp(x: te.Tensor, specials: bool = False) -> te.Tensor:
     """e^x for results rounded to a narrow float, within 7e-6 relative (NARROW_EXP_POLYNOMIAL, ln2 in one part)."""
     return _polynomial_exp(x, NARROW_EXP_POLYNOMIAL, (LN2,), specials, name="narrow_exp")
+
+
+def _negated_exps(x: te.Tensor, narrow: bool) -> te.Tensor:
+    """e^-x for SiLU's x / (1 + e^-x), fast_exp's or narrow_exp's polynomial, NaN and -inf of x not carried (the
+    quotient's x carries a NaN): two instructions a vector fewer than fast_exp of -x (SiLU over 56x56x144 in fp32
+    8% faster, its depthwise conv 6%, on Zen 4)."""
+    if narrow:
+        return _polynomial_exp(x, NARROW_EXP_POLYNOMIAL, (LN2,), False, name="narrow_exp_negative", negated=True)
+    return _polynomial_exp(x, EXP_POLYNOMIAL, (LN2_HIGH, LN2_LOW), False, name="fast_exp_negative", negated=True)
 
 
 def _narrow_erf(x: te.Tensor) -> te.Tensor:
@@ -165,6 +178,8 @@ def _fast_sine(x: te.Tensor, quarter_turns: int) -> te.Tensor:
 
 PRIMITIVES["fast_exp"] = _fast_exp
 PRIMITIVES["narrow_exp"] = _narrow_exp
+PRIMITIVES["fast_exp_negative"] = lambda x: _negated_exps(x, narrow=False)
+PRIMITIVES["narrow_exp_negative"] = lambda x: _negated_exps(x, narrow=True)
 PRIMITIVES["narrow_erf"] = _narrow_erf
 PRIMITIVES["fast_log"] = _fast_log
 PRIMITIVES["fast_sin"] = lambda x: _fast_sine(x, 0)
@@ -186,7 +201,7 @@ def narrowed(formula: tuple, requantized: bool = False) -> tuple:
     its exps stay fast_exp, as narrow_exp's moved a quantized CSPDarkNet's codes past its module's rounding."""
     if requantized:
         return _renamed(formula, "fast_erf", "narrow_erf")
-    return _renamed(formula, "fast_exp", "narrow_exp")
+    return _renamed(_renamed(formula, "fast_exp", "narrow_exp"), "fast_exp_negative", "narrow_exp_negative")
 
 
 def _renamed(formula: tuple, old: str, new: str) -> tuple:
@@ -203,6 +218,13 @@ def const(value: float) -> tuple:
 
 def _sigmoid(x: tuple, exp: str) -> tuple:
     return ("divide", const(1.0), ("add", (exp, ("negative", x)), const(1.0)))
+
+
+def _silu(x: tuple, exp: str) -> tuple:
+    """x / (1 + e^-x) (a multiply fewer than x * sigmoid(x)); a fast exp of -x as fast_exp_negative."""
+    if exp == "fast_exp":
+        return ("divide", x, ("add", ("fast_exp_negative", x), const(1.0)))
+    return ("divide", x, ("add", (exp, ("negative", x)), const(1.0)))
 
 
 def _gelu(x: tuple, erf: str) -> tuple:
@@ -224,7 +246,7 @@ def activation(op_name: str, x: tuple, fast: bool) -> "tuple | None":
         kind = UNARY_OPS[op_name]
         return (name.get(kind, kind), x)
     builders = {"relax.sigmoid": lambda: _sigmoid(x, name["exp"]),
-                "relax.nn.silu": lambda: ("divide", x, ("add", (name["exp"], ("negative", x)), const(1.0))),
+                "relax.nn.silu": lambda: _silu(x, name["exp"]),
                 "relax.nn.gelu": lambda: _gelu(x, name["erf"]),
                 "relax.nn.gelu_tanh": lambda: _gelu_tanh(x, name["tanh"]),
                 "relax.nn.relu": lambda: ("maximum", x, const(0.0))}
@@ -296,8 +318,16 @@ def _cheaper(kind: str, left: tuple, right: tuple) -> tuple:
     if kind == "multiply":
         for value, other in ((left, right), (right, left)):
             if other[0] == "divide" and other[1] == const(1.0):
-                return ("divide", value, other[2])
+                return _quotient(value, other[2])
     return (kind, left, right)
+
+
+def _quotient(value: tuple, denominator: tuple) -> tuple:
+    """`value` / `denominator`, as _silu where that is x / (1 + e^-x) (x * sigmoid(x), the exporters' SiLU)."""
+    for exp in ("fast_exp", "exp"):
+        if denominator == _sigmoid(value, exp)[2]:
+            return _silu(value, exp)
+    return ("divide", value, denominator)
 
 
 def _const_formula(expr: relax.Expr) -> "tuple | None":

@@ -26,13 +26,13 @@ REFERENCE = {  # op -> numpy of VALUES in float64
 }
 
 
-def _evaluate(expr_formula: tuple) -> np.ndarray:
-    """`expr_formula` of VALUES, compiled for the host CPU through formula.expression."""
-    data = te.placeholder(VALUES.shape, "float32", "data")
-    out = te.compute(VALUES.shape, lambda i: formula.expression(expr_formula, data[i] * 1.0), name="out")
+def _evaluate(expr_formula: tuple, values: np.ndarray = VALUES) -> np.ndarray:
+    """`expr_formula` of fp32 `values`, compiled for the host CPU through formula.expression."""
+    data = te.placeholder(values.shape, "float32", "data")
+    out = te.compute(values.shape, lambda i: formula.expression(expr_formula, data[i] * 1.0), name="out")
     lib = tvm.compile(tvm.IRModule({"main": te.create_prim_func([data, out])}), "llvm")
-    result = tvm.runtime.tensor(np.zeros_like(VALUES))
-    lib["main"](tvm.runtime.tensor(VALUES), result)
+    result = tvm.runtime.tensor(np.zeros_like(values))
+    lib["main"](tvm.runtime.tensor(values), result)
     return result.numpy()
 
 
@@ -139,6 +139,21 @@ def test_the_fast_exp_is_unbiased_closer_than_tvms_and_passes_nan_and_infinity()
     assert np.isnan(specials[0]) and specials[1] == np.inf and specials[2] == 0.0
 
 
+@pytest.mark.parametrize("kind", ["fast_exp", "narrow_exp"])
+def test_silus_negated_exps_are_the_exps_of_the_negated_values_bit_for_bit(kind):
+    """SiLU's e^-x folds the sign into the constants: the same bits as the exp of -x, clamps included; NaN is not
+    carried (x carries it through SiLU's quotient)."""
+    values = np.concatenate([np.linspace(-88.0, 87.0, 20001), [-200.0, 200.0]]).astype("float32")
+    negated = _exps(values, formula.PRIMITIVES[kind + "_negative"])
+    np.testing.assert_array_equal(negated, _exps(-values, formula.PRIMITIVES[kind]))
+    silu = formula.narrowed(formula.activation("relax.nn.silu", X, fast=True)) if kind == "narrow_exp" else \
+        formula.activation("relax.nn.silu", X, fast=True)
+    assert silu[2][1] == (kind + "_negative", X)
+    specials = _evaluate(silu, np.array([np.nan, np.inf, -1e30, 1e30], "float32"))
+    assert np.isnan(specials[0]) and specials[1] == np.inf and specials[3] == np.float32(1e30)
+    assert -1e-8 < specials[2] <= 0.0  # -1e30 / (1 + e^88): the exp clamped at e^88
+
+
 def test_exps_rounded_to_a_narrow_float_take_the_narrow_polynomial():
     silu = formula.activation("relax.nn.silu", X, fast=True)
     narrowed = formula.narrowed(silu)
@@ -187,5 +202,6 @@ def test_a_product_with_a_reciprocal_is_a_quotient():
     sigmoid = formula.activation("relax.sigmoid", X, fast=True)
     for call in (relax.op.multiply(x, gate), relax.op.multiply(gate, x)):  # x * sigmoid(x), in either order
         made = formula.of_call(call, {x: X, gate: sigmoid}, True)
-        assert made == ("divide", X, sigmoid[2]) == formula.activation("relax.nn.silu", X, fast=True)
+        assert made == formula.activation("relax.nn.silu", X, fast=True)
+        assert made[2][1] == ("fast_exp_negative", X)  # e^-x with its sign folded into the constants
     np.testing.assert_allclose(_evaluate(made), REFERENCE["relax.nn.silu"], rtol=1e-6, atol=2e-6)
