@@ -50,7 +50,7 @@ from tvm import relax
 from ..._dead_code import EliminateDeadCode
 from ..._folding import fold_constants
 from ..._ir import add_func_once, depthwise_weight, pad_after, rewrite_function, tensor_dtype, tensor_shape
-from ...dtypes import numpy_dtype
+from ...dtypes import MODEL_FLOAT_DTYPES, numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
 from ..code_bounds import value_range
@@ -158,16 +158,29 @@ class _Dispatcher(relax.PyExprMutator):
         if weight is not None:
             if weight.ndim > 2 and weight.ndim <= len(shape) and all(d == 1 for d in weight.shape[:-2]):
                 weight = weight.reshape(weight.shape[-2:])  # a batch of one (torch.export's einsum as bmm)
-            if weight.ndim != 2:
-                return None
-            dot = kernels.weight_intrinsic(kernels.target_intrinsic(dtype), weight, 0, self._largest_code(data))
-            width = weight.shape[1]
-            weight = np.pad(weight, [(0, 0), (0, -width % kernels.LANES)])
-            if not kernels.supports(weight.shape[1], weight.shape[0], dot):
-                return None
-            result = self._emit_matmul(call, data, shape, weight.shape[1], kernels.pack_weight(weight, "IO", dot), dot)
-            return self._first_channels(result, len(shape) - 1, width, weight.shape[1])
+            if weight.ndim == 2:
+                return self._constant_matmul(call, data, shape, weight[None], 0)
+            if weight.shape[:-2] == shape[:-2] and dtype in MODEL_FLOAT_DTYPES:
+                return self._constant_matmul(call, data, shape, weight.reshape(-1, *weight.shape[-2:]),
+                                             math.prod(weight.shape[:-2]))
+            return None
         return self._runtime_matmul(call, shape)
+
+    def _constant_matmul(self, call: relax.Call, data: relax.Expr, shape: tuple[int, ...], weights: np.ndarray,
+                         weight_batch: int) -> relax.Expr | None:
+        """A matmul by constant `weights` ([batch, K, N]): one weight for every row where `weight_batch` is 0, else
+        one per batch element (Winograd's 16 transformed filters), each packed as the kernel takes it."""
+        dtype = tensor_dtype(data)
+        in_ch, width = weights.shape[1:]
+        dot = kernels.weight_intrinsic(kernels.target_intrinsic(dtype), np.concatenate(weights, axis=1), 0,
+                                       self._largest_code(data))
+        weights = np.pad(weights, [(0, 0), (0, 0), (0, -width % kernels.LANES)])
+        if not kernels.supports(weights.shape[2], in_ch, dot):
+            return None
+        packed = np.stack([kernels.pack_weight(weight, "IO", dot) for weight in weights])
+        result = self._emit_matmul(call, data, shape, weights.shape[2], packed if weight_batch else packed[0], dot,
+                                   weight_batch)
+        return self._first_channels(result, len(shape) - 1, width, weights.shape[2])
 
     def _first_channels(self, result: relax.Expr, axis: int, channels: int, padded: int) -> relax.Expr:
         """`result` ([..., padded] on `axis`) without the zero output channels a weight or runtime operand off the

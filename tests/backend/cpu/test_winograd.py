@@ -1,5 +1,5 @@
-"""winograd: 3x3 stride-1 fp32 convolutions on AVX2 and Zen 4 as Winograd's F(2x2, 3x3), 16 matmuls on the kernels
-between an input and an output transform, matching the direct convolution within fp32 rounding."""
+"""winograd: 3x3 stride-1 fp32 convolutions on AVX2 and Zen 4 as Winograd's F(2x2, 3x3), 16 matmuls in one kernel
+call between an input and an output transform, matching the direct convolution within fp32 rounding."""
 
 import numpy as np
 import pytest
@@ -7,6 +7,7 @@ import tvm
 from tvm import relax
 
 import relay_amp
+from relay_amp._ir import OPAQUE_PATTERN
 from relay_amp.backend.cpu import winograd
 from relay_amp.backend.cpu.winograd import WinogradConvs
 from relay_amp.runtime import run_executable
@@ -38,18 +39,23 @@ def _convs(shape=(1, 8, 8, 128), outputs: int = 128, padding=(1, 1, 1, 1)) -> tv
     return builder.get()
 
 
-def test_a_3x3_stride_1_conv_becomes_a_pad_16_transformed_matmuls_and_an_output_transform():
-    """8x8 outputs are 4x4 tiles of 2x2 (16 x 128 x 128 products in each matmul: MIN_PRODUCTS), read from the input
-    padded by 1 on each side; the stride-2 conv stays."""
+def test_a_3x3_stride_1_conv_becomes_a_pad_an_input_transform_one_batched_matmul_and_an_output_transform():
+    """8x8 outputs are 4x4 tiles of 2x2 (16 x 128 x 128 products in each of the 16 products: MIN_PRODUCTS), read
+    from the input padded by 1 on each side, 16 tiles computed as 17 (an odd count); the input transform is
+    scheduled and opaque to fusion; the stride-2 conv stays."""
     before = _convs()
     (data,), weight = before["main"].params, _weight(3, 128, 128)
+    windows = tvm.te.placeholder((1, 10, 10, 128), "float32", "padded")
+    func = winograd.windows_schedule(tvm.te.create_prim_func([windows, winograd.transformed_windows(windows, 4, 4)]))
     builder = relax.BlockBuilder()
     with builder.function("main", [data]):
         with builder.dataflow():
             padded = builder.emit(relax.op.nn.pad(data, [0, 0, 1, 1, 1, 1, 0, 0]))
-            products = [builder.emit(relax.op.matmul(
-                builder.emit_te(winograd.window_part, padded, 4, 4, element, primfunc_name_hint="winograd_input"),
-                relax.const(winograd.transformed_weights(weight)[element]))) for element in range(16)]
+            input_transform = builder.add_func(func.without_attr("global_symbol").with_attrs(
+                {"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN}), "winograd_input")
+            transformed = builder.emit(relax.call_tir(input_transform, [padded],
+                                                      relax.TensorType((16, 17, 128), "float32")))
+            products = builder.emit(relax.op.matmul(transformed, relax.const(winograd.transformed_weights(weight))))
             taken = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 8, 8, 128), 4, 4,
                                                  primfunc_name_hint="winograd_output"))
             strided = builder.emit(relax.op.nn.conv2d(taken, relax.const(_weight(3, 128, 128, 1)), strides=2, padding=1,
@@ -57,6 +63,23 @@ def test_a_3x3_stride_1_conv_becomes_a_pad_16_transformed_matmuls_and_an_output_
             out = builder.emit_output(strided)
         builder.emit_func_output(out)
     assert_transforms(WinogradConvs(), before, builder.get())
+
+
+def test_the_transformed_windows_are_bt_d_b_of_each_tile_and_the_extra_tile_repeats_the_last():
+    """Two images of 3x2 tiles (12, computed as 13), each tile's 4x4 window d of the padded input as B^T d B, on the
+    scheduled function (each tile's 16 elements unrolled over vectors of its channels)."""
+    rng = np.random.default_rng(0)
+    padded = rng.standard_normal((2, 8, 6, 32)).astype("float32")
+    data = tvm.te.placeholder(padded.shape, "float32", "padded")
+    windows = winograd.transformed_windows(data, 3, 2)
+    lib = tvm.compile(winograd.windows_schedule(tvm.te.create_prim_func([data, windows])), "llvm")
+    got = tvm.runtime.tensor(np.zeros((16, 13, 32), "float32"))
+    lib(tvm.runtime.tensor(padded), got)
+    bt = winograd.INPUT_TRANSFORM
+    expected = np.stack([np.einsum("ai,ijc,bj->abc", bt, padded[n, 2 * r:2 * r + 4, 2 * c:2 * c + 4], bt)
+                         for n in range(2) for r in range(3) for c in range(2)]).reshape(12, 16, 32).transpose(1, 0, 2)
+    np.testing.assert_allclose(got.numpy()[:, :12], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got.numpy()[:, 12], got.numpy()[:, 11])
 
 
 @pytest.mark.parametrize("reason, module", [
