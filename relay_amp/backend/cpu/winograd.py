@@ -36,11 +36,13 @@ CONV = "relax.nn.conv2d"
 INPUT_TRANSFORM = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])  # B^T
 WEIGHT_TRANSFORM = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])  # G
 OUTPUT_TRANSFORM = np.array([[1, 1, 1, 0], [0, 1, -1, -1]])  # A^T
-MIN_CHANNELS = 64  # fewer channels in or out: no faster (56x56x32 -> 32: 1.08x the direct conv's time)
+MIN_CHANNELS = 64  # fewer channels in or out: faster where the host is quiet, slower where another tenant loads its
+# memory (Zen 4: 56x56x32 -> 32 0.68x the direct conv's time; DenseNet-121 with its 128 -> 32 convs taking it where
+# their transforms fit in 4 MB: 0.94x the time in a quiet stretch, 1.12x in a contended one, when ResNet-18's wide
+# Winograd convs read 0.73x and 0.91x): their transforms move as many bytes for fewer multiplies saved
 MIN_EXTENT = 7  # an output height or width below this: not measured
-MIN_PRODUCTS = 1 << 18  # tiles x channels in x out of each of the 16 matmuls: below this their calls and the
-# transforms cost more than the multiplies saved (7x7x64 -> 64: 1.26x the direct conv's time, 14x14x64: 1.12x;
-# 8x8x128 -> 128, at this bound: 0.93x)
+MIN_PRODUCTS = 1 << 17  # tiles x channels in x out of each of the 16 matmuls: below this the transforms cost more
+# than the multiplies saved (7x7x64 -> 64: 1.18-1.28x the direct conv's time; 14x14x64, over it: 0.74-0.82x)
 
 
 def suits(target: tvm.target.Target) -> bool:
