@@ -146,8 +146,10 @@ def transformed_weights(weight: np.ndarray) -> np.ndarray:
 
 
 def transformed_windows(padded: te.Tensor, rows: int, cols: int) -> te.Tensor:
-    """B^T d B for each tile's window d of `padded` (NHWC), element by element (row-major in 4x4): [16, tiles, C].
-    Row r of B^T adds window row `_FIRST[r]` and `_SIGN[r]` times row `_SECOND[r]` (so do its columns)."""
+    """B^T d B for each tile's window d of `padded` (NHWC), element by element (row-major in 4x4): [16, tiles, C],
+    the tiles rounded up to an odd count (the last repeated), so that the 16 planes do not lie a multiple of 4 KB
+    apart, in one L1 set. Row r of B^T adds window row `_FIRST[r]` and `_SIGN[r]` times row `_SECOND[r]` (so do its
+    columns)."""
 
     tiles = padded.shape[0] * rows * cols
 
@@ -157,7 +159,7 @@ def transformed_windows(padded: te.Tensor, rows: int, cols: int) -> te.Tensor:
         top, left = place // cols * 2, place % cols * 2
         row, col = element // 4, element % 4
 
-        def window_row(i):  # columns col's pair of window row i, signed
+        def window_row(i):  # window row i's two columns for `col`, the second signed
             first = padded[image, top + i, left + _pick(_FIRST, col), channel]
             return first + _pick(_SIGN, col, "float32") * padded[image, top + i, left + _pick(_SECOND, col), channel]
 
@@ -167,7 +169,7 @@ def transformed_windows(padded: te.Tensor, rows: int, cols: int) -> te.Tensor:
 
 
 _FIRST = tuple(int(np.flatnonzero(row == 1)[0]) for row in INPUT_TRANSFORM)  # the window row each row of B^T adds
-_SECOND = tuple(int(np.flatnonzero(row)[np.flatnonzero(row) != first][0]) for row, first in zip(INPUT_TRANSFORM, _FIRST))
+_SECOND = tuple(int(next(i for i in np.flatnonzero(row) if i != first)) for row, first in zip(INPUT_TRANSFORM, _FIRST))
 _SIGN = tuple(int(row[second]) for row, second in zip(INPUT_TRANSFORM, _SECOND))  # ... and its other row, signed
 
 
