@@ -117,9 +117,7 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
         *view_passes(),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
         default_schedules(DotKernelRule()),
-        NanTestsAsBitTests,
-        WholeVectorWriteBacks,
-        *rounding_passes(target),
+        *_after_schedules(target),
         *cpu_generic.dataflow_lower_passes(target),
         *cpu_generic.finalize_passes(target),
     ], name="relay_amp_cpu_lower")
@@ -130,8 +128,12 @@ def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
     bit tests (relay_amp.backend.cpu.nan_tests), its cut vector write-backs split
     (relay_amp.backend.cpu.lane_predicates) and bf16 roundings (relay_amp.backend.cpu.bf16_round), so that tuning
     measures the code a build runs."""
-    return tvm.transform.Sequential([NanTestsAsBitTests, WholeVectorWriteBacks, *rounding_passes(target)],
-                                    name="relay_amp_cpu_candidate")
+    return tvm.transform.Sequential(_after_schedules(target), name="relay_amp_cpu_candidate")
+
+
+def _after_schedules(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """The passes a scheduled function gets before TVM lowers it, in a build and in a tuning candidate alike."""
+    return [NanTestsAsBitTests, WholeVectorWriteBacks, *rounding_passes(target)]
 
 
 def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "tvm.s_tir.Schedule | None":
