@@ -29,8 +29,10 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._dead_code import EliminateDeadCode
 from ..._folding import fold_constants
-from ..._ir import clamped, get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
+from ..._ir import (batch_norm_scale_shift, clamped, get_function, read_counts, rewrite_function, rewrite_op_calls,
+                     tensor_dtype, tensor_shape)
 from ...dtypes import LOW_FLOAT_DTYPES
 from ...ops import call_op_name
 from . import formula, kernels
@@ -287,6 +289,41 @@ class _Folder(relax.PyExprMutator):
         run, fold = self.run_of[binding.var]
         leaves_block = self.builder_.current_block_is_dataflow() and not isinstance(binding.var, relax.DataflowVar)
         self.set_var_remap(binding.var, _emitted(self.builder_, self.visit_expr(run.source), run, fold, leaves_block))
+
+
+@tvm.transform.module_pass(opt_level=0, name="relay_amp.BatchNormsAsAffine")
+class BatchNormsAsAffine:
+    """Each inference batch norm left unfolded (no conv before it: DenseNet's after its concats, a pre-activation
+    net's, a QDQ file's after a dequantize) as x * scale + shift (`batch_norm_scale_shift`), so that it joins the
+    runs FoldAffineClamps folds, where TVM's legalization divides every value by sqrt(var + eps)."""
+
+    def __init__(self, func: str = "main"):
+        self.func = func
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Rewrite `func` of `mod`; the input module is left as it was."""
+        rewritten = rewrite_op_calls(mod, self.func, {"relax.nn.batch_norm": _as_affine})
+        return EliminateDeadCode([self.func])(relax.transform.CanonicalizeBindings()(rewritten))
+
+
+def _as_affine(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+    """batch_norm's (result, mean, var) tuple with the result as x * scale + shift, where it normalizes a static
+    rank tensor by constant statistics; else None."""
+    data, *stats = call.args
+    shape = tensor_shape(data)
+    if call.attrs.training or shape is None or not all(isinstance(s, tvm.ir.expr.Constant) for s in stats):
+        return None
+    scale, shift = batch_norm_scale_shift(call.attrs, *(s.value.numpy() for s in stats))
+    axis, dtype = int(call.attrs.axis) % len(shape), tensor_dtype(data)
+    scaled = builder.emit(relax.op.multiply(data, _per_channel(scale, axis, len(shape), dtype)))
+    return relax.Tuple([builder.emit(relax.op.add(scaled, _per_channel(shift, axis, len(shape), dtype))), *stats[2:]])
+
+
+def _per_channel(values: np.ndarray, axis: int, rank: int, dtype: str) -> relax.Expr:
+    """Per-channel `values` as a `dtype` constant that broadcasts along `axis` of a rank-`rank` tensor."""
+    shape = [1] * rank
+    shape[axis] = -1
+    return relax.const(values.astype(dtype).reshape(shape))
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldAffineClamps")

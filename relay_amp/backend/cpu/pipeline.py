@@ -15,7 +15,7 @@ from ...passes.weight_only import DenseWeights
 from ..fusion import AUTO, deduplication_passes, fusion_passes
 from ..views import ContiguousTakesAsViews, view_passes
 from . import amx
-from .affine import FoldAffineClamps
+from .affine import BatchNormsAsAffine, FoldAffineClamps
 from .bf16_round import rounding_passes
 from .conv1d import Conv1dAsConv2d
 from .conv3d import Conv3dAsConv2d
@@ -58,8 +58,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms),
     grid samples read channels-last and deformable attention's weighted sums computed as they sample
     (relay_amp.backend.cpu.sampling), matmuls' operand scales moved to their products
-    (relay_amp.backend.cpu.operand_scales), bf16 chains widened, runs of scales, biases and clamps folded
-    (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
+    (relay_amp.backend.cpu.operand_scales), bf16 chains widened, batch norms no conv took as scales and shifts, runs of
+    scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
     fp32 has kernels (AVX2) or fp32's are faster (the target's core: relay_amp.backend.cpu.cores), fp32 3x3 convs
     as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4 (relay_amp.backend.cpu.winograd), dot-product
     kernel dispatch, elementwise ops of reshaped tensors computed before the reshapes (relay_amp.passes.reshapes),
@@ -92,6 +92,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         GridSamplesChannelsLast(),
         ScalesAfterMatmuls(),
         WidenArithmetic(),
+        BatchNormsAsAffine(),
         FoldAffineClamps(),
         PadSoftmaxRows(),
         *([WidenContractions(dtypes), *([WinogradConvs()] if suits_winograd(target) else []),

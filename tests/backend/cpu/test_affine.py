@@ -9,10 +9,11 @@ from tvm import relax
 
 import relay_amp
 from relay_amp.backend.cpu import kernels
-from relay_amp.backend.cpu.affine import FLOOR, FoldAffineClamps, folded, truncated
+from relay_amp.backend.cpu.affine import FLOOR, BatchNormsAsAffine, FoldAffineClamps, folded, truncated
+from relay_amp.runtime import run_executable
 
-from builders import tensor
-from pass_checks import assert_transforms
+from builders import tensor, torchvision_through_onnx
+from pass_checks import assert_transforms, prepared_function_names
 
 RNG = np.random.default_rng(0)
 CHANNELS = 8
@@ -169,9 +170,9 @@ def _requantize_after_relu6(x: relax.Expr, bb: relax.BlockBuilder, codes: str = 
     return relax.op.astype(x, codes)
 
 
-def _module(body) -> tvm.IRModule:
+def _module(body, shape: tuple = NHWC) -> tvm.IRModule:
     bb = relax.BlockBuilder()
-    x = tensor("x", NHWC)
+    x = tensor("x", shape)
     with bb.function("main", [x]):
         with bb.dataflow():
             out = bb.emit_output(body(x, bb))
@@ -266,3 +267,58 @@ def test_runs_that_would_not_shrink_or_whose_value_is_read_twice_are_left_alone(
     channel_after_clamp = _module(lambda x, bb: relax.op.multiply(
         bb.emit(relax.op.maximum(x, relax.const(0.0))), relax.const(WEIGHT_SCALES)))
     assert_transforms(FoldAffineClamps(), channel_after_clamp, channel_after_clamp)
+
+
+STATISTICS = [RNG.uniform(0.5, 2.0, CHANNELS), RNG.normal(size=CHANNELS), RNG.normal(size=CHANNELS),
+              RNG.uniform(0.5, 2.0, CHANNELS)]  # gamma, beta, mean, var
+
+
+def _normed(x: relax.Expr, bb: relax.BlockBuilder, axis: int = 3, training: bool = False) -> relax.Expr:
+    stats = [relax.const(v.astype("float32")) for v in STATISTICS]
+    norm = bb.emit(relax.op.nn.batch_norm(x, *stats, axis=axis, epsilon=1e-5, training=training))
+    return relax.op.nn.relu(bb.emit(relax.TupleGetItem(norm, 0)))
+
+
+def _scaled_and_shifted(x: relax.Expr, bb: relax.BlockBuilder) -> relax.Expr:
+    gamma, beta, mean, var = (v.astype("float32").astype("float64") for v in STATISTICS)  # as the constants hold
+    scale = (gamma / np.sqrt(var + 1e-5)).astype("float32")
+    shift = (beta - mean * gamma / np.sqrt(var + 1e-5)).astype("float32")
+    scaled = bb.emit(relax.op.multiply(x, relax.const(scale.reshape(1, 1, 1, -1))))
+    return relax.op.nn.relu(bb.emit(relax.op.add(scaled, relax.const(shift.reshape(1, 1, 1, -1)))))
+
+
+def test_an_inference_batch_norm_no_conv_took_becomes_a_per_channel_multiply_add():
+    assert_transforms(BatchNormsAsAffine(), _module(_normed), _module(_scaled_and_shifted))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_training_batch_norm_or_one_of_runtime_statistics_stays(training):
+    def runtime_mean(x, bb):  # the mean from the data: not a constant
+        stats = [relax.const(v.astype("float32")) for v in STATISTICS]
+        stats[2] = bb.emit(relax.op.mean(x, axis=[0, 1, 2]))
+        norm = bb.emit(relax.op.nn.batch_norm(x, *stats, axis=3, epsilon=1e-5, training=False))
+        return relax.TupleGetItem(norm, 0)
+    before = _module(lambda x, bb: _normed(x, bb, training=True) if training else runtime_mean(x, bb))
+    assert_transforms(BatchNormsAsAffine(), before, before)
+
+
+def test_the_multiply_add_normalizes_as_the_batch_norm_did_on_the_vm():
+    """Over the channels axis of NCHW too (axis 1); within 1e-6 of the divided form's largest value."""
+    data = [RNG.normal(scale=3.0, size=(1, CHANNELS, 4, 4)).astype("float32")]
+    before = _module(lambda x, bb: _normed(x, bb, axis=1), shape=(1, CHANNELS, 4, 4))
+    expected = relay_amp.run(before, data)[0]
+    actual = relay_amp.run(BatchNormsAsAffine()(before), data)[0]
+    assert np.abs(actual - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+def test_torchvisions_densenet_normalizes_after_its_concats_by_multiply_adds_and_matches_pytorch():
+    """A model nobody here wrote (a small DenseNet, random weights): each batch norm after a concat of earlier
+    features folds into no conv; the build has none left and stays within 1e-5 of PyTorch's largest output."""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, num_classes=10)
+    mod, x, expected = torchvision_through_onnx(model, 32)
+    assert not [name for name in prepared_function_names(mod) if "batch_norm" in name]
+    got = run_executable(relay_amp.build(mod, relay_amp.targets.host_preset()), [x])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
