@@ -37,7 +37,7 @@ BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
     "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
-REDUCTIONS = frozenset(f"relax.{name}" for name in ("mean", "sum", "max", "min", "prod"))  # keeping their axes
+REDUCTIONS = frozenset(f"relax.{name}" for name in ("mean", "sum", "max", "min", "prod"))
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.SinkTransposes")
@@ -98,7 +98,8 @@ class _Sinker(relax.PyExprMutator):
         moved = _moved(call, name, sources, perm)
         if moved is None:
             return call
-        return relax.op.permute_dims(self.builder_.emit(moved), perm)
+        kept = _kept_perm(perm, _dropped_axes(call, name))
+        return moved if kept == list(range(len(kept))) else relax.op.permute_dims(self.builder_.emit(moved), kept)
 
     def visit_tuple_getitem_(self, item: relax.TupleGetItem) -> relax.Expr:
         item = super().visit_tuple_getitem_(item)
@@ -338,7 +339,7 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
     if name in UNARY and data is not None:
         return relax.Call(call.op, [data, *call.args[1:]], call.attrs, call.ty_args)
     if name in BINARY:
-        args = [source[0] if source is not None else _untransposed_constant(arg, perm)
+        args = [source[0] if source is not None else _untransposed_operand(arg, perm)
                 for arg, source in zip(call.args, sources)]
         return None if any(arg is None for arg in args) else relax.Call(call.op, args, call.attrs, call.ty_args)
     if name == "relax.concat":  # every operand transposed alike (`_Sinker.visit_call_`)
@@ -363,10 +364,25 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
         attrs = with_attr(call.attrs, layout=_renamed(call.attrs.layout, perm),
                           out_layout=_renamed(call.attrs.out_layout, perm))
         return relax.Call(call.op, [data], attrs, call.ty_args)
-    if name in REDUCTIONS and call.attrs.keepdims and call.attrs.axis is not None:
+    if name in REDUCTIONS and call.attrs.axis is not None:
         axes = [perm[int(axis) % len(perm)] for axis in call.attrs.axis]
         return relax.Call(call.op, [data], with_attr(call.attrs, axis=axes), call.ty_args)
     return None
+
+
+def _dropped_axes(call: relax.Call, name: str) -> list[int]:
+    """The axes of its operand a reduction leaves out of its result (none where it keeps them; none for other ops)."""
+    if name not in REDUCTIONS or call.attrs.keepdims or call.attrs.axis is None:
+        return []
+    rank = len(tensor_shape(call.args[0]))
+    return sorted(int(axis) % rank for axis in call.attrs.axis)
+
+
+def _kept_perm(perm: list[int], dropped: list[int]) -> list[int]:
+    """The transpose of a result computed on the untransposed tensor, where the op drops `dropped` of the transposed
+    tensor's axes (ResNeSt's sum over its radix axis): `perm` over the axes left, numbered among themselves."""
+    left = sorted(set(perm) - {perm[axis] for axis in dropped})
+    return [left.index(source) for axis, source in enumerate(perm) if axis not in dropped]
 
 
 def _untransposed_shape(shape: list, perm: list[int]) -> list:
@@ -382,14 +398,21 @@ def _renamed(layout: str, perm: list[int]) -> str:
     return "".join(_untransposed_shape(list(str(layout)), perm))
 
 
-def _untransposed_constant(arg: relax.Expr, perm: list[int]) -> relax.Expr | None:
-    """A constant operand for the untransposed tensor: a scalar as it is, a full-rank one transposed back."""
+def _untransposed_operand(arg: relax.Expr, perm: list[int]) -> relax.Expr | None:
+    """An untransposed operand's counterpart for the untransposed tensor: a scalar as it is, a full-rank constant
+    transposed back, a runtime tensor whose axes past extent one keep their order transposed back (a gate of
+    [1, C, 1, 1] broadcast over NCHW, read as [1, 1, 1, C] by NHWC: a squeeze-excite's in a QDQ file) as a reshape
+    of it, a view; None for any other."""
     shape = tensor_shape(arg)
-    if not isinstance(arg, tvm.ir.expr.Constant) or shape is None:
+    if shape is None:
         return None
     if len(shape) == 0:
         return arg
-    if len(shape) != len(perm):
+    if isinstance(arg, tvm.ir.expr.Constant) and len(shape) == len(perm):
+        inverse = [perm.index(axis) for axis in range(len(perm))]
+        return relax.op.permute_dims(arg, inverse)
+    if not is_static_shape(shape) or len(shape) > len(perm):
         return None
-    inverse = [perm.index(axis) for axis in range(len(perm))]
-    return relax.op.permute_dims(arg, inverse)
+    full = [1] * (len(perm) - len(shape)) + [int(extent) for extent in shape]  # broadcast's leading ones
+    moved = [perm[axis] for axis, extent in enumerate(full) if extent != 1]
+    return relax.op.reshape(arg, _untransposed_shape(full, perm)) if moved == sorted(moved) else None

@@ -2,6 +2,7 @@
 until they cancel."""
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax, topi
 from tvm.script import ir as I
@@ -146,6 +147,45 @@ def test_a_constant_operand_is_transposed_back_and_a_tensor_operand_stops_the_tr
     tvm.ir.assert_structural_equal(after, module(True))
 
 
+@pytest.mark.parametrize("gate_shape", [(1, 8, 1, 1), (8, 1, 1)])
+def test_a_runtime_gate_whose_axes_past_one_keep_their_order_is_reshaped_back(gate_shape):
+    """A squeeze-excite's gate of [1, C, 1, 1] (or [C, 1, 1], broadcast) multiplying an NCHW transpose of an NHWC
+    tensor (a QDQ file's MixNet-S, its last block): the gate read as [1, 1, 1, C], a view, and the transpose moves on."""
+    def module(sunk: bool) -> tvm.IRModule:
+        x = relax.Var("x", relax.TensorType((1, 2, 2, 8), "float32"))
+        gate = relax.Var("gate", relax.TensorType(gate_shape, "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [x, gate]):
+            with bb.dataflow():
+                if sunk:
+                    viewed = bb.emit(relax.op.reshape(gate, (1, 1, 1, 8)))
+                    out = bb.emit_output(relax.op.permute_dims(bb.emit(relax.op.multiply(x, viewed)), [0, 3, 1, 2]))
+                else:
+                    out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.permute_dims(x, [0, 3, 1, 2])), gate))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    after = SinkTransposes()(module(False))
+    relax.analysis.well_formed(after)
+    tvm.ir.assert_structural_equal(after, module(True))
+    rng = np.random.default_rng(0)
+    data = [rng.normal(size=(1, 2, 2, 8)).astype("float32"), rng.normal(size=gate_shape).astype("float32")]
+    np.testing.assert_array_equal(relay_amp.run(after, data)[0], relay_amp.run(module(False), data)[0])
+
+
+def test_a_runtime_operand_whose_axes_would_change_order_stops_the_transpose():
+    """[1, 8, 2, 1] against NCHW: read as NHWC its 8 and 2 swap, which a reshape cannot do."""
+    x = relax.Var("x", relax.TensorType((1, 2, 1, 8), "float32"))
+    other = relax.Var("other", relax.TensorType((1, 8, 2, 1), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, other]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(bb.emit(relax.op.permute_dims(x, [0, 3, 1, 2])), other))
+        bb.emit_func_output(out)
+    before = bb.get()
+    tvm.ir.assert_structural_equal(SinkTransposes()(before), before)
+
+
 def test_a_transpose_moves_past_a_mean_keeping_its_axes_and_the_pixel_it_leaves_is_transposed():
     """HGNetV2's head: a scale ConvertLayout has no rule for sends the last NHWC feature map back to NCHW, and a
     global mean reads it; the mean runs on the NHWC map, and only its one pixel is transposed."""
@@ -174,7 +214,7 @@ def test_a_transpose_moves_past_a_mean_keeping_its_axes_and_the_pixel_it_leaves_
     np.testing.assert_allclose(relay_amp.run(after, [data])[0], relay_amp.run(Before, [data])[0], rtol=1e-6)
 
 
-def test_a_transpose_stays_before_a_reduction_that_drops_its_axes():
+def test_a_reduction_dropping_the_axes_a_transpose_moved_runs_on_the_untransposed_tensor_and_needs_none():
     @I.ir_module
     class Before:
         @R.function
@@ -185,7 +225,49 @@ def test_a_transpose_stays_before_a_reduction_that_drops_its_axes():
                 R.output(gv)
             return gv
 
-    assert_transforms(SinkTransposes(), Before, Before)
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 8), "float32")) -> R.Tensor((1, 8), "float32"):
+            with R.dataflow():
+                gv = R.sum(x, axis=[1, 2])
+                R.output(gv)
+            return gv
+
+    assert_transforms(SinkTransposes(), Before, Expected)
+
+
+def test_a_reduction_dropping_an_axis_leaves_the_transpose_of_the_axes_it_keeps():
+    """ResNeSt's split attention: an NHWC conv's output as [1, H, W, radix, C] transposed to [1, radix, C, H, W],
+    weighted and summed over the radix; the sum runs on the untransposed tensor, its [1, H, W, C] transposed once."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 2, 8), "float32"), w: R.Tensor((1, 2, 8, 1, 1), "float32")):
+            with R.dataflow():
+                split = R.permute_dims(x, axes=[0, 3, 4, 1, 2])
+                weighted = R.multiply(split, w)
+                total = R.sum(weighted, axis=[1])
+                gv = R.permute_dims(total, axes=[0, 2, 3, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 4, 4, 2, 8), "float32"), w: R.Tensor((1, 2, 8, 1, 1), "float32")):
+            with R.dataflow():
+                viewed = R.reshape(w, R.shape([1, 1, 1, 2, 8]))
+                weighted = R.multiply(x, viewed)
+                total = R.sum(weighted, axis=[3])
+                gv = total
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    rng = np.random.default_rng(0)
+    data = [rng.normal(size=(1, 4, 4, 2, 8)).astype("float32"), rng.normal(size=(1, 2, 8, 1, 1)).astype("float32")]
+    np.testing.assert_allclose(relay_amp.run(after, data)[0], relay_amp.run(Before, data)[0], rtol=1e-6, atol=1e-6)
 
 
 def test_a_graph_outputs_transpose_stays_inside_its_dataflow_block():
