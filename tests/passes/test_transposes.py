@@ -719,6 +719,17 @@ def test_a_csp_darknets_int8_halves_and_activations_need_no_transposes(tmp_path)
     assert _count(converted, "relax.permute_dims") <= 2
 
 
+def test_a_tresnets_squeeze_excite_pools_and_gates_run_on_nhwc_maps(tmp_path):
+    """timm's TResNet-M (a model these rules were not written on): its squeeze-excites average a map flattened in
+    NCHW and gate it by [1, C, 1, 1]. After the CPU layout passes no mean and no multiply reads a transpose (10
+    means and 10 multiplies did), and the fp32 build matches PyTorch."""
+    _, converted = _timm_model_laid_out("tresnet_m", tmp_path)
+    values = {b.var: b.value for block in converted["main"].body.blocks for b in block.bindings}
+    readers = [call_op_name(value) for value in values.values() if isinstance(value, relax.Call)
+               for arg in value.args if call_op_name(values.get(arg)) == "relax.permute_dims"]
+    assert "relax.mean" not in readers and "relax.multiply" not in readers
+
+
 def test_transposes_move_past_a_broadcast_to_in_both_directions():
     """broadcast_to has no layout rule: ECA's and MobileViTv2's gates of one value per channel are broadcast in
     NCHW between transposes. A transposed input moves below it, and a transposed result is the input transposed (a
