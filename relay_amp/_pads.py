@@ -1,23 +1,65 @@
-"""ONNX's constant Pad, which TVM's importer writes as a call of a TE function, as relax.nn.pad."""
+"""ONNX's Pad, which TVM's importer writes as a call of a TE function, as relax.nn.pad: constant pads, and reflect
+and edge pads (TResNet's anti-aliased downsampling, style-transfer and super-resolution nets)."""
 
+import numpy as np
 import tvm
 from tvm import relax
 
 from ._ir import only_store, rewrite_te_calls
 
 
+MODES = {"reflect": "reflect", "edge": "replicate"}  # numpy's pad modes -> relax.nn.pad's
+
+
 def pads_as_ops(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` with every call of a PrimFunc that pads a tensor with a constant (topi.nn.pad, as TVM's ONNX importer
-    writes Pad) as relax.nn.pad: an op the passes can see, move and fold (a call_tir is opaque to them)."""
+    writes Pad) or by mirroring its border (topi.nn.mirror_pad: reflect and edge modes) as relax.nn.pad: an op the
+    passes can see, move and fold (a call_tir is opaque to them)."""
     return rewrite_te_calls(mod, func, _as_pad)
 
 
 def _as_pad(call: relax.Call, prim_func: tvm.tirx.PrimFunc) -> "relax.Expr | None":
-    pad = constant_pad(prim_func)
-    if pad is None or len(call.args[1].fields) != 1:
+    if len(call.args[1].fields) != 1:
         return None
-    widths, value = pad
-    return relax.op.nn.pad(call.args[1].fields[0], widths, pad_value=value)
+    data, pad = call.args[1].fields[0], constant_pad(prim_func)
+    if pad is not None:
+        return relax.op.nn.pad(data, pad[0], pad_value=pad[1])
+    mirrored = mirrored_pad(prim_func)
+    return None if mirrored is None else relax.op.nn.pad(data, mirrored[0], pad_mode=mirrored[1])
+
+
+def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | None":
+    """(pad_width as [before0, after0, ...], relax.nn.pad's mode) of a PrimFunc whose one store gathers its input,
+    out[i...] = x[f0(i0), f1(i1), ...], each fi the index numpy's reflect or edge pad reads, else None."""
+    node = only_store(func)
+    if node is None or len(func.params) != 2 or not isinstance(node.value, tvm.ir.expr.TensorLoad):
+        return None
+    load = node.value
+    in_shape, out_shape = [int(n) for n in load.source.shape], [int(n) for n in node.buffer.shape]
+    if len(in_shape) != len(out_shape) or len(node.indices) != len(load.indices):
+        return None
+    for mode in MODES:
+        widths = [_mirrored_widths(index, var, size_in, size_out, mode)
+                  for index, var, size_in, size_out in zip(load.indices, node.indices, in_shape, out_shape)]
+        if None not in widths and any(any(pair) for pair in widths):
+            return [width for pair in widths for width in pair], MODES[mode]
+    return None
+
+
+def _mirrored_widths(index, var, size_in: int, size_out: int, mode: str) -> "tuple[int, int] | None":
+    """(before, after) where `index`, over `var` in [0, size_out), reads what numpy's `mode` pad of [0, size_in)
+    does, else None."""
+    if not isinstance(var, tvm.tirx.Var) or size_out < size_in:
+        return None
+    read = [_at(index, var, at) for at in range(size_out)]
+    if not all(isinstance(at, tvm.tirx.IntImm) for at in read):
+        return None
+    read = [int(at.value) for at in read]
+    extra = size_out - size_in
+    for before in range(extra + 1):
+        if read == np.pad(np.arange(size_in), (before, extra - before), mode=mode).tolist():
+            return before, extra - before
+    return None
 
 
 def constant_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], float] | None":
@@ -50,3 +92,10 @@ def _offset(index, var) -> int | None:
     if isinstance(index, tvm.tirx.Sub) and index.a.same_as(var) and isinstance(index.b, tvm.tirx.IntImm):
         return int(index.b.value)
     return None
+
+
+def _at(index, var: tvm.tirx.Var, at: int):
+    """`index` simplified with `var` bound to `at`: a constant where it depends on `var` alone."""
+    analyzer = tvm.sym.Analyzer()
+    analyzer.bind(var, tvm.tirx.const(at, str(var.ty.dtype)))
+    return analyzer.simplify(index)

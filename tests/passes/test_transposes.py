@@ -10,7 +10,7 @@ from tvm.script import relax as R
 
 import relay_amp
 from relay_amp._ir import tensor_shape
-from relay_amp._pads import constant_pad, pads_as_ops
+from relay_amp._pads import constant_pad, mirrored_pad, pads_as_ops
 from relay_amp.ops import call_op_name
 from relay_amp.passes.transposes import SinkTransposes
 
@@ -308,17 +308,53 @@ def test_an_imported_te_pad_becomes_relax_pad_and_its_function_goes():
     np.testing.assert_array_equal(relay_amp.run(after, [data])[0], relay_amp.run(mod, [data])[0])
 
 
-def test_other_te_functions_are_no_pads():
+@pytest.mark.parametrize("mode, relax_mode", [("reflect", "reflect"), ("edge", "replicate")])
+def test_an_onnx_reflect_or_edge_pad_becomes_relax_pad_of_that_mode(mode, relax_mode):
+    """TVM's ONNX importer writes a reflect or edge Pad as a gather of the input (topi.nn.mirror_pad and its edge
+    form); imported, it is relax.nn.pad of that mode, with the widths the file gave, and pads as numpy does."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    widths = [0, 0, 1, 2, 0, 0, 3, 0]  # ONNX: all befores, then all afters
+    graph = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], mode=mode)], "pad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 8, 7])],
+        [helper.make_tensor("pads", TensorProto.INT64, [8], widths)])
+    mod = relay_amp.frontend.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    pads = [b.value for b in mod["main"].body.blocks[0].bindings if call_op_name(b.value) == "relax.nn.pad"]
+    assert len(pads) == 1 and pads[0].attrs.pad_mode == relax_mode
+    assert [int(w) for w in pads[0].attrs.pad_width] == [0, 0, 0, 0, 1, 3, 2, 0]
+    data = np.random.default_rng(1).standard_normal((1, 3, 4, 5)).astype("float32")
+    np.testing.assert_array_equal(relay_amp.run(mod, [data])[0],
+                                  np.pad(data, [(0, 0), (0, 0), (1, 3), (2, 0)], mode=mode))
+
+
+def test_a_gather_that_pads_nothing_or_flips_stays_a_te_call():
+    x = relax.Var("x", relax.TensorType((1, 3, 4, 5), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit_te(topi.flip, x, 3))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(pads_as_ops(mod), mod)
+
+
+@pytest.mark.parametrize("mode, found", [("REFLECT", ([0, 0, 2, 2], "reflect")), ("SYMMETRIC", None)])
+def test_a_mirror_pad_is_no_constant_pad_and_a_reflect_pad_only_where_it_reflects(mode, found):
+    """topi's SYMMETRIC mirror pad two wide repeats the border value and then the next, which neither numpy's reflect
+    nor its edge mode does (one wide it is the edge pad)."""
     x = relax.Var("x", relax.TensorType((2, 8), "float32"))
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(bb.emit_te(topi.nn.mirror_pad, x, [0, 1], [0, 1], "REFLECT"))
+            out = bb.emit_output(bb.emit_te(topi.nn.mirror_pad, x, [0, 2], [0, 2], mode))
         bb.emit_func_output(out)
     mod = bb.get()
     functions = [f for gv, f in mod.functions_items() if gv.name_hint != "main"]
     assert [constant_pad(f) for f in functions] == [None]
-    tvm.ir.assert_structural_equal(pads_as_ops(mod), mod)
+    assert [mirrored_pad(f) for f in functions] == [found]
 
 
 def test_a_transpose_read_twice_stays_so_the_tensor_is_not_transposed_twice():
@@ -722,12 +758,14 @@ def test_a_csp_darknets_int8_halves_and_activations_need_no_transposes(tmp_path)
 def test_a_tresnets_squeeze_excite_pools_and_gates_run_on_nhwc_maps(tmp_path):
     """timm's TResNet-M (a model these rules were not written on): its squeeze-excites average a map flattened in
     NCHW and gate it by [1, C, 1, 1]. After the CPU layout passes no mean and no multiply reads a transpose (10
-    means and 10 multiplies did), and the fp32 build matches PyTorch."""
+    means and 10 multiplies did), nor any of its anti-aliased downsamplings' reflect pads (6 TE calls read one),
+    and the fp32 build matches PyTorch."""
     _, converted = _timm_model_laid_out("tresnet_m", tmp_path)
     values = {b.var: b.value for block in converted["main"].body.blocks for b in block.bindings}
     readers = [call_op_name(value) for value in values.values() if isinstance(value, relax.Call)
                for arg in value.args if call_op_name(values.get(arg)) == "relax.permute_dims"]
     assert "relax.mean" not in readers and "relax.multiply" not in readers
+    assert "relax.nn.pad" not in readers  # its anti-aliasing's reflect pads, NHWC relax.nn.pads (a TE call's were)
 
 
 def test_transposes_move_past_a_broadcast_to_in_both_directions():
