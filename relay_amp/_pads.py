@@ -48,15 +48,16 @@ def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | N
 
 def _mirrored_widths(index, var, size_in: int, size_out: int, mode: str) -> "tuple[int, int] | None":
     """(before, after) where `index`, over `var` in [0, size_out), reads what numpy's `mode` pad of [0, size_in)
-    does, else None."""
-    if not isinstance(var, tvm.tirx.Var) or size_out < size_in:
+    does, each width under size_in (a wider reflect wraps again, and an axis of one repeated is a broadcast, not a
+    pad: grouped attention heads), else None."""
+    if not isinstance(var, tvm.tirx.Var) or size_out < size_in or (size_in < 2 and size_out > size_in):
         return None
     read = [_at(index, var, at) for at in range(size_out)]
     if not all(isinstance(at, tvm.tirx.IntImm) for at in read):
         return None
     read = [int(at.value) for at in read]
     extra = size_out - size_in
-    for before in range(extra + 1):
+    for before in range(max(0, extra - size_in + 1), min(extra, size_in - 1) + 1):
         if read == np.pad(np.arange(size_in), (before, extra - before), mode=mode).tolist():
             return before, extra - before
     return None
