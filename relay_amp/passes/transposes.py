@@ -98,8 +98,10 @@ class _Sinker(relax.PyExprMutator):
         moved = _moved(call, name, sources, perm)
         if moved is None:
             return call
-        kept = _kept_perm(perm, _dropped_axes(call, name))
-        return moved if kept == list(range(len(kept))) else relax.op.permute_dims(self.builder_.emit(moved), kept)
+        result_perm = _result_perm(call, name, perm)
+        if result_perm == list(range(len(result_perm))):
+            return moved
+        return relax.op.permute_dims(self.builder_.emit(moved), result_perm)
 
     def visit_tuple_getitem_(self, item: relax.TupleGetItem) -> relax.Expr:
         item = super().visit_tuple_getitem_(item)
@@ -144,16 +146,22 @@ class _Sinker(relax.PyExprMutator):
         return relax.Tuple([self.builder_.emit(relax.op.permute_dims(part, perm)) for part in parts])
 
     def _swapped_matmul(self, call: relax.Call) -> relax.Expr:
-        """matmul(b, a) transposed, for matmul of a and b both transposed in their last two axes ((B A)^T = A^T
-        B^T: attention's P V as EfficientViT computes it on NCHW heads, V^T P^T); `call` for any other matmul."""
+        """matmul(b, a) transposed, for matmul of a and b transposed in their last two axes ((B A)^T = A^T B^T:
+        attention's P V as EfficientViT computes it on NCHW heads, V^T P^T), one of them a column or row whose
+        transpose is a view (a GC block's attention pooling, [C, HW] of an NHWC map by softmax weights [HW, 1]);
+        `call` for any other matmul."""
         sources = [self._sinkable(arg) for arg in call.args]
-        if None in sources:
+        if sources == [None, None]:
             return call
-        (left, perm), (right, right_perm) = sources
-        if perm != _last_two_swapped(len(perm)) or right_perm != perm:  # the same rank: no batch broadcast
+        perm = next(source[1] for source in sources if source is not None)
+        if perm != _last_two_swapped(len(perm)):
             return call
+        left, right = (source[0] if source is not None else _swapped_view(arg, perm)
+                       for source, arg in zip(sources, call.args))
+        if left is None or right is None or any(source is not None and source[1] != perm for source in sources):
+            return call  # the same rank: no batch broadcast
         product = self.builder_.emit(relax.op.matmul(right, left, out_dtype=call.attrs.out_dtype))
-        return relax.op.permute_dims(product, perm)
+        return _viewed(relax.op.permute_dims(product, perm))
 
     def _reshaped(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Expr:
         """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape; with
@@ -367,7 +375,42 @@ def _moved(call: relax.Call, name: str, sources: list, perm: list[int]) -> relax
     if name in REDUCTIONS and call.attrs.axis is not None:
         axes = [perm[int(axis) % len(perm)] for axis in call.attrs.axis]
         return relax.Call(call.op, [data], with_attr(call.attrs, axis=axes), call.ty_args)
+    if name == "relax.expand_dims":
+        return relax.op.expand_dims(data, _new_axes(call))
     return None
+
+
+def _swapped_view(arg: relax.Expr, perm: list[int]) -> "relax.Expr | None":
+    """`arg` with its last two axes swapped as a reshape, where one of them has extent one and its rank is
+    `perm`'s, else None."""
+    shape = tensor_shape(arg)
+    if shape is None or len(shape) != len(perm) or not is_static_shape(shape) or 1 not in [int(s) for s in shape[-2:]]:
+        return None
+    return relax.op.reshape(arg, [int(shape[axis]) for axis in perm])
+
+
+def _result_perm(call: relax.Call, name: str, perm: list[int]) -> list[int]:
+    """The transpose of `call`'s result computed on the untransposed tensor: `perm`, over the axes a reduction
+    keeps (`_kept_perm`) or with the axes expand_dims adds in place (`_grown_perm`)."""
+    if name == "relax.expand_dims":
+        return _grown_perm(perm, _new_axes(call))
+    return _kept_perm(perm, _dropped_axes(call, name))
+
+
+def _new_axes(call: relax.Call) -> list[int]:
+    """The axes of expand_dims' result that it adds."""
+    rank = len(tensor_shape(call))
+    return sorted(int(axis) % rank for axis in call.attrs.axis)
+
+
+def _grown_perm(perm: list[int], added: list[int]) -> list[int]:
+    """The transpose of expand_dims(x, `added`) that gives expand_dims(transpose(x, `perm`), `added`): the added
+    axes stay, the others move as `perm` moves x's."""
+    kept = [axis for axis in range(len(perm) + len(added)) if axis not in added]
+    grown = list(range(len(perm) + len(added)))
+    for position, source in zip(kept, perm):
+        grown[position] = kept[source]
+    return grown
 
 
 def _dropped_axes(call: relax.Call, name: str) -> list[int]:

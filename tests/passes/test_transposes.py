@@ -330,12 +330,16 @@ def test_an_onnx_reflect_or_edge_pad_becomes_relax_pad_of_that_mode(mode, relax_
                                   np.pad(data, [(0, 0), (0, 0), (1, 3), (2, 0)], mode=mode))
 
 
-def test_a_gather_that_pads_nothing_or_flips_stays_a_te_call():
+@pytest.mark.parametrize("gather", [lambda x: topi.flip(x, 3), lambda x: topi.repeat(x, 2, 0)],
+                         ids=["a flip", "an axis of one repeated"])
+def test_a_gather_that_flips_or_repeats_an_axis_of_one_stays_a_te_call(gather):
+    """A repeat of an axis of one (grouped attention heads' key broadcast) reads as numpy's reflect and edge pads
+    of one value would, but relax.nn.pad reflects no axis of one: it is no pad."""
     x = relax.Var("x", relax.TensorType((1, 3, 4, 5), "float32"))
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(bb.emit_te(topi.flip, x, 3))
+            out = bb.emit_output(bb.emit_te(gather, x))
         bb.emit_func_output(out)
     mod = bb.get()
     tvm.ir.assert_structural_equal(pads_as_ops(mod), mod)
@@ -766,6 +770,75 @@ def test_a_tresnets_squeeze_excite_pools_and_gates_run_on_nhwc_maps(tmp_path):
                for arg in value.args if call_op_name(values.get(arg)) == "relax.permute_dims"]
     assert "relax.mean" not in readers and "relax.multiply" not in readers
     assert "relax.nn.pad" not in readers  # its anti-aliasing's reflect pads, NHWC relax.nn.pads (a TE call's were)
+
+
+def test_an_attention_pooling_of_a_flattened_map_by_a_column_needs_no_transpose():
+    """A GC block's context: the NHWC map flattened to [HW, C] and transposed to [C, HW], a batch axis added, times
+    the softmax weights [HW, 1]. expand_dims takes the transpose, and the matmul by a column, whose transpose is a
+    view, is the row of weights times the map: [1, C], a view of [C, 1]."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 16, 8), "float32"), a: R.Tensor((1, 1, 16, 1), "float32")):
+            with R.dataflow():
+                t = R.permute_dims(x, axes=[0, 2, 1])
+                e = R.expand_dims(t, axis=[1])
+                m = R.matmul(e, a)
+                gv = m
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 16, 8), "float32"), a: R.Tensor((1, 1, 16, 1), "float32")):
+            with R.dataflow():
+                e = R.expand_dims(x, axis=[1])
+                row = R.reshape(a, R.shape([1, 1, 1, 16]))
+                product = R.matmul(row, e)
+                m = R.reshape(product, R.shape([1, 1, 8, 1]))
+                gv = m
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    rng = np.random.default_rng(0)
+    data = [rng.normal(size=(1, 16, 8)).astype("float32"), rng.normal(size=(1, 1, 16, 1)).astype("float32")]
+    np.testing.assert_allclose(relay_amp.run(after, data)[0], relay_amp.run(Before, data)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_expand_dims_of_a_transpose_adds_its_axes_in_place_and_transposes_the_rest():
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.permute_dims(x, [2, 0, 1]))
+            out = bb.emit_output(relax.op.nn.relu(bb.emit(relax.op.expand_dims(t, [0, 3]))))
+        bb.emit_func_output(out)
+    before = bb.get()
+    after = SinkTransposes()(before)
+    relax.analysis.well_formed(after)
+    calls = [call_op_name(b.value) for b in after["main"].body.blocks[0].bindings]
+    assert calls.index("relax.permute_dims") > calls.index("relax.nn.relu")  # moved past both
+    data = [np.random.default_rng(0).normal(size=(2, 3, 4)).astype("float32")]
+    np.testing.assert_array_equal(relay_amp.run(after, data)[0], relay_amp.run(before, data)[0])
+
+
+def test_a_lambda_resnets_position_lambdas_multiply_rows_by_untransposed_maps(tmp_path):
+    """timm's LambdaResNet-26t (a model these rules were not written on): each lambda layer multiplies every
+    position's query, a row, by the position lambdas computed in NCHW. After the CPU pipeline's layout passes no
+    matmul of a row or column reads a transpose (two did), and the fp32 build matches PyTorch."""
+    from relay_amp.backend.cpu import pipeline
+
+    imported, _ = _timm_model_laid_out("lambda_resnet26t", tmp_path)
+    with relay_amp.targets.get_target(relay_amp.targets.host_preset()):
+        laid_out = tvm.transform.Sequential([*pipeline.deduplication_passes(), *pipeline.layout_passes()])(imported)
+    values = {b.var: b.value for block in laid_out["main"].body.blocks for b in block.bindings}
+    products = [value for value in values.values() if call_op_name(value) == "relax.matmul"]
+    transposed = [product for product in products
+                  if any(call_op_name(values.get(arg)) == "relax.permute_dims" for arg in product.args)]
+    assert len(products) > 4 and not [product for product in transposed if any(
+        1 in [int(extent) for extent in tensor_shape(arg)[-2:]] for arg in product.args)]
 
 
 def test_transposes_move_past_a_broadcast_to_in_both_directions():
