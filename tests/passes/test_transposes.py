@@ -150,7 +150,7 @@ def test_a_constant_operand_is_transposed_back_and_a_tensor_operand_stops_the_tr
 @pytest.mark.parametrize("gate_shape", [(1, 8, 1, 1), (8, 1, 1)])
 def test_a_runtime_gate_whose_axes_past_one_keep_their_order_is_reshaped_back(gate_shape):
     """A squeeze-excite's gate of [1, C, 1, 1] (or [C, 1, 1], broadcast) multiplying an NCHW transpose of an NHWC
-    tensor (a QDQ file's MixNet-S, its last block): the gate read as [1, 1, 1, C], a view, and the transpose moves on."""
+    tensor (a QDQ file's MixNet-S, its last block): the gate read as [1, 1, 1, C], a view; the transpose moves on."""
     def module(sunk: bool) -> tvm.IRModule:
         x = relax.Var("x", relax.TensorType((1, 2, 2, 8), "float32"))
         gate = relax.Var("gate", relax.TensorType(gate_shape, "float32"))
