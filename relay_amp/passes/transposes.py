@@ -161,7 +161,7 @@ class _Sinker(relax.PyExprMutator):
         other = self._sinkable(call.args[1])
         right = _column_as_row(call.args[1], perm) if other is None else other[0] if other[1] == perm else None
         if right is None:
-            return call  # the same rank: no batch broadcast
+            return call  # transposed another way (the same rank: no batch broadcast), or no column
         product = self.builder_.emit(relax.op.matmul(right, left, out_dtype=call.attrs.out_dtype))
         return _viewed(relax.op.permute_dims(product, perm))
 

@@ -51,26 +51,24 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
     """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, int4
     values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as convolutions of their output phases
-    (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout` overrides; None keeps the model's; conv1d
-    to NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames,
-    relay_amp.backend.cpu.conv3d), convs with a channel multiplier as depthwise convs of repeated channels
-    (relay_amp.backend.cpu.multiplier), taps that read only padding cut from the convs' windows
-    (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms),
-    grid samples read channels-last and deformable attention's weighted sums computed as they sample
-    (relay_amp.backend.cpu.sampling), matmuls' operand scales moved to their products
+    (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout` overrides; None keeps the model's; conv1d to
+    NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames, relay_amp.backend.cpu.conv3d), convs
+    with a channel multiplier as depthwise convs of repeated channels (relay_amp.backend.cpu.multiplier), taps that read
+    only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel
+    sums (relay_amp.backend.cpu.norms), grid samples read channels-last and deformable attention's weighted sums
+    computed as they sample (relay_amp.backend.cpu.sampling), matmuls' operand scales moved to their products
     (relay_amp.backend.cpu.operand_scales), bf16 chains widened, batch norms no conv took as scales and shifts, runs of
-    scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs and matmuls widened where only
-    fp32 has kernels (AVX2) or fp32's are faster (the target's core: relay_amp.backend.cpu.cores), fp32 3x3 convs
-    as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4 (relay_amp.backend.cpu.winograd), dot-product
-    kernel dispatch, elementwise ops of reshaped tensors computed before the reshapes (relay_amp.passes.reshapes),
-    kernel epilogue fusion (casts and scalar ops moved next to the kernels first; activations
-    before fast math splits them), identical bindings computed once again (dispatch pads a tensor once per kernel
-    that reads it; merged earlier, two casts of one output would join an epilogue and store it wide), depthwise
-    convs reading their part of a channel split in place (relay_amp.backend.cpu.split_reads), norms and
+    scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs
+    and matmuls widened where only fp32 has kernels (AVX2) or fp32's are faster (the target's core:
+    relay_amp.backend.cpu.cores), fp32 3x3 convs as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4
+    (relay_amp.backend.cpu.winograd), dot-product kernel dispatch, elementwise ops of reshaped tensors computed before
+    the reshapes (relay_amp.passes.reshapes), kernel epilogue fusion (casts and scalar ops moved next to the kernels
+    first; activations before fast math splits them), identical bindings computed once again (dispatch pads a tensor
+    once per kernel that reads it; merged earlier, two casts of one output would join an epilogue and store it wide),
+    depthwise convs reading their part of a channel split in place (relay_amp.backend.cpu.split_reads), norms and
     softmaxes reading a kernel's output in place, widened or through a slice's window (relay_amp.backend.cpu.widen),
-    fast math (unless turned off) and packed int4 kernels, takes of one index that select a contiguous block made
-    views of it (an unrolled recurrence's step reading its input row: relay_amp.backend.views), then legalization
-    and fusion.
+    fast math (unless turned off) and packed int4 kernels, takes of one index that select a contiguous block made views
+    of it (an unrolled recurrence's step reading its input row: relay_amp.backend.views), then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
     graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
