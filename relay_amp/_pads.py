@@ -38,24 +38,38 @@ def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | N
     in_shape, out_shape = [int(n) for n in load.source.shape], [int(n) for n in node.buffer.shape]
     if len(in_shape) != len(out_shape) or len(node.indices) != len(load.indices):
         return None
+    reads = [_reads(index, var, size_out) for index, var, size_out in zip(load.indices, node.indices, out_shape)]
+    if None in reads:
+        return None
     for mode in MODES:
-        widths = [_mirrored_widths(index, var, size_in, size_out, mode)
-                  for index, var, size_in, size_out in zip(load.indices, node.indices, in_shape, out_shape)]
+        widths = [_mirrored_widths(read, size_in, mode) for read, size_in in zip(reads, in_shape)]
         if None not in widths and any(any(pair) for pair in widths):
             return [width for pair in widths for width in pair], MODES[mode]
     return None
 
 
-def _mirrored_widths(index, var, size_in: int, size_out: int, mode: str) -> "tuple[int, int] | None":
-    """(before, after) where `index`, over `var` in [0, size_out), reads what numpy's `mode` pad of [0, size_in)
-    does, each width under size_in (a wider reflect wraps again, and an axis of one repeated is a broadcast, not a
+def _reads(index, var, size_out: int) -> "list[int] | None":
+    """The input position `index` reads for each `var` in [0, size_out), where it depends on `var` alone."""
+    if not isinstance(var, tvm.tirx.Var):
+        return None
+    if index.same_as(var):
+        return list(range(size_out))
+    read = []
+    for at in range(size_out):
+        position = _at(index, var, at)
+        if not isinstance(position, tvm.tirx.IntImm):
+            return None
+        read.append(int(position.value))
+    return read
+
+
+def _mirrored_widths(read: list[int], size_in: int, mode: str) -> "tuple[int, int] | None":
+    """(before, after) where `read`, an output axis's input positions, is what numpy's `mode` pad of [0, size_in)
+    reads, each width under size_in (a wider reflect wraps again, and an axis of one repeated is a broadcast, not a
     pad: grouped attention heads), else None."""
-    if not isinstance(var, tvm.tirx.Var) or size_out < size_in or (size_in < 2 and size_out > size_in):
+    size_out = len(read)
+    if size_out < size_in or (size_in < 2 and size_out > size_in):
         return None
-    read = [_at(index, var, at) for at in range(size_out)]
-    if not all(isinstance(at, tvm.tirx.IntImm) for at in read):
-        return None
-    read = [int(at.value) for at in read]
     extra = size_out - size_in
     for before in range(max(0, extra - size_in + 1), min(extra, size_in - 1) + 1):
         if read == np.pad(np.arange(size_in), (before, extra - before), mode=mode).tolist():

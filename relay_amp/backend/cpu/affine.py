@@ -261,14 +261,14 @@ def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, fold: 
     return builder.emit_output(expr) if leaves_block else builder.emit(expr)
 
 
-def _broadcast(values: np.ndarray, axis: "int | None", rank: int) -> relax.Expr:
-    """Per-channel `values` as a constant that broadcasts along `axis` of a rank-`rank` tensor; a scalar where they
-    are all one value."""
+def _broadcast(values: np.ndarray, axis: "int | None", rank: int, dtype: str = kernels.WIDE) -> relax.Expr:
+    """Per-channel `values` as a `dtype` constant that broadcasts along `axis` of a rank-`rank` tensor; a scalar
+    where they are all one value."""
     if _uniform(values):
-        return relax.const(float(values.flat[0]), kernels.WIDE)
+        return relax.const(float(values.flat[0]), dtype)
     shape = [1] * rank
     shape[axis] = -1
-    return relax.const(values.astype(kernels.WIDE).reshape(shape))
+    return relax.const(values.astype(dtype).reshape(shape))
 
 
 @relax.expr_functor.mutator
@@ -315,15 +315,8 @@ def _as_affine(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | N
         return None
     scale, shift = batch_norm_scale_shift(call.attrs, *(s.value.numpy() for s in stats))
     axis, dtype = int(call.attrs.axis) % len(shape), tensor_dtype(data)
-    scaled = builder.emit(relax.op.multiply(data, _per_channel(scale, axis, len(shape), dtype)))
-    return relax.Tuple([builder.emit(relax.op.add(scaled, _per_channel(shift, axis, len(shape), dtype))), *stats[2:]])
-
-
-def _per_channel(values: np.ndarray, axis: int, rank: int, dtype: str) -> relax.Expr:
-    """Per-channel `values` as a `dtype` constant that broadcasts along `axis` of a rank-`rank` tensor."""
-    shape = [1] * rank
-    shape[axis] = -1
-    return relax.const(values.astype(dtype).reshape(shape))
+    scaled = builder.emit(relax.op.multiply(data, _broadcast(scale, axis, len(shape), dtype)))
+    return relax.Tuple([builder.emit(relax.op.add(scaled, _broadcast(shift, axis, len(shape), dtype))), *stats[2:]])
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldAffineClamps")
