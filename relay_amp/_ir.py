@@ -355,13 +355,20 @@ def _shared_conv_batch_norms_as_affine(func: relax.Function, mod: tvm.IRModule, 
         if (attrs.training or shape is None or len(shape) != 4 or int(attrs.axis) % 4 != 1
                 or reads.get(data, 0) < 2 or not _is_conv_output(data, values)):
             return call
-        stats = (matches[name].value.numpy() for name in (gamma, beta, mean, var))
-        scale, shift = batch_norm_scale_shift(attrs, *stats)
-        per_channel = [relax.const(v.reshape(1, -1, 1, 1).astype("float32")) for v in (scale, shift)]
-        return relax.Tuple([relax.op.add(relax.op.multiply(data, per_channel[0]), per_channel[1]), matches[mean],
-                            matches[var]])
+        return batch_norm_as_affine(call)
 
     return dpl.rewrite_call(norm, rewrite, func)
+
+
+def batch_norm_as_affine(norm: relax.Call) -> relax.Tuple:
+    """An inference batch_norm of constant statistics as the (result, mean, var) tuple it returns, the result
+    x * scale + shift (batch_norm_scale_shift) by per-channel constants of x's dtype along the norm's axis."""
+    data, *stats = norm.args
+    rank = len(tensor_shape(data))
+    scale, shift = batch_norm_scale_shift(norm.attrs, *(stat.value.numpy() for stat in stats))
+    along = [-1 if axis == int(norm.attrs.axis) % rank else 1 for axis in range(rank)]
+    scale, shift = (relax.const(v.astype(tensor_dtype(data)).reshape(along)) for v in (scale, shift))
+    return relax.Tuple([relax.op.add(relax.op.multiply(data, scale), shift), *stats[2:]])
 
 
 @relax.transform.function_pass(opt_level=0, name="relay_amp.BatchNormsThroughConcats")

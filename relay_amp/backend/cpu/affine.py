@@ -31,7 +31,7 @@ from tvm import relax
 
 from ..._dead_code import EliminateDeadCode
 from ..._folding import fold_constants
-from ..._ir import (batch_norm_scale_shift, clamped, get_function, read_counts, rewrite_function, rewrite_op_calls,
+from ..._ir import (batch_norm_as_affine, clamped, get_function, read_counts, rewrite_function, rewrite_op_calls,
                      tensor_dtype, tensor_shape)
 from ...dtypes import LOW_FLOAT_DTYPES
 from ...ops import call_op_name
@@ -261,14 +261,14 @@ def _emitted(builder: relax.BlockBuilder, value: relax.Expr, run: _OpRun, fold: 
     return builder.emit_output(expr) if leaves_block else builder.emit(expr)
 
 
-def _broadcast(values: np.ndarray, axis: "int | None", rank: int, dtype: str = kernels.WIDE) -> relax.Expr:
-    """Per-channel `values` as a `dtype` constant that broadcasts along `axis` of a rank-`rank` tensor; a scalar
-    where they are all one value."""
+def _broadcast(values: np.ndarray, axis: "int | None", rank: int) -> relax.Expr:
+    """Per-channel `values` as a constant that broadcasts along `axis` of a rank-`rank` tensor; a scalar where they
+    are all one value."""
     if _uniform(values):
-        return relax.const(float(values.flat[0]), dtype)
+        return relax.const(float(values.flat[0]), kernels.WIDE)
     shape = [1] * rank
     shape[axis] = -1
-    return relax.const(values.astype(dtype).reshape(shape))
+    return relax.const(values.astype(kernels.WIDE).reshape(shape))
 
 
 @relax.expr_functor.mutator
@@ -307,16 +307,11 @@ class BatchNormsAsAffine:
 
 
 def _as_affine(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
-    """batch_norm's (result, mean, var) tuple with the result as x * scale + shift, where it normalizes a static
-    rank tensor by constant statistics; else None."""
+    """`batch_norm_as_affine(call)` where it normalizes a static rank tensor by constant statistics; else None."""
     data, *stats = call.args
-    shape = tensor_shape(data)
-    if call.attrs.training or shape is None or not all(isinstance(s, tvm.ir.expr.Constant) for s in stats):
+    if call.attrs.training or tensor_shape(data) is None or not all(isinstance(s, tvm.ir.expr.Constant) for s in stats):
         return None
-    scale, shift = batch_norm_scale_shift(call.attrs, *(s.value.numpy() for s in stats))
-    axis, dtype = int(call.attrs.axis) % len(shape), tensor_dtype(data)
-    scaled = builder.emit(relax.op.multiply(data, _broadcast(scale, axis, len(shape), dtype)))
-    return relax.Tuple([builder.emit(relax.op.add(scaled, _broadcast(shift, axis, len(shape), dtype))), *stats[2:]])
+    return batch_norm_as_affine(call)
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FoldAffineClamps")
