@@ -138,7 +138,8 @@ def _take_view(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | N
     row_bytes = int(np.prod(shape[axis + 1:], dtype=np.int64)) * tvm.DataType(data.ty.dtype).bits // 8
     if position * row_bytes % VIEW_ALIGNMENT:
         return None
-    view = builder.emit(relax.op.memory.view(data, [*shape[axis + 1:]], str(data.ty.dtype), position * row_bytes))
+    kept = [*shape[:axis], *shape[axis + 1:]]  # the take's shape: the unit axes before `axis` stay
+    view = builder.emit(relax.op.memory.view(data, kept, str(data.ty.dtype), position * row_bytes))
     return relax.op.memory.ensure_zero_offset(view)
 
 

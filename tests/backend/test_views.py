@@ -172,7 +172,7 @@ def test_a_take_of_one_index_that_selects_an_aligned_contiguous_block_becomes_a_
                 input_view = R.memory.view(x, R.shape([2, 16]), R.dtype("float32"), R.prim_value(256))
                 of_input = R.memory.ensure_zero_offset(input_view)
                 misaligned = R.take(odd, R.const(1, "int64"), axis=0)
-                flat_view = R.memory.view(flat, R.shape([16]), R.dtype("float32"), R.prim_value(192))
+                flat_view = R.memory.view(flat, R.shape([1, 16]), R.dtype("float32"), R.prim_value(192))
                 past_unit_axis = R.memory.ensure_zero_offset(flat_view)
                 rows = R.take(y, R.const([0, 2], "int64"), axis=0)
                 out_of_range = R.take(y, R.const(3, "int64"), axis=0, mode="clip")
@@ -181,6 +181,27 @@ def test_a_take_of_one_index_that_selects_an_aligned_contiguous_block_becomes_a_
             return gv
 
     assert_transforms(ContiguousTakesAsViews(), Takes, Expected)
+
+
+@I.ir_module
+class TakePastUnitAxesTransposed:
+    @R.function
+    def main(x: R.Tensor((1, 3, 4, 16), "float32")):
+        with R.dataflow():
+            y = R.multiply(x, R.const(2.0, "float32"))
+            gv = R.permute_dims(R.take(y, R.const(2, "int64"), axis=1), [0, 2, 1])
+            R.output(gv)
+        return gv
+
+
+def test_a_take_past_unit_axes_keeps_them_for_a_reader_that_counts_them():
+    """A take of one index along an axis after unit axes (a qkv split of a batch of one, as the dynamo exporter
+    writes CSATv2's attention) is a view with those unit axes: a transpose reading it as 3-D builds and computes
+    numpy's result. The view once dropped them, and the transpose's type check failed the build."""
+    x = np.random.default_rng(0).standard_normal((1, 3, 4, 16)).astype("float32")
+    vm = virtual_machine(relay_amp.build(TakePastUnitAxesTransposed, relay_amp.targets.host_preset()))
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_array_equal(got, np.transpose(2 * x[:, 2], (0, 2, 1)))
 
 
 @I.ir_module
@@ -209,7 +230,8 @@ def test_takes_read_as_views_compute_what_copies_do_on_every_run():
         x, odd, flat = (rng.standard_normal(shape).astype("float32") for shape in ((3, 2, 16), (3, 5), (1, 4, 16)))
         got = [item.numpy() for item in vm["main"](*(tvm.runtime.tensor(v) for v in (x, odd, flat)))]
         y = 2 * x
-        expected = [y[1], y[:, 1], x[2], odd[1], flat[0, 3], y[[0, 2]], y[2]]
+        expected = [y[1], y[:, 1], x[2], odd[1], flat[:, 3], y[[0, 2]], y[2]]
         for value, want in zip(got, expected):
+            assert value.shape == want.shape
             np.testing.assert_array_equal(value, want)
         np.testing.assert_array_equal(reused["main"](tvm.runtime.tensor(x)).numpy(), 2 * x[1] + 3 * x[2])
