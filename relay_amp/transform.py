@@ -11,6 +11,7 @@ from .passes.batch_norm import FoldBatchNorm
 from .passes.casts import EliminateRedundantCasts
 from .passes.conv_transpose import TransposedConvsAsConvs
 from .passes.einsum import EinsumsAsMatmuls
+from .passes.experts import DenseExpertMatmuls
 from .passes.group_norm import GroupNormsAsOps
 from .passes.layer_norm import LayerNormsAsOps
 from .passes.layout import ConvertLayout
@@ -26,8 +27,8 @@ from .passes.shapes import Specialize
 from .passes.splits import SplitsAsSlices
 from .passes.weight_only import DenseWeights, QuantizeWeights
 
-__all__ = ["ConvertLayout", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls", "EliminateRedundantCasts",
-           "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
+__all__ = ["ConvertLayout", "DenseExpertMatmuls", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls",
+           "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
            "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize",
            "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "SinkReshapes", "Specialize",
            "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels",

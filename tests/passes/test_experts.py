@@ -1,0 +1,129 @@
+"""DenseExpertMatmuls: a matmul of expert weights gathered per row (transformers' batched_mm experts) becomes one
+matmul by every expert's weight and a gather of each row's own outputs, where the rows are at least the experts."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp.transform import DenseExpertMatmuls
+
+from pass_checks import assert_transforms
+
+RNG = np.random.default_rng(0)
+EXPERTS, OUT, DEPTH = 3, 5, 4
+STACK = RNG.standard_normal((EXPERTS, OUT, DEPTH)).astype("float32")  # (E, N, K): the weight multiplies from the left
+
+
+def _module(rows: int, body) -> tvm.IRModule:
+    """main(x: rows x DEPTH, index: rows x 1 int64) = body(bb, x, index)."""
+    x = relax.Var("x", relax.TensorType((rows, DEPTH), "float32"))
+    index = relax.Var("index", relax.TensorType((rows, 1), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, index]):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, x, index))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _gathered_columns(bb, x, index):
+    """Each row's expert weight gathered (GatherND, as the dynamo exporter writes it), times the row as a column."""
+    rows = int(x.ty.shape[0])
+    weights = bb.emit(relax.op.gather_nd(relax.const(STACK), index))
+    column = bb.emit(relax.op.expand_dims(x, 2))
+    return bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(weights, column)), [rows, OUT]))
+
+
+def _gathered_rows(bb, x, index):
+    """The row (1 x DEPTH) times its expert's transposed weight (DEPTH x OUT), gathered by take along the experts."""
+    rows = int(x.ty.shape[0])
+    flat = bb.emit(relax.op.reshape(index, [rows]))
+    weights = bb.emit(relax.op.take(relax.const(STACK.transpose(0, 2, 1).copy()), flat, axis=0))
+    row = bb.emit(relax.op.expand_dims(x, 1))
+    return bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(row, weights)), [rows, OUT]))
+
+
+def _every_expert(index_rows, vector_axis: int, last_shape):
+    """What the pass writes: the row vector reshaped to (rows, DEPTH), times every weight (DEPTH, E * OUT), each
+    row's own expert's OUT outputs gathered and shaped as the matmul's result."""
+    def body(bb, x, index):
+        rows = int(x.ty.shape[0])
+        flat = index_rows(bb, index, rows)
+        vector = bb.emit(relax.op.expand_dims(x, vector_axis))
+        weights = relax.const(STACK.transpose(2, 0, 1).reshape(DEPTH, EXPERTS * OUT))
+        every = bb.emit(relax.op.matmul(relax.op.reshape(vector, [rows, DEPTH]), weights))
+        choice = relax.op.broadcast_to(relax.op.reshape(flat, [rows, 1, 1]), [rows, 1, OUT])
+        own = bb.emit(relax.op.gather_elements(relax.op.reshape(every, [rows, EXPERTS, OUT]), choice, axis=1))
+        return bb.emit(relax.op.reshape(bb.emit(relax.op.reshape(own, last_shape(rows))), [rows, OUT]))
+    return body
+
+
+def test_gathered_weights_times_columns_become_one_matmul_by_every_expert():
+    """GatherND's rows times columns: the matmul by the (K, E * N) stack of every weight, the gather of each row's
+    N outputs, and the column's shape back; the gather of weights is gone."""
+    expected = _every_expert(lambda bb, index, rows: index, 2, lambda rows: [rows, OUT, 1])
+    assert_transforms(DenseExpertMatmuls(), _module(4, _gathered_columns), _module(4, expected))
+
+
+def test_rows_times_gathered_weights_become_one_matmul_by_every_expert():
+    """A take of whole weights from the left of the rows (the transposed experts' form)."""
+    expected = _every_expert(lambda bb, index, rows: bb.emit(relax.op.reshape(index, [rows])), 1,
+                             lambda rows: [rows, 1, OUT])
+    assert_transforms(DenseExpertMatmuls(), _module(4, _gathered_rows), _module(4, expected))
+
+
+def test_fewer_rows_than_experts_keep_their_gathered_weights():
+    """A decode step's two rows of three experts: the gather reads fewer weights than the dense form would."""
+    before = _module(2, _gathered_columns)
+    assert DenseExpertMatmuls()(before).same_as(before)
+
+
+@pytest.mark.parametrize("body", [_gathered_columns, _gathered_rows], ids=["columns", "rows"])
+def test_every_expert_at_once_computes_what_the_gathered_weights_did(body):
+    """Built and run: the rows' outputs of the dense form equal the gathered form's, in fp32 (within 1e-5) and bf16
+    (within 2e-2 of the largest output), each row reading its own expert."""
+    rows = 7
+    mod = _module(rows, body)
+    x = RNG.standard_normal((rows, DEPTH)).astype("float32")
+    index = RNG.integers(0, EXPERTS, (rows, 1)).astype("int64")
+    expected = np.einsum("snk,sk->sn", STACK[index[:, 0]], x)
+    dense = DenseExpertMatmuls()(mod)
+    relax.analysis.well_formed(dense)
+    got = relay_amp.run(dense, [x, index])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    halved = relay_amp.run(relay_amp.to_mixed_precision(dense, "bfloat16"), [x, index])[0]
+    assert np.abs(halved - expected).max() <= 2e-2 * np.abs(expected).max()
+
+
+def test_an_olmoe_export_multiplies_its_rows_by_every_expert_and_matches_pytorch(tmp_path):
+    """OLMoE (transformers, 2 layers, 8 experts, top 2, 16 tokens; batched_mm experts, the dynamo ONNX exporter) is
+    imported with no gather of expert weights, and its logits match PyTorch's within 1e-5 of the largest."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+                                      num_experts_per_tok=2, max_position_embeddings=64)
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(0)
+    model = transformers.OlmoeForCausalLM(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    logits, ids = Logits().eval(), torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        expected = logits(ids).numpy()
+    path = tmp_path / "olmoe.onnx"
+    torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
+    imported = relay_amp.frontend.from_onnx(str(path))
+    text = imported["main"].script()
+    assert "R.gather_nd(" not in text and text.count("R.gather_elements(") == 4
+    got = relay_amp.run(imported, [ids.numpy()])[0]
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
