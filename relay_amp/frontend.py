@@ -402,10 +402,12 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
 def _canonical(imported: tvm.IRModule) -> tvm.IRModule:
     """An imported module in the form relay_amp's passes match: einsums of two tensors as matmuls, values computed
     from constants folded (batch norms into weights), the matmuls of expert weights gathered per row (a mixture of
-    experts over at least as many rows as experts) as one matmul by every expert, parallel conv branches merged, the convs of a split's parts
-    concatenated as one grouped conv, the exporters' group norm spellings as relax.nn.group_norm and their layer
-    norms before opset 17 as relax.nn.layer_norm, clamps as maximum and minimum, ONNX pads as relax.nn.pad, variadic
-    Max, Min, Sum and Mean as binary ops, adds of constant zeros (an exported attention's empty mask) dropped."""
-    merged = split_convs_grouped(merge_parallel_convs(expert_matmuls_dense(fold_weights(einsums_as_matmuls(imported)))))
+    experts over at least as many rows as experts) as one matmul by every expert, parallel conv branches merged, the
+    convs of a split's parts concatenated as one grouped conv, the exporters' group norm spellings as
+    relax.nn.group_norm and their layer norms before opset 17 as relax.nn.layer_norm, clamps as maximum and minimum,
+    ONNX pads as relax.nn.pad, variadic Max, Min, Sum and Mean as binary ops, adds of constant zeros (an exported
+    attention's empty mask) dropped."""
+    folded = expert_matmuls_dense(fold_weights(einsums_as_matmuls(imported)))
+    merged = split_convs_grouped(merge_parallel_convs(folded))
     normalized = pads_as_ops(clamps_as_max_min(layer_norms_as_ops(group_norms_as_ops(merged))))
     return zero_addends_dropped(variadic_ops_as_binary(normalized))
