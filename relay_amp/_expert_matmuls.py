@@ -1,14 +1,15 @@
-"""Matmuls of a constant weight stack gathered by runtime row indices as one matmul by every weight and a gather.
+"""Matmuls of a constant weight stack gathered by runtime row indices as one matmul by every weight and a take.
 
 A mixture-of-experts layer exported with transformers' `batched_mm` experts (the one implementation torch.export and
-the ONNX exporters take: `grouped_mm` needs `histc` and a custom grouped matmul, `eager` a data-dependent loop)
-gathers, for each of its S routed rows, that row's expert weight out of the (E, N, K) stack, then multiplies each row
-by its own copy: S weight matrices copied and read once each, by a matmul of two runtime operands. A Mixtral-style
-decoder of 4 layers (8 experts of 512 -> 1024, top 2) over 64 tokens took 450-800 ms in fp32 on a 2-core Zen 4
-(PyTorch's grouped_mm: 57 ms), and longer in bf16. Where the rows are at least as many as the experts (a prompt),
-the rows are multiplied by all E weights at once, as one (S, K) x (K, E * N) matmul by a constant the kernels pack,
-and each row keeps its own expert's N columns (a gather along the experts' axis): each weight is read once, by the
-kernels, for E times the products. Fewer rows than experts (a decode step) keep the gather, which reads fewer weights.
+the ONNX exporters take: `grouped_mm` calls transformers' own grouped matmul, `eager` loops over data-dependent token
+sets) gathers, for each of its S routed rows, that row's expert weight out of the (E, N, K) stack, then multiplies
+each row by its own copy: S weight matrices copied and read once each, by a matmul of two runtime operands (a
+Mixtral-style decoder of 4 layers, 8 experts of 512 -> 1024, top 2, over 64 tokens: 328 ms in fp32 on a 2-core
+Zen 4, 444 ms in bf16). Where the rows are at least as many as the experts (a prompt), the rows are multiplied by
+all E weights at once, one (S, K) x (K, E * N) matmul by a constant the kernels pack, and each row's N outputs of
+its own expert are taken out of the products: each weight read once, by the kernels, for E times the products. Rows
+that repeat each token once per routed expert (the up projection's) are multiplied once per token. Fewer rows than
+experts (a decode step) keep the gather, which reads fewer weights.
 """
 
 import numpy as np
@@ -22,6 +23,8 @@ from ._ir import calls_any_op, get_function, rewrite_op_calls, tensor_shape
 GATHER_ND = "relax.gather_nd"
 TAKE = "relax.take"
 GATHERS = (GATHER_ND, TAKE)
+BROADCAST = "relax.broadcast_to"
+RESHAPING = ("relax.reshape", "relax.expand_dims", "relax.squeeze", BROADCAST)  # ops a row's values pass unchanged
 
 
 def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
@@ -74,12 +77,31 @@ def _one_per_row(vector: relax.Expr, stack: np.ndarray, index: relax.Expr, rows:
 
 def _all_experts(builder: relax.BlockBuilder, stack: np.ndarray, index: relax.Expr, rows: int, vector: relax.Expr,
                  weight_first: bool) -> relax.Expr:
-    """Each row times every expert's weight in one matmul, then the row's own expert's outputs."""
+    """Each distinct row times every expert's weight in one matmul, then each row's own expert's outputs."""
     experts = stack.shape[0]
     depth, width = (stack.shape[2], stack.shape[1]) if weight_first else (stack.shape[1], stack.shape[2])
     columns = stack.transpose(2, 0, 1) if weight_first else stack.transpose(1, 0, 2)  # (depth, E, width)
     weights = relax.const(np.ascontiguousarray(columns.reshape(depth, experts * width)))
-    every = builder.emit(relax.op.matmul(relax.op.reshape(vector, [rows, depth]), weights))
-    choice = relax.op.broadcast_to(relax.op.reshape(index, [rows, 1, 1]), [rows, 1, width])
-    own = builder.emit(relax.op.gather_elements(relax.op.reshape(every, [rows, experts, width]), choice, axis=1))
-    return relax.op.reshape(own, [rows, width, 1] if weight_first else [rows, 1, width])
+    distinct, repeats = _distinct_rows(vector, rows, depth, builder)
+    every = builder.emit(relax.op.matmul(distinct, weights))
+    first_output = relax.const(np.arange(rows) // repeats * experts, "int64")  # row s's outputs for expert 0
+    own = relax.op.add(first_output, relax.op.astype(relax.op.reshape(index, [rows]), "int64"))
+    picked = builder.emit(relax.op.take(relax.op.reshape(every, [rows // repeats * experts, width]), own, axis=0))
+    return relax.op.reshape(picked, [rows, width, 1] if weight_first else [rows, 1, width])
+
+
+def _distinct_rows(vector: relax.Expr, rows: int, depth: int, builder: relax.BlockBuilder) -> tuple:
+    """(the T distinct rows (T, depth), K) where `vector`'s S rows are each of them repeated K times in turn (a token
+    routed to K experts: expand_dims, broadcast_to, reshape); else (the rows as (S, depth), 1)."""
+    source = vector
+    while isinstance(source, relax.Var) and isinstance(builder.lookup_binding(source), relax.Call):
+        bound = builder.lookup_binding(source)
+        if not isinstance(bound.op, tvm.ir.Op) or bound.op.name not in RESHAPING:
+            break
+        source = bound.args[0]
+        if bound.op.name == BROADCAST:
+            repeated, shape = tensor_shape(source), tensor_shape(bound)
+            if len(shape) == 3 and tuple(repeated) == (shape[0], 1, depth) and shape[0] * shape[1] == rows:
+                return relax.op.reshape(source, [shape[0], depth]), int(shape[1])
+            break
+    return relax.op.reshape(vector, [rows, depth]), 1

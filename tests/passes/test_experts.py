@@ -46,17 +46,18 @@ def _gathered_rows(bb, x, index):
 
 
 def _every_expert(index_rows, vector_axis: int, last_shape):
-    """What the pass writes: the row vector reshaped to (rows, DEPTH), times every weight (DEPTH, E * OUT), each
-    row's own expert's OUT outputs gathered and shaped as the matmul's result."""
+    """What the pass writes: the rows reshaped to (rows, DEPTH), times every weight (DEPTH, E * OUT), and row s's
+    OUT outputs of its own expert taken out of the (rows * E, OUT) products, at s * E + its expert."""
     def body(bb, x, index):
         rows = int(x.ty.shape[0])
         flat = index_rows(bb, index, rows)
         vector = bb.emit(relax.op.expand_dims(x, vector_axis))
         weights = relax.const(STACK.transpose(2, 0, 1).reshape(DEPTH, EXPERTS * OUT))
         every = bb.emit(relax.op.matmul(relax.op.reshape(vector, [rows, DEPTH]), weights))
-        choice = relax.op.broadcast_to(relax.op.reshape(flat, [rows, 1, 1]), [rows, 1, OUT])
-        own = bb.emit(relax.op.gather_elements(relax.op.reshape(every, [rows, EXPERTS, OUT]), choice, axis=1))
-        return bb.emit(relax.op.reshape(bb.emit(relax.op.reshape(own, last_shape(rows))), [rows, OUT]))
+        own = relax.op.add(relax.const(np.arange(rows) * EXPERTS, "int64"),
+                           relax.op.astype(relax.op.reshape(flat, [rows]), "int64"))
+        picked = bb.emit(relax.op.take(relax.op.reshape(every, [rows * EXPERTS, OUT]), own, axis=0))
+        return bb.emit(relax.op.reshape(bb.emit(relax.op.reshape(picked, last_shape(rows))), [rows, OUT]))
     return body
 
 
@@ -80,15 +81,38 @@ def test_fewer_rows_than_experts_keep_their_gathered_weights():
     assert DenseExpertMatmuls()(before).same_as(before)
 
 
-@pytest.mark.parametrize("body", [_gathered_columns, _gathered_rows], ids=["columns", "rows"])
+def _repeated_tokens(bb, x, index):
+    """Each of the 3 tokens routed to 2 experts: its row repeated twice in turn (expand_dims, broadcast_to, reshape,
+    as the batched_mm experts export it), each copy times its expert's gathered weight."""
+    rows = int(x.ty.shape[0])
+    tokens = bb.emit(relax.op.strided_slice(x, [0], [0], [rows // 2]))
+    repeated = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(tokens, 1)), [rows // 2, 2, DEPTH]))
+    column = bb.emit(relax.op.expand_dims(bb.emit(relax.op.reshape(repeated, [rows, DEPTH])), 2))
+    weights = bb.emit(relax.op.gather_nd(relax.const(STACK), index))
+    return bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(weights, column)), [rows, OUT]))
+
+
+def test_a_token_repeated_per_routed_expert_is_multiplied_by_the_weights_once():
+    """Rows that repeat each token for its two experts: every weight multiplies the 3 tokens, not the 6 rows, and
+    each row reads its token's outputs (row s at (s // 2) * E + its expert)."""
+    after = DenseExpertMatmuls()(_module(6, _repeated_tokens))
+    relax.analysis.well_formed(after)
+    text = after["main"].script()
+    assert "R.gather_nd(" not in text
+    assert 'R.Tensor((3, 15), dtype="float32") = R.matmul(' in text
+
+
+@pytest.mark.parametrize("body", [_gathered_columns, _gathered_rows, _repeated_tokens],
+                         ids=["columns", "rows", "repeated-tokens"])
 def test_every_expert_at_once_computes_what_the_gathered_weights_did(body):
     """Built and run: the rows' outputs of the dense form equal the gathered form's, in fp32 (within 1e-5) and bf16
     (within 2e-2 of the largest output), each row reading its own expert."""
-    rows = 7
+    rows = 8
     mod = _module(rows, body)
     x = RNG.standard_normal((rows, DEPTH)).astype("float32")
     index = RNG.integers(0, EXPERTS, (rows, 1)).astype("int64")
-    expected = np.einsum("snk,sk->sn", STACK[index[:, 0]], x)
+    read = np.repeat(x[:rows // 2], 2, axis=0) if body is _repeated_tokens else x
+    expected = np.einsum("snk,sk->sn", STACK[index[:, 0]], read)
     dense = DenseExpertMatmuls()(mod)
     relax.analysis.well_formed(dense)
     got = relay_amp.run(dense, [x, index])[0]
@@ -99,7 +123,8 @@ def test_every_expert_at_once_computes_what_the_gathered_weights_did(body):
 
 def test_an_olmoe_export_multiplies_its_rows_by_every_expert_and_matches_pytorch(tmp_path):
     """OLMoE (transformers, 2 layers, 8 experts, top 2, 16 tokens; batched_mm experts, the dynamo ONNX exporter) is
-    imported with no gather of expert weights, and its logits match PyTorch's within 1e-5 of the largest."""
+    imported with no gather of expert weights, its up projections over the 16 tokens and its down projections over
+    the 32 routed rows, and its logits match PyTorch's within 1e-5 of the largest."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -124,6 +149,8 @@ def test_an_olmoe_export_multiplies_its_rows_by_every_expert_and_matches_pytorch
     torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
     imported = relay_amp.frontend.from_onnx(str(path))
     text = imported["main"].script()
-    assert "R.gather_nd(" not in text and text.count("R.gather_elements(") == 4
+    assert "R.gather_nd(" not in text
+    assert text.count('R.Tensor((16, 512), dtype="float32") = R.matmul(') == 2  # up: 16 tokens by 8 experts' 64
+    assert text.count('R.Tensor((32, 512), dtype="float32") = R.matmul(') == 2  # down: 32 routed rows by 8 experts
     got = relay_amp.run(imported, [ids.numpy()])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
