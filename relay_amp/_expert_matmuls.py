@@ -94,9 +94,9 @@ def _distinct_rows(vector: relax.Expr, rows: int, depth: int, builder: relax.Blo
     """(the T distinct rows (T, depth), K) where `vector`'s S rows are each of them repeated K times in turn (a token
     routed to K experts: expand_dims, broadcast_to, reshape); else (the rows as (S, depth), 1)."""
     source = vector
-    while isinstance(source, relax.Var) and isinstance(builder.lookup_binding(source), relax.Call):
+    while isinstance(source, relax.Var):
         bound = builder.lookup_binding(source)
-        if not isinstance(bound.op, tvm.ir.Op) or bound.op.name not in RESHAPING:
+        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name in RESHAPING):
             break
         source = bound.args[0]
         if bound.op.name == BROADCAST:

@@ -28,8 +28,8 @@ from .passes.splits import SplitsAsSlices
 from .passes.weight_only import DenseWeights, QuantizeWeights
 
 __all__ = ["ConvertLayout", "DenseExpertMatmuls", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls",
-           "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues", "GlobalPoolWindows",
-           "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps", "MergeParallelConvs", "Quantize",
-           "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools", "SinkReshapes", "Specialize",
-           "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels",
-           "WidenArithmetic", "WidenContractions", "WidenedSelections"]
+           "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues",
+           "GlobalPoolWindows", "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps",
+           "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools",
+           "SinkReshapes", "Specialize", "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs",
+           "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic", "WidenContractions", "WidenedSelections"]
