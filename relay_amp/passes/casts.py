@@ -1,16 +1,17 @@
 """EliminateRedundantCasts: drop no-op casts, share duplicate casts, fold round trips (an exact one across
-reshapes and transposes too) and constants."""
+reshapes and transposes too) and constants (gathered ones too)."""
 
 import tvm
 from tvm import relax
 
 from .._dead_code import EliminateDeadCode
-from .._ir import cast_constant, tensor_dtype
+from .._ir import cast_constant, read_counts, tensor_dtype
 from ..dtypes import can_cast_offline, is_float, widens_exactly
 from ..ops import call_op_name
 
 _ASTYPE = "relax.astype"
 _MOVES = ("relax.reshape", "relax.permute_dims")
+_GATHERS = ("relax.take", "relax.gather_nd", "relax.gather_elements")  # ops that copy values of their first operand
 
 
 @relax.expr_functor.mutator
@@ -21,6 +22,7 @@ class _CastSimplifier(relax.PyExprMutator):
         super().__init__(mod)
         self.fold_constants = fold_constants
         self.seen: dict[tuple[relax.Expr, str], relax.Expr] = {}
+        self.reads: dict[relax.Var, int] = {}  # of the function being rewritten
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
@@ -41,10 +43,24 @@ class _CastSimplifier(relax.PyExprMutator):
             return source
         if self.fold_constants and isinstance(source, tvm.ir.expr.Constant) and can_cast_offline(dtype):
             return cast_constant(source, dtype)
+        gathered = self._gathered_constant(source, dtype)
+        if gathered is not None:
+            return gathered
         origin = self._cast_origin(source)
         if origin is not None and tensor_dtype(origin) == dtype and is_float(dtype) and is_float(tensor_dtype(source)):
             return origin
         return self._moved_origin(source, dtype)
+
+    def _gathered_constant(self, source: relax.Expr, dtype: str) -> relax.Expr | None:
+        """Where `source` is read only here and gathers values of a constant (a mixture of experts' weights gathered
+        per routed row, an embedding's rows), the gather of the constant cast offline: a gather copies values, so the
+        cast commutes, and the gather moves the narrower values."""
+        bound = self.lookup_binding(source) if isinstance(source, relax.Var) else None
+        if (not self.fold_constants or call_op_name(bound) not in _GATHERS or self.reads.get(source) != 1
+                or not isinstance(bound.args[0], tvm.ir.expr.Constant) or not can_cast_offline(dtype)):
+            return None
+        return self.builder_.emit(relax.Call(bound.op, [cast_constant(bound.args[0], dtype), *bound.args[1:]],
+                                             bound.attrs))
 
     def _moved_origin(self, source: relax.Expr, dtype: str) -> relax.Expr | None:
         """Where `source` is reshapes and transposes of a value widened from `dtype` (an input AMP widened, moved in
@@ -80,6 +96,7 @@ class EliminateRedundantCasts:
         simplifier = _CastSimplifier(mod, self.fold_constants)
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
+                simplifier.reads = read_counts(func)
                 simplifier.builder_.update_func(gvar, simplifier.visit_expr(func))
         cleanup = tvm.transform.Sequential(
             [relax.transform.CanonicalizeBindings(), EliminateDeadCode()]

@@ -181,3 +181,52 @@ def test_cast_of_a_constant_is_folded():
         return bb.get()
 
     check(module(cast=True), module(cast=False))
+
+
+TABLE = np.random.default_rng(0).standard_normal((4, 3, 5)).astype("float32")
+
+
+def _gathered_then_cast(gather, twice: bool = False) -> tvm.IRModule:
+    """main(index) = bf16(gather(TABLE, index)) (and the fp32 rows too where `twice`)."""
+    bb = relax.BlockBuilder()
+    index = relax.Var("index", relax.TensorType((2, 1), "int64"))
+    with bb.function("main", [index]):
+        with bb.dataflow():
+            rows = bb.emit(gather(relax.const(TABLE), index))
+            out = bb.emit(relax.op.astype(rows, "bfloat16"))
+            out = bb.emit_output(relax.Tuple([out, rows]) if twice else out)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _gathered_cast_table(gather) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    index = relax.Var("index", relax.TensorType((2, 1), "int64"))
+    with bb.function("main", [index]):
+        with bb.dataflow():
+            out = bb.emit_output(gather(relay_amp._ir.cast_constant(relax.const(TABLE), "bfloat16"), index))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_cast_of_gathered_constant_rows_gathers_from_the_cast_constant():
+    """GatherND (a mixture of experts' weights gathered per routed row) and take (an embedding's rows) copy values,
+    so their cast is the gather of the constant cast offline: the gather moves half the bytes in bf16."""
+    for gather in (lambda table, index: relax.op.gather_nd(table, index),
+                   lambda table, index: relax.op.take(table, relax.op.reshape(index, [2]), axis=0)):
+        check(_gathered_then_cast(gather), _gathered_cast_table(gather))
+
+
+def test_gathered_rows_read_in_fp32_too_keep_their_cast():
+    """Another reader of the fp32 rows: the table would be gathered twice and held in both dtypes."""
+    before = _gathered_then_cast(lambda table, index: relax.op.gather_nd(table, index), twice=True)
+    after = relay_amp.transform.EliminateRedundantCasts()(before)
+    assert after["main"].script().count("R.gather_nd(") == 1 and "R.astype(" in after["main"].script()
+
+
+def test_rows_gathered_from_the_cast_constant_equal_the_cast_rows():
+    """Built and run: the folded module's bf16 rows are exactly the original's."""
+    before = _gathered_then_cast(lambda table, index: relax.op.gather_nd(table, index))
+    index = np.array([[3], [1]], "int64")
+    folded = relay_amp.transform.EliminateRedundantCasts()(before)
+    np.testing.assert_array_equal(relay_amp.run(folded, [index])[0], relay_amp.run(before, [index])[0])
