@@ -30,6 +30,7 @@ RESHAPING = ("relax.reshape", "relax.expand_dims", "relax.squeeze", BROADCAST)  
 def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     """`mod` with each matmul of one row (or column) per gathered expert weight, where the rows are at least as many
     as the experts, as a matmul by all the experts' weights and a gather of each row's expert."""
+    get_function(mod, func)  # a ModuleError naming the functions the module has, where it has no `func`
     if not calls_any_op(mod, GATHERS):
         return mod
     dense = []

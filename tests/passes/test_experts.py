@@ -102,6 +102,12 @@ def test_a_token_repeated_per_routed_expert_is_multiplied_by_the_weights_once():
     assert 'R.Tensor((3, 15), dtype="float32") = R.matmul(' in text
 
 
+def test_a_function_the_module_lacks_is_named_in_the_error():
+    """A module without that function (nor any gather): a ModuleError naming the functions it has."""
+    with pytest.raises(relay_amp.errors.ModuleError, match="no Relax function 'decode'.*'main'"):
+        DenseExpertMatmuls("decode")(_module(2, lambda bb, x, index: bb.emit(relax.op.add(x, x))))
+
+
 @pytest.mark.parametrize("body", [_gathered_columns, _gathered_rows, _repeated_tokens],
                          ids=["columns", "rows", "repeated-tokens"])
 def test_every_expert_at_once_computes_what_the_gathered_weights_did(body):
