@@ -19,6 +19,7 @@ from tvm import relax
 from ._bodies import with_function
 from ._dead_code import remove_all_unused
 from ._ir import calls_any_op, get_function, rewrite_op_calls, tensor_shape
+from .ops import call_op_name
 
 GATHER_ND = "relax.gather_nd"
 TAKE = "relax.take"
@@ -37,7 +38,8 @@ def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
 
     def counted(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
         rewritten = _dense(call, builder)
-        dense.extend([] if rewritten is None else [call])
+        if rewritten is not None:
+            dense.append(call)
         return rewritten
 
     rewritten = rewrite_op_calls(mod, func, {"relax.matmul": counted})
@@ -56,7 +58,7 @@ def _dense(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None"
 def _gathered_stack(expr: relax.Expr, builder: relax.BlockBuilder) -> "tuple[np.ndarray, relax.Expr, int] | None":
     """(the constant (E, A, B) weight stack, the expert index of each row, the rows) of a gather of whole weights."""
     bound = builder.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-    if not isinstance(bound, relax.Call) or not isinstance(bound.op, tvm.ir.Op) or bound.op.name not in GATHERS:
+    if call_op_name(bound) not in GATHERS:
         return None
     stack, index = bound.args[0], bound.args[1]
     if not isinstance(stack, tvm.ir.expr.Constant) or len(tensor_shape(stack) or ()) != 3:
@@ -97,7 +99,7 @@ def _distinct_rows(vector: relax.Expr, rows: int, depth: int, builder: relax.Blo
     source = vector
     while isinstance(source, relax.Var):
         bound = builder.lookup_binding(source)
-        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name in RESHAPING):
+        if call_op_name(bound) not in RESHAPING:
             break
         source = bound.args[0]
         if bound.op.name == BROADCAST:
