@@ -7,9 +7,10 @@ each row by its own copy: S weight matrices copied and read once each, by a matm
 Mixtral-style decoder of 4 layers, 8 experts of 512 -> 1024, top 2, over 64 tokens: 328 ms in fp32 on a 2-core
 Zen 4, 444 ms in bf16). Where the rows are at least as many as the experts (a prompt), the rows are multiplied by
 all E weights at once, one (S, K) x (K, E * N) matmul by a constant the kernels pack, and each row's N outputs of
-its own expert are taken out of the products: each weight read once, by the kernels, for E times the products. Rows
-that repeat each token once per routed expert (the up projection's) are multiplied once per token. Fewer rows than
-experts (a decode step) keep the gather, which reads fewer weights.
+its own expert are taken out of the products: each weight read once, for E times the products (the CPU backend
+computes only the taken rows' products, grouped by expert: relay_amp.backend.cpu.experts). Rows that repeat each
+token once per routed expert (the up projection's) are multiplied once per token. Fewer rows than experts (a decode
+step) keep the gather, which reads fewer weights.
 """
 
 import numpy as np

@@ -22,6 +22,7 @@ from .conv3d import Conv3dAsConv2d
 from .dispatch import UseDotKernels, kernel_dtypes
 from .split_reads import DepthwiseReadsSplitInPlace
 from .epilogue import FuseKernelEpilogues
+from .experts import GroupedExpertMatmuls
 from .fastmath import FastMath
 from .int4 import UsePackedInt4Kernels
 from .kernels import DotKernelRule
@@ -49,8 +50,9 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, int4
-    values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as convolutions of their output phases
+    """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, a
+    mixture of experts' routed rows taken out of every expert's product computed alone, grouped by expert
+    (relay_amp.backend.cpu.experts), int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as convolutions of their output phases
     (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout` overrides; None keeps the model's; conv1d to
     NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames, relay_amp.backend.cpu.conv3d), convs
     with a channel multiplier as depthwise convs of repeated channels (relay_amp.backend.cpu.multiplier), taps that read
@@ -78,6 +80,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     return tvm.transform.Sequential([
         DenseWeights(),
         *deduplication_passes(),
+        GroupedExpertMatmuls(),
         HoldSubByteInBytes(),
         TransposedConvsAsConvs(),
         *layout_passes(conv_layout),

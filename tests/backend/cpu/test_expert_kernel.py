@@ -1,0 +1,164 @@
+"""experts: a take of rows out of a product by every expert's weight (relay_amp's mixture-of-experts form) computed
+by one kernel that groups the taken rows by expert, equal to the dense product's rows."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relay_amp
+from relay_amp.backend.cpu import experts
+from relay_amp.backend.cpu.experts import ExpertSpec, GroupedExpertMatmuls
+from relay_amp.runtime import run_executable
+
+from pass_checks import assert_transforms
+
+EXPERTS, TOKENS, DEPTH, COLUMNS = 4, 6, 8, 32
+AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}  # fp32 FMAs, operands widened: any x86 host CI runs on
+ZEN4 = {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}  # AVX-512 with vdpbf16ps: runs where the host has it
+RNG = np.random.default_rng(0)
+WEIGHT = RNG.standard_normal((DEPTH, EXPERTS * COLUMNS)).astype("float32")  # column e * COLUMNS + n: expert e's n
+
+
+def _taken(rows: int, dtype: str = "float32", stored: "str | None" = None, columns: int = COLUMNS,
+           product_returned: bool = False) -> tvm.IRModule:
+    """main(x: TOKENS x DEPTH, index: rows) = the rows `index` takes out of x times every expert's weight, as the
+    frontend writes them: the (TOKENS, E * columns) product in fp32 (cast to `stored`), reshaped to one row per token
+    and expert; with `product_returned`, the product is an output too."""
+    x = relax.Var("x", relax.TensorType((TOKENS, DEPTH), dtype))
+    index = relax.Var("index", relax.TensorType((rows,), "int64"))
+    weight = relax.const(WEIGHT[:, :EXPERTS * columns].astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            product = builder.emit(relax.op.matmul(x, weight, out_dtype="float32"))
+            if stored is not None:
+                product = builder.emit(relax.op.astype(product, stored))
+            table = builder.emit(relax.op.reshape(product, [TOKENS * EXPERTS, columns]))
+            taken = builder.emit(relax.op.take(table, index, axis=0))
+            out = builder.emit_output(relax.Tuple([taken, product]) if product_returned else taken)
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def _grouped(rows: int, dtype: str, stored: str) -> tvm.IRModule:
+    """What the pass writes for `_taken(rows, dtype, stored)`: one call of the kernel on x, the index and the packed
+    weight."""
+    before = _taken(rows, dtype, stored)
+    x, index = before["main"].params
+    spec = ExpertSpec(TOKENS, DEPTH, EXPERTS, COLUMNS, rows, dtype, stored, "int64", 2 if dtype == "bfloat16" else 1)
+    weight = WEIGHT.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else WEIGHT
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            kernel = builder.add_func(experts.expert_kernel(spec), "expert_matmul")
+            packed = relax.const(experts.packed_weight(weight, spec))
+            taken = builder.emit(relax.call_tir(kernel, [x, index, packed], relax.TensorType((rows, COLUMNS), stored)))
+            out = builder.emit_output(taken)
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+@pytest.mark.parametrize("dtype, stored", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_a_take_of_rows_of_every_experts_product_becomes_one_kernel_call(dtype, stored):
+    """fp32 operands (FMAs) and bf16 ones cast to bf16 after the fp32 product (vdpbf16ps on pairs of depths, on a
+    Zen 4 target): the matmul, cast, reshape and take are one call of the kernel on the packed weight."""
+    with tvm.target.Target(ZEN4):
+        assert_transforms(GroupedExpertMatmuls(), _taken(9, dtype, stored), _grouped(9, dtype, stored))
+
+
+@pytest.mark.parametrize("before", [
+    _taken(9, product_returned=True),  # the whole product is needed anyway
+    _taken(TOKENS * EXPERTS),  # every row taken: the kernel would compute what the matmul does
+    _taken(9, columns=20),  # columns in no whole 16-lane blocks
+], ids=["product-read-elsewhere", "every-row-taken", "partial-blocks"])
+def test_takes_the_kernel_would_not_speed_up_are_left(before):
+    with tvm.target.Target(ZEN4):
+        assert GroupedExpertMatmuls()(before).same_as(before)
+
+
+def test_a_function_the_module_lacks_is_named_in_the_error():
+    with pytest.raises(relay_amp.errors.ModuleError, match="no Relax function 'decode'.*'main'"):
+        GroupedExpertMatmuls("decode")(_taken(9))
+
+
+def test_packed_weights_hold_each_experts_16_columns_as_one_stream_of_depths():
+    """fp32: (E, N / 16, K, 16); bf16 pairs: (E, N / 16, K / 2, 16) words whose low half is the even depth."""
+    spec = ExpertSpec(TOKENS, DEPTH, EXPERTS, COLUMNS, 9, "float32", "float32", "int64")
+    packed = experts.packed_weight(WEIGHT, spec)
+    assert packed.shape == (EXPERTS, COLUMNS // 16, DEPTH, 16)
+    assert packed[2, 1, 5, 3] == WEIGHT[5, 2 * COLUMNS + 16 + 3]
+    halves = WEIGHT.astype(ml_dtypes.bfloat16)
+    words = experts.packed_weight(halves, ExpertSpec(TOKENS, DEPTH, EXPERTS, COLUMNS, 9, "bfloat16", "bfloat16",
+                                                     "int64", 2))
+    assert words.shape == (EXPERTS, COLUMNS // 16, DEPTH // 2, 16) and words.dtype == np.uint32
+    low, high = (words[3, 0, 2, 7] & 0xFFFF), words[3, 0, 2, 7] >> 16
+    assert low == halves[4, 3 * COLUMNS + 7].view(np.uint16) and high == halves[5, 3 * COLUMNS + 7].view(np.uint16)
+
+
+def _runnable(target: dict) -> None:
+    if target is ZEN4 and not relay_amp.targets.host_supports("avx512_bf16"):
+        pytest.skip("the host has no AVX-512 bf16")
+
+
+@pytest.mark.parametrize("target", [AVX2, ZEN4], ids=["avx2", "zen4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_built_kernel_stores_each_taken_rows_own_product(dtype, target):
+    """Built by relay_amp: 9 rows of expert 1 (two tiles and one row), none of expert 3, a token taken twice, rows
+    in no order; fp32 within 1e-5 of the largest output, bf16 and fp16 (operands rounded as the kernel reads them,
+    outputs rounded once) within 1e-2."""
+    experts_of = np.array([1, 0, 1, 1, 2, 1, 1, 1, 1, 0, 1, 1, 2, 1])
+    tokens = np.array([0, 0, 1, 2, 2, 3, 4, 5, 0, 5, 2, 1, 4, 3])
+    index = (tokens * EXPERTS + experts_of).astype("int64")
+    module = _taken(len(index), dtype, None if dtype == "float32" else dtype)
+    executable = relay_amp.build(module, tvm.target.Target(target))
+    assert "expert_matmul" in executable.as_text()
+    _runnable(target)
+    x = RNG.standard_normal((TOKENS, DEPTH)).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    weight = WEIGHT.astype(x.dtype).astype("float64")
+    expected = (x.astype("float64") @ weight).reshape(TOKENS * EXPERTS, COLUMNS)[index]
+    got = run_executable(executable, [x, index])[0].astype("float64")
+    assert np.abs(got - expected).max() <= (1e-5 if dtype == "float32" else 1e-2) * np.abs(expected).max()
+
+
+def test_a_qwen2_moe_export_runs_its_experts_on_the_kernel_and_matches_pytorch(tmp_path):
+    """A model the kernel was not written on: Qwen2-MoE (transformers, random weights, 2 layers, 8 experts of 32
+    columns, top 2, shared experts; 16 tokens; batched_mm experts, the dynamo ONNX exporter), built for the host:
+    its up and down projections run on the kernel; logits within 1e-5 of PyTorch's largest in fp32, and in bf16
+    within 1.5x PyTorch autocast's own error."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    logits, ids = Logits().eval(), torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        expected = logits(ids).numpy()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = logits(ids).float().numpy()
+    path = tmp_path / "qwen2_moe.onnx"
+    torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
+    imported = relay_amp.frontend.from_onnx(str(path))
+    target = relay_amp.targets.host_preset()
+    scale = np.abs(expected).max()
+    for dtype, bound in (("float32", 1e-5 * scale), ("bfloat16", 1.5 * np.abs(autocast - expected).max())):
+        module = imported if dtype == "float32" else relay_amp.to_mixed_precision(imported, dtype)
+        executable = relay_amp.build(module, target)
+        calls = [line for line in executable.as_text().splitlines() if "expert_matmul" in line]
+        assert len(calls) >= 4, dtype  # each layer's up and down projections
+        got = run_executable(executable, [ids.numpy()])[0].astype("float32")
+        assert np.abs(got - expected).max() <= bound, dtype
