@@ -13,6 +13,8 @@ token once per routed expert (the up projection's) are multiplied once per token
 step) keep the gather, which reads fewer weights.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -48,15 +50,55 @@ def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
 
 
 def _dense(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+    gathered = gathered_experts(call, builder)
+    if gathered is None or gathered.rows < gathered.stack.shape[0]:
+        return None
+    return _all_experts(builder, gathered)
+
+
+@dataclass(frozen=True)
+class GatheredExperts:
+    """A matmul of expert weights gathered per row: the constant (E, A, B) stack, the (rows, 1) or (rows,) expert
+    index, the rows, the (rows, A, 1) column or (rows, 1, B) row each weight multiplies, and whether the weight is
+    the matmul's first operand (columns) or its second (rows)."""
+    stack: np.ndarray
+    index: relax.Expr
+    rows: int
+    vector: relax.Expr
+    weight_first: bool
+
+    @property
+    def depth(self) -> int:
+        """The products' reduction length (K)."""
+        return self.stack.shape[2] if self.weight_first else self.stack.shape[1]
+
+    @property
+    def width(self) -> int:
+        """Each row's outputs (N)."""
+        return self.stack.shape[1] if self.weight_first else self.stack.shape[2]
+
+    def every_weight(self) -> np.ndarray:
+        """Every expert's weight side by side, (K, E * N): expert e's output n in column e * N + n."""
+        columns = self.stack.transpose(2, 0, 1) if self.weight_first else self.stack.transpose(1, 0, 2)
+        return np.ascontiguousarray(columns.reshape(self.depth, self.stack.shape[0] * self.width))
+
+    def flat_index(self) -> relax.Expr:
+        """Each row's expert as an int64 vector of the rows."""
+        return relax.op.astype(relax.op.reshape(self.index, [self.rows]), "int64")
+
+
+def gathered_experts(call: relax.Call, builder) -> "GatheredExperts | None":
+    """The matmul `call` as a product of gathered expert weights (one row or column per weight; `builder` a block
+    builder or mutator that looks up bindings), or None."""
     left, right = call.args
     for gathered, vector, weight_first in ((left, right, True), (right, left, False)):
         picked = _gathered_stack(gathered, builder)
         if picked is not None and _one_per_row(vector, *picked, weight_first):
-            return _all_experts(builder, *picked, vector, weight_first)
+            return GatheredExperts(*picked, vector, weight_first)
     return None
 
 
-def _gathered_stack(expr: relax.Expr, builder: relax.BlockBuilder) -> "tuple[np.ndarray, relax.Expr, int] | None":
+def _gathered_stack(expr: relax.Expr, builder) -> "tuple[np.ndarray, relax.Expr, int] | None":
     """(the constant (E, A, B) weight stack, the expert index of each row, the rows) of a gather of whole weights."""
     bound = builder.lookup_binding(expr) if isinstance(expr, relax.Var) else None
     if call_op_name(bound) not in GATHERS:
@@ -74,24 +116,20 @@ def _gathered_stack(expr: relax.Expr, builder: relax.BlockBuilder) -> "tuple[np.
 
 def _one_per_row(vector: relax.Expr, stack: np.ndarray, index: relax.Expr, rows: int, weight_first: bool) -> bool:
     """Whether `vector` is one column (S, A, 1) for weights (E, B, A) first, or one row (S, 1, B) for weights
-    (E, B, A) second, over at least E rows."""
+    (E, B, A) second."""
     wanted = (rows, stack.shape[2], 1) if weight_first else (rows, 1, stack.shape[1])
-    return rows >= stack.shape[0] and tuple(tensor_shape(vector) or ()) == wanted
+    return tuple(tensor_shape(vector) or ()) == wanted
 
 
-def _all_experts(builder: relax.BlockBuilder, stack: np.ndarray, index: relax.Expr, rows: int, vector: relax.Expr,
-                 weight_first: bool) -> relax.Expr:
+def _all_experts(builder: relax.BlockBuilder, gathered: GatheredExperts) -> relax.Expr:
     """Each distinct row times every expert's weight in one matmul, then each row's own expert's outputs."""
-    experts = stack.shape[0]
-    depth, width = (stack.shape[2], stack.shape[1]) if weight_first else (stack.shape[1], stack.shape[2])
-    columns = stack.transpose(2, 0, 1) if weight_first else stack.transpose(1, 0, 2)  # (depth, E, width)
-    weights = relax.const(np.ascontiguousarray(columns.reshape(depth, experts * width)))
-    distinct, repeats = _distinct_rows(vector, rows, depth, builder)
-    every = builder.emit(relax.op.matmul(distinct, weights))
+    experts, rows, width = gathered.stack.shape[0], gathered.rows, gathered.width
+    distinct, repeats = _distinct_rows(gathered.vector, rows, gathered.depth, builder)
+    every = builder.emit(relax.op.matmul(distinct, relax.const(gathered.every_weight())))
     first_output = relax.const(np.arange(rows) // repeats * experts, "int64")  # row s's outputs for expert 0
-    own = relax.op.add(first_output, relax.op.astype(relax.op.reshape(index, [rows]), "int64"))
+    own = relax.op.add(first_output, gathered.flat_index())
     picked = builder.emit(relax.op.take(relax.op.reshape(every, [rows // repeats * experts, width]), own, axis=0))
-    return relax.op.reshape(picked, [rows, width, 1] if weight_first else [rows, 1, width])
+    return relax.op.reshape(picked, [rows, width, 1] if gathered.weight_first else [rows, 1, width])
 
 
 def _distinct_rows(vector: relax.Expr, rows: int, depth: int, builder: relax.BlockBuilder) -> tuple:

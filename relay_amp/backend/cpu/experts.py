@@ -27,6 +27,7 @@ from tvm import relax
 from tvm.script import tirx as T
 
 from ..._dead_code import EliminateDeadCode
+from ..._expert_matmuls import GATHERS, TAKE, gathered_experts
 from ..._ir import (OPAQUE_PATTERN, add_func_once, calls_any_op, fast_script_parsing, get_function, is_static_shape,
                     read_counts, rewrite_function, tensor_dtype, tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
@@ -45,7 +46,7 @@ define <16 x float> @{PAIRS_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b
   ret <16 x float> %r
 }}
 """  # the broadcast operand last: LLVM folds its load into the instruction ({1to16})
-TAKE, RESHAPE, CAST, MATMUL = "relax.take", "relax.reshape", "relax.astype", "relax.matmul"
+RESHAPE, CAST, MATMUL = "relax.reshape", "relax.astype", "relax.matmul"
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,8 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
 
 @relax.expr_functor.mutator
 class _ExpertRows(relax.PyExprMutator):
-    """Replaces each take of rows out of a reshaped product by every expert's weight (read by the take alone) with
-    a call of `expert_kernel`."""
+    """Replaces each take of rows out of a reshaped product by every expert's weight (read by the take alone), and
+    each matmul of expert weights gathered per row, with a call of `expert_kernel`."""
 
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         super().__init__(mod)
@@ -166,18 +167,17 @@ class _ExpertRows(relax.PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         new_call = super().visit_call_(call)
-        found = self._taken_product(new_call) if call_op_name(new_call) == TAKE else None
-        if found is None:
-            return new_call
-        spec, data, weight = found
-        gvar = add_func_once(self.builder_, self.kernels, spec, lambda: expert_kernel(spec), "expert_matmul")
-        packed = relax.const(packed_weight(weight, spec))
-        return relax.call_tir(gvar, [data, new_call.args[1], packed],
-                              relax.TensorType((spec.rows, spec.columns), spec.out_dtype))
+        name = call_op_name(new_call)
+        rewritten = None
+        if name == TAKE:
+            rewritten = self._taken_product(new_call)
+        elif name == MATMUL:
+            rewritten = self._gathered_weights(new_call)
+        return new_call if rewritten is None else rewritten
 
-    def _taken_product(self, take: relax.Call) -> "tuple[ExpertSpec, relax.Expr, np.ndarray] | None":
-        """(the spec, the matmul's operands, its (depth, experts * columns) weight) where `take` reads rows of
-        (tokens * experts, columns) out of such a product, nothing else reading it; else None."""
+    def _taken_product(self, take: relax.Call) -> "relax.Expr | None":
+        """The kernel's call where `take` reads rows of (tokens * experts, columns) out of a product by every
+        expert's weight, nothing else reading it; else None."""
         table, index = take.args
         index_shape, shape = tensor_shape(index), tensor_shape(take)
         if int(take.attrs.axis) != 0 or not is_static_shape(shape) or len(index_shape or ()) != 1:
@@ -192,7 +192,33 @@ class _ExpertRows(relax.PyExprMutator):
         experts = tensor_shape(weight)[1] // columns if len(tensor_shape(weight)) == 2 else 0
         spec = ExpertSpec(tokens, depth, experts, columns, rows, tensor_dtype(data), tensor_dtype(take),
                           tensor_dtype(index), _group(tensor_dtype(data), depth))
-        return (spec, data, weight.value.numpy()) if _computes(spec, tensor_shape(table), weight) else None
+        if tensor_shape(table) != (tokens * experts, columns) or tensor_shape(weight) != (depth, experts * columns):
+            return None
+        computed = _computes(spec, tensor_dtype(weight))
+        return self._kernel_call(spec, data, index, weight.value.numpy()) if computed else None
+
+    def _gathered_weights(self, matmul: relax.Call) -> "relax.Expr | None":
+        """The kernel's call, reshaped as `matmul`'s output, where `matmul` multiplies each row (or column) by its
+        expert's weight gathered out of a constant stack (a decode step's experts); else None."""
+        gathered = gathered_experts(matmul, self)
+        if gathered is None or not is_static_shape(tensor_shape(matmul)):
+            return None
+        rows, experts, dtype = gathered.rows, gathered.stack.shape[0], tensor_dtype(gathered.vector)
+        spec = ExpertSpec(rows, gathered.depth, experts, gathered.width, rows, dtype, tensor_dtype(matmul), "int64",
+                          _group(dtype, gathered.depth))
+        if not _computes(spec, str(gathered.stack.dtype)):
+            return None
+        data = self.builder_.emit(relax.op.reshape(gathered.vector, [rows, gathered.depth]))
+        index = self.builder_.emit(relax.op.add(relax.const(np.arange(rows) * experts, "int64"),
+                                                gathered.flat_index()))
+        called = self.builder_.emit(self._kernel_call(spec, data, index, gathered.every_weight()))
+        return relax.op.reshape(called, tensor_shape(matmul))
+
+    def _kernel_call(self, spec: ExpertSpec, data: relax.Expr, index: relax.Expr, weight: np.ndarray) -> relax.Call:
+        """The call of `spec`'s kernel on (data, index) and `weight` (depth, experts * columns), packed."""
+        gvar = add_func_once(self.builder_, self.kernels, spec, lambda: expert_kernel(spec), "expert_matmul")
+        return relax.call_tir(gvar, [data, index, relax.const(packed_weight(weight, spec))],
+                              relax.TensorType((spec.rows, spec.columns), spec.out_dtype))
 
     def _only_read(self, expr: "relax.Expr | None", op_name: str) -> "relax.Expr | relax.Call | None":
         """The call of `op_name` the var `expr` is bound to, read once (by the caller's op): its argument for a
@@ -214,23 +240,20 @@ def _group(dtype: str, depth: int) -> int:
     return BF16_DOT.group if dot else 1
 
 
-def _computes(spec: ExpertSpec, table: tuple, weight: tvm.ir.expr.Constant) -> bool:
-    """Whether `expert_kernel` computes `spec`, taken out of a `table` of products by `weight`: float operands of
-    the weight's dtype, whole 16-column blocks, and fewer rows taken than the product has."""
-    if spec.experts < 2 or tensor_shape(weight) != (spec.depth, spec.experts * spec.columns):
-        return False
-    if table != (spec.tokens * spec.experts, spec.columns) or spec.columns % LANES:
-        return False
-    dtypes = {spec.dtype, tensor_dtype(weight)}
-    return (dtypes <= set(MODEL_FLOAT_DTYPES) and len(dtypes) == 1 and spec.out_dtype in MODEL_FLOAT_DTYPES
-            and spec.rows < spec.tokens * spec.experts)
+def _computes(spec: ExpertSpec, weight_dtype: str) -> bool:
+    """Whether `expert_kernel` computes `spec` by a weight of `weight_dtype`: two experts or more, float operands
+    of the weight's dtype, whole 16-column blocks, and fewer rows than the product by every expert has."""
+    dtypes = {spec.dtype, weight_dtype}
+    return (spec.experts > 1 and spec.columns % LANES == 0 and dtypes <= set(MODEL_FLOAT_DTYPES) and len(dtypes) == 1
+            and spec.out_dtype in MODEL_FLOAT_DTYPES and spec.rows < spec.tokens * spec.experts)
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.GroupedExpertMatmuls")
 class GroupedExpertMatmuls:
     """Every take of rows out of a reshaped matmul by a constant (depth, experts * columns) weight, rows indexed
-    token * experts + expert (relay_amp's mixture-of-experts form), computed by `expert_kernel` instead: only the
-    taken rows' products, grouped by expert."""
+    token * experts + expert (relay_amp's mixture-of-experts form), and every matmul of expert weights gathered per
+    row out of a constant stack (a decode step's), computed by `expert_kernel` instead: only each row's own
+    expert's products, grouped by expert, no weight copied."""
 
     def __init__(self, func: str = "main"):
         self.func = func
@@ -238,7 +261,7 @@ class GroupedExpertMatmuls:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
         get_function(mod, self.func)  # a ModuleError naming the functions the module has, where it lacks `func`
-        if not calls_any_op(mod, [TAKE]):
+        if not calls_any_op(mod, GATHERS):
             return mod
         mutator = _ExpertRows(mod, get_function(mod, self.func))
         rewritten = rewrite_function(mutator, mod, self.func)
