@@ -13,6 +13,7 @@ token once per routed expert (the up projection's) are multiplied once per token
 step) keep the gather, which reads fewer weights.
 """
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +22,14 @@ from tvm import relax
 
 from ._bodies import with_function
 from ._dead_code import remove_all_unused
-from ._ir import calls_any_op, get_function, rewrite_op_calls, tensor_shape
+from ._ir import calls_any_op, get_function, is_static_shape, read_counts, rewrite_op_calls, tensor_shape
 from .ops import call_op_name
 
 GATHER_ND = "relax.gather_nd"
 TAKE = "relax.take"
 GATHERS = (GATHER_ND, TAKE)
 BROADCAST = "relax.broadcast_to"
+RESHAPE, CAST, MATMUL = "relax.reshape", "relax.astype", "relax.matmul"
 RESHAPING = ("relax.reshape", "relax.expand_dims", "relax.squeeze", BROADCAST)  # ops a row's values pass unchanged
 
 
@@ -96,6 +98,44 @@ def gathered_experts(call: relax.Call, builder) -> "GatheredExperts | None":
         if picked is not None and _one_per_row(vector, *picked, weight_first):
             return GatheredExperts(*picked, vector, weight_first)
     return None
+
+
+def expert_products(func: relax.Function) -> "set[relax.Var]":
+    """The vars of `func`'s matmuls whose rows only a take reads, in the dense form (`taken_product`)."""
+    values = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
+    uses = read_counts(func)
+    found = [taken_product(value, values.get, uses) for value in values.values() if call_op_name(value) == TAKE]
+    return {var for var in found if var is not None}
+
+
+def taken_product(take: relax.Call, lookup: Callable, uses: Mapping) -> "relax.Var | None":
+    """The var of the matmul whose rows `take` reads as the dense form writes them (the (T, K) tokens times a
+    constant (K, E * N) weight, cast or not, reshaped to (T * E, N), rows taken along axis 0 by a vector of
+    indices), nothing but the take reading the product; else None. `lookup` gives a var's bound value (or None),
+    `uses` how often each var is read."""
+    table, index = take.args
+    if take.attrs.axis is None or int(take.attrs.axis) != 0 or len(tensor_shape(index) or ()) != 1:
+        return None
+    product = _only_read(table, RESHAPE, lookup, uses)
+    uncast = _only_read(product, CAST, lookup, uses)
+    source = product if uncast is None else uncast
+    matmul = lookup(source) if _only_read(source, MATMUL, lookup, uses) is not None else None
+    if matmul is None or not isinstance(matmul.args[1], tvm.ir.expr.Constant):
+        return None
+    data, weight, table_shape = tensor_shape(matmul.args[0]), tensor_shape(matmul.args[1]), tensor_shape(table)
+    if not all(is_static_shape(shape) and len(shape) == 2 for shape in (data, weight, table_shape)):
+        return None
+    (tokens, depth), (rows, columns) = data, table_shape
+    return source if rows % tokens == 0 and weight == (depth, rows // tokens * columns) else None
+
+
+def _only_read(expr: "relax.Expr | None", op_name: str, lookup: Callable, uses: Mapping) -> "relax.Expr | None":
+    """The first argument of the call of `op_name` the var `expr` is bound to, where `expr` is read once; else
+    None."""
+    if not isinstance(expr, relax.Var) or uses.get(expr, 0) != 1:
+        return None
+    bound = lookup(expr)
+    return bound.args[0] if call_op_name(bound) == op_name else None
 
 
 def _gathered_stack(expr: relax.Expr, builder) -> "tuple[np.ndarray, relax.Expr, int] | None":

@@ -27,11 +27,11 @@ from tvm import relax
 from tvm.script import tirx as T
 
 from ..._dead_code import EliminateDeadCode
-from ..._expert_matmuls import GATHERS, TAKE, gathered_experts
+from ..._expert_matmuls import GATHERS, TAKE, gathered_experts, taken_product
 from ..._ir import (OPAQUE_PATTERN, add_func_once, calls_any_op, fast_script_parsing, get_function, is_static_shape,
                     read_counts, rewrite_function, tensor_dtype, tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
-from ...ops import bound_value, call_op_name
+from ...ops import call_op_name
 from .kernels import BF16_DOT, LANES, register_file
 
 MAX_TILE_ROWS = 4  # rows a tile multiplies by each weight vector it loads (more did not run faster on Zen 4)
@@ -46,7 +46,7 @@ define <16 x float> @{PAIRS_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b
   ret <16 x float> %r
 }}
 """  # the broadcast operand last: LLVM folds its load into the instruction ({1to16})
-RESHAPE, CAST, MATMUL = "relax.reshape", "relax.astype", "relax.matmul"
+MATMUL = "relax.matmul"
 
 
 @dataclass(frozen=True)
@@ -176,24 +176,15 @@ class _ExpertRows(relax.PyExprMutator):
         return new_call if rewritten is None else rewritten
 
     def _taken_product(self, take: relax.Call) -> "relax.Expr | None":
-        """The kernel's call where `take` reads rows of (tokens * experts, columns) out of a product by every
-        expert's weight, nothing else reading it; else None."""
-        table, index = take.args
-        index_shape, shape = tensor_shape(index), tensor_shape(take)
-        if int(take.attrs.axis) != 0 or not is_static_shape(shape) or len(index_shape or ()) != 1:
+        """The kernel's call where `take` reads rows out of a product by every expert's weight (the frontend's
+        dense form), nothing else reading the product; else None."""
+        product = taken_product(take, self.lookup_binding, self.uses)
+        if product is None or not is_static_shape(tensor_shape(take)):
             return None
-        product = self._only_read(table, RESHAPE)
-        uncast = self._only_read(product, CAST)
-        matmul = self._only_read(product if uncast is None else uncast, MATMUL)
-        if matmul is None or not isinstance(matmul.args[1], tvm.ir.expr.Constant):
-            return None
-        data, weight = matmul.args
-        (tokens, depth), (rows, columns) = tensor_shape(data) or (0, 0), shape
-        experts = tensor_shape(weight)[1] // columns if len(tensor_shape(weight)) == 2 else 0
-        spec = ExpertSpec(tokens, depth, experts, columns, rows, tensor_dtype(data), tensor_dtype(take),
-                          tensor_dtype(index), _group(tensor_dtype(data), depth))
-        if tensor_shape(table) != (tokens * experts, columns) or tensor_shape(weight) != (depth, experts * columns):
-            return None
+        (data, weight), index = self.lookup_binding(product).args, take.args[1]
+        (tokens, depth), (rows, columns) = tensor_shape(data), tensor_shape(take)
+        spec = ExpertSpec(tokens, depth, tensor_shape(weight)[1] // columns, columns, rows, tensor_dtype(data),
+                          tensor_dtype(take), tensor_dtype(index), _group(tensor_dtype(data), depth))
         computed = _computes(spec, tensor_dtype(weight))
         return self._kernel_call(spec, data, index, weight.value.numpy()) if computed else None
 
@@ -219,16 +210,6 @@ class _ExpertRows(relax.PyExprMutator):
         gvar = add_func_once(self.builder_, self.kernels, spec, lambda: expert_kernel(spec), "expert_matmul")
         return relax.call_tir(gvar, [data, index, relax.const(packed_weight(weight, spec))],
                               relax.TensorType((spec.rows, spec.columns), spec.out_dtype))
-
-    def _only_read(self, expr: "relax.Expr | None", op_name: str) -> "relax.Expr | relax.Call | None":
-        """The call of `op_name` the var `expr` is bound to, read once (by the caller's op): its argument for a
-        reshape or a cast, the call itself for a matmul; None otherwise."""
-        if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
-            return None
-        bound = bound_value(self, expr)
-        if call_op_name(bound) != op_name:
-            return None
-        return bound if op_name == MATMUL else bound.args[0]
 
 
 def _group(dtype: str, depth: int) -> int:

@@ -64,6 +64,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..._expert_matmuls import expert_products
 from ..._folding import fold_constants
 from ..._ir import clamped, get_function, rewrite_function, tensor_dtype, tensor_shape, with_attr
 from ...dtypes import check_choice
@@ -94,6 +95,8 @@ ACTIVATION_DTYPES = ("auto", "symmetric", "int8")
 SKEWED = 0.75  # a zero point is taken where its step is under this share of symmetric int8's
 FALLBACK_DTYPES = ("float32", "bfloat16", "float16")
 FALLBACK = "fallback"
+ROUTED_ROWS = ("an expert layer's product by every expert, of which only each routed row's own expert's is read: in the "
+               "fallback, the CPU backend computes only those (relay_amp.backend.cpu.experts)")
 INT8_MAX = 127  # weight codes: symmetric int8
 # activation codes' bits: 8, or 7 where 8-bit codes would saturate the target's byte products
 # (relay_amp.targets.seven_bit_codes); auto: 7 for unsigned and per-row codes where the current target (else the
@@ -383,9 +386,11 @@ class Quantize:
         """The decisions for a prepared module: calibration's thresholds, exclusions and fallbacks."""
         get_function(mod, self.func)
         layers, bindings = list_layers(mod, self.ops, self.func), layer_bindings(mod, self.ops, self.func)
-        excluded = resolve_layers(layers, self.excluded_layers)
+        routed = expert_products(get_function(mod, self.func))
+        kept = {layer.index: ROUTED_ROWS for layer, binding in zip(layers, bindings) if binding.var in routed}
+        kept.update(dict.fromkeys(resolve_layers(layers, self.excluded_layers), "excluded"))
         histograms, means = self._calibrate(mod, layers, bindings)
-        entries = [self._decide(layer, binding.value, histogram, layer.index in excluded)
+        entries = [self._decide(layer, binding.value, histogram, kept.get(layer.index))
                    for layer, binding, histogram in zip(layers, bindings, histograms)]
         inputs = [binding.value.args[0] for binding in bindings]
         for group in moved_input_groups(get_function(mod, self.func), inputs) if self.shared_ranges else []:
@@ -418,7 +423,7 @@ class Quantize:
         if len(members) < 2:
             return
         common = merged([histograms[index] for index in members])
-        shared = [self._decide(layers[index], bindings[index].value, common, False) for index in members]
+        shared = [self._decide(layers[index], bindings[index].value, common, None) for index in members]
         decisions = {(entry.dtype, entry.threshold, entry.zero_point, entry.bits) for entry in shared}
         if len(decisions) > 1 or shared[0].dtype not in STATIC_DTYPES or any(
                 shared[0].threshold > MAX_WIDENING * entries[index].threshold for index in members):
@@ -427,7 +432,9 @@ class Quantize:
         for index, entry in zip(members, shared):
             entries[index] = replace(entry, reason=f"{entry.reason}; {SHARED_RANGE} {names}")
 
-    def _decide(self, layer, call: relax.Call, histogram: Histogram, excluded: bool) -> QuantEntry:
+    def _decide(self, layer, call: relax.Call, histogram: Histogram, kept: "str | None") -> QuantEntry:
+        """The plan's entry for `layer` (`call`), its input's `histogram` calibrated; `kept`: why it stays in the
+        fallback regardless (excluded, or an expert layer's), if it does."""
         unsigned_bits, signed_bits, dynamic_bits = self.activation_bits
 
         def entry(dtype: str, limit: float, reason: str, zero_point: int = 0, bits: int = 8) -> QuantEntry:
@@ -436,8 +443,8 @@ class Quantize:
         reason = unquantizable(call)
         if reason:
             return entry(FALLBACK, 0.0, f"not quantizable: {reason}")
-        if excluded:
-            return entry(FALLBACK, 0.0, "excluded")
+        if kept:
+            return entry(FALLBACK, 0.0, kept)
         if self.dynamic_matmuls and layer.op == "relax.matmul":
             return entry(DYNAMIC, 0.0, "dynamic: per-row scales at run time", bits=dynamic_bits)
         if _narrow_grouped_conv(call) and histogram.signed:
