@@ -74,9 +74,17 @@ def _division(node, importer) -> relax.Var:
     return importer.block_builder.emit(relax.op.trunc(quotient)) if mode == "trunc" and "float" in dtype else quotient
 
 
+def _cumulative_sum(node, importer) -> relax.Var:
+    """aten.cumsum in the dtype PyTorch gives its result (int64 for bool and integer inputs). TVM's importer summed
+    a bool mask as bools, which LLVM cannot compile: transformers' causal masks count a mask's positions so
+    (Qwen3-MoE's and other decoders' from torch.export without an attention mask did not build)."""
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    axis = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    return importer.block_builder.emit(relax.op.cumsum(_operand(importer, node.args[0], dtype), axis=int(axis)))
+
+
 def _operand(importer, arg, dtype: str) -> relax.Expr:
-    """A division's operand in `dtype`: a graph value cast where it has another dtype, a Python number a
-    constant."""
+    """An operand in `dtype`: a graph value cast where it has another dtype, a Python number a constant."""
     value = importer.env[arg] if hasattr(arg, "op") else arg
     if not isinstance(value, relax.Expr):
         return relax.const(value, dtype)
@@ -159,6 +167,7 @@ CONVERTERS = {
     "index.Tensor": _advanced_index,
     "amax.default": _extremum,
     "amin.default": _extremum,
+    "cumsum.default": _cumulative_sum,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),
                     _division),
 }

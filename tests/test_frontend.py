@@ -255,6 +255,23 @@ def test_from_torch_takes_amax_and_amin():
     np.testing.assert_allclose(relay_amp.run(frontend.from_torch(Extremes(), [x]), [x])[0], expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int32", "float32"])
+def test_from_torch_sums_cumulatively_in_the_dtype_torch_gives(dtype):
+    """cumsum of a bool or int tensor is int64 in PyTorch: TVM's importer summed bools as bools, which did not
+    compile (transformers' causal mask of a decoder called without an attention mask counts a mask so)."""
+    torch = pytest.importorskip("torch")
+
+    class Positions(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.cumsum((x > 0).to(getattr(torch, dtype)), dim=-1)
+
+    x = np.random.default_rng(0).standard_normal((2, 7)).astype("float32")
+    with torch.no_grad():
+        expected = Positions()(torch.from_numpy(x)).numpy()
+    got = relay_amp.build(frontend.from_torch(Positions(), [x]), "cpu")
+    np.testing.assert_allclose(run_executable(got, [x])[0], expected, rtol=1e-6)
+
+
 @pytest.mark.parametrize("bounds", [(64, -64, -1), (5, -6, -2), (0.5, 3.0, 0.75), (7,)])
 def test_from_torch_counts_an_arange_as_torch_does(bounds):
     """TVM's relax.arange(64, -64, -1) had 130 values: Funnel's relative positions did not import."""
