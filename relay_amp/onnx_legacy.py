@@ -1,4 +1,4 @@
-"""ONNX operators of old opsets written the way TVM's Relax importer reads them.
+"""ONNX operators of old opsets, and attributes TVM's Relax importer refuses, written the way it reads them.
 
 Upsample (opsets 7-9, replaced by Resize in opset 10) took its scales as an attribute in opset 7 and as an input
 from opset 9. TVM's importer reads the attribute only, so every Upsample of an opset-9 file (an older exporter's
@@ -9,6 +9,10 @@ integer where ONNX rounds it down: a 2x upsampling of [a, b, c, d] read [a, a, b
 and [a, a, b, c, c, c, d, d] once imported. `nearest_upsamples_rounded_down` rounds those down. TVM's Resize
 converter never rounds to nearest (ONNX's Resize names its rounding), so only an Upsample's resize2d has that
 rounding.
+
+TVM's importer refuses a TopK of `sorted=0` (Dots1's and GLM-4-MoE's expert routers, exported by the dynamo
+exporter from `torch.topk(..., sorted=False)`). ONNX leaves such a TopK's output order unspecified, so sorted output
+is one of its readings: `topks_sorted` drops the attribute (its default is sorted).
 """
 
 import numpy as np
@@ -40,6 +44,21 @@ def upsamples_with_attribute_scales(proto):
         del node.attribute[:]  # the scales, and the mode (default: nearest), written again
         node.attribute.extend([onnx.helper.make_attribute("scales", scales),
                                onnx.helper.make_attribute("mode", mode)])
+    return rewritten
+
+
+def topks_sorted(proto):
+    """`proto` (`writable`'s copy, where it has any) with each TopK of sorted=0 sorted: its order is unspecified."""
+    unsorted = [index for index, node in enumerate(proto.graph.node)
+                if node.op_type == "TopK" and _attribute(node, "sorted") == 0]
+    if not unsorted:
+        return proto
+    rewritten = writable(proto)
+    for index in unsorted:
+        node = rewritten.graph.node[index]
+        kept = [attribute for attribute in node.attribute if attribute.name != "sorted"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
     return rewritten
 
 

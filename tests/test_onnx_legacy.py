@@ -1,4 +1,4 @@
-"""onnx_legacy: ONNX Upsample (opsets 7 and 9) imported as ONNX computes it."""
+"""onnx_legacy: ONNX Upsample (opsets 7 and 9) imported as ONNX computes it; TopK of sorted=0 imported."""
 
 import numpy as np
 import pytest
@@ -123,3 +123,19 @@ def test_an_opset_9_segmentation_model_with_bilinear_upsampling_matches_onnx_run
     expected = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     got = relay_amp.run(relay_amp.frontend.from_onnx(path), [x.numpy()])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_an_unsorted_topk_imports_as_a_sorted_one():
+    """TVM's importer refused TopK's sorted=0 (Dots1's and GLM-4-MoE's routers, dynamo-exported); ONNX leaves that
+    order unspecified, and the import gives the k largest values (and their indices) in descending order."""
+    values = [helper.make_tensor_value_info("values", TensorProto.FLOAT, [2, 3]),
+              helper.make_tensor_value_info("indices", TensorProto.INT64, [2, 3])]
+    node = helper.make_node("TopK", ["x", "k"], ["values", "indices"], "router", axis=-1, sorted=0)
+    graph = helper.make_graph([node], "topk", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])], values,
+                              [numpy_helper.from_array(np.array([3], "int64"), "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = RNG.standard_normal((2, 8)).astype("float32")
+    got_values, got_indices = relay_amp.run(relay_amp.frontend.from_onnx(model), [x])
+    order = np.argsort(-x, axis=-1)[:, :3]
+    np.testing.assert_array_equal(got_indices, order)
+    np.testing.assert_array_equal(got_values, np.take_along_axis(x, order, axis=-1))
