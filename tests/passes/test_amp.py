@@ -502,3 +502,83 @@ def test_the_positions_a_sampler_reads_are_computed_in_fp32():
         "relax.add": "computes the positions grid_sample samples at: kept fp32",
         "relax.multiply": "computes the positions grid_sample samples at: kept fp32"}
     assert _bf16_error(Before, _sampling_inputs(np.random.default_rng(0), offset_scale=0.004)) <= 0.02
+
+
+@I.ir_module
+class Routed:
+    """A mixture of experts' router beside an expert's matmul: sigmoid scores of a narrow GEMM (8 experts), the top 2
+    chosen (DeepSeek-V3's and EXAONE-MoE's routers)."""
+
+    @R.function
+    def main(x: R.Tensor((6, 32), "float32"), router: R.Tensor((32, 8), "float32"),
+             expert: R.Tensor((32, 64), "float32")):
+        with R.dataflow():
+            up = R.matmul(x, expert)
+            scores = R.sigmoid(R.matmul(x, router))
+            chosen = R.topk(scores, k=2, axis=-1, ret_type="indices", largest=True, dtype="int64")
+            R.output(up, chosen)
+        return (chosen, up)
+
+
+def test_the_scores_a_router_chooses_from_are_computed_in_fp32():
+    """The router's GEMM (8 outputs a row) and its sigmoid stay fp32 (the top-k with them); the expert's matmul runs
+    in bf16. The plan says why."""
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((6, 32), "float32"), router: R.Tensor((32, 8), "float32"),
+                 expert: R.Tensor((32, 64), "float32")):
+            with R.dataflow():
+                x16 = R.astype(x, "bfloat16")
+                expert16 = R.astype(expert, "bfloat16")
+                up = R.matmul(x16, expert16, out_dtype="float32")
+                scores = R.sigmoid(R.matmul(x, router))
+                chosen = R.topk(scores, k=2, axis=-1, ret_type="indices", largest=True, dtype="int64")
+                R.output(up, chosen)
+            return (chosen, up)
+
+    tvm.ir.assert_structural_equal(convert(Routed, "bfloat16"), Expected)
+    plan = precision_plan(relay_amp.to_mixed_precision(Routed, "bfloat16"))
+    reasons = {e.op: e.reason for e in plan.entries if e.dtype == "float32"}
+    assert reasons["relax.sigmoid"] == reasons["relax.matmul"] == "computes the scores a top-k chooses from (a " \
+        "router's): kept fp32"
+
+
+def test_a_wide_gemm_before_an_argmax_stays_in_bf16():
+    """An argmax over 1000 logits (a classifier's label in the graph): the elementwise ops between are kept fp32,
+    the GEMM, wider than a router's, is not."""
+    @I.ir_module
+    class Labelled:
+        @R.function
+        def main(x: R.Tensor((2, 32), "float32"), w: R.Tensor((32, 1000), "float32")):
+            with R.dataflow():
+                logits = R.add(R.matmul(x, w), R.const(1.0, "float32"))
+                gv = R.argmax(logits, axis=-1)
+                R.output(gv)
+            return gv
+
+    plan = precision_plan(relay_amp.to_mixed_precision(Labelled, "bfloat16"))
+    assert {e.op: e.dtype for e in plan.entries} == {"relax.matmul": "bfloat16", "relax.add": "float32",
+                                                     "relax.argmax": "float32"}
+
+
+def test_near_tied_router_scores_choose_the_fp32_experts_in_a_bf16_build():
+    """Router logits a few hundredths apart (sigmoid scores near 0.5, where bf16's step is 1/256), the scores read
+    by the top-k and by the gather of the chosen experts' weights: rounded to bf16, they tied or swapped, and tokens
+    went to other experts than in fp32; kept fp32, every token goes where fp32 sends it."""
+    @I.ir_module
+    class Weighted:
+        @R.function
+        def main(x: R.Tensor((16, 32), "float32"), router: R.Tensor((32, 8), "float32")):
+            with R.dataflow():
+                scores = R.sigmoid(R.matmul(x, router))
+                chosen = R.topk(scores, k=2, axis=-1, ret_type="indices", largest=True, dtype="int64")
+                weights = R.gather_elements(scores, chosen, axis=1)
+                R.output(chosen, weights)
+            return (chosen, weights)
+
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((16, 32)).astype("float32"), (rng.standard_normal((32, 8)) * 0.003).astype("float32")]
+    executable = relay_amp.build(relay_amp.to_mixed_precision(Weighted, "bfloat16"), relay_amp.targets.host_preset())
+    got = relay_amp.runtime.run_executable(executable, data)[0]
+    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(relay_amp.run(Weighted, data)[0], axis=-1))

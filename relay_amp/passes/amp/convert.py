@@ -27,7 +27,7 @@ from ..layers import (
 )
 from ..ranges import DEFAULT_MARGIN, FINITE_MAX, RangeStats, range_excluded
 from .plan import PlanEntry, PrecisionPlan, attach_plan
-from .positions import sampling_positions
+from .positions import routing_scores, sampling_positions
 from .policy import (
     build_conditions,
     build_lists,
@@ -287,7 +287,8 @@ class ToMixedPrecision:
         names = {b.value: (i, b.var.name) for i, b in enumerate(bindings)}
         chosen = resolve_layers(list_layers(mod, self.layer_ops, self.func), self.excluded_layers)
         layer_calls = layer_bindings(mod, self.layer_ops, self.func)
-        forced = sampling_positions(func, self.lists) | self._range_guard(mod) | self._forced(calls)
+        forced = (sampling_positions(func, self.lists) | routing_scores(func, self.lists) | self._range_guard(mod)
+                  | self._forced(calls))
         mutator = _AmpMutator(mod, self, names, forced, {layer_calls[i].value for i in chosen})
         gvar = mod.get_global_var(self.func)
         mutator.builder_.update_func(gvar, mutator.visit_expr(_pin_io(func, self.target_dtype, self.keep_io_types)))
