@@ -6,9 +6,10 @@ from tvm import relax
 
 def as_torch_runs_it(graph) -> None:
     """Rewrite an exported graph in place so that TVM's importer takes it as PyTorch runs it: 1-D empty inputs
-    dropped from concatenations, views as reshapes."""
+    dropped from concatenations, views as reshapes, unsorted top-ks sorted."""
     _drop_legacy_empty_cat_inputs(graph)
     _views_as_reshapes(graph)
+    _topks_sorted(graph)
 
 
 def _drop_legacy_empty_cat_inputs(graph) -> None:
@@ -47,6 +48,17 @@ def _views_as_reshapes(graph) -> None:
 
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         node.target = torch.ops.aten.reshape.default
+
+
+def _topks_sorted(graph) -> None:
+    """Make each aten.topk of sorted=False sorted, which TVM's importer refuses (DeepSeek-V3-style expert routers:
+    Dots1, EXAONE-MoE): PyTorch leaves that order unspecified, and sorted is one of its orders."""
+    import torch
+
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.topk.default):
+        if len(node.args) > 4:
+            node.args = (*node.args[:4], True)
+        node.kwargs = {key: value for key, value in node.kwargs.items() if key != "sorted"}
 
 
 def _nearest_upsample(node, importer) -> relax.Var:

@@ -272,6 +272,22 @@ def test_from_torch_sums_cumulatively_in_the_dtype_torch_gives(dtype):
     np.testing.assert_allclose(run_executable(got, [x])[0], expected, rtol=1e-6)
 
 
+def test_from_torch_takes_an_unsorted_topk():
+    """torch.topk(..., sorted=False), which TVM's importer refused (DeepSeek-V3-style routers): the k largest
+    values and their indices, in some order (sorted here)."""
+    torch = pytest.importorskip("torch")
+
+    class Router(torch.nn.Module):
+        def forward(self, x):
+            values, indices = torch.topk(x, k=3, dim=-1, sorted=False)
+            return values + indices.to(torch.float32) * 100
+
+    x = np.random.default_rng(0).standard_normal((4, 9)).astype("float32")
+    got = relay_amp.run(frontend.from_torch(Router(), [x]), [x])[0]
+    order = np.argsort(-x, axis=-1)[:, :3]
+    np.testing.assert_allclose(got, np.take_along_axis(x, order, axis=-1) + order * 100, rtol=1e-6)
+
+
 @pytest.mark.parametrize("bounds", [(64, -64, -1), (5, -6, -2), (0.5, 3.0, 0.75), (7,)])
 def test_from_torch_counts_an_arange_as_torch_does(bounds):
     """TVM's relax.arange(64, -64, -1) had 130 values: Funnel's relative positions did not import."""
