@@ -153,3 +153,34 @@ def segformer_through_onnx(directory) -> tuple:
     with torch.no_grad():
         expected = model(pixel_values=pixels).last_hidden_state.numpy()
     return relay_amp.frontend.from_onnx(directory / "segformer.onnx"), pixels.numpy(), expected
+
+
+def experts_through_dynamo_onnx(model_class: str, config, directory) -> tuple:
+    """A transformers mixture-of-experts causal LM built from `config` (batched_mm experts, random weights), exported
+    by the dynamo ONNX exporter on 16 random tokens and imported: (the imported module, the tokens as an array,
+    PyTorch's fp32 logits, its bf16 autocast's logits)."""
+    import torch
+    import transformers
+
+    import relay_amp
+
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    logits, ids = Logits().eval(), torch.randint(0, config.vocab_size, (1, 16))
+    with torch.no_grad():
+        expected = logits(ids).numpy()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = logits(ids).float().numpy()
+    path = directory / f"{model_class}.onnx"
+    torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
+    return relay_amp.frontend.from_onnx(str(path)), ids.numpy(), expected, autocast

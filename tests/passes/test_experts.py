@@ -9,6 +9,7 @@ from tvm import relax
 import relay_amp
 from relay_amp.transform import DenseExpertMatmuls
 
+from builders import experts_through_dynamo_onnx
 from pass_checks import assert_transforms
 
 RNG = np.random.default_rng(0)
@@ -131,32 +132,15 @@ def test_an_olmoe_export_multiplies_its_rows_by_every_expert_and_matches_pytorch
     """OLMoE (transformers, 2 layers, 8 experts, top 2, 16 tokens; batched_mm experts, the dynamo ONNX exporter) is
     imported with no gather of expert weights, its up projections over the 16 tokens and its down projections over
     the 32 routed rows, and its logits match PyTorch's within 1e-5 of the largest."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, num_experts=8,
                                       num_experts_per_tok=2, max_position_embeddings=64)
-    config._experts_implementation = "batched_mm"
-    torch.manual_seed(0)
-    model = transformers.OlmoeForCausalLM(config).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids, use_cache=False).logits
-
-    logits, ids = Logits().eval(), torch.randint(0, 256, (1, 16))
-    with torch.no_grad():
-        expected = logits(ids).numpy()
-    path = tmp_path / "olmoe.onnx"
-    torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
-    imported = relay_amp.frontend.from_onnx(str(path))
+    imported, ids, expected, _ = experts_through_dynamo_onnx("OlmoeForCausalLM", config, tmp_path)
     text = imported["main"].script()
     assert "R.gather_nd(" not in text
     assert text.count('R.Tensor((16, 512), dtype="float32") = R.matmul(') == 2  # up: 16 tokens by 8 experts' 64
     assert text.count('R.Tensor((32, 512), dtype="float32") = R.matmul(') == 2  # down: 32 routed rows by 8 experts
-    got = relay_amp.run(imported, [ids.numpy()])[0]
+    got = relay_amp.run(imported, [ids])[0]
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()

@@ -12,6 +12,7 @@ from relay_amp.backend.cpu import experts
 from relay_amp.backend.cpu.experts import ExpertSpec, GroupedExpertMatmuls
 from relay_amp.runtime import run_executable
 
+from builders import experts_through_dynamo_onnx
 from pass_checks import assert_transforms
 
 EXPERTS, TOKENS, DEPTH, COLUMNS = 4, 6, 8, 32
@@ -188,32 +189,13 @@ def test_a_qwen2_moe_export_runs_its_experts_on_the_kernel_and_matches_pytorch(t
     columns, top 2, shared experts; 16 tokens; batched_mm experts, the dynamo ONNX exporter), built for the host:
     its up and down projections run on the kernel; logits within 1e-5 of PyTorch's largest in fp32, and in bf16
     within 1.5x PyTorch autocast's own error."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                          moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
-    config._experts_implementation = "batched_mm"
-    torch.manual_seed(0)
-    model = transformers.Qwen2MoeForCausalLM(config).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids, use_cache=False).logits
-
-    logits, ids = Logits().eval(), torch.randint(0, 256, (1, 16))
-    with torch.no_grad():
-        expected = logits(ids).numpy()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            autocast = logits(ids).float().numpy()
-    path = tmp_path / "qwen2_moe.onnx"
-    torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
-    imported = relay_amp.frontend.from_onnx(str(path))
+    imported, ids, expected, autocast = experts_through_dynamo_onnx("Qwen2MoeForCausalLM", config, tmp_path)
     target = relay_amp.targets.host_preset()
     scale = np.abs(expected).max()
     for dtype, bound in (("float32", 1e-5 * scale), ("bfloat16", 1.5 * np.abs(autocast - expected).max())):
@@ -221,5 +203,5 @@ def test_a_qwen2_moe_export_runs_its_experts_on_the_kernel_and_matches_pytorch(t
         executable = relay_amp.build(module, target)
         calls = [line for line in executable.as_text().splitlines() if "expert_matmul" in line]
         assert len(calls) >= 4, dtype  # each layer's up and down projections
-        got = run_executable(executable, [ids.numpy()])[0].astype("float32")
+        got = run_executable(executable, [ids])[0].astype("float32")
         assert np.abs(got - expected).max() <= bound, dtype
