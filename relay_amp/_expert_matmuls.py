@@ -126,7 +126,7 @@ def taken_product(take: relax.Call, lookup: Callable, uses: Mapping) -> "relax.V
     if not all(is_static_shape(shape) and len(shape) == 2 for shape in (data, weight, table_shape)):
         return None
     (tokens, depth), (rows, columns) = data, table_shape
-    return source if rows % tokens == 0 and weight == (depth, rows // tokens * columns) else None
+    return source if tokens and rows % tokens == 0 and weight == (depth, rows // tokens * columns) else None
 
 
 def _only_read(expr: "relax.Expr | None", op_name: str, lookup: Callable, uses: Mapping) -> "relax.Expr | None":

@@ -3,6 +3,7 @@
 from .backend.cpu.affine import FoldAffineClamps
 from .backend.cpu.dispatch import UseDotKernels
 from .backend.cpu.epilogue import FuseKernelEpilogues
+from .backend.cpu.experts import GroupedExpertMatmuls
 from .backend.cpu.fastmath import FastMath
 from .backend.cpu.int4 import UsePackedInt4Kernels
 from .backend.cpu.widen import WidenArithmetic, WidenContractions
@@ -29,7 +30,8 @@ from .passes.weight_only import DenseWeights, QuantizeWeights
 
 __all__ = ["ConvertLayout", "DenseExpertMatmuls", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls",
            "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues",
-           "GlobalPoolWindows", "GroupNormsAsOps", "GroupSplitConvs", "HoistOverMoves", "LayerNormsAsOps",
-           "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast", "SeparableMaxPools",
-           "SinkReshapes", "Specialize", "SplitsAsSlices", "ToMixedPrecision", "TransposedConvsAsConvs",
-           "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic", "WidenContractions", "WidenedSelections"]
+           "GlobalPoolWindows", "GroupNormsAsOps", "GroupSplitConvs", "GroupedExpertMatmuls", "HoistOverMoves",
+           "LayerNormsAsOps", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast",
+           "SeparableMaxPools", "SinkReshapes", "Specialize", "SplitsAsSlices", "ToMixedPrecision",
+           "TransposedConvsAsConvs", "UseDotKernels", "UsePackedInt4Kernels", "WidenArithmetic", "WidenContractions",
+           "WidenedSelections"]

@@ -5,18 +5,20 @@ the tokens by every expert's weight, a constant (K, E * N), and a take of each r
 token * E + expert (relay_amp._expert_matmuls): each token times all E experts, where it was routed to top-k of them.
 With Mixtral's 8 experts of top 2 that is 4x the products; with Qwen3-MoE's and OLMoE's 64 experts of top 8 it is 8x,
 and each down projection's row, a token of its own, is multiplied by all 64 (a Qwen3-MoE-style decoder, 4 layers of
-512, 64 experts of 256, top 8, 64 tokens, on a 2-core Zen 4: relay_amp fp32 209 ms, bf16 105 ms; PyTorch's eager
-experts about 60 and 51 ms).
+512, 64 experts of 256, top 8, 64 tokens, on a 2-core Zen 4: relay_amp fp32 220.9 ms, bf16 110.6 ms; PyTorch's eager
+experts 96.6 and 61.6 ms). A decode step's form, fewer rows than experts, copies each row's expert weight out of the
+stack and multiplies the row by its copy.
 
 `GroupedExpertMatmuls` replaces such a take, where nothing else reads the product, by `expert_kernel`: a counting
 sort of the taken rows by expert, then, in parallel over (expert, block of columns), each expert's rows a tile at a
 time (4 rows of 64 columns on AVX-512) times its weight, packed so that each 16 columns of an expert are one stream
 of depths, and each row's outputs stored where the take put them. fp32 (and fp16, widened as loaded) on FMAs; bf16
 on `vdpbf16ps` over pairs of depths where the target has it (a 32-bit word per pair, broadcast from the row), else
-widened. Only the routed rows' products are computed; an expert's weight is read once per tile of its rows, and not
-at all where no row chose it. The decoder above: fp32 17 ms, bf16 9.9 ms (its up and down projections, 64 tokens of
-512 by 64 experts of 512, top 8, then the 512 rows by experts of 256 back: fp32 2.3 + 1.2 ms, bf16 1.6 + 0.5 ms,
-widened bf16 2.1 + 0.9 ms).
+widened. A decode step's matmul of gathered weights takes the same kernel, each row its own token, and reads each
+chosen expert's weight in place. Only the routed rows' products are computed; an expert's weight is read once per
+tile of its rows, and not at all where no row chose it. The decoder above: fp32 19.0 ms, bf16 11.0 ms; one token
+6.0 -> 2.6 ms and 3.4 -> 1.7 ms (its up and down projections alone, 64 tokens of 512 by 64 experts of 512, top 8,
+then the 512 rows by experts of 256 back: fp32 2.3 + 1.2 ms, bf16 1.6 + 0.5 ms, bf16 widened to FMAs 2.1 + 0.9 ms).
 """
 
 from dataclasses import dataclass
@@ -51,7 +53,7 @@ MATMUL = "relax.matmul"
 
 @dataclass(frozen=True)
 class ExpertSpec:
-    """A take of `rows` rows (index row * experts + expert) out of the (tokens * experts, columns) product of
+    """A take of `rows` rows (index token * experts + expert) out of the (tokens * experts, columns) product of
     (tokens, depth) operands by a (depth, experts * columns) constant, in `dtype`, stored in `out_dtype`."""
     tokens: int
     depth: int
@@ -113,15 +115,10 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
                                                               T.Broadcast(pairs[token[r], k], LANES),
                                                               weight[expert, block + p, k, vector])
 
-        @T.prim_func
-        def kernel(data: T.Buffer((tokens, depth), spec.dtype), index: T.Buffer((rows,), spec.index_dtype),
-                   weight: T.Buffer((experts, columns // LANES, depth // group, LANES), pair_dtype),
-                   out: T.Buffer((rows, columns), spec.out_dtype)):
-            T.func_attr({"tirx.noalias": True})
-            pairs = T.decl_buffer((tokens, depth // group), pair_dtype, data=data.data)
-            start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
+        @T.macro
+        def sort_by_expert(index, start, order):
+            """A counting sort of the rows by expert (index % experts): order holds them, expert e's from start[e]."""
             fill = T.alloc_buffer((experts,), "int32")
-            order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
             for e in range(experts + 1):
                 start[e] = 0
             for s in range(rows):
@@ -132,6 +129,16 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
             for s in range(rows):
                 order[fill[T.Cast("int32", T.floormod(index[s], experts))]] = s
                 fill[T.Cast("int32", T.floormod(index[s], experts))] += 1
+
+        @T.prim_func
+        def kernel(data: T.Buffer((tokens, depth), spec.dtype), index: T.Buffer((rows,), spec.index_dtype),
+                   weight: T.Buffer((experts, columns // LANES, depth // group, LANES), pair_dtype),
+                   out: T.Buffer((rows, columns), spec.out_dtype)):
+            T.func_attr({"tirx.noalias": True})
+            pairs = T.decl_buffer((tokens, depth // group), pair_dtype, data=data.data)
+            start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
+            order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
+            sort_by_expert(index, start, order)
             for item in T.parallel(items, annotations=annotations):
                 token = T.alloc_buffer((tile_rows,), "int32", scope="local")
                 acc = T.alloc_buffer((tile_rows, panels, LANES), "float32", scope="local")

@@ -1,5 +1,5 @@
 """Values a sampler or a choice reads, kept in float32: the ops that compute the positions a grid_sample or a ROI
-pooling reads, and the scores a top-k chooses from.
+pooling reads, and the scores a top-k or an argmax chooses from.
 
 Those ops are in the fp32 list, but the positions they read are computed before them, by adds and multiplies that
 AMP would run in the low dtype: deformable attention's positions are reference points (constants, which never hold
@@ -32,7 +32,7 @@ POSITION_OPERANDS = {  # op -> the index of its operand holding positions
 REASON = "computes the positions {} samples at: kept fp32"
 WALKED = ("widest", "follow")
 CHOICES = ("relax.topk", "relax.argmax", "relax.argmin")  # ops that choose among their input's values
-SCORE_REASON = "computes the scores a top-k chooses from (a router's): kept fp32"
+SCORE_REASON = "computes the scores a top-k or an argmax chooses from (a router's): kept fp32"
 SCORES_WALKED = ("widest", "follow", "fp32")
 ROUTER_COLUMNS = 512  # a GEMM computing a top-k's scores with at most this many outputs a row is kept fp32 too
 
@@ -50,8 +50,8 @@ def sampling_positions(func: relax.Function, lists: OpLists) -> dict[relax.Call,
 
 
 def routing_scores(func: relax.Function, lists: OpLists) -> dict[relax.Call, tuple[str, str]]:
-    """The calls of `func` that compute the float scores a top-k chooses from, back to a narrow GEMM (included) or
-    a wide one, each with ("float32", its reason)."""
+    """The calls of `func` that compute the float scores a top-k or an argmax chooses from, back to a narrow GEMM
+    (included) or a wide one, each with ("float32", its reason)."""
     bound = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
     kept: dict[relax.Call, tuple[str, str]] = {}
     for value in bound.values():
