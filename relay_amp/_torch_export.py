@@ -1,15 +1,18 @@
 """What `frontend.from_torch` corrects in TVM's importer of torch.export graphs, where it computes other values
 than PyTorch or refuses what PyTorch runs: graph rewrites before the import, and converters for some ops."""
 
+import numpy as np
+import tvm
 from tvm import relax
 
 
 def as_torch_runs_it(graph) -> None:
     """Rewrite an exported graph in place so that TVM's importer takes it as PyTorch runs it: 1-D empty inputs
-    dropped from concatenations, views as reshapes, unsorted top-ks sorted."""
+    dropped from concatenations, views as reshapes, unsorted top-ks sorted, complex values as real pairs."""
     _drop_legacy_empty_cat_inputs(graph)
     _views_as_reshapes(graph)
     _topks_sorted(graph)
+    _complex_as_real_pairs(graph)
 
 
 def _drop_legacy_empty_cat_inputs(graph) -> None:
@@ -61,6 +64,84 @@ def _topks_sorted(graph) -> None:
         node.kwargs = {key: value for key, value in node.kwargs.items() if key != "sorted"}
 
 
+def _complex_as_real_pairs(graph) -> None:
+    """Hold each complex value as its real and imaginary parts on a last axis of 2, which TVM's importer (and Relax)
+    lacks a dtype for: rotary embeddings written as complex products (Llama 4, DeepSeek-V2: `torch.polar`,
+    `view_as_complex`, a multiply, `view_as_real`). The pairs are what view_as_real gives; a product of two is
+    (ar br - ai bi, ar bi + ai br). A complex value reaching another op is a ModelLoadError naming it."""
+    import torch
+
+    rewritten = [node for node in graph.nodes
+                 if _is_complex(node) or any(_is_complex(arg) for arg in node.all_input_nodes)]
+    if not rewritten:
+        return
+    pairs: set = set()
+    for node in rewritten:
+        _as_pairs(graph, node, pairs, torch.ops.aten)
+    graph.lint()
+    graph.owning_module.recompile()
+
+
+def _is_complex(node) -> bool:
+    value = node.meta.get("val")
+    return getattr(getattr(value, "dtype", None), "is_complex", False)
+
+
+def _as_pairs(graph, node, pairs: set, aten) -> None:
+    """Replace `node`, which makes or reads complex values, by its computation on real pairs (`pairs`: the nodes
+    holding complex values as pairs, to which the replacement of a complex value is added)."""
+    if node.target is aten._assert_tensor_metadata.default:
+        graph.erase_node(node)
+        return
+    with graph.inserting_before(node):
+        if node.target in (aten.view_as_complex.default, aten.view_as_real.default) or _complex_copy(node, aten):
+            replacement = node.args[0]
+        elif node.target is aten.polar.default:
+            magnitude, angle = node.args
+            parts = [graph.call_function(aten.mul.Tensor, (magnitude, graph.call_function(part, (angle,))))
+                     for part in (aten.cos.default, aten.sin.default)]
+            replacement = graph.call_function(aten.stack.default, (parts, -1))
+        elif node.target is aten.unsqueeze.default:
+            data, dim = node.args
+            replacement = graph.call_function(aten.unsqueeze.default, (data, dim if dim >= 0 else dim - 1))
+        elif node.target is aten.mul.Tensor:
+            replacement = _pair_product(graph, *node.args, pairs, aten)
+        else:
+            from .errors import ModelLoadError
+
+            raise ModelLoadError(f"complex values reach {node.target} ({node.name}), which relay_amp does not import "
+                                 "(it holds polar, view_as_complex, view_as_real, copies, unsqueeze and multiplies of "
+                                 "complex values as real pairs)")
+    if _is_complex(node):
+        pairs.add(replacement)
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def _complex_copy(node, aten) -> bool:
+    """Whether `node` copies or moves a complex value to a complex dtype (`.to(device)`): the pairs as they are."""
+    copies = (aten.to.dtype_layout, aten.to.dtype, aten.to.device, aten._to_copy.default, aten.clone.default)
+    return node.target in copies and _is_complex(node)
+
+
+def _pair_product(graph, left, right, pairs: set, aten):
+    """The node computing left * right, either or both of them complex held as pairs."""
+    if left in pairs and right in pairs:
+        parts = [[graph.call_function(aten.select.int, (side, -1, index)) for index in (0, 1)]
+                 for side in (left, right)]
+        (lr, li), (rr, ri) = parts
+
+        def product(a, b):
+            return graph.call_function(aten.mul.Tensor, (a, b))
+        real = graph.call_function(aten.sub.Tensor, (product(lr, rr), product(li, ri)))
+        imaginary = graph.call_function(aten.add.Tensor, (product(lr, ri), product(li, rr)))
+        return graph.call_function(aten.stack.default, ([real, imaginary], -1))
+    pair, factor = (left, right) if left in pairs else (right, left)
+    if hasattr(factor, "op"):  # a real tensor: the same factor for both parts
+        factor = graph.call_function(aten.unsqueeze.default, (factor, -1))
+    return graph.call_function(aten.mul.Tensor, (pair, factor))
+
+
 def _nearest_upsample(node, importer) -> relax.Var:
     """aten.upsample_nearest2d (F.interpolate's mode="nearest") as PyTorch computes it: source index
     floor(destination * in / out). TVM's importer took half-pixel centres and rounding (PyTorch's
@@ -103,6 +184,43 @@ def _operand(importer, arg, dtype: str) -> relax.Expr:
     if isinstance(value.ty, relax.TensorType) and value.ty.dtype != dtype:
         return importer.block_builder.emit(relax.op.astype(value, dtype))
     return value
+
+
+def _slice_scatter(node, importer) -> relax.Var:
+    """aten.slice_scatter of step 1 over static shapes (DeepSeek-V2's query: its rotary part written back beside the
+    rest) as the concatenation of the input's parts around the source. TVM's slice_scatter is a select per element,
+    which TVM's lowering of vectorized bf16 failed on ("IntImm can only take scalar, but boolx16 was supplied")."""
+    data, source = (importer.env[arg] for arg in node.args[:2])
+    shape = [int(dim) if isinstance(dim, int | tvm.tirx.IntImm) else None for dim in data.ty.shape]
+    bounds = dict(zip(("dim", "start", "end", "step"), node.args[2:]))
+    bounds.update({key: node.kwargs[key] for key in ("dim", "start", "end", "step") if key in node.kwargs})
+    axis = bounds.get("dim", 0) % len(shape)
+    if bounds.get("step", 1) != 1 or None in shape:
+        return importer._slice_scatter(node)
+    length = shape[axis]
+    start, end = (_bound(bounds.get(key), default, length) for key, default in (("start", 0), ("end", length)))
+    parts = [relax.op.strided_slice(data, [axis], [0], [start])] if start > 0 else []
+    parts.append(source)
+    parts += [relax.op.strided_slice(data, [axis], [end], [length])] if end < length else []
+    return importer.block_builder.emit(relax.op.concat(parts, axis) if len(parts) > 1 else source)
+
+
+def _bound(value, default: int, length: int) -> int:
+    """A slice bound as PyTorch reads it: None the default, negative from the end, clamped to [0, length]."""
+    value = default if value is None else int(value)
+    return min(max(value + length if value < 0 else value, 0), length)
+
+
+def _full_like(node, importer) -> relax.Expr:
+    """aten.full_like (zeros_like after decomposition: Llama 4's attention masks) as a constant of the result's
+    static shape and dtype, or a full of that dtype: TVM's full_like without a dtype failed its legalization
+    ("argument of type 'PrimType' is not iterable")."""
+    value = node.meta["val"]
+    dtype = str(value.dtype).removeprefix("torch.")
+    fill = node.args[1]
+    if any(not isinstance(dim, int) for dim in value.shape) or not isinstance(fill, int | float | bool):
+        return importer._full_like(node)
+    return relax.const(np.full(tuple(value.shape), fill, dtype=dtype))
 
 
 def _grid_sample(node, importer) -> relax.Var:
@@ -180,6 +298,8 @@ CONVERTERS = {
     "amax.default": _extremum,
     "amin.default": _extremum,
     "cumsum.default": _cumulative_sum,
+    "full_like.default": _full_like,
+    "slice_scatter.default": _slice_scatter,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),
                     _division),
 }

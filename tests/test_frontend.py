@@ -288,6 +288,63 @@ def test_from_torch_takes_an_unsorted_topk():
     np.testing.assert_allclose(got, np.take_along_axis(x, order, axis=-1) + order * 100, rtol=1e-6)
 
 
+def test_from_torch_computes_a_complex_rotary_embedding_on_real_pairs():
+    """Llama 4's and DeepSeek-V2's rotary embedding: frequencies as torch.polar, the query's pairs viewed as complex,
+    multiplied, viewed as real again (TVM's importer had no complex ops). Built, within 1e-5 of PyTorch."""
+    torch = pytest.importorskip("torch")
+
+    class Rotary(torch.nn.Module):
+        def forward(self, x):
+            angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001])
+            frequencies = torch.polar(torch.ones_like(angles), angles).to(x.device) * 1.0
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * frequencies.unsqueeze(0)).flatten(2) + x
+
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype("float32")
+    with torch.no_grad():
+        expected = Rotary()(torch.from_numpy(x)).numpy()
+    got = run_executable(relay_amp.build(frontend.from_torch(Rotary(), [x]), "cpu"), [x])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_from_torch_refuses_complex_values_it_cannot_hold_naming_the_op():
+    torch = pytest.importorskip("torch")
+
+    class Magnitude(torch.nn.Module):
+        def forward(self, x):
+            return torch.view_as_complex(x.reshape(4, 2)).abs()
+
+    with pytest.raises(relay_amp.ModelLoadError, match="complex values reach aten.abs"):
+        frontend.from_torch(Magnitude(), [np.ones(8, "float32")])
+
+
+def test_from_torch_writes_a_slice_back_as_a_concatenation_that_builds_in_bf16():
+    """DeepSeek-V2's query: its rotary half written back with slice_scatter, whose TVM form (a select per element)
+    failed TVM's lowering in bf16; the input's parts around the source, concatenated, build and compute it. Also a
+    zeros_like of a runtime tensor, whose TVM legalization failed without a dtype."""
+    torch = pytest.importorskip("torch")
+
+    class WriteBack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.rotary = torch.nn.Linear(16, 16), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            query = self.query(x)  # bf16 in a bf16 model, as DeepSeek-V2's is
+            return torch.slice_scatter(query, self.rotary(query[..., 8:]), dim=-1, start=8) + torch.zeros_like(x)
+
+    torch.manual_seed(0)
+    write_back = WriteBack().eval()
+    x = np.random.default_rng(0).standard_normal((2, 4, 16)).astype("float32")
+    with torch.no_grad():
+        expected = write_back(torch.from_numpy(x)).numpy()
+    module = frontend.from_torch(write_back, [x])
+    for dtype in ("float32", "bfloat16"):
+        converted = module if dtype == "float32" else relay_amp.to_mixed_precision(module, dtype)
+        got = run_executable(relay_amp.build(converted, relay_amp.targets.host_preset()), [x])[0]
+        np.testing.assert_allclose(got, expected, rtol=2e-2 if dtype == "bfloat16" else 1e-5, atol=2e-2)
+
+
 @pytest.mark.parametrize("bounds", [(64, -64, -1), (5, -6, -2), (0.5, 3.0, 0.75), (7,)])
 def test_from_torch_counts_an_arange_as_torch_does(bounds):
     """TVM's relax.arange(64, -64, -1) had 130 values: Funnel's relative positions did not import."""
