@@ -5,6 +5,11 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .errors import ModelLoadError
+
+# torch dtypes numpy names alike (not bfloat16)
+NUMPY_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
 
 def as_torch_runs_it(graph) -> None:
     """Rewrite an exported graph in place so that TVM's importer takes it as PyTorch runs it: 1-D empty inputs
@@ -107,8 +112,6 @@ def _as_pairs(graph, node, pairs: set, aten) -> None:
         elif node.target is aten.mul.Tensor:
             replacement = _pair_product(graph, *node.args, pairs, aten)
         else:
-            from .errors import ModelLoadError
-
             raise ModelLoadError(f"complex values reach {node.target} ({node.name}), which relay_amp does not import "
                                  "(it holds polar, view_as_complex, view_as_real, copies, unsqueeze and multiplies of "
                                  "complex values as real pairs)")
@@ -213,12 +216,13 @@ def _bound(value, default: int, length: int) -> int:
 
 def _full_like(node, importer) -> relax.Expr:
     """aten.full_like (zeros_like after decomposition: Llama 4's attention masks) as a constant of the result's
-    static shape and dtype, or a full of that dtype: TVM's full_like without a dtype failed its legalization
-    ("argument of type 'PrimType' is not iterable")."""
+    static shape and dtype: TVM's full_like without a dtype failed its legalization ("argument of type 'PrimType'
+    is not iterable"). Symbolic shapes, tensor fill values and dtypes numpy lacks (bf16) go to TVM's converter."""
     value = node.meta["val"]
     dtype = str(value.dtype).removeprefix("torch.")
     fill = node.args[1]
-    if any(not isinstance(dim, int) for dim in value.shape) or not isinstance(fill, int | float | bool):
+    static = all(isinstance(dim, int) for dim in value.shape) and isinstance(fill, int | float | bool)
+    if not static or dtype not in NUMPY_DTYPES:
         return importer._full_like(node)
     return relax.const(np.full(tuple(value.shape), fill, dtype=dtype))
 
