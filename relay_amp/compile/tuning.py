@@ -48,6 +48,25 @@ def prepare(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
         return pipeline_for(target).prepare_passes(target)(mod)
 
 
+def tuning_tasks(prepared: tvm.IRModule, target: tvm.target.Target) -> list:
+    """MetaSchedule's tasks for a prepared module, less the functions with loops of data-dependent extent (the expert
+    kernel's rows per expert): MetaSchedule rejects every candidate of those (DisallowDynamicLoop), and they run as
+    built."""
+    return [task for task in ms.relax_integration.extract_tasks(prepared, target)
+            if not _dynamic_loops(task.dispatched[0]["main"])]
+
+
+def _dynamic_loops(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether a loop of `func` has an extent that is not a constant."""
+    found = []
+
+    def note(loop: tvm.tirx.For) -> tvm.tirx.For:
+        found.append(not isinstance(loop.extent, tvm.tirx.IntImm))
+        return loop
+    tvm_ffi.structural_map(func.body, [(tvm.tirx.For, note)])
+    return any(found)
+
+
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: dict | None) -> tvm.runtime.Module:
     """Compile one measure candidate in a builder worker, as MetaSchedule's default builder does but without first
     importing all of TVM's tensor intrinsics (~35 s per worker: candidates arrive tensorized already); the
@@ -187,7 +206,7 @@ def tune(mod: tvm.IRModule, target: "str | tvm.target.Target", work_dir: str | o
         check_host(target)
     tgt = get_target(target)
     prepared = prepare(mod, tgt)
-    extracted = ms.relax_integration.extract_tasks(prepared, tgt)
+    extracted = tuning_tasks(prepared, tgt)
     if not extracted:
         raise TuningError("the module has no operator to tune")
     servers = _wait_for_servers(rpc_tracker, rpc_key, rpc_wait_s) if rpc_tracker else 0  # before the work dir
@@ -350,5 +369,5 @@ def matching_records(database: ms.Database, mod: tvm.IRModule, target: tvm.targe
 
 def prepared_records(database: ms.Database, prepared: tvm.IRModule, target: tvm.target.Target) -> int:
     """How many operators of an already prepared module (see `prepare`) have a record in the database."""
-    tasks = ms.relax_integration.extract_tasks(prepared, target)
+    tasks = tuning_tasks(prepared, target)
     return sum(database.has_workload(task.dispatched[0]) for task in tasks)

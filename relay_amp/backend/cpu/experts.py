@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, s_tir
+from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
 from ..._dead_code import EliminateDeadCode
@@ -130,36 +131,40 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
                 order[fill[T.Cast("int32", T.floormod(index[s], experts))]] = s
                 fill[T.Cast("int32", T.floormod(index[s], experts))] += 1
 
-        @T.prim_func
+        @T.prim_func(s_tir=True)
         def kernel(data: T.Buffer((tokens, depth), spec.dtype), index: T.Buffer((rows,), spec.index_dtype),
                    weight: T.Buffer((experts, columns // LANES, depth // group, LANES), pair_dtype),
                    out: T.Buffer((rows, columns), spec.out_dtype)):
             T.func_attr({"tirx.noalias": True})
-            pairs = T.decl_buffer((tokens, depth // group), pair_dtype, data=data.data)
-            start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
-            order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
-            sort_by_expert(index, start, order)
-            for item in T.parallel(items, annotations=annotations):
-                token = T.alloc_buffer((tile_rows,), "int32", scope="local")
-                acc = T.alloc_buffer((tile_rows, panels, LANES), "float32", scope="local")
-                first = start[item // per_expert]
-                count = start[item // per_expert + 1] - first
-                for tile in range((count + tile_rows - 1) // tile_rows):
-                    for r in T.unroll(tile_rows):  # rows past the expert's repeat its last one, and are not stored
-                        token[r] = T.Cast("int32", T.max(T.min(T.floordiv(
-                            index[order[first + T.min(tile * tile_rows + r, count - 1)]], experts), tokens - 1), 0))
-                    for r in T.unroll(tile_rows):
-                        for p in T.unroll(panels):
-                            for lane in T.vectorized(LANES):
-                                acc[r, p, lane] = T.float32(0)
-                    products(acc, data, pairs, weight, token, item // per_expert, item % per_expert * panels)
-                    for r in range(T.min(tile_rows, count - tile * tile_rows)):
-                        for p in T.unroll(panels):
-                            for lane in T.vectorized(LANES):
-                                out[order[first + tile * tile_rows + r],
-                                    (item % per_expert * panels + p) * LANES + lane] = T.Cast(spec.out_dtype,
-                                                                                             acc[r, p, lane])
-    return kernel.without_attr("global_symbol").with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN})
+            with T.sblock("root"):
+                pairs = T.decl_buffer((tokens, depth // group), pair_dtype, data=data.data)
+                start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
+                order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
+                sort_by_expert(index, start, order)
+                for item in T.parallel(items, annotations=annotations):
+                    token = T.alloc_buffer((tile_rows,), "int32", scope="local")
+                    acc = T.alloc_buffer((tile_rows, panels, LANES), "float32", scope="local")
+                    first = start[item // per_expert]
+                    count = start[item // per_expert + 1] - first
+                    for tile in range((count + tile_rows - 1) // tile_rows):
+                        for r in T.unroll(tile_rows):  # rows past the expert's repeat its last one, and are not stored
+                            token[r] = T.Cast("int32", T.max(T.min(T.floordiv(
+                                index[order[first + T.min(tile * tile_rows + r, count - 1)]], experts), tokens - 1), 0))
+                        for r in T.unroll(tile_rows):
+                            for p in T.unroll(panels):
+                                for lane in T.vectorized(LANES):
+                                    acc[r, p, lane] = T.float32(0)
+                        products(acc, data, pairs, weight, token, item // per_expert, item % per_expert * panels)
+                        for r in range(T.min(tile_rows, count - tile * tile_rows)):
+                            for p in T.unroll(panels):
+                                for lane in T.vectorized(LANES):
+                                    out[order[first + tile * tile_rows + r],
+                                        (item % per_expert * panels + p) * LANES + lane] = T.Cast(spec.out_dtype,
+                                                                                                 acc[r, p, lane])
+    sch = s_tir.Schedule(kernel)
+    sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's rules leave it as written
+    scheduled = sch.mod["main"].without_attr("global_symbol")
+    return scheduled.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN})
 
 
 @relax.expr_functor.mutator

@@ -1177,7 +1177,10 @@ def default_schedules(*first_rules: dl.ScheduleRule) -> tvm.transform.Pass:
 
 def default_schedule(func: tirx.PrimFunc, target: tvm.target.Target,
                      *first_rules: dl.ScheduleRule) -> s_tir.Schedule | None:
-    """The schedule (with its trace) that default_schedules gives `func`, or None where no rule applies."""
+    """The schedule (with its trace) that default_schedules gives `func`, or None where no rule applies or `func` is
+    scheduled already (a kernel written scheduled, which default_schedules leaves as it is)."""
+    if func.attrs is not None and int(func.attrs.get("tirx.is_scheduled", 0)) == 1:
+        return None
     for rule in _rules(first_rules):
         sch = rule.apply(func, target, False)
         if sch is not None:
