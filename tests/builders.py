@@ -184,3 +184,19 @@ def experts_through_dynamo_onnx(model_class: str, config, directory) -> tuple:
     path = directory / f"{model_class}.onnx"
     torch.onnx.export(logits, (ids,), str(path), dynamo=True, external_data=False)
     return relay_amp.frontend.from_onnx(str(path)), ids.numpy(), expected, autocast
+
+
+def expert_layer() -> tvm.IRModule:
+    """main(x: 6 tokens x 8, index: 9 routed rows) = a linear layer, then the frontend's form of a mixture of experts'
+    layer: its output times every one of 4 experts' weights (8 x 4 * 16), each routed row's 16 outputs taken."""
+    rng = np.random.default_rng(0)
+    x, index = relax.Var("x", relax.TensorType((6, 8), "float32")), relax.Var("index", relax.TensorType((9,), "int64"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            hidden = builder.emit(relax.op.matmul(x, relax.const(rng.standard_normal((8, 8)).astype("float32"))))
+            every = builder.emit(relax.op.matmul(hidden, relax.const(rng.standard_normal((8, 64)).astype("float32"))))
+            table = builder.emit(relax.op.reshape(every, [24, 16]))
+            out = builder.emit_output(relax.op.take(table, index, axis=0))
+        builder.emit_func_output(out)
+    return builder.get()

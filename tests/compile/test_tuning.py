@@ -26,7 +26,7 @@ from relay_amp.compile.build import build
 from relay_amp.compile.tuning import MANIFEST, load_database, tune
 from relay_amp.runtime import run_executable
 
-from builders import single_output_module, tensor
+from builders import expert_layer, single_output_module, tensor
 from test_build import matmul_module
 
 
@@ -233,18 +233,8 @@ def test_functions_with_loops_of_data_dependent_extent_are_not_tuning_tasks():
     MetaSchedule rejects every candidate of a loop of dynamic extent (DisallowDynamicLoop), and a model whose only
     operator it was failed every trial. The matmul before it is a task; the kernel is not, and the default
     schedule leaves such a kernel as written."""
-    rng = np.random.default_rng(0)
-    x, index = relax.Var("x", relax.TensorType((6, 8), "float32")), relax.Var("index", relax.TensorType((9,), "int64"))
-    builder = relax.BlockBuilder()
-    with builder.function("main", [x, index]):
-        with builder.dataflow():
-            hidden = builder.emit(relax.op.matmul(x, relax.const(rng.standard_normal((8, 8)).astype("float32"))))
-            every = builder.emit(relax.op.matmul(hidden, relax.const(rng.standard_normal((8, 64)).astype("float32"))))
-            table = builder.emit(relax.op.reshape(every, [24, 16]))
-            out = builder.emit_output(relax.op.take(table, index, axis=0))
-        builder.emit_func_output(out)
     target = targets.get_target(targets.host_preset())
-    prepared = tuning.prepare(builder.get(), target)
+    prepared = tuning.prepare(expert_layer(), target)
     kernel = next(func for gv, func in prepared.functions_items() if gv.name_hint == "expert_matmul")
     names = [task.task_name for task in tuning.tuning_tasks(prepared, target)]
     assert "expert_matmul" not in names and any("dot_kernel" in name for name in names)

@@ -19,7 +19,7 @@ from relay_amp.passes.quantize.realize import quantize_weight
 from relay_amp.runtime import run_executable
 from relay_amp.tools.models import example_inputs
 
-from builders import single_output_module, tensor
+from builders import expert_layer, single_output_module, tensor
 from pass_checks import assert_transforms
 
 WEIGHT = np.array([[0.5, -1.0, 0.25], [-0.25, 0.5, 0.125]], "float32")  # [K=2, N=3]: per-column scales
@@ -512,28 +512,12 @@ def test_fallback_dtype_runs_the_rest_through_amp():
                                rtol=0.1, atol=0.1 * float(np.abs(relay_amp.run(mod, inputs)[0]).max()))
 
 
-def _expert_layer() -> tvm.IRModule:
-    """main(x: 6 tokens x 8, index: 9 routed rows) = a linear layer, then the frontend's form of a mixture of experts'
-    layer: its output times every one of 4 experts' weights (8 x 4 * 16), each routed row's 16 outputs taken."""
-    rng = np.random.default_rng(0)
-    x, index = relax.Var("x", relax.TensorType((6, 8), "float32")), relax.Var("index", relax.TensorType((9,), "int64"))
-    builder = relax.BlockBuilder()
-    with builder.function("main", [x, index]):
-        with builder.dataflow():
-            hidden = builder.emit(relax.op.matmul(x, relax.const(rng.standard_normal((8, 8)).astype("float32"))))
-            every = builder.emit(relax.op.matmul(hidden, relax.const(rng.standard_normal((8, 64)).astype("float32"))))
-            table = builder.emit(relax.op.reshape(every, [24, 16]))
-            out = builder.emit_output(relax.op.take(table, index, axis=0))
-        builder.emit_func_output(out)
-    return builder.get()
-
-
 def test_an_expert_layers_product_by_every_expert_stays_in_the_fallback():
     """In int8 every expert's products would be computed; in the fallback (bf16) the CPU backend computes only each
     routed row's own expert's (its expert kernel, in the build). The linear layer before it is quantized."""
     rng = np.random.default_rng(1)
     calib = [[rng.standard_normal((6, 8)).astype("float32"), rng.integers(0, 24, 9).astype("int64")]]
-    quantized = relay_amp.quantize(_expert_layer(), calib)
+    quantized = relay_amp.quantize(expert_layer(), calib)
     first, routed = relay_amp.quant_plan(quantized).entries
     assert first.dtype != "fallback" and (routed.dtype, routed.reason) == ("fallback", realize.ROUTED_ROWS)
     assert "expert_matmul" in build(quantized, targets.host_preset()).as_text()
