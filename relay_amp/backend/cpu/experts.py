@@ -30,11 +30,12 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
 from ..._dead_code import EliminateDeadCode
-from ..._expert_matmuls import GATHERS, TAKE, gathered_experts, taken_product
+from ..._expert_matmuls import GATHERS, MATMUL, TAKE, gathered_experts, taken_product
 from ..._ir import (OPAQUE_PATTERN, add_func_once, calls_any_op, fast_script_parsing, get_function, is_static_shape,
                     read_counts, rewrite_function, tensor_dtype, tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
+from .dispatch import kernel_dtypes
 from .kernels import BF16_DOT, LANES, register_file
 
 MAX_TILE_ROWS = 4  # rows a tile multiplies by each weight vector it loads (more did not run faster on Zen 4)
@@ -49,7 +50,6 @@ define <16 x float> @{PAIRS_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b
   ret <16 x float> %r
 }}
 """  # the broadcast operand last: LLVM folds its load into the instruction ({1to16})
-MATMUL = "relax.matmul"
 
 
 @dataclass(frozen=True)
@@ -226,10 +226,11 @@ class _ExpertRows(relax.PyExprMutator):
 
 def _group(dtype: str, depth: int) -> int:
     """The depths each product of the kernel for `dtype` operands takes at once on the current target: bf16 pairs
-    where it has vdpbf16ps (and the depth is even), else 1."""
+    where the dot-product kernels compute bf16 there (`kernel_dtypes`: vdpbf16ps, not slower than fp32's FMA on the
+    core) and the depth is even, else 1."""
     target = tvm.target.Target.current(allow_none=True)
     dot = (dtype == BF16_DOT.a_dtype and depth % BF16_DOT.group == 0 and target is not None
-           and tvm.target.codegen.target_has_features(BF16_DOT.llvm_feature, target))
+           and dtype in kernel_dtypes(target))
     return BF16_DOT.group if dot else 1
 
 
