@@ -152,6 +152,12 @@ class Constants(Mapping):
         """The dims of constant `name`, without converting it."""
         return list(self._tensors[name].dims)
 
+    def dtype(self, name: str) -> np.dtype:
+        """The numpy dtype of constant `name`, without converting it."""
+        import onnx
+
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self._tensors[name].data_type))
+
 
 def inferred_values(proto, outputs_of: "Callable | None" = None) -> dict[str, tuple[list[int | None], np.dtype]]:
     """The values whose shape ONNX's shape inference knows, and the initializers, by name: (dims, None where

@@ -13,7 +13,8 @@ has neither, so such files failed to import. `decoder_ops_as_onnx` writes them a
   cached tokens (the present outputs: one row's after the cache input, several rows' by a gather, later
   positions zero); each group of query heads multiplied by its key/value head (no key/value head copied); scores
   times the scale, soft-capped, plus the attention bias; keys after a query's own position (or the row's last
-  one), or before the last `local_window_size` positions up to it, masked; softmax; times V. With
+  one), or before the last `local_window_size` positions up to it, masked; softmax (with a `head_sink`, each
+  head's sink logit joins its denominator: gpt-oss's attention sinks); times V. With
   `sliding_window_cache` (GenAI's Gemma 2 and 3) the cache inputs hold each row's last tokens up to their
   capacity, and the present outputs the last `capacity` tokens of the cache and the new ones.
 Everything matches ONNX Runtime's kernels on its CPU, where the present outputs are their own buffers (a plain
@@ -171,10 +172,22 @@ def _group_query_attention(node, writer: Writer, values: dict) -> None:
         keys = (writer.const(np.arange(sizes[3]).reshape(1, 1, -1)), None)
     scores = _scores(writer, (q, k), named["attention_bias"], attributes, sizes, head_size, dtype)
     mask = _causal_mask(writer, (offsets, last), keys, sizes, attributes.get("local_window_size", -1), dtype)
-    probabilities = writer.op("Softmax", writer.op("Add", scores, mask), axis=-1)
+    probabilities = _softmax(writer, writer.op("Add", scores, mask), named["head_sink"], sizes, dims[0])
     grouped = writer.op("Reshape", probabilities, writer.const([0, kv_heads, -1, sizes[3]]))
     output = writer.op("Reshape", writer.op("MatMul", grouped, v), writer.const([0, heads, dims[1], head_size]))
     joined_heads(writer, output, out=node.output[0])
+
+
+def _softmax(writer: Writer, scores: str, sink: str, sizes: tuple, batch: int) -> str:
+    """The softmax of `scores` [batch, heads, sequence, keys] over the keys; with a head sink, each head's sink
+    logit joins its denominator (a key that nothing reads: gpt-oss's attention sinks)."""
+    if not sink:
+        return writer.op("Softmax", scores, axis=-1)
+    heads, _, length, keys = sizes
+    per_head = writer.op("Reshape", sink, writer.const([1, heads, 1, 1]))
+    column = writer.op("Expand", per_head, writer.const([batch, heads, length, 1]))
+    joined = writer.op("Softmax", writer.op("Concat", scores, column, axis=3), axis=-1)
+    return writer.op("Slice", joined, writer.const([0]), writer.const([keys]), writer.const([3]))
 
 
 def _split_qkv(writer: Writer, named: dict, sizes: tuple) -> tuple[str, str, str]:
@@ -199,7 +212,6 @@ def _scores(writer: Writer, qk: tuple[str, str], bias: str, attributes: dict, si
 
 def _check_gqa(label: str, node, attributes: dict, named: dict) -> None:
     refused = [name for name in GQA_REFUSED if attributes.get(name, 0) not in (0, "NONE")]
-    refused += ["head_sink"] if named["head_sink"] else []
     refused += ["the output_qk output"] if len(node.output) > 3 and node.output[3] else []
     refused += ["a key without a value"] if bool(named["key"]) != bool(named["value"]) else []
     refused += ["do_rotary without cos and sin caches"] if attributes.get("do_rotary", 0) and not (

@@ -23,8 +23,10 @@ def _caches(width: int) -> list:
             numpy_helper.from_array(np.sin(angles).astype("float32"), "sin")]
 
 
-def _gqa_model(batch: int, length: int, past: int, packed: bool = True, rotary: bool = True, **attributes):
-    """One GroupQueryAttention node: Q, K and V packed or apart, a cache of `past` tokens, seqlens_k an input."""
+def _gqa_model(batch: int, length: int, past: int, packed: bool = True, rotary: bool = True, sink: bool = False,
+               **attributes):
+    """One GroupQueryAttention node: Q, K and V packed or apart, a cache of `past` tokens, seqlens_k an input, a
+    head sink (a constant) or not."""
     width = (HEADS + 2 * KV_HEADS) * HEAD_SIZE if packed else HEADS * HEAD_SIZE
     inputs = [("qkv" if packed else "q", [batch, length, width])]
     inputs += [] if packed else [(name, [batch, length, KV_HEADS * HEAD_SIZE]) for name in ("k", "v")]
@@ -33,7 +35,7 @@ def _gqa_model(batch: int, length: int, past: int, packed: bool = True, rotary: 
     values.append(helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]))
     names = [name for name, _ in inputs]
     node_inputs = [*(names[:1] + ["", ""] if packed else names[:3]), "past_key", "past_value", "seqlens_k", "total",
-                   *(["cos", "sin"] if rotary else [])]
+                   *(["cos", "sin"] if rotary else ["", ""]), *(["", "", "sink"] if sink else [])]
     node = helper.make_node("GroupQueryAttention", node_inputs, ["y", "present_key", "present_value"],
                             domain=CONTRIB, num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=int(rotary),
                             **attributes)
@@ -41,7 +43,8 @@ def _gqa_model(batch: int, length: int, past: int, packed: bool = True, rotary: 
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, length, HEADS * HEAD_SIZE])]
     outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, cache)
                 for name in ("present_key", "present_value")]
-    constants = [numpy_helper.from_array(np.array(past + length, "int32"), "total"), *_caches(HEAD_SIZE)]
+    constants = [numpy_helper.from_array(np.array(past + length, "int32"), "total"), *_caches(HEAD_SIZE),
+                 numpy_helper.from_array(RNG.standard_normal(HEADS).astype("float32") * 3, "sink")]
     graph = helper.make_graph([node], "gqa", values, outputs, constants)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CONTRIB, 1)])
 
@@ -74,6 +77,8 @@ GQA_CASES = {  # name: (batch, sequence, cached tokens, options)
     "sliding window": (1, 5, 6, {"local_window_size": 3}),
     "soft cap and scale": (1, 4, 2, {"softcap": 2.0, "scale": 0.3}),
     "batch decode": (2, 1, 4, {}),
+    "head sink": (1, 5, 3, {"sink": True}),
+    "head sink, sliding window": (1, 5, 6, {"sink": True, "local_window_size": 3}),
 }
 
 
