@@ -31,7 +31,7 @@ from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsampl
                           upsamples_with_attribute_scales)
 from .onnx_moe import moe_ops_as_onnx
 from .onnx_multihead import multihead_attentions_as_onnx
-from .onnx_nbits import low_bit_dequantizes_folded, nbits_matmuls_as_onnx
+from .onnx_nbits import low_bit_dequantizes_folded, nbits_gathers_as_onnx, nbits_matmuls_as_onnx
 from .onnx_quantized import as_qdq, constant_dequantizes_folded
 from .onnx_recurrent import recurrences_unrolled
 from .onnx_spectral import dfts_as_matmuls, stfts_as_convs
@@ -308,8 +308,8 @@ def _tensor(tensor) -> tvm.runtime.Tensor:
 
 def _as_onnx_ops(proto):
     """`proto` with ONNX Runtime's ops and the low-bit weights TVM cannot hold written as ONNX ops it reads."""
-    for rewrite in (contrib_ops_as_onnx, multihead_attentions_as_onnx, moe_ops_as_onnx, decoder_ops_as_onnx,
-                    nbits_matmuls_as_onnx, low_bit_dequantizes_folded):
+    for rewrite in (nbits_gathers_as_onnx, contrib_ops_as_onnx, multihead_attentions_as_onnx, moe_ops_as_onnx,
+                    decoder_ops_as_onnx, nbits_matmuls_as_onnx, low_bit_dequantizes_folded):
         proto = rewrite(proto)
     return proto
 

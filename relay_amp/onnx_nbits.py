@@ -11,6 +11,12 @@ CPU files) are held packed (relay_amp.packed_int4: the codes repacked as they ar
 holds the file's bytes, not 8x them in fp32; a backend computes W in the dtype it is read in (AMP's bf16), and
 `int4w` (quantize_weights) takes the codes themselves. Other weights are computed in fp32 as each is bound.
 
+GenAI's int4 files of models whose embeddings are tied to the LM head (LLaMA 3.2, Qwen, Gemma, LFM2) look each token
+up in the head's codes with a com.microsoft GatherBlockQuantized: the rows of a uint8 table of packed codes, a
+scale per block of `block_size` along each row (zero points packed the same way, or the middle code). TVM's
+importer has no such op either. `nbits_gathers_as_onnx` writes each as a Gather of the packed rows and of their
+scales, the codes unpacked by shifts and masks and dequantized in the graph: the table stays in bytes.
+
 ONNX's own int4 weights (a DequantizeLinear of an INT4 or UINT4 constant, per tensor, per axis or in blocks:
 opset 21's QDQ form, which ONNX Runtime's quantizer writes with `quant_format=QDQ`) failed to import too: TVM
 cannot hold a 4-bit tensor ("TensorCopyFromBytes: size mismatch"). `low_bit_dequantizes_folded` replaces each
@@ -19,7 +25,8 @@ such node by the constant it computes.
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, named_inputs, node_attributes, node_label, rewrite_nodes
+from ._onnx_graph import (Writer, constant_values, inferred_values, known_dims, named_inputs, node_attributes,
+                          node_label, rewrite_nodes)
 from .errors import ModelLoadError
 from .packed_int4 import COLUMNS, ROWS_PER_WORD, ZERO_POINT, PackedWeight, pack_nibbles
 
@@ -27,6 +34,8 @@ CONTRIB = "com.microsoft"
 LOW_BIT_TYPES = (21, 22, 25, 26)  # onnx.TensorProto's UINT4, INT4, UINT2, INT2: element types TVM cannot hold
 INPUTS = ("A", "B", "scales", "zero_points", "g_idx", "bias")
 BITS = (2, 4, 8)  # code widths that divide a byte
+GATHER_INPUTS = ("data", "indices", "scales", "zero_points")
+FLOAT = 1  # onnx.TensorProto.FLOAT
 
 
 def nbits_matmuls_as_onnx(proto):
@@ -115,6 +124,57 @@ def unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
     shifts = np.arange(0, 8, bits, dtype="uint8")
     codes = (packed.astype("uint8")[..., None] >> shifts) & np.uint8(2 ** bits - 1)
     return codes.reshape(*packed.shape[:-1], -1)
+
+
+def nbits_gathers_as_onnx(proto):
+    """`proto` with each GatherBlockQuantized node a Gather of its packed rows, unpacked and dequantized (a copy;
+    `proto` is unchanged), or ModelLoadError naming a node it does not unpack."""
+    if not any(node.op_type == "GatherBlockQuantized" and node.domain == CONTRIB for node in proto.graph.node):
+        return proto
+    values = inferred_values(proto)
+    return rewrite_nodes(proto, ["GatherBlockQuantized"], lambda node, writer: _gather(node, writer, values),
+                         [CONTRIB])
+
+
+def _gather(node, writer: Writer, values: dict) -> None:
+    """Rows of a (rows, packed codes) uint8 table by the indices, each block of `block_size` codes (code - zero
+    point) x its scale, shaped as the indices and the row's codes."""
+    label, attributes, named = node_label(node), node_attributes(node), named_inputs(node, GATHER_INPUTS)
+    (_, packed), dtype = known_dims(label, values, named["data"], ranks=(2,))
+    bits, block = attributes.get("bits", 4), attributes.get("block_size", 128)
+    columns = packed * 8 // bits
+    axes = (attributes.get("gather_axis", 0) % 2, attributes.get("quantize_axis", 1) % 2)
+    refused = [f"{np.dtype(dtype)} data"] if np.dtype(dtype) != np.uint8 else []
+    refused += [f"{bits}-bit codes"] if bits not in BITS else []
+    refused += [f"gather_axis {axes[0]} and quantize_axis {axes[1]}"] if axes != (0, 1) else []
+    refused += [f"rows of {columns} codes in blocks of {block}"] if block <= 0 or columns % block else []
+    if refused:
+        raise ModelLoadError(f"{label}: relay_amp unpacks GatherBlockQuantized rows of uint8 codes gathered along "
+                             f"axis 0, in whole blocks along axis 1; this one has {', '.join(refused)}")
+    flat = writer.op("Reshape", named["indices"], writer.const([-1]))
+    codes = _codes(writer, writer.op("Gather", named["data"], flat, axis=0), bits)
+    blocked = writer.op("Reshape", codes, writer.const([-1, columns // block, block]))
+    if named["zero_points"]:
+        points = _codes(writer, writer.op("Gather", named["zero_points"], flat, axis=0), bits)
+        points = writer.op("Slice", points, writer.const([0]), writer.const([columns // block]), writer.const([1]))
+    else:
+        points = writer.const(2 ** (bits - 1), "float32")
+    shifted = writer.op("Sub", blocked, writer.op("Unsqueeze", points, writer.const([-1])) if named["zero_points"]
+                        else points)
+    scales = writer.op("Unsqueeze", writer.op("Gather", named["scales"], flat, axis=0), writer.const([-1]))
+    values = writer.op("Mul", writer.op("CastLike", shifted, scales), scales)
+    shape = writer.op("Concat", writer.op("Shape", named["indices"]), writer.const([columns]), axis=0)
+    writer.op("Reshape", values, shape, out=node.output[0])
+
+
+def _codes(writer: Writer, packed: str, bits: int) -> str:
+    """Packed (rows, bytes) uint8 codes as (rows, codes) fp32, each byte's lowest bits first."""
+    if bits == 8:
+        return writer.op("Cast", packed, to=FLOAT)
+    shifts = writer.const(np.arange(0, 8, bits), "uint8")
+    parts = writer.op("BitShift", writer.op("Unsqueeze", packed, writer.const([-1])), shifts, direction="RIGHT")
+    masked = writer.op("BitwiseAnd", parts, writer.const(2 ** bits - 1, "uint8"))
+    return writer.op("Cast", writer.op("Reshape", masked, writer.const([0, -1])), to=FLOAT)
 
 
 def low_bit_dequantizes_folded(proto):

@@ -189,3 +189,45 @@ def test_a_dequantize_of_int4_codes_by_a_computed_scale_is_refused_naming_the_no
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     with pytest.raises(ModelLoadError, match="DequantizeLinear node 'dq': .* scale and zero point are constants"):
         relay_amp.frontend.from_onnx(model)
+
+
+def _gather_model(bits: int, block: int, zero_points: bool, vocabulary: int = 20, width: int = 64, **attributes):
+    """One GatherBlockQuantized node as GenAI writes a tied embedding: a Reshape of the LM head's packed codes
+    [vocabulary, blocks, block x bits / 8] to [vocabulary, width x bits / 8], token ids [1, 5], fp32 scales."""
+    blocks = width // block
+    codes = RNG.integers(0, 2 ** bits, (vocabulary, blocks, block))
+    constants = [numpy_helper.from_array(_packed(codes, bits), "codes"),
+                 numpy_helper.from_array(np.array([vocabulary, -1], "int64"), "rows"),
+                 numpy_helper.from_array((RNG.random((vocabulary, blocks)) * 0.1 + 0.01).astype("float32"), "scales")]
+    if zero_points:
+        points = RNG.integers(0, 2 ** bits, (vocabulary, blocks))
+        constants.append(numpy_helper.from_array(_packed(points, bits), "points"))
+    nodes = [helper.make_node("Reshape", ["codes", "rows"], ["table"]),
+             helper.make_node("GatherBlockQuantized", ["table", "ids", "scales", *(["points"] if zero_points else [])],
+                              ["Y"], domain=CONTRIB, bits=bits, block_size=block, **attributes)]
+    graph = helper.make_graph(nodes, "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 5, width])], constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CONTRIB, 1)])
+
+
+@pytest.mark.parametrize("bits, block, zero_points", [(4, 32, False), (4, 16, True), (8, 32, False), (8, 16, True),
+                                                      (2, 32, False)])
+def test_gather_block_quantized_matches_onnx_runtime(bits, block, zero_points):
+    """GenAI's int4 files of tied-embedding models look tokens up in the LM head's codes (did not import)."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = _gather_model(bits, block, zero_points)
+    ids = RNG.integers(0, 20, (1, 5)).astype("int64")
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"ids": ids})[0]
+    np.testing.assert_array_equal(relay_amp.run(relay_amp.frontend.from_onnx(model), [ids])[0], expected)
+
+
+def test_a_gather_block_quantized_it_does_not_unpack_is_refused_naming_the_node():
+    for attribute, value, reason in (("gather_axis", 1, "gather_axis 1 and quantize_axis 1"),
+                                     ("block_size", 48, "rows of 64 codes in blocks of 48")):
+        model = _gather_model(4, 32, False)
+        node = model.graph.node[1]
+        kept = [existing for existing in node.attribute if existing.name != attribute]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute(attribute, value)])
+        with pytest.raises(ModelLoadError, match=f"GatherBlockQuantized node 'Y': .*{reason}"):
+            relay_amp.frontend.from_onnx(model)
