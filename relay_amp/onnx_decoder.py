@@ -17,6 +17,9 @@ has neither, so such files failed to import. `decoder_ops_as_onnx` writes them a
   head's sink logit joins its denominator: gpt-oss's attention sinks); times V. With
   `sliding_window_cache` (GenAI's Gemma 2 and 3) the cache inputs hold each row's last tokens up to their
   capacity, and the present outputs the last `capacity` tokens of the cache and the new ones.
+- CausalConvWithState (GenAI's LFM2 short convolutions): the carried state (zeros without one) and the input
+  concatenated along the sequence, a depthwise Conv over them without padding (dilated, with its bias, SiLU'd where
+  asked), the present state their last (k - 1) x dilation positions; channels-last layouts transposed around it.
 Everything matches ONNX Runtime's kernels on its CPU, where the present outputs are their own buffers (a plain
 InferenceSession; GenAI's loop shares them with the past inputs, holding the cache at its full length).
 """
@@ -33,15 +36,21 @@ GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "t
               "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink")
 GQA_REFUSED = ("smooth_softmax", "qk_output", "k_quant_type", "v_quant_type")
 INT64 = 7  # onnx.TensorProto.INT64
+CONV_INPUTS = ("input", "weight", "bias", "past_state")
+CONV_ACTIVATIONS = ("none", "silu", "swish")
+# CausalConvWithState's attributes beyond a 1-D convolution with one state (CUDA's extensions), at their defaults
+CONV_REFUSED = {"ndim": 1, "state_window": 0, "state_update_capacity": 0, "state_length": 0,
+                "input_channel_offset": 0, "input_channels": 0, "state_channels_last": -1}
 
 
 def decoder_ops_as_onnx(proto):
-    """`proto` with ONNX Runtime's GroupQueryAttention and RotaryEmbedding nodes (and opset 23's RotaryEmbedding)
-    written as ONNX ops (a copy; `proto` is unchanged), or ModelLoadError naming a node it does not write."""
+    """`proto` with ONNX Runtime's GroupQueryAttention, RotaryEmbedding (and opset 23's) and CausalConvWithState
+    nodes written as ONNX ops (a copy; `proto` is unchanged), or ModelLoadError naming a node it does not write."""
     if not any(_is_decoder_op(node) for node in proto.graph.node):
         return proto
     values = inferred_values(proto, _output_shapes)
-    rewrite = {"GroupQueryAttention": _group_query_attention, "RotaryEmbedding": _rotary_embedding}
+    rewrite = {"GroupQueryAttention": _group_query_attention, "RotaryEmbedding": _rotary_embedding,
+               "CausalConvWithState": _causal_conv}
     return rewrite_nodes(proto, rewrite, lambda node, writer: rewrite[node.op_type](node, writer, values),
                          (CONTRIB, *DEFAULT_DOMAINS))
 
@@ -56,6 +65,8 @@ def _output_shapes(nodes, values: dict) -> list:
             continue
         if node.op_type == "RotaryEmbedding":
             shapes = [dims]
+        elif node.op_type == "CausalConvWithState":
+            shapes = [dims, values.get(node.input[3], (None,))[0] if len(node.input) > 3 and node.input[3] else None]
         else:
             heads, kv_heads, head_size, past = _gqa_sizes(node, dims, values)
             cache = [dims[0], kv_heads, None if past is None else past + dims[1], head_size]
@@ -75,7 +86,7 @@ def _gqa_sizes(node, dims: list, values: dict) -> tuple:
 
 
 def _is_decoder_op(node) -> bool:
-    return (node.op_type == "GroupQueryAttention" and node.domain == CONTRIB) or (
+    return (node.op_type in ("GroupQueryAttention", "CausalConvWithState") and node.domain == CONTRIB) or (
         node.op_type == "RotaryEmbedding" and node.domain in (CONTRIB, *DEFAULT_DOMAINS))
 
 
@@ -188,6 +199,36 @@ def _softmax(writer: Writer, scores: str, sink: str, sizes: tuple, batch: int) -
     column = writer.op("Expand", per_head, writer.const([batch, heads, length, 1]))
     joined = writer.op("Softmax", writer.op("Concat", scores, column, axis=3), axis=-1)
     return writer.op("Slice", joined, writer.const([0]), writer.const([keys]), writer.const([3]))
+
+
+def _causal_conv(node, writer: Writer, values: dict) -> None:
+    """A depthwise convolution over the carried state and the input along the last axis (k - 1 taps of state, no
+    padding), plus the bias, with its activation; the present state is the last (k - 1) x dilation positions."""
+    label, attributes, named = node_label(node), node_attributes(node), named_inputs(node, CONV_INPUTS)
+    refused = [f"{name} {attributes[name]}" for name in CONV_REFUSED if attributes.get(name, CONV_REFUSED[name])
+               != CONV_REFUSED[name]]
+    activation = attributes.get("activation", b"none").decode()
+    refused += [f"activation {activation!r}"] if activation not in CONV_ACTIVATIONS else []
+    if refused:
+        raise ModelLoadError(f"{label}: relay_amp does not write a CausalConvWithState with {', '.join(refused)}")
+    dims, dtype = known_dims(label, values, named["input"], ranks=(3,))
+    last = attributes.get("channels_last", 0)
+    batch, positions, channels = dims if last else (dims[0], dims[2], dims[1])
+    kernel = values[named["weight"]][0][2]
+    carried = (kernel - 1) * attributes.get("dilation", 1)
+    turned = [writer.op("Transpose", name, perm=[0, 2, 1]) if last and name else name
+              for name in (named["input"], named["past_state"])]
+    past = turned[1] or writer.const(np.zeros((batch, channels, carried)), dtype)
+    full = writer.op("Concat", past, turned[0], axis=2)
+    inputs = [full, named["weight"], *([named["bias"]] if named["bias"] else [])]
+    output = writer.op("Conv", *inputs, group=channels, kernel_shape=[kernel],
+                       dilations=[attributes.get("dilation", 1)])
+    if activation != "none":
+        output = writer.op("Mul", output, writer.op("Sigmoid", output))
+    present = writer.op("Slice", full, writer.const([positions]), writer.const([positions + carried]),
+                        writer.const([2]))
+    for index, value in enumerate((output, present)):
+        named_output(writer, writer.op("Transpose", value, perm=[0, 2, 1]) if last else value, node.output, index)
 
 
 def _split_qkv(writer: Writer, named: dict, sizes: tuple) -> tuple[str, str, str]:

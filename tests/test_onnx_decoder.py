@@ -193,3 +193,47 @@ def test_options_it_does_not_write_are_refused_naming_the_node():
     unsized = _rotary_model(["batch", 5, HEADS * HEAD_SIZE], CONTRIB, [1, 5], num_heads=HEADS)
     with pytest.raises(ModelLoadError, match="RotaryEmbedding node 'y': 'x' needs a known shape"):
         relay_amp.frontend.from_onnx(unsized)
+
+
+def _conv_model(length: int, past: bool = True, bias: bool = False, channels_last: int = 0, kernel: int = 3,
+                **attributes):
+    """One CausalConvWithState node over [1, 8 channels, length] (or [1, length, 8]), its state an input."""
+    channels, carried = 8, (kernel - 1) * attributes.get("dilation", 1)
+
+    def laid(positions: int) -> list:
+        return [1, positions, channels] if channels_last else [1, channels, positions]
+    values = [helper.make_tensor_value_info("x", TensorProto.FLOAT, laid(length))]
+    values += [helper.make_tensor_value_info("state", TensorProto.FLOAT, laid(carried))] if past else []
+    constants = [numpy_helper.from_array(RNG.standard_normal((channels, 1, kernel)).astype("float32"), "w"),
+                 numpy_helper.from_array(RNG.standard_normal(channels).astype("float32"), "b")]
+    node = helper.make_node("CausalConvWithState", ["x", "w", "b" if bias else "", "state" if past else ""],
+                            ["y", "present"], domain=CONTRIB, channels_last=channels_last, **attributes)
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, laid(length)),
+               helper.make_tensor_value_info("present", TensorProto.FLOAT, laid(carried))]
+    graph = helper.make_graph([node], "conv", values, outputs, constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CONTRIB, 1)])
+
+
+CONV_CASES = {  # name: (length, options)
+    "prompt after a state": (6, {}),
+    "decode step": (1, {}),
+    "no state input": (5, {"past": False}),
+    "bias and silu": (4, {"bias": True, "activation": "silu"}),
+    "dilated, kernel 4": (5, {"dilation": 2, "kernel": 4}),
+    "channels last": (5, {"channels_last": 1, "activation": "swish"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_causal_conv_with_state_matches_onnx_runtime(case):
+    """GenAI's LFM2 (and LFM2-MoE) short convolutions, carrying their last inputs between steps (did not import)."""
+    length, options = CONV_CASES[case]
+    model = _conv_model(length, **options)
+    _check_against_onnx_runtime(model, _feeds(model, []))
+
+
+def test_a_causal_conv_it_does_not_write_is_refused_naming_the_node():
+    for options, reason in (({"state_window": 2}, "state_window 2"), ({"ndim": 2}, "ndim 2"),
+                            ({"activation": "relu"}, "activation 'relu'")):
+        with pytest.raises(ModelLoadError, match=f"CausalConvWithState node 'y': .* with {reason}"):
+            relay_amp.frontend.from_onnx(_conv_model(3, **options))
