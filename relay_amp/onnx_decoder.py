@@ -1,4 +1,4 @@
-"""ONNX Runtime's decoder ops, GroupQueryAttention and RotaryEmbedding, written as ONNX ops before import.
+"""ONNX Runtime's decoder ops, GroupQueryAttention, RotaryEmbedding and CausalConvWithState, as ONNX ops before import.
 
 ONNX Runtime GenAI's model builder (`python -m onnxruntime_genai.models.builder`) writes every attention of a
 LLaMA, Mistral, Phi, Qwen or Gemma as one com.microsoft GroupQueryAttention node: Q, K and V packed in one input
