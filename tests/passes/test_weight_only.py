@@ -197,3 +197,31 @@ def test_a_held_weight_builds_dense_for_the_host():
     executable = relay_amp.build(_held_module(held), relay_amp.targets.host_preset())
     np.testing.assert_allclose(relay_amp.runtime.run_executable(executable, [x])[0], x @ held.dense(), rtol=1e-5,
                                atol=1e-5)
+
+
+def _routed_module() -> tvm.IRModule:
+    """main(x: 6 tokens x 32) = a linear layer, a router GEMM to 4 experts and its top 2, then the frontend's form of
+    an expert layer: the tokens times every expert's weight (32 x 4 * 16), each routed row's 16 outputs taken."""
+    x = relax.Var("x", relax.TensorType((6, 32), "float32"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x]):
+        with builder.dataflow():
+            hidden = builder.emit(relax.op.matmul(x, relax.const(RNG.standard_normal((32, 32)).astype("float32"))))
+            scores = builder.emit(relax.op.matmul(hidden, relax.const(RNG.standard_normal((32, 4)).astype("float32"))))
+            chosen = builder.emit(relax.op.topk(scores, 2, axis=-1, ret_type="indices", dtype="int64"))
+            first_rows = relax.const(np.arange(6)[:, None] * 4, "int64")  # each token's row of expert 0
+            index = builder.emit(relax.op.reshape(relax.op.add(chosen, first_rows), [12]))
+            every = builder.emit(relax.op.matmul(hidden, relax.const(RNG.standard_normal((32, 64)).astype("float32"))))
+            out = builder.emit_output(relax.op.take(relax.op.reshape(every, [24, 16]), index, axis=0))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def test_expert_products_and_routers_stay_in_floats():
+    """The product by every expert (the CPU backend computes only its routed rows, in floats) and the router GEMM
+    (int4 rounding changes which experts tokens go to) keep their float weights; the linear layer is packed."""
+    packed = quantize_weights(_routed_module(), group_size=32)
+    script = packed.script()
+    assert script.count("relay_amp_int4_matmul(") == 1 and script.count("R.matmul(") == 2
+    executable = relay_amp.build(packed, relay_amp.targets.host_preset())
+    assert "expert_matmul" in executable.as_text()
