@@ -33,16 +33,17 @@ RESHAPE, CAST, MATMUL = "relax.reshape", "relax.astype", "relax.matmul"
 RESHAPING = ("relax.reshape", "relax.expand_dims", "relax.squeeze", BROADCAST)  # ops a row's values pass unchanged
 
 
-def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
+def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main", fewer_rows: bool = False) -> tvm.IRModule:
     """`mod` with each matmul of one row (or column) per gathered expert weight, where the rows are at least as many
-    as the experts, as a matmul by all the experts' weights and a gather of each row's expert."""
+    as the experts (or, `fewer_rows`, any), as a matmul by all the experts' weights and a gather of each row's
+    expert."""
     get_function(mod, func)  # a ModuleError naming the functions the module has, where it has no `func`
     if not calls_any_op(mod, GATHERS):
         return mod
     dense = []
 
     def counted(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
-        rewritten = _dense(call, builder)
+        rewritten = _dense(call, builder, fewer_rows)
         if rewritten is not None:
             dense.append(call)
         return rewritten
@@ -51,9 +52,9 @@ def expert_matmuls_dense(mod: tvm.IRModule, func: str = "main") -> tvm.IRModule:
     return with_function(rewritten, func, remove_all_unused(get_function(rewritten, func))) if dense else mod
 
 
-def _dense(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+def _dense(call: relax.Call, builder: relax.BlockBuilder, fewer_rows: bool) -> "relax.Expr | None":
     gathered = gathered_experts(call, builder)
-    if gathered is None or gathered.rows < gathered.stack.shape[0]:
+    if gathered is None or (gathered.rows < gathered.stack.shape[0] and not fewer_rows):
         return None
     return _all_experts(builder, gathered)
 

@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from .._dead_code import EliminateDeadCode
-from .._expert_matmuls import expert_products
+from .._expert_matmuls import expert_matmuls_dense
 from .._ir import rewrite_function, tensor_dtype, tensor_shape
 from ..dtypes import MODEL_FLOAT_DTYPES, is_float
 from ..errors import DTypeError, OptionError
@@ -87,16 +87,12 @@ def unpackable(call: relax.Call, group_size: int, held: "PackedWeight | None" = 
     return None
 
 
-def routed_matmuls(func: relax.Function) -> "set[relax.Call]":
-    """The matmuls of `func`'s mixture-of-experts layers weight-only int4 leaves in floats: each product by every
-    expert of which a take keeps only the routed rows' (the CPU backend computes only those, in floats; in int4
-    every expert's were computed: a gpt-oss-style prompt of 64 tokens took 1949 ms, 101 ms now, bf16 39 ms), and
-    the router GEMMs whose scores a top-k chooses from (int4's rounding of near scores sends tokens to other experts,
-    as bf16's did before AMP kept routers in fp32; the GEMM is too small for its weight's bytes to matter)."""
-    values = {binding.var: binding.value for block in func.body.blocks for binding in block.bindings}
-    products = {values[var] for var in expert_products(func)}
+def router_matmuls(func: relax.Function) -> "set[relax.Call]":
+    """The router GEMMs of `func`'s mixture-of-experts layers, whose scores a top-k chooses from, which weight-only
+    int4 leaves in floats: int4's rounding of near scores sends tokens to other experts (as bf16's did before AMP
+    kept routers in fp32), and the GEMM is too small for its weight's bytes to matter."""
     routers = routing_scores(func, default_lists("bfloat16"))
-    return products | {call for call in routers if call_op_name(call) == "relax.matmul"}
+    return {call for call in routers if call_op_name(call) == "relax.matmul"}
 
 
 def _binding_lookup(func: relax.Function) -> Callable:
@@ -170,12 +166,13 @@ class QuantizeWeights:
         self.func = func
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = expert_matmuls_dense(mod, self.func, fewer_rows=True)  # a decode step's experts: packed as a prompt's
         excluded = resolve_layers(list_layers(mod, self.ops, self.func), self.excluded)
         lookup = _binding_lookup(mod[self.func])
-        routed = routed_matmuls(mod[self.func])
+        routers = router_matmuls(mod[self.func])
         candidates = {b.value: held_weight(mod, lookup, b.value.args[1])
                       for i, b in enumerate(layer_bindings(mod, self.ops, self.func))
-                      if i not in excluded and b.value not in routed}
+                      if i not in excluded and b.value not in routers}
         chosen = {call: held for call, held in candidates.items()
                   if unpackable(call, self.group_size, held) is None}
         return _unread_dropped(rewrite_function(_PackWeights(mod, chosen, self.group_size), mod, self.func))

@@ -10,8 +10,9 @@ experts 96.6 and 61.6 ms). A decode step's form, fewer rows than experts, copies
 stack and multiplies the row by its copy.
 
 `GroupedExpertMatmuls` replaces such a take, where nothing else reads the product, by `expert_kernel`: a counting
-sort of the taken rows by expert, then, in parallel over (expert, block of columns), each expert's rows a tile at a
-time (4 rows of 64 columns on AVX-512) times its weight, packed so that each 16 columns of an expert are one stream
+sort of the taken rows by expert, then, in parallel over (block of columns, expert), so that each thread's share
+holds blocks of every expert wherever the routing sends the rows, each expert's rows a tile at a time (4 rows of 64
+columns on AVX-512; the last rows one at a time, not repeated to fill a tile) times its weight, packed so that each 16 columns of an expert are one stream
 of depths, and each row's outputs stored where the take put them. fp32 (and fp16, widened as loaded) on FMAs; bf16
 on `vdpbf16ps` over pairs of depths where the target has it (a 32-bit word per pair, broadcast from the row), else
 widened. A decode step's matmul of gathered weights takes the same kernel, each row its own token, and reads each
@@ -19,6 +20,14 @@ chosen expert's weight in place. Only the routed rows' products are computed; an
 tile of its rows, and not at all where no row chose it. The decoder above: fp32 19.0 ms, bf16 11.0 ms; one token
 6.0 -> 2.6 ms and 3.4 -> 1.7 ms (its up and down projections alone, 64 tokens of 512 by 64 experts of 512, top 8,
 then the 512 rows by experts of 256 back: fp32 2.3 + 1.2 ms, bf16 1.6 + 0.5 ms, bf16 widened to FMAs 2.1 + 0.9 ms).
+
+Weight-only int4 (`quantize_weights`) writes the product by every expert as its reference int4 kernel on packed
+codes (relay_amp.packed_int4's layout, whose 16-column blocks are already one expert's after another); a take of it
+becomes the same kernel on the codes: per group of depths, each row's operands times the nibbles (bf16 pairs on
+`vdpbf16ps`, a bf16 128.0 OR-ed over each pair of nibbles making 128 + nibble exactly; fp32 widened), less the
+offset times the operands' sum over the group (computed once per token), times the group's scales. A gpt-oss-style
+decoder (Zen 4, AMP's bf16 first): a decode step's experts read a quarter of bf16's bytes, the step 4.77 -> 3.79 ms;
+a prompt of 64 tokens 37 ms (bf16 34 ms), where the reference kernel computed every expert's products (272 ms).
 """
 
 from dataclasses import dataclass
@@ -30,16 +39,21 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
 from ..._dead_code import EliminateDeadCode
-from ..._expert_matmuls import GATHERS, MATMUL, TAKE, gathered_experts, taken_product
-from ..._ir import (OPAQUE_PATTERN, add_func_once, calls_any_op, fast_script_parsing, get_function, is_static_shape,
-                    read_counts, rewrite_function, tensor_dtype, tensor_shape)
+from ..._expert_matmuls import CAST, GATHERS, MATMUL, RESHAPE, TAKE, gathered_experts, taken_product
+from ..._ir import (OPAQUE_PATTERN, add_func_once, called_prim_func, calls_any_op, fast_script_parsing, get_function,
+                    is_static_shape, read_counts, rewrite_function, tensor_dtype, tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
+from ...packed_int4 import ROWS_PER_WORD, ZERO_POINT, nibble_shift, spec_of
 from .dispatch import kernel_dtypes
 from .kernels import BF16_DOT, LANES, register_file
 
 MAX_TILE_ROWS = 4  # rows a tile multiplies by each weight vector it loads (more did not run faster on Zen 4)
 PANEL_CHOICES = (4, 2, 1)  # 16-column blocks of a tile, preferred in this order
+NIBBLE_PAIRS = 0x000F000F  # a word's nibbles of depths 2j and 2j + 1, shifted down by 4j, one per half
+BF16_128_PAIR = 0x43004300  # a bf16 128.0 in each half: OR-ed over a nibble c, the bf16 128 + c, exactly
+BIAS_128 = 128  # what the OR adds to each code
+CHAINS = 2  # int4: independent sums of each accumulator (a single row's products otherwise wait on each other)
 PAIRS_DOT = "relay_amp_experts_dpbf16"  # acc[16] + 16 vdpbf16ps products of bf16 pairs held as 32-bit words
 PAIRS_DOT_IR = f"""
 declare <16 x float> @{BF16_DOT.llvm_intrinsic}(<16 x float>, <32 x bfloat>, <32 x bfloat>)
@@ -65,17 +79,19 @@ class ExpertSpec:
     out_dtype: str
     index_dtype: str
     group: int = 1  # BF16_DOT.group: bf16 operands in pairs on vdpbf16ps; 1: fp32 FMAs, operands widened
+    int4_group: int = 0  # the depths of each scale of an int4 weight (relay_amp.packed_int4's layout); 0: float weights
 
     @property
     def tile(self) -> "tuple[int, int]":
-        """(16-column blocks, rows) of the register tile: as many accumulators as the target's registers hold next to
-        a weight vector per block and a broadcast operand, rows first."""
+        """(16-column blocks, rows) of the register tile: as many accumulators (and, for int4, group sums) as the
+        target's registers hold next to a weight vector per block and a broadcast operand, rows first."""
         registers = register_file()
         blocks = self.columns // LANES
+        per_row = 1 + CHAINS if self.int4_group else 1  # int4: each accumulator and its group's sums
 
         def rows_for(panels: int) -> int:
             free = registers.registers - 1 - panels * registers.per_vector
-            return min(MAX_TILE_ROWS, free // (panels * registers.per_vector))
+            return min(MAX_TILE_ROWS, free // (per_row * panels * registers.per_vector))
         fitting = [p for p in PANEL_CHOICES if blocks % p == 0 and rows_for(p) > 0]
         panels = max(fitting, key=lambda p: (rows_for(p), p * rows_for(p)))
         return panels, rows_for(panels)
@@ -91,21 +107,23 @@ def packed_weight(weight: np.ndarray, spec: ExpertSpec) -> np.ndarray:
 
 
 def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
-    """The kernel computing `spec`'s take: (operands, index, packed weight) -> (rows, columns)."""
+    """The kernel computing `spec`'s take: (operands, index, packed weight[, int4 scales]) -> (rows, columns)."""
     panels, tile_rows = spec.tile
     tokens, depth, experts, columns, rows, group = (spec.tokens, spec.depth, spec.experts, spec.columns, spec.rows,
                                                     spec.group)
-    items = experts * columns // (LANES * panels)  # (expert, panel of blocks) pairs
-    per_expert = items // experts
+    items = experts * columns // (LANES * panels)  # (panel of blocks, expert) pairs
     annotations = {"pragma_import_llvm": PAIRS_DOT_IR} if group == BF16_DOT.group else {}
     pair_dtype = "uint32" if group == BF16_DOT.group else spec.dtype  # the operands' bf16 pairs as 32-bit words
     vector = tvm.tirx.Ramp(0, 1, LANES)  # a whole 16-lane vector's indices
+    int4_group = spec.int4_group
+    offset = ZERO_POINT + (BIAS_128 if group == BF16_DOT.group else 0)  # what an int4 code reads beyond its weight
     with fast_script_parsing():
         @T.macro
-        def products(acc, data, pairs, weight, token, expert, block):
-            """acc[r, p] += each tile row's operands times the weight's 16 columns of block + p, over the depth."""
+        def float_products(acc, data, pairs, weight, scales, token, expert, block, height):
+            """acc[r, p] += each of the tile's `height` rows' operands times the weight's 16 columns of block + p,
+            over the depth."""
             for k in range(depth // group):
-                for r in T.unroll(tile_rows):
+                for r in T.unroll(height):
                     for p in T.unroll(panels):
                         if group == 1:
                             for lane in T.vectorized(LANES):
@@ -115,6 +133,58 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
                             acc[r, p, vector] = T.call_extern("float32x16", PAIRS_DOT, acc[r, p, vector],
                                                               T.Broadcast(pairs[token[r], k], LANES),
                                                               weight[expert, block + p, k, vector])
+
+        @T.macro
+        def int4_products(acc, data, pairs, weight, scales, sums, token, expert, block, height):
+            """The same over int4 codes: per group of depths, each row's operands times each nibble (bf16 pairs on
+            vdpbf16ps: 128 + the nibble, a bf16 of 128 OR-ed over each pair of nibbles; else widened to fp32), less
+            `offset` times the operands' sum over the group (`sums`), times the group's scales."""
+            wide = T.alloc_buffer((panels, LANES), "float32", scope="local")
+            words = T.alloc_buffer((panels, LANES), "uint32", scope="local")
+            # two chains of sums, even and odd pairs of depths: a row's products wait on half as many before them
+            grouped_sums = T.alloc_buffer((CHAINS, tile_rows, panels, LANES), "float32", scope="local")
+            for g in range(depth // int4_group):
+                for c, r, p in T.grid(CHAINS, height, panels):
+                    for lane in T.vectorized(LANES):
+                        grouped_sums[c, r, p, lane] = T.float32(0)
+                for word in range(g * (int4_group // ROWS_PER_WORD), (g + 1) * (int4_group // ROWS_PER_WORD)):
+                    for pair in T.unroll(ROWS_PER_WORD // 2):  # depths 2 pair and 2 pair + 1: one nibble each half
+                        if group == BF16_DOT.group:
+                            for p in T.unroll(panels):
+                                for lane in T.vectorized(LANES):
+                                    words[p, lane] = T.bitwise_or(T.bitwise_and(T.shift_right(
+                                        weight[expert, block + p, word, lane], T.uint32(4 * pair)),
+                                        T.uint32(NIBBLE_PAIRS)), T.uint32(BF16_128_PAIR))
+                            for r in T.unroll(height):
+                                for p in T.unroll(panels):
+                                    grouped_sums[pair % CHAINS, r, p, vector] = T.call_extern(
+                                        "float32x16", PAIRS_DOT, grouped_sums[pair % CHAINS, r, p, vector],
+                                        T.Broadcast(pairs[token[r], word * (ROWS_PER_WORD // 2) + pair], LANES),
+                                        words[p, vector])
+                        else:
+                            for half in T.unroll(2):
+                                for p in T.unroll(panels):
+                                    for lane in T.vectorized(LANES):
+                                        wide[p, lane] = T.Cast("float32", T.bitwise_and(T.shift_right(
+                                            weight[expert, block + p, word, lane], T.uint32(16 * half + 4 * pair)),
+                                            T.uint32(15)))
+                                for r in T.unroll(height):
+                                    for p in T.unroll(panels):
+                                        for lane in T.vectorized(LANES):
+                                            grouped_sums[pair % CHAINS, r, p, lane] += T.Cast("float32", data[
+                                                token[r], word * ROWS_PER_WORD + 2 * pair + half]) * wide[p, lane]
+                for r in T.unroll(height):
+                    for p in T.unroll(panels):
+                        for lane in T.vectorized(LANES):
+                            acc[r, p, lane] += (grouped_sums[0, r, p, lane] + grouped_sums[1, r, p, lane]
+                                                - T.float32(offset) * sums[token[r], g]) * scales[
+                                g, (expert * (columns // LANES) + block + p) * LANES + lane]
+
+        @T.macro
+        def float_products_of(acc, data, pairs, weight, scales, sums, token, expert, block, height):
+            float_products(acc, data, pairs, weight, scales, token, expert, block, height)
+
+        products = int4_products if int4_group else float_products_of
 
         @T.macro
         def sort_by_expert(index, start, order):
@@ -131,36 +201,64 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
                 order[fill[T.Cast("int32", T.floormod(index[s], experts))]] = s
                 fill[T.Cast("int32", T.floormod(index[s], experts))] += 1
 
-        @T.prim_func(s_tir=True)
-        def kernel(data: T.Buffer((tokens, depth), spec.dtype), index: T.Buffer((rows,), spec.index_dtype),
-                   weight: T.Buffer((experts, columns // LANES, depth // group, LANES), pair_dtype),
-                   out: T.Buffer((rows, columns), spec.out_dtype)):
-            T.func_attr({"tirx.noalias": True})
-            with T.sblock("root"):
-                pairs = T.decl_buffer((tokens, depth // group), pair_dtype, data=data.data)
-                start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
-                order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
-                sort_by_expert(index, start, order)
-                for item in T.parallel(items, annotations=annotations):
-                    token = T.alloc_buffer((tile_rows,), "int32", scope="local")
-                    acc = T.alloc_buffer((tile_rows, panels, LANES), "float32", scope="local")
-                    first = start[item // per_expert]
-                    count = start[item // per_expert + 1] - first
-                    for tile in range((count + tile_rows - 1) // tile_rows):
-                        for r in T.unroll(tile_rows):  # rows past the expert's repeat its last one, and are not stored
-                            token[r] = T.Cast("int32", T.max(T.min(T.floordiv(
-                                index[order[first + T.min(tile * tile_rows + r, count - 1)]], experts), tokens - 1), 0))
-                        for r in T.unroll(tile_rows):
-                            for p in T.unroll(panels):
-                                for lane in T.vectorized(LANES):
-                                    acc[r, p, lane] = T.float32(0)
-                        products(acc, data, pairs, weight, token, item // per_expert, item % per_expert * panels)
-                        for r in range(T.min(tile_rows, count - tile * tile_rows)):
-                            for p in T.unroll(panels):
-                                for lane in T.vectorized(LANES):
-                                    out[order[first + tile * tile_rows + r],
-                                        (item % per_expert * panels + p) * LANES + lane] = T.Cast(spec.out_dtype,
-                                                                                                 acc[r, p, lane])
+        @T.macro
+        def tile_of(data, pairs, weight, scales, sums, out, index, order, token, acc, expert, block, first, height):
+            """The `height` sorted rows from `first` times `expert`'s 16-column blocks from `block`."""
+            for r in T.unroll(height):
+                token[r] = T.Cast("int32", T.max(T.min(T.floordiv(index[order[first + r]], experts), tokens - 1), 0))
+                for p in T.unroll(panels):
+                    for lane in T.vectorized(LANES):
+                        acc[r, p, lane] = T.float32(0)
+            products(acc, data, pairs, weight, scales, sums, token, expert, block, height)
+            for r in T.unroll(height):
+                for p in T.unroll(panels):
+                    for lane in T.vectorized(LANES):
+                        out[order[first + r], (block + p) * LANES + lane] = T.Cast(spec.out_dtype, acc[r, p, lane])
+
+        @T.macro
+        def grouped(data, index, weight, scales, out):
+            """Each expert's sorted rows a tile at a time (the last ones one at a time) times its weight, in
+            parallel over (panel, expert): each thread's share of the items holds panels of every expert, so the
+            routed experts' work is split between the threads wherever the routing puts it."""
+            pairs = T.decl_buffer((tokens, depth // group), pair_dtype, data=data.data)
+            start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
+            order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
+            sort_by_expert(index, start, order)
+            sums = T.alloc_buffer((tokens, depth // max(int4_group, 1)), "float32")  # int4: per group of depths
+            if int4_group > 0:
+                for t, g in T.grid(tokens, depth // int4_group):
+                    sums[t, g] = T.float32(0)
+                    for d in range(int4_group):
+                        sums[t, g] += T.Cast("float32", data[t, g * int4_group + d])
+            for item in T.parallel(items, annotations=annotations):
+                token = T.alloc_buffer((tile_rows,), "int32", scope="local")
+                acc = T.alloc_buffer((tile_rows, panels, LANES), "float32", scope="local")
+                first = start[item % experts]
+                count = start[item % experts + 1] - first
+                for tile in range(count // tile_rows):
+                    tile_of(data, pairs, weight, scales, sums, out, index, order, token, acc, item % experts,
+                            item // experts * panels, first + tile * tile_rows, tile_rows)
+                for rest in range(count % tile_rows):
+                    tile_of(data, pairs, weight, scales, sums, out, index, order, token, acc, item % experts,
+                            item // experts * panels, first + count // tile_rows * tile_rows + rest, 1)
+
+        if int4_group:
+            @T.prim_func(s_tir=True)
+            def kernel(data: T.Buffer((tokens, depth), spec.dtype), index: T.Buffer((rows,), spec.index_dtype),
+                       weight: T.Buffer((experts, columns // LANES, depth // ROWS_PER_WORD, LANES), "uint32"),
+                       scales: T.Buffer((depth // int4_group, experts * columns), "float32"),
+                       out: T.Buffer((rows, columns), spec.out_dtype)):
+                T.func_attr({"tirx.noalias": True})
+                with T.sblock("root"):
+                    grouped(data, index, weight, scales, out)
+        else:
+            @T.prim_func(s_tir=True)
+            def kernel(data: T.Buffer((tokens, depth), spec.dtype), index: T.Buffer((rows,), spec.index_dtype),
+                       weight: T.Buffer((experts, columns // LANES, depth // group, LANES), pair_dtype),
+                       out: T.Buffer((rows, columns), spec.out_dtype)):
+                T.func_attr({"tirx.noalias": True})
+                with T.sblock("root"):
+                    grouped(data, index, weight, weight, out)
     sch = s_tir.Schedule(kernel)
     sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's rules leave it as written
     scheduled = sch.mod["main"].without_attr("global_symbol")
@@ -174,6 +272,7 @@ class _ExpertRows(relax.PyExprMutator):
 
     def __init__(self, mod: tvm.IRModule, func: relax.Function):
         super().__init__(mod)
+        self.mod = mod
         self.uses = read_counts(func)
         self.kernels: dict = {}  # ExpertSpec -> the kernel's GlobalVar (add_func_once)
 
@@ -183,6 +282,7 @@ class _ExpertRows(relax.PyExprMutator):
         rewritten = None
         if name == TAKE:
             rewritten = self._taken_product(new_call)
+            rewritten = self._taken_int4_product(new_call) if rewritten is None else rewritten
         elif name == MATMUL:
             rewritten = self._gathered_weights(new_call)
         return new_call if rewritten is None else rewritten
@@ -199,6 +299,33 @@ class _ExpertRows(relax.PyExprMutator):
                           tensor_dtype(take), tensor_dtype(index), _group(tensor_dtype(data), depth))
         computed = _computes(spec, tensor_dtype(weight))
         return self._kernel_call(spec, data, index, weight.value.numpy()) if computed else None
+
+    def _taken_int4_product(self, take: relax.Call) -> "relax.Expr | None":
+        """The kernel's call on int4 codes where `take` reads rows out of weight-only int4's product by every
+        expert's packed weight (quantize_weights' reference kernel on symmetric codes, reshaped or cast), nothing
+        else reading the product; else None."""
+        table, index = take.args
+        product = table
+        while isinstance(product, relax.Var) and self.uses.get(product, 0) == 1 and call_op_name(
+                self.lookup_binding(product)) in (RESHAPE, CAST):  # AMP's cast of the product: the kernel's store
+            product = self.lookup_binding(product).args[0]
+        call = self.lookup_binding(product) if isinstance(product, relax.Var) else None
+        packed = spec_of(called_prim_func(self.mod, call)) if call_op_name(call) == "relax.call_tir" else None
+        if packed is None or self.uses.get(product, 0) != 1 or take.attrs.axis is None or int(take.attrs.axis) != 0 \
+                or not is_static_shape(tensor_shape(take)) or len(tensor_shape(index) or ()) != 1:
+            return None
+        data, codes, scales = call.args[1].fields
+        rows, columns = tensor_shape(take)
+        spec = ExpertSpec(packed.rows, packed.depth, packed.columns // columns, columns, rows, packed.data_dtype,
+                          tensor_dtype(take), tensor_dtype(index), _group(packed.data_dtype, packed.depth),
+                          packed.group_size)
+        if not (_computes(spec, packed.data_dtype) and isinstance(codes, tvm.ir.expr.Constant)
+                and tensor_shape(table) == (packed.rows * spec.experts, columns)):
+            return None
+        gvar = add_func_once(self.builder_, self.kernels, spec, lambda: expert_kernel(spec), "expert_matmul")
+        blocks = codes.value.numpy().reshape(spec.experts, columns // LANES, packed.depth // ROWS_PER_WORD, LANES)
+        return relax.call_tir(gvar, [data, index, relax.const(blocks), scales],
+                              relax.TensorType((rows, columns), spec.out_dtype))
 
     def _gathered_weights(self, matmul: relax.Call) -> "relax.Expr | None":
         """The kernel's call, reshaped as `matmul`'s output, where `matmul` multiplies each row (or column) by its

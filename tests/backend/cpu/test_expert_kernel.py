@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 
 import relay_amp
+from relay_amp import packed_int4
 from relay_amp.backend.cpu import experts
 from relay_amp.backend.cpu.experts import ExpertSpec, GroupedExpertMatmuls
 from relay_amp.runtime import run_executable
@@ -205,3 +206,66 @@ def test_a_qwen2_moe_export_runs_its_experts_on_the_kernel_and_matches_pytorch(t
         assert len(calls) >= 4, dtype  # each layer's up and down projections
         got = run_executable(executable, [ids])[0].astype("float32")
         assert np.abs(got - expected).max() <= bound, dtype
+
+
+INT4_DEPTH, INT4_GROUP = 64, 32
+CODES = RNG.integers(-8, 8, (INT4_DEPTH, EXPERTS * COLUMNS))
+SCALES = (RNG.random((INT4_DEPTH // INT4_GROUP, EXPERTS * COLUMNS)) * 0.1 + 0.01).astype("float32")
+
+
+def _int4_taken(rows: int, dtype: str) -> tvm.IRModule:
+    """main(x: TOKENS x 64, index: rows) = the rows `index` takes out of x times every expert's int4 weight, as
+    quantize_weights writes them: its reference kernel on the packed codes and scales, the product reshaped to one
+    row per token and expert."""
+    x = relax.Var("x", relax.TensorType((TOKENS, INT4_DEPTH), dtype))
+    index = relax.Var("index", relax.TensorType((rows,), "int64"))
+    spec = packed_int4.PackedSpec(TOKENS, INT4_DEPTH, EXPERTS * COLUMNS, INT4_GROUP, dtype, dtype)
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            reference = builder.add_func(packed_int4.reference_kernel(spec), "relay_amp_int4_matmul")
+            product = builder.emit(relax.call_tir(reference, [x, relax.const(packed_int4.pack_int4(CODES)),
+                                                              relax.const(SCALES)],
+                                                  relax.TensorType((TOKENS, EXPERTS * COLUMNS), dtype)))
+            table = builder.emit(relax.op.reshape(product, [TOKENS * EXPERTS, COLUMNS]))
+            out = builder.emit_output(relax.op.take(table, index, axis=0))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+def test_a_take_of_rows_of_every_experts_int4_product_becomes_one_kernel_call_on_the_codes():
+    """bf16 operands on a Zen 4 target: the reference int4 kernel, reshape and take are one call of the kernel on
+    the codes (the packed layout's blocks of 16 columns, one expert's after another) and the scales."""
+    before = _int4_taken(9, "bfloat16")
+    x, index = before["main"].params
+    spec = ExpertSpec(TOKENS, INT4_DEPTH, EXPERTS, COLUMNS, 9, "bfloat16", "bfloat16", "int64", 2, INT4_GROUP)
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            kernel = builder.add_func(experts.expert_kernel(spec), "expert_matmul")
+            codes = packed_int4.pack_int4(CODES).reshape(EXPERTS, COLUMNS // 16, INT4_DEPTH // 8, 16)
+            out = builder.emit_output(relax.call_tir(kernel, [x, index, relax.const(codes), relax.const(SCALES)],
+                                                     relax.TensorType((9, COLUMNS), "bfloat16")))
+        builder.emit_func_output(out)
+    with tvm.target.Target(ZEN4):
+        assert_transforms(GroupedExpertMatmuls(), before, builder.get())
+
+
+@pytest.mark.parametrize("target", [AVX2, ZEN4], ids=["avx2", "zen4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_built_int4_kernel_stores_each_taken_rows_own_product(dtype, target):
+    """Built by relay_amp: 9 rows of expert 1 (two tiles and one row), none of expert 3, a token taken twice; equal
+    to numpy's product by the dequantized codes within 1e-5 of the largest output in fp32, 1e-2 in bf16 (its
+    operands rounded first, its outputs rounded once)."""
+    experts_of = np.array([1, 0, 1, 1, 2, 1, 1, 1, 1, 0, 1, 1, 2, 1])
+    tokens = np.array([0, 0, 1, 2, 2, 3, 4, 5, 0, 5, 2, 1, 4, 3])
+    index = (tokens * EXPERTS + experts_of).astype("int64")
+    executable = relay_amp.build(_int4_taken(len(index), dtype), tvm.target.Target(target))
+    assert "expert_matmul" in executable.as_text() and "int4_matmul" not in executable.as_text()
+    _runnable(target)
+    x = RNG.standard_normal((TOKENS, INT4_DEPTH)).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    weight = (CODES.reshape(-1, INT4_GROUP, EXPERTS * COLUMNS) * SCALES[:, None].astype("float64")).reshape(
+        INT4_DEPTH, -1)
+    expected = (x.astype("float64") @ weight).reshape(TOKENS * EXPERTS, COLUMNS)[index]
+    got = run_executable(executable, [x, index])[0].astype("float64")
+    assert np.abs(got - expected).max() <= (1e-5 if dtype == "float32" else 1e-2) * np.abs(expected).max()
