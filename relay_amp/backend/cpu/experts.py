@@ -12,14 +12,15 @@ stack and multiplies the row by its copy.
 `GroupedExpertMatmuls` replaces such a take, where nothing else reads the product, by `expert_kernel`: a counting
 sort of the taken rows by expert, then, in parallel over (block of columns, expert), so that each thread's share
 holds blocks of every expert wherever the routing sends the rows, each expert's rows a tile at a time (4 rows of 64
-columns on AVX-512; the last rows one at a time, not repeated to fill a tile) times its weight, packed so that each 16 columns of an expert are one stream
-of depths, and each row's outputs stored where the take put them. fp32 (and fp16, widened as loaded) on FMAs; bf16
-on `vdpbf16ps` over pairs of depths where the target has it (a 32-bit word per pair, broadcast from the row), else
-widened. A decode step's matmul of gathered weights takes the same kernel, each row its own token, and reads each
-chosen expert's weight in place. Only the routed rows' products are computed; an expert's weight is read once per
-tile of its rows, and not at all where no row chose it. The decoder above: fp32 19.0 ms, bf16 11.0 ms; one token
-6.0 -> 2.6 ms and 3.4 -> 1.7 ms (its up and down projections alone, 64 tokens of 512 by 64 experts of 512, top 8,
-then the 512 rows by experts of 256 back: fp32 2.3 + 1.2 ms, bf16 1.6 + 0.5 ms, bf16 widened to FMAs 2.1 + 0.9 ms).
+columns on AVX-512; the last rows one at a time, not repeated to fill a tile) times its weight, packed so that each
+16 columns of an expert are one stream of depths, and each row's outputs stored where the take put them. fp32 (and
+fp16, widened as loaded) on FMAs; bf16 on `vdpbf16ps` over pairs of depths where the target has it (a 32-bit word
+per pair, broadcast from the row), else widened. A decode step's matmul of gathered weights takes the same kernel,
+each row its own token, and reads each chosen expert's weight in place. Only the routed rows' products are computed;
+an expert's weight is read once per tile of its rows, and not at all where no row chose it. The decoder above: fp32
+19.0 ms, bf16 11.0 ms; one token 6.0 -> 2.6 ms and 3.4 -> 1.7 ms (its up and down projections alone, 64 tokens of
+512 by 64 experts of 512, top 8, then the 512 rows by experts of 256 back: fp32 2.3 + 1.2 ms, bf16 1.6 + 0.5 ms,
+bf16 widened to FMAs 2.1 + 0.9 ms).
 
 Weight-only int4 (`quantize_weights`) writes the product by every expert as its reference int4 kernel on packed
 codes (relay_amp.packed_int4's layout, whose 16-column blocks are already one expert's after another); a take of it
@@ -117,9 +118,10 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
     vector = tvm.tirx.Ramp(0, 1, LANES)  # a whole 16-lane vector's indices
     int4_group = spec.int4_group
     offset = ZERO_POINT + (BIAS_128 if group == BF16_DOT.group else 0)  # what an int4 code reads beyond its weight
+    sums_shape = (tokens, depth // int4_group) if int4_group else (1, 1)
     with fast_script_parsing():
         @T.macro
-        def float_products(acc, data, pairs, weight, scales, token, expert, block, height):
+        def float_products(acc, data, pairs, weight, scales, sums, token, expert, block, height):
             """acc[r, p] += each of the tile's `height` rows' operands times the weight's 16 columns of block + p,
             over the depth."""
             for k in range(depth // group):
@@ -180,11 +182,7 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
                                                 - T.float32(offset) * sums[token[r], g]) * scales[
                                 g, (expert * (columns // LANES) + block + p) * LANES + lane]
 
-        @T.macro
-        def float_products_of(acc, data, pairs, weight, scales, sums, token, expert, block, height):
-            float_products(acc, data, pairs, weight, scales, token, expert, block, height)
-
-        products = int4_products if int4_group else float_products_of
+        products = int4_products if int4_group else float_products
 
         @T.macro
         def sort_by_expert(index, start, order):
@@ -224,7 +222,7 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
             start = T.alloc_buffer((experts + 1,), "int32")  # the first sorted row of each expert
             order = T.alloc_buffer((rows,), "int32")  # the taken rows, sorted by expert
             sort_by_expert(index, start, order)
-            sums = T.alloc_buffer((tokens, depth // max(int4_group, 1)), "float32")  # int4: per group of depths
+            sums = T.alloc_buffer(sums_shape, "float32")  # int4: each token's operands summed per group of depths
             if int4_group > 0:
                 for t, g in T.grid(tokens, depth // int4_group):
                     sums[t, g] = T.float32(0)
