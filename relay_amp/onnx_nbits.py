@@ -154,13 +154,13 @@ def _gather(node, writer: Writer, values: dict) -> None:
     flat = writer.op("Reshape", named["indices"], writer.const([-1]))
     codes = _codes(writer, writer.op("Gather", named["data"], flat, axis=0), bits)
     blocked = writer.op("Reshape", codes, writer.const([-1, columns // block, block]))
-    if named["zero_points"]:
-        points = _codes(writer, writer.op("Gather", named["zero_points"], flat, axis=0), bits)
-        points = writer.op("Slice", points, writer.const([0]), writer.const([columns // block]), writer.const([1]))
+    if named["zero_points"]:  # packed as the codes, one per block: each row's first columns // block
+        every = _codes(writer, writer.op("Gather", named["zero_points"], flat, axis=0), bits)
+        points = writer.op("Unsqueeze", writer.op("Slice", every, writer.const([0]), writer.const([columns // block]),
+                                                  writer.const([1])), writer.const([-1]))
     else:
         points = writer.const(2 ** (bits - 1), "float32")
-    shifted = writer.op("Sub", blocked, writer.op("Unsqueeze", points, writer.const([-1])) if named["zero_points"]
-                        else points)
+    shifted = writer.op("Sub", blocked, points)
     scales = writer.op("Unsqueeze", writer.op("Gather", named["scales"], flat, axis=0), writer.const([-1]))
     values = writer.op("Mul", writer.op("CastLike", shifted, scales), scales)
     shape = writer.op("Concat", writer.op("Shape", named["indices"]), writer.const([columns]), axis=0)

@@ -184,7 +184,9 @@ def quantize_weights(mod: tvm.IRModule, dtype: str = "int4", *, group_size: int 
     """Matmuls with constant [K, N] weights (K in groups of `group_size`, N in blocks of 16) read int4 weights,
     packed, with per-group scales (a weight quantized elsewhere in smaller groups keeps them: held_codes; one a file
     held packed keeps its codes, scales and zero points); activations and outputs keep their dtypes (run AMP first
-    for bf16)."""
+    for bf16). A mixture-of-experts layer's product by every expert is packed too (a decode step's gathered experts
+    first written so), which the CPU backend computes only for the routed rows, on the codes; router GEMMs keep
+    their float weights."""
     return QuantizeWeights(dtype, group_size=group_size, ops=ops, excluded_layers=excluded_layers, func=func)(mod)
 
 
