@@ -1,8 +1,9 @@
 """ONNX Runtime's mixture-of-experts ops, MoE and QMoE (com.microsoft), written as ONNX ops before import.
 
-ONNX Runtime GenAI's model builder writes each mixture-of-experts layer of gpt-oss, LFM2-MoE, Qwen3.5-MoE,
-Gemma 4's MoE and Phi-3.5-MoE as one MoE node (QMoE where the expert weights are int4 or int8): the tokens, the
-router's logits, each expert's first projection (E, N, H) and second (E, H, I), biases optional. TVM's importer has
+ONNX Runtime GenAI's model builder writes each mixture-of-experts layer as one MoE node (QMoE where the expert
+weights are int4 or int8): the tokens, the router's logits, each expert's first projection (E, N, H) and second
+(E, H, I), biases optional. Its gpt-oss and LFM2-MoE files were checked here; Qwen3.5-MoE's and Phi-3.5-MoE's it
+writes for CUDA only (Phi-3.5-MoE's sparse mixer is refused), and Gemma 4's MoE was not tried. TVM's importer has
 neither op, so such files failed to import. `moe_ops_as_onnx` writes each as the ops it computes, in the form
 transformers' `batched_mm` experts export to (relay_amp._expert_matmuls): each token's k routed rows gather their
 expert's weight out of the stack and multiply by it, so relay_amp's import and CPU backend compute only the routed
