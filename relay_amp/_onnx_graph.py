@@ -112,6 +112,11 @@ def value_info(name: str, dims, dtype):
     return onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims)
 
 
+def attribute_text(value) -> str:
+    """A string attribute's value as text (ONNX holds strings as bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def node_attributes(node) -> dict:
     """A node's attributes by name, as Python values."""
     import onnx

@@ -26,8 +26,8 @@ InferenceSession; GenAI's loop shares them with the past inputs, holding the cac
 
 import numpy as np
 
-from ._onnx_graph import (DEFAULT_DOMAINS, Writer, inferred_values, known_dims, named_inputs, node_attributes,
-                          node_label, rewrite_nodes, value_info)
+from ._onnx_graph import (DEFAULT_DOMAINS, Writer, attribute_text, inferred_values, known_dims, named_inputs,
+                          node_attributes, node_label, rewrite_nodes, value_info)
 from .errors import ModelLoadError
 from .onnx_attention import joined_heads, named_output, split_heads
 
@@ -207,7 +207,7 @@ def _causal_conv(node, writer: Writer, values: dict) -> None:
     label, attributes, named = node_label(node), node_attributes(node), named_inputs(node, CONV_INPUTS)
     refused = [f"{name} {attributes[name]}" for name in CONV_REFUSED if attributes.get(name, CONV_REFUSED[name])
                != CONV_REFUSED[name]]
-    activation = attributes.get("activation", b"none").decode()
+    activation = attribute_text(attributes.get("activation", "none"))
     refused += [f"activation {activation!r}"] if activation not in CONV_ACTIVATIONS else []
     if refused:
         raise ModelLoadError(f"{label}: relay_amp does not write a CausalConvWithState with {', '.join(refused)}")

@@ -23,9 +23,10 @@ weights whether `normalize_routing_weights` is set or not; this follows the attr
 
 import numpy as np
 
-from ._onnx_graph import Writer, constant_values, named_inputs, node_attributes, node_label, rewrite_nodes
+from ._onnx_graph import (Writer, attribute_text, constant_values, named_inputs, node_attributes, node_label,
+                          rewrite_nodes)
 from .errors import ModelLoadError
-from .onnx_nbits import unpacked
+from .onnx_nbits import dequantized, unpacked
 
 CONTRIB = "com.microsoft"
 MOE_INPUTS = ("input", "router_probs", "fc1_experts_weights", "fc1_experts_bias", "fc2_experts_weights",
@@ -70,7 +71,7 @@ def _moe(node, writer: Writer, constants: dict) -> None:
 def _check(label: str, op_type: str, attributes: dict, named: dict, constants) -> None:
     """ModelLoadError naming what of the node relay_amp does not write."""
     refused = [name for name in ("use_sparse_mixer", "swiglu_limit_after_activation") if attributes.get(name, 0)]
-    activation = _text(attributes.get("activation_type", "relu"))
+    activation = attribute_text(attributes.get("activation_type", "relu"))
     refused += [f"activation_type {activation!r}"] if activation not in ACTIVATIONS else []
     refused += ["a third projection without swiglu_fusion 0"] if named["fc3_experts_weights"] and not (
         activation == "swiglu" and attributes.get("swiglu_fusion", 0) == 0) else []
@@ -88,17 +89,13 @@ def _check(label: str, op_type: str, attributes: dict, named: dict, constants) -
 
 def _quantized_refusals(attributes: dict) -> list[str]:
     """What of a QMoE node's quantization relay_amp does not dequantize."""
-    quant_type = _text(attributes.get("quant_type", "int"))
+    quant_type = attribute_text(attributes.get("quant_type", "int"))
     refused = [f"quant_type {quant_type!r}"] if quant_type != "int" else []
     bits = [attributes.get(name, attributes.get("expert_weight_bits", 4)) for name in
             ("expert_weight_bits", "fc1_expert_weight_bits", "fc2_expert_weight_bits", "fc3_expert_weight_bits")]
     refused += [f"{bit}-bit weights" for bit in sorted(set(bits)) if bit not in WEIGHT_BITS]
     refused += ["weights_prepacked 1"] if attributes.get("weights_prepacked", 0) == 1 else []
     return refused
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _routing(writer: Writer, logits: str, experts: int, attributes: dict) -> tuple[str, str]:
@@ -113,7 +110,7 @@ def _routing(writer: Writer, logits: str, experts: int, attributes: dict) -> tup
 
 def _activated(writer: Writer, experts: "_Experts", rows: str, index: str, attributes: dict) -> str:
     """The activation of each routed row's first projection: (rows, I)."""
-    activation = _text(attributes.get("activation_type", "relu"))
+    activation = attribute_text(attributes.get("activation_type", "relu"))
     first = experts.product("fc1", rows, index)
     if activation == "swiglu":
         return _swiglu(writer, experts, first, rows, index, attributes)
@@ -182,22 +179,24 @@ class _Experts:
         return self.writer.computed_const(lambda: self._dequantized(projection), self.dims(projection), self.dtype)
 
     def _dequantized(self, projection: str) -> np.ndarray:
-        """QMoE's (code - zero point) x scale of `projection`, per output channel or per block of the depth."""
+        """QMoE's (code - zero point) x scale of `projection`, per output channel or per block of the depth: each
+        expert's weight as a MatMulNBits weight of the same codes is dequantized."""
         experts, outputs, depth = self.dims(projection)
-        bits = self._bits(projection)
-        scales = self.constants[self.named[f"{projection}_scales"]].astype("float32")
-        blocks = scales.shape[2] if scales.ndim == 3 else 1
-        codes = unpacked(self.constants[self.named[f"{projection}_experts_weights"]], bits).astype("float32")
-        values = codes.reshape(experts, outputs, blocks, depth // blocks)
-        zero_points = self.named[f"{projection}_zero_points"]
-        if zero_points:  # packed along the outputs (per channel) or along each output's blocks
-            points = unpacked(self.constants[zero_points], bits)
-            points = points[:, :outputs, None] if scales.ndim == 2 else points[..., :blocks]
-            values -= points.astype("float32")[..., None]
-        else:
-            values -= 2 ** (bits - 1)
-        values *= scales.reshape(experts, outputs, blocks)[..., None]
-        return values.reshape(experts, outputs, depth).astype(self.dtype)
+        bits, zero_points = self._bits(projection), self.named[f"{projection}_zero_points"]
+        scales = self.constants[self.named[f"{projection}_scales"]]
+        codes = self.constants[self.named[f"{projection}_experts_weights"]]
+        points = self.constants[zero_points] if zero_points else None
+        layout = {"bits": bits, "K": depth, "N": outputs,
+                  "block_size": depth // scales.shape[2] if scales.ndim == 3 else depth}
+
+        def expert_points(expert: int) -> "np.ndarray | None":
+            if points is None or scales.ndim == 3:  # none, or packed as MatMulNBits packs its blocks' points
+                return None if points is None else points[expert]
+            return unpacked(points[expert], bits)[:outputs].astype("float32")  # packed along the outputs: floats
+
+        weights = [dequantized(codes[expert], scales[expert], expert_points(expert), layout)
+                   for expert in range(experts)]
+        return np.stack(weights).astype(self.dtype)
 
     def product(self, projection: str, rows: str, index: str) -> str:
         """Each routed row (rows, depth, 1) times its expert's `projection` weight, plus its bias: (rows, outputs)."""

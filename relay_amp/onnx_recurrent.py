@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._onnx_graph import Writer, default_opset, inferred_values, node_attributes, node_label, rewrite_nodes
+from ._onnx_graph import (Writer, attribute_text, default_opset, inferred_values, node_attributes, node_label,
+                          rewrite_nodes)
 from .errors import ModelLoadError
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -81,9 +82,9 @@ def _recurrence(node, values: dict) -> _Recurrence:
     if not steps or not batch:
         raise ModelLoadError(f"{label}: its input's sequence length and batch are not static (size the file's "
                              "symbolic dims at import: dims=...)")
-    direction = _text(attrs.get("direction", "forward"))
+    direction = attribute_text(attrs.get("direction", "forward"))
     reverses = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}[direction]
-    names = [_text(name) for name in attrs.get("activations", [])]
+    names = [attribute_text(name) for name in attrs.get("activations", [])]
     per_direction = len(DEFAULT_ACTIVATIONS[node.op_type])
     activations = [names[i * per_direction:(i + 1) * per_direction] if names else DEFAULT_ACTIVATIONS[node.op_type]
                    for i in range(len(reverses))]
@@ -92,10 +93,6 @@ def _recurrence(node, values: dict) -> _Recurrence:
         raise ModelLoadError(f"{label}: relay_amp unrolls {list(ACTIVATIONS)} activations, not {unknown}")
     return _Recurrence(node, int(attrs["hidden_size"]), steps, batch, dtype, reverses, activations, batch_first,
                        bool(attrs.get("linear_before_reset", 0)))
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _unroll(rec: _Recurrence, w: Writer) -> None:
