@@ -66,7 +66,7 @@ def _output_shapes(nodes, values: dict) -> list:
         if node.op_type == "RotaryEmbedding":
             shapes = [dims]
         elif node.op_type == "CausalConvWithState":
-            shapes = [dims, values.get(node.input[3], (None,))[0] if len(node.input) > 3 and node.input[3] else None]
+            shapes = [dims, values.get(named_inputs(node, CONV_INPUTS)["past_state"], (None,))[0]]
         else:
             heads, kv_heads, head_size, past = _gqa_sizes(node, dims, values)
             cache = [dims[0], kv_heads, None if past is None else past + dims[1], head_size]
