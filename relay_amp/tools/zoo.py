@@ -5,7 +5,9 @@ Nothing is downloaded: each entry builds its architecture with seeded random wei
 benchmark times) and a tiny one (what the tests convert). `load` exports it the way users do (`torch.onnx.export`
 with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and imports it into Relax. The
 CNNs are transformers' ResNet, MobileNetV2, EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer,
-torchvision's MobileNetV3 (which transformers lacks) and timm's MixNet-S; wav2vec2 is the audio model. Needs the
+torchvision's MobileNetV3 (which transformers lacks) and timm's MixNet-S; wav2vec2 is the audio model; Qwen3-MoE is
+the mixture of experts (exported with transformers' `batched_mm` experts, the implementation the exporters
+translate; PyTorch runs its default, `grouped_mm`, faster in PyTorch and the same products). Needs the
 `zoo` extra (torch, torchvision, timm, transformers): import this module only where it is used.
 """
 
@@ -179,6 +181,18 @@ def _llama(tiny: bool):
                           num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512)
 
 
+def _qwen3_moe(tiny: bool):
+    if tiny:
+        return hf.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    # Qwen3-MoE's design at BERT-base width: 4 layers, 64 experts of 256 columns and top 8 (Qwen3-30B-A3B: 128 of
+    # 768, top 8), grouped-query attention with normed queries and keys, a causal mask
+    return hf.Qwen3MoeConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, moe_intermediate_size=256,
+                             num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                             num_experts=64, num_experts_per_tok=8, max_position_embeddings=512)
+
+
 def _t5_encoder(tiny: bool):
     if tiny:
         return hf.T5Config(vocab_size=512, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2)
@@ -223,6 +237,8 @@ ZOO = {entry.name: entry for entry in [
              Shape(1, 128), Shape(2, 16)),
     ZooEntry("gpt2", "transformer", _gpt2, "GPT2Model", "last_hidden_state", Shape(1, 64), Shape(2, 16)),
     ZooEntry("llama", "transformer", _llama, "LlamaModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
+    ZooEntry("qwen3_moe", "transformer", _qwen3_moe, "Qwen3MoeModel", "last_hidden_state", Shape(1, 128),
+             Shape(2, 16)),
     ZooEntry("t5_encoder", "transformer", _t5_encoder, "T5EncoderModel", "last_hidden_state",
              Shape(1, 128), Shape(2, 16)),
     ZooEntry("wav2vec2", "audio", _wav2vec2, "Wav2Vec2Model", "last_hidden_state", Shape(1, 16000), Shape(1, 800)),
@@ -236,8 +252,9 @@ def entry(name: str) -> ZooEntry:
     return ZOO[name]
 
 
-def torch_module(name: str, tiny: bool = False, seed: int = 0):
-    """The zoo model as an eval-mode torch.nn.Module taking example_inputs' arrays and returning one tensor."""
+def torch_module(name: str, tiny: bool = False, seed: int = 0, exportable: bool = False):
+    """The zoo model as an eval-mode torch.nn.Module taking example_inputs' arrays and returning one tensor;
+    `exportable` gives a mixture of experts the experts implementation the exporters translate."""
     spec = entry(name)
     torch.manual_seed(seed)
     if spec.library == "torchvision":
@@ -248,6 +265,8 @@ def torch_module(name: str, tiny: bool = False, seed: int = 0):
         model = getattr(hf, spec.model_class)(spec.config(tiny))
     if tiny and spec.trim_tiny is not None:
         spec.trim_tiny(model)
+    if exportable and spec.library == "transformers":  # read by experts layers only; their eager and grouped_mm
+        model.config._experts_implementation = "batched_mm"  # implementations do not export
     if spec.batch_norm:
         _trained_looking(model)
     module = SingleOutput(model, spec)
@@ -332,7 +351,7 @@ def export_onnx(name: str, path: "str | Path", tiny: bool = False, exporter: str
     if dynamic and exporter != "torchscript":
         raise OptionError("dynamic axes take the torchscript exporter (the dynamo one wants torch.export's "
                           "dynamic_shapes, which these models' shape checks refuse)")
-    module = torch_module(name, tiny)
+    module = torch_module(name, tiny, exportable=True)
     inputs = tuple(torch.from_numpy(x) for x in example_inputs(name, tiny))
     names = module.input_names[:len(inputs)]
     axes = dict.fromkeys(names, DYNAMIC_AXES[entry(name).kind]) if dynamic else None
@@ -348,6 +367,6 @@ def load(name: str, tiny: bool = False, exporter: str = "torchscript") -> tvm.IR
     if exporter not in EXPORTERS:
         raise OptionError(f"exporter must be one of {list(EXPORTERS)}, got {exporter!r}")
     if exporter == "torch.export":
-        return frontend.from_torch(torch_module(name, tiny), example_inputs(name, tiny))
+        return frontend.from_torch(torch_module(name, tiny, exportable=True), example_inputs(name, tiny))
     with tempfile.TemporaryDirectory() as tmp:
         return frontend.from_onnx(export_onnx(name, Path(tmp) / f"{name}.onnx", tiny, exporter))

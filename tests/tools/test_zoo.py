@@ -9,7 +9,7 @@ zoo = pytest.importorskip("relay_amp.tools.zoo")
 
 import relay_amp  # noqa: E402
 from relay_amp.runtime import run_executable  # noqa: E402
-from pass_checks import prepared_function_names  # noqa: E402
+from pass_checks import prepared_calls, prepared_function_names  # noqa: E402
 
 FP32_TOLERANCE = 2e-5  # relative to the largest output: fp32 sums in another order, fast-math polynomials
 BF16_FLOOR = 1e-2  # bf16 AMP may be this far off, or as far off as PyTorch's own bf16 autocast (x1.5)
@@ -60,7 +60,8 @@ def test_zoo_model_converts_builds_and_matches_pytorch(name):
 
 @pytest.mark.parametrize("name, exporter", [("resnet50", "dynamo"), ("bert", "dynamo"),
                                             ("convnext_tiny", "torch.export"), ("t5_encoder", "torch.export"),
-                                            ("gpt2", "torch.export"), ("llama", "torch.export")])
+                                            ("gpt2", "torch.export"), ("llama", "torch.export"),
+                                            ("qwen3_moe", "dynamo"), ("qwen3_moe", "torch.export")])
 def test_other_export_paths_import_and_match(name, exporter):
     inputs = zoo.example_inputs(name, tiny=True)
     expected, _ = _reference(name, inputs)
@@ -139,6 +140,17 @@ def test_wav2vec2s_conv1ds_and_group_norm_run_channels_last_on_the_kernels():
     functions = prepared_function_names(relay_amp.to_mixed_precision(mod, "bfloat16"))
     assert not [name for name in functions if "conv" in name or "group_norm" in name]
     assert sum("dot_kernel" in name for name in functions) >= 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_mixture_of_experts_exports_batched_experts_that_run_on_the_expert_kernel(dtype):
+    """Qwen3-MoE as the zoo exports it (transformers' batched_mm experts; PyTorch's own module keeps its default):
+    each layer's up and down projections over the experts run on the grouped expert kernel."""
+    assert zoo.torch_module("qwen3_moe", tiny=True).model.config._experts_implementation != "batched_mm"
+    mod = zoo.load("qwen3_moe", tiny=True)
+    mod = mod if dtype == "float32" else relay_amp.to_mixed_precision(mod, dtype)
+    layers = zoo.entry("qwen3_moe").config(True).num_hidden_layers
+    assert len(prepared_calls(mod, "expert_matmul")) == 2 * layers
 
 
 @pytest.mark.parametrize("name", ["resnet50", "bert"])
