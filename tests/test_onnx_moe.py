@@ -183,3 +183,38 @@ def test_quantizations_it_does_not_dequantize_are_refused_naming_them():
     model.graph.initializer.pop(1)  # the second projection's weights an input
     with pytest.raises(ModelLoadError, match="MoE node 'y': .*non-constant fc2_experts_weights 'w2'"):
         relay_amp.frontend.from_onnx(model)
+
+
+def test_symmetric_int4_experts_stay_packed_and_int4w_multiplies_the_files_own_codes():
+    """A QMoE of symmetric 4-bit codes in blocks (as GenAI's int4 files hold them) imports with each projection's
+    codes held packed, one (depth, experts x outputs) weight, not dequantized to fp32 (the module's largest float
+    constant is smaller than one projection's experts); int4w's build multiplies the file's own codes and scales on
+    the int4 expert kernel, as near ONNX Runtime as the bf16 build."""
+    import tvm
+    from tvm import relax
+
+    from pass_checks import prepared_calls
+    from relay_amp.onnx_nbits import unpacked
+    from relay_amp.packed_int4 import pack_nibbles
+
+    model, feeds = _qmoe_model(block=16, tokens=12)
+    mod = relay_amp.frontend.from_onnx(model)
+    floats = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: floats.append(e.value.numpy().size) if isinstance(
+        e, tvm.ir.expr.Constant) and hasattr(e.value, "numpy") and e.value.dtype == "float32" else None)
+    assert max(floats) < EXPERTS * HIDDEN * INTER  # the smaller projection's weights, had they been dequantized
+    values = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    bf16 = relay_amp.to_mixed_precision(mod, "bfloat16")
+    int4w = relay_amp.quantize_weights(bf16, "int4", group_size=32)  # the file's blocks of 16 are kept
+    kernels = prepared_calls(int4w, "expert_matmul")
+    assert len(kernels) == 2
+    for kernel, name in zip(kernels, ("fc1", "fc2")):
+        codes = values[f"{name}_weights"]
+        nibbles = unpacked(codes, 4).reshape(EXPERTS * codes.shape[1], -1).T
+        _, _, packed, scales = kernel.args[1].fields
+        np.testing.assert_array_equal(packed.value.numpy().reshape(-1), pack_nibbles(nibbles).reshape(-1))
+        np.testing.assert_array_equal(scales.value.numpy(), values[f"{name}_scales"].transpose(2, 0, 1).reshape(
+            -1, nibbles.shape[1]))
+    errors = [np.abs(relay_amp.run(module, list(feeds.values()))[0] - expected).max() for module in (bf16, int4w)]
+    assert errors[1] <= 1.5 * errors[0]
