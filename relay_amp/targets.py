@@ -105,6 +105,14 @@ def seven_bit_codes(target: "tvm.target.Target | None" = None) -> bool:
             and not any(has(feature, target) for feature in ("avx512f", "avxvnni")))
 
 
+def int8_expert_products(target: "tvm.target.Target | None" = None) -> bool:
+    """Whether a mixture of experts' products run in int8 for `target` (the current one, else the host's preset): an
+    llvm target with AVX-512 VNNI, whose vpdpbusd the CPU backend's grouped expert kernel computes them on, only for
+    the routed rows (relay_amp.backend.cpu.experts); elsewhere int8 would compute every expert's products."""
+    target = target or tvm.target.Target.current(allow_none=True) or get_target(host_preset())
+    return target.kind.name == "llvm" and tvm.target.codegen.target_has_features("avx512vnni", target)
+
+
 @functools.cache
 def host_runs_amx() -> bool:
     """Whether this process may run AMX tile instructions: the CPU has them and Linux grants the tile state (it

@@ -94,3 +94,15 @@ def test_seven_bit_codes_pay_on_avx2_without_vnni_or_avx512(target, seven):
     assert targets.seven_bit_codes(tvm.target.Target(target)) is seven
     with tvm.target.Target(target):
         assert targets.seven_bit_codes() is seven
+
+
+@pytest.mark.parametrize("target, int8", [({"kind": "llvm", "mcpu": "znver4"}, True),
+                                          ({"kind": "llvm", "mcpu": "sapphirerapids"}, True),
+                                          ({"kind": "llvm", "mcpu": "cascadelake"}, True),  # AVX-512 VNNI
+                                          ({"kind": "llvm", "mcpu": "skylake-avx512"}, False),
+                                          ({"kind": "llvm", "mcpu": "alderlake"}, False),  # AVX-VNNI only
+                                          ({"kind": "cuda", "arch": "sm_80"}, False)])
+def test_expert_products_are_int8_where_the_expert_kernel_has_avx512_vnni(target, int8):
+    assert targets.int8_expert_products(tvm.target.Target(target)) is int8
+    with tvm.target.Target(target):
+        assert targets.int8_expert_products() is int8

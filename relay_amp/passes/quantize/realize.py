@@ -29,6 +29,11 @@ ms on Zen 4, top-1 agreement unchanged); after a SiLU the symmetric codes spend 
 barely reaches (EfficientNet-B0 lost 4-5 of 32 top-1 agreements, and its expansion kernels' int8 stores cost more
 than the bf16 depthwise saved), so there it stays in the fallback.
 
+A mixture of experts' product by every expert (the dense form: each routed row reads only its own expert's
+outputs) is int8 where the current target, else the host, has AVX-512 VNNI (relay_amp.targets.int8_expert_products):
+the CPU backend's expert kernel computes it for the routed rows alone on vpdpbusd. Elsewhere it stays in the
+fallback, where the kernel does the same in bf16 (in int8 every expert's products would be computed).
+
 With `quantized_residuals` (the default), an add of two tensors reads the value of an operand's uint8 codes where
 a layer quantizes that operand (a ResNet block's input after its ReLU, added back at its end), as ONNX Runtime's
 QDQ models do. The tensor then has no fp32 reader left, so the kernel that computes it stores only its codes, and
@@ -70,7 +75,7 @@ from ..._ir import clamped, get_function, rewrite_function, tensor_dtype, tensor
 from ...dtypes import check_choice
 from ...errors import LayerIndexError, OptionError
 from ...ops import canonical_ops
-from ...targets import seven_bit_codes
+from ...targets import int8_expert_products, seven_bit_codes
 from ..amp import to_mixed_precision
 from ..batch_norm import FoldBatchNorm
 from ..casts import eliminate_redundant_casts
@@ -386,7 +391,7 @@ class Quantize:
         """The decisions for a prepared module: calibration's thresholds, exclusions and fallbacks."""
         get_function(mod, self.func)
         layers, bindings = list_layers(mod, self.ops, self.func), layer_bindings(mod, self.ops, self.func)
-        routed = expert_products(get_function(mod, self.func))
+        routed = set() if int8_expert_products() else expert_products(get_function(mod, self.func))
         kept = {layer.index: ROUTED_ROWS for layer, binding in zip(layers, bindings) if binding.var in routed}
         kept.update(dict.fromkeys(resolve_layers(layers, self.excluded_layers), "excluded"))
         histograms, means = self._calibrate(mod, layers, bindings)
