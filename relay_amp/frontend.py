@@ -28,7 +28,7 @@ from .onnx_col2im import col2ims_as_onnx
 from .onnx_contrib import contrib_ops_as_onnx
 from .onnx_decoder import decoder_ops_as_onnx
 from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down, topks_sorted,
-                          upsamples_with_attribute_scales)
+                          unit_tiles_as_expands, upsamples_with_attribute_scales)
 from .onnx_moe import moe_ops_as_onnx
 from .onnx_multihead import multihead_attentions_as_onnx
 from .onnx_nbits import low_bit_dequantizes_folded, nbits_gathers_as_onnx, nbits_matmuls_as_onnx
@@ -331,7 +331,8 @@ def _as_tvm_reads(proto):
     values; simplification, then the recurrences' unrolling and Upsample's scales, follow on the graph without its
     large weights)."""
     dequantized = constant_dequantizes_folded(as_qdq(proto))
-    return topks_sorted(col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(attentions_as_matmuls(dequantized)))))
+    return unit_tiles_as_expands(topks_sorted(col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(
+        attentions_as_matmuls(dequantized))))))
 
 
 def _sizing_hint(proto) -> str:

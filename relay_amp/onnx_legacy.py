@@ -13,6 +13,13 @@ rounding.
 TVM's importer refuses a TopK of `sorted=0` (Dots1's and GLM-4-MoE's expert routers, exported by the dynamo
 exporter from `torch.topk(..., sorted=False)`). ONNX leaves such a TopK's output order unspecified, so sorted output
 is one of its readings: `topks_sorted` drops the attribute (its default is sorted).
+
+TVM's importer writes a Tile of constant repeats as a call of topi's tile PrimFunc, which relay_amp's passes cannot
+read through. A token repeated once per routed expert (transformers' batched_mm experts through the TorchScript
+exporter: Unsqueeze, then Tile) hid the repeat from relay_amp._expert_matmuls, so each token's row was copied k
+times, and quantize's per-row codes computed k times (the zoo's Qwen3-MoE: 1024 rows for 128 tokens). A Tile that
+repeats only axes of extent 1 is an Expand to its repeats: `unit_tiles_as_expands` writes it so (Relax's
+broadcast_to) where the input's shape is static (TVM's Expand fails on symbolic dims; size them at import).
 """
 
 import numpy as np
@@ -20,7 +27,7 @@ import tvm
 from tvm import relax
 
 from ._ir import rewrite_op_calls
-from ._onnx_graph import constant_values, inferred_values, node_attributes, writable
+from ._onnx_graph import Writer, constant_values, inferred_values, node_attributes, rewrite_nodes, writable
 from .errors import ModelLoadError
 
 UPSAMPLED_AXES = 2  # TVM's importer upsamples the last two axes of a 4-D (NCHW) tensor
@@ -60,6 +67,27 @@ def topks_sorted(proto):
         del node.attribute[:]
         node.attribute.extend(kept)
     return rewritten
+
+
+def unit_tiles_as_expands(proto):
+    """`proto` (`writable`'s copy, where it has any Tile) with each Tile of constant repeats that repeats only axes of
+    extent 1 of a static shape an Expand to its repeats."""
+    if not any(node.op_type == "Tile" for node in proto.graph.node):
+        return proto
+    constants, values = constant_values(proto.graph), inferred_values(proto)
+    return rewrite_nodes(proto, ["Tile"], lambda node, writer: _unit_tile(node, writer, constants, values))
+
+
+def _unit_tile(node, writer: Writer, constants, values: dict) -> None:
+    """An Expand of the Tile `node`'s input to its repeats where that input's shape is static and each axis it
+    repeats has extent 1 (TVM's Expand fails on symbolic dims); else the node itself."""
+    dims = values.get(node.input[0], (None, None))[0]
+    repeats = constants[node.input[1]].tolist() if node.input[1] in constants else None
+    if dims is None or None in dims or repeats is None or any(
+            repeat != 1 and dim != 1 for dim, repeat in zip(dims, repeats)):
+        writer.nodes.append(node)
+        return
+    writer.op("Expand", node.input[0], writer.const(repeats), out=node.output[0])
 
 
 def _attribute(node, name: str):

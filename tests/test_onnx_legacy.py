@@ -139,3 +139,24 @@ def test_an_unsorted_topk_imports_as_a_sorted_one():
     order = np.argsort(-x, axis=-1)[:, :3]
     np.testing.assert_array_equal(got_indices, order)
     np.testing.assert_array_equal(got_values, np.take_along_axis(x, order, axis=-1))
+
+
+@pytest.mark.parametrize("shape, repeats, broadcast", [([6, 1, 8], [1, 3, 1], True),  # a token per routed expert
+                                                       ([6, 2, 8], [1, 3, 1], False),  # whole blocks repeated
+                                                       (["tokens", 1, 8], [1, 3, 1], True)],  # sized at import
+                         ids=["unit-axis", "axis-of-2", "symbolic-tokens"])
+def test_a_tile_of_axes_of_extent_1_imports_as_a_broadcast(shape, repeats, broadcast):
+    """TVM imports a Tile as an opaque call of topi's tile; one of a static shape that repeats only axes of extent 1
+    is an Expand, imported as broadcast_to (which relay_amp's expert matmuls read through); others stay tiles. Each
+    computes what numpy's tile does."""
+    output = [None if isinstance(dim, str) else dim * repeat for dim, repeat in zip(shape, repeats)]
+    graph = helper.make_graph([helper.make_node("Tile", ["x", "repeats"], ["y"], "repeat")], "tile",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, output)],
+                              [numpy_helper.from_array(np.array(repeats, "int64"), "repeats")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    mod = relay_amp.frontend.from_onnx(model, dims={"tokens": 6} if "tokens" in shape else None)
+    text = mod.script()
+    assert ("broadcast_to" in text and "tile" not in text) if broadcast else "tile" in text
+    x = RNG.standard_normal([6 if isinstance(dim, str) else dim for dim in shape]).astype("float32")
+    np.testing.assert_array_equal(relay_amp.run(mod, [x])[0], np.tile(x, repeats))

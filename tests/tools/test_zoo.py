@@ -145,12 +145,17 @@ def test_wav2vec2s_conv1ds_and_group_norm_run_channels_last_on_the_kernels():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_mixture_of_experts_exports_batched_experts_that_run_on_the_expert_kernel(dtype):
     """Qwen3-MoE as the zoo exports it (transformers' batched_mm experts; PyTorch's own module keeps its default):
-    each layer's up and down projections over the experts run on the grouped expert kernel."""
+    each layer's up and down projections over the experts run on the grouped expert kernel, the up projection
+    reading each token once (the exporter's Tile of each token per routed expert read as a broadcast)."""
+    from relay_amp._ir import tensor_shape
+
     assert zoo.torch_module("qwen3_moe", tiny=True).model.config._experts_implementation != "batched_mm"
     mod = zoo.load("qwen3_moe", tiny=True)
     mod = mod if dtype == "float32" else relay_amp.to_mixed_precision(mod, dtype)
-    layers = zoo.entry("qwen3_moe").config(True).num_hidden_layers
-    assert len(prepared_calls(mod, "expert_matmul")) == 2 * layers
+    layers, shape = zoo.entry("qwen3_moe").config(True).num_hidden_layers, zoo.entry("qwen3_moe").tiny
+    calls = prepared_calls(mod, "expert_matmul")
+    assert len(calls) == 2 * layers
+    assert tensor_shape(calls[0].args[1].fields[0])[0] == shape.batch * shape.size
 
 
 @pytest.mark.parametrize("name", ["resnet50", "bert"])
