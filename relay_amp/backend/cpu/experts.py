@@ -146,25 +146,28 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
     # the operands' bf16 pairs or four codes as 32-bit words
     pair_dtype = "int32" if quads else "uint32" if group == BF16_DOT.group else spec.dtype
     weight_dtype = "int8" if spec.codes and group == 1 else pair_dtype
+    acc_dtype, dot = ("int32", QUADS_DOT) if spec.codes else ("float32", PAIRS_DOT)  # dot: for group > 1
+    word_shift = SIGNED_SHIFT if quads and spec.dtype == "int8" else 0  # XOR-ed over each word of operands
     vector = tvm.tirx.Ramp(0, 1, LANES)  # a whole 16-lane vector's indices
     int4_group = spec.int4_group
     offset = ZERO_POINT + (BIAS_128 if group == BF16_DOT.group else 0)  # what an int4 code reads beyond its weight
     sums_shape = (tokens, depth // int4_group) if int4_group else (1, 1)
     with fast_script_parsing():
         @T.macro
-        def float_products(acc, data, pairs, weight, scales, sums, token, expert, block, height):
+        def dot_products(acc, data, pairs, weight, scales, sums, token, expert, block, height):
             """acc[r, p] += each of the tile's `height` rows' operands times the weight's 16 columns of block + p,
-            over the depth."""
+            over the depth: fp32 sums (int32 for 8-bit codes, int8 ones XOR-ed into uint8 + 128 on vpdpbusd)."""
             for k in range(depth // group):
                 for r in T.unroll(height):
                     for p in T.unroll(panels):
                         if group == 1:
                             for lane in T.vectorized(LANES):
-                                acc[r, p, lane] += T.Cast("float32", data[token[r], k]) * T.Cast(
-                                    "float32", weight[expert, block + p, k, lane])
+                                acc[r, p, lane] += T.Cast(acc_dtype, data[token[r], k]) * T.Cast(
+                                    acc_dtype, weight[expert, block + p, k, lane])
                         else:
-                            acc[r, p, vector] = T.call_extern("float32x16", PAIRS_DOT, acc[r, p, vector],
-                                                              T.Broadcast(pairs[token[r], k], LANES),
+                            acc[r, p, vector] = T.call_extern(f"{acc_dtype}x{LANES}", dot, acc[r, p, vector],
+                                                              T.Broadcast(T.bitwise_xor(pairs[token[r], k], T.Cast(
+                                                                  pair_dtype, word_shift)), LANES),
                                                               weight[expert, block + p, k, vector])
 
         @T.macro
@@ -216,33 +219,17 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
         @T.macro
         def int8_products(acc, data, pairs, weight, scales, sums, token, expert, block, height):
             """acc[r, p] = each of the tile's rows' codes times the weight's int8 codes of block + p over the depth,
-            summed in int32: four depths a word on vpdpbusd (int8 codes read as their uint8 codes + 128, which the
-            affine's B takes back), else widened."""
+            summed in int32 (`dot_products`)."""
             sums32 = T.alloc_buffer((tile_rows, panels, LANES), "int32", scope="local")
             for r, p in T.grid(height, panels):
                 for lane in T.vectorized(LANES):
                     sums32[r, p, lane] = 0
-            for k in range(depth // group):
-                for r in T.unroll(height):
-                    for p in T.unroll(panels):
-                        if group == 1:
-                            for lane in T.vectorized(LANES):
-                                sums32[r, p, lane] += T.Cast("int32", data[token[r], k]) * T.Cast(
-                                    "int32", weight[expert, block + p, k, lane])
-                        elif spec.dtype == "int8":
-                            sums32[r, p, vector] = T.call_extern("int32x16", QUADS_DOT, sums32[r, p, vector],
-                                                                 T.Broadcast(T.bitwise_xor(pairs[token[r], k], T.int32(
-                                                                     SIGNED_SHIFT)), LANES),
-                                                                 weight[expert, block + p, k, vector])
-                        else:
-                            sums32[r, p, vector] = T.call_extern("int32x16", QUADS_DOT, sums32[r, p, vector],
-                                                                 T.Broadcast(pairs[token[r], k], LANES),
-                                                                 weight[expert, block + p, k, vector])
+            dot_products(sums32, data, pairs, weight, scales, sums, token, expert, block, height)
             for r, p in T.grid(height, panels):
                 for lane in T.vectorized(LANES):
                     acc[r, p, lane] = T.Cast("float32", sums32[r, p, lane])
 
-        products = int4_products if int4_group else int8_products if spec.codes else float_products
+        products = int4_products if int4_group else int8_products if spec.codes else dot_products
 
         @T.macro
         def sort_by_expert(index, start, order):

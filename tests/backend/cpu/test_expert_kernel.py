@@ -257,18 +257,24 @@ def test_a_built_decode_step_multiplies_each_row_by_its_own_expert(dtype, target
     assert np.abs(got - expected).max() <= (1e-5 if dtype == "float32" else 1e-2) * np.abs(expected).max()
 
 
-def test_a_qwen2_moe_export_runs_its_experts_on_the_kernel_and_matches_pytorch(tmp_path):
-    """A model the kernel was not written on: Qwen2-MoE (transformers, random weights, 2 layers, 8 experts of 32
-    columns, top 2, shared experts; 16 tokens; batched_mm experts, the dynamo ONNX exporter), built for the host:
-    its up and down projections run on the kernel; logits within 1e-5 of PyTorch's largest in fp32, and in bf16
-    within 1.5x PyTorch autocast's own error."""
+def _qwen2_moe(directory) -> tuple:
+    """experts_through_dynamo_onnx of a Qwen2-MoE causal LM: 2 layers, 8 experts of 32 columns, top 2, shared
+    experts."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                          moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
-    imported, ids, expected, autocast = experts_through_dynamo_onnx("Qwen2MoeForCausalLM", config, tmp_path)
+    return experts_through_dynamo_onnx("Qwen2MoeForCausalLM", config, directory)
+
+
+def test_a_qwen2_moe_export_runs_its_experts_on_the_kernel_and_matches_pytorch(tmp_path):
+    """A model the kernel was not written on: Qwen2-MoE (transformers, random weights, 2 layers, 8 experts of 32
+    columns, top 2, shared experts; 16 tokens; batched_mm experts, the dynamo ONNX exporter), built for the host:
+    its up and down projections run on the kernel; logits within 1e-5 of PyTorch's largest in fp32, and in bf16
+    within 1.5x PyTorch autocast's own error."""
+    imported, ids, expected, autocast = _qwen2_moe(tmp_path)
     target = relay_amp.targets.host_preset()
     scale = np.abs(expected).max()
     for dtype, bound in (("float32", 1e-5 * scale), ("bfloat16", 1.5 * np.abs(autocast - expected).max())):
@@ -285,13 +291,7 @@ def test_a_quantized_qwen2_moe_export_runs_its_experts_in_int8_on_the_kernel(tmp
     codes (dynamic_matmuls, 4 random calibration prompts) for a Zen 4 target: every expert layer is int8 (none kept
     in the fallback), each layer's up and down projections run on the kernel, and the logits stay within 3% of
     PyTorch's largest fp32 logit."""
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                         moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
-    imported, ids, expected, _ = experts_through_dynamo_onnx("Qwen2MoeForCausalLM", config, tmp_path)
+    imported, ids, expected, _ = _qwen2_moe(tmp_path)
     calibration = [[RNG.integers(0, 256, ids.shape).astype("int64")] for _ in range(4)]
     with tvm.target.Target(ZEN4):
         quantized = relay_amp.quantize(imported, calibration, dynamic_matmuls=True)
