@@ -114,8 +114,8 @@ def taken_product(take: relax.Call, lookup: Callable, uses: Mapping) -> "relax.V
     constant (K, E * N) weight, cast or not, reshaped to (T * E, N), rows taken along axis 0 by a vector of
     indices), nothing but the take reading the product; else None. `lookup` gives a var's bound value (or None),
     `uses` how often each var is read."""
-    table, index = take.args
-    if take.attrs.axis is None or int(take.attrs.axis) != 0 or len(tensor_shape(index) or ()) != 1:
+    table, _ = take.args
+    if not takes_rows(take):
         return None
     product = _only_read(table, RESHAPE, lookup, uses)
     uncast = _only_read(product, CAST, lookup, uses)
@@ -130,12 +130,24 @@ def taken_product(take: relax.Call, lookup: Callable, uses: Mapping) -> "relax.V
     return source if tokens and rows % tokens == 0 and weight == (depth, rows // tokens * columns) else None
 
 
-def _only_read(expr: "relax.Expr | None", op_name: str, lookup: Callable, uses: Mapping) -> "relax.Expr | None":
-    """The first argument of the call of `op_name` the var `expr` is bound to, where `expr` is read once; else
-    None."""
+def takes_rows(take: relax.Call) -> bool:
+    """Whether `take` reads whole rows (axis 0) by a vector of indices."""
+    return take.attrs.axis is not None and int(take.attrs.axis) == 0 and len(tensor_shape(take.args[1]) or ()) == 1
+
+
+def bound_once(expr: "relax.Expr | None", lookup: Callable, uses: Mapping) -> "relax.Call | None":
+    """The call the var `expr` is bound to (`lookup` gives a var's bound value), where `uses` counts it read once;
+    else None."""
     if not isinstance(expr, relax.Var) or uses.get(expr, 0) != 1:
         return None
     bound = lookup(expr)
+    return bound if isinstance(bound, relax.Call) else None
+
+
+def _only_read(expr: "relax.Expr | None", op_name: str, lookup: Callable, uses: Mapping) -> "relax.Expr | None":
+    """The first argument of the call of `op_name` the var `expr` is bound to, where `expr` is read once; else
+    None."""
+    bound = bound_once(expr, lookup, uses)
     return bound.args[0] if call_op_name(bound) == op_name else None
 
 

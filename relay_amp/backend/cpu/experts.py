@@ -49,7 +49,8 @@ from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
 from ..._dead_code import EliminateDeadCode
-from ..._expert_matmuls import CAST, GATHERS, MATMUL, RESHAPE, TAKE, gathered_experts, taken_product
+from ..._expert_matmuls import (CAST, GATHERS, MATMUL, RESHAPE, TAKE, bound_once, gathered_experts, taken_product,
+                               takes_rows)
 from ..._ir import (OPAQUE_PATTERN, add_func_once, called_prim_func, calls_any_op, fast_script_parsing, get_function,
                     is_static_shape, read_counts, rewrite_function, tensor_dtype, tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
@@ -377,8 +378,8 @@ class _ExpertRows(relax.PyExprMutator):
             product = self.lookup_binding(product).args[0]
         call = self.lookup_binding(product) if isinstance(product, relax.Var) else None
         packed = spec_of(called_prim_func(self.mod, call)) if call_op_name(call) == "relax.call_tir" else None
-        if packed is None or self.uses.get(product, 0) != 1 or take.attrs.axis is None or int(take.attrs.axis) != 0 \
-                or not is_static_shape(tensor_shape(take)) or len(tensor_shape(index) or ()) != 1:
+        if packed is None or self.uses.get(product, 0) != 1 or not takes_rows(take) \
+                or not is_static_shape(tensor_shape(take)):
             return None
         data, codes, scales = call.args[1].fields
         rows, columns = tensor_shape(take)
@@ -399,8 +400,7 @@ class _ExpertRows(relax.PyExprMutator):
         one multiply by each token's row scale, reshaped), nothing else reading it; else None."""
         table, index = take.args
         chain = self._int8_chain(table)
-        if chain is None or take.attrs.axis is None or int(take.attrs.axis) != 0 or not is_static_shape(
-                tensor_shape(take)) or len(tensor_shape(index) or ()) != 1:
+        if chain is None or not takes_rows(take) or not is_static_shape(tensor_shape(take)):
             return None
         (codes, weight), steps = chain[0].args, chain[1]
         if not (isinstance(weight, tvm.ir.expr.Constant) and tensor_dtype(weight) == "int8"
@@ -427,15 +427,15 @@ class _ExpertRows(relax.PyExprMutator):
     def _int8_chain(self, table: relax.Expr) -> "tuple[relax.Call, list] | None":
         """(the int32 matmul, the (op, operand) steps from its sums to the product, in order) where `table` is a
         reshape of them, each value read once (float casts between steps are passed over); else None."""
-        reshape = self._read_once(table)
+        reshape = bound_once(table, self.lookup_binding, self.uses)
         if call_op_name(reshape) != RESHAPE:
             return None
         steps, value = [], reshape.args[0]
         while True:
-            call = self._read_once(value)
+            call = bound_once(value, self.lookup_binding, self.uses)
             name = call_op_name(call)
             if name == CAST and tensor_dtype(call.args[0]) == "int32":
-                matmul = self._read_once(call.args[0])
+                matmul = bound_once(call.args[0], self.lookup_binding, self.uses)
                 return (matmul, steps[::-1]) if call_op_name(matmul) == MATMUL else None
             if name == CAST and tensor_dtype(call) in MODEL_FLOAT_DTYPES:
                 value = call.args[0]
@@ -446,13 +446,6 @@ class _ExpertRows(relax.PyExprMutator):
                 return None
             steps.append((name, call.args[1] if call.args[0].same_as(chained[0]) else call.args[0]))
             value = chained[0]
-
-    def _read_once(self, expr: relax.Expr) -> "relax.Call | None":
-        """The call `expr` is bound to, where it is a var read once; else None."""
-        if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
-            return None
-        bound = self.lookup_binding(expr)
-        return bound if isinstance(bound, relax.Call) else None
 
     def _gathered_weights(self, matmul: relax.Call) -> "relax.Expr | None":
         """The kernel's call, reshaped as `matmul`'s output, where `matmul` multiplies each row (or column) by its
