@@ -179,10 +179,14 @@ class _Experts:
     def _bits(self, projection: str) -> int:
         return self.attributes.get(f"{projection}_expert_weight_bits", self.attributes.get("expert_weight_bits", 4))
 
+    def _part(self, projection: str, part: str) -> np.ndarray:
+        """The constant `projection`'s `part` names ("experts_weights": QMoE's packed codes, "scales", ...)."""
+        return self.constants[self.named[f"{projection}_{part}"]]
+
     def _layout(self, projection: str) -> dict:
         """The MatMulNBits attributes of one expert's `projection` codes (blocks of the whole depth per channel)."""
         experts, outputs, depth = self.dims(projection)
-        scales = self.constants[self.named[f"{projection}_scales"]]
+        scales = self._part(projection, "scales")
         return {"bits": self._bits(projection), "K": depth, "N": outputs,
                 "block_size": depth // scales.shape[2] if scales.ndim == 3 else depth}
 
@@ -195,10 +199,9 @@ class _Experts:
     def _points(self, projection: str, expert: int) -> "np.ndarray | None":
         """`expert`'s zero points of `projection` as onnx_nbits reads a MatMulNBits node's: packed per block, or
         (per channel, where QMoE packs them along the outputs) unpacked to floats; None for the middle code."""
-        zero_points = self.named[f"{projection}_zero_points"]
-        if not zero_points:
+        if not self.named[f"{projection}_zero_points"]:
             return None
-        points, scales = self.constants[zero_points], self.constants[self.named[f"{projection}_scales"]]
+        points, scales = self._part(projection, "zero_points"), self._part(projection, "scales")
         if scales.ndim == 3:
             return points[expert]
         return unpacked(points[expert], self._bits(projection))[:self.dims(projection)[1]].astype("float32")
@@ -209,7 +212,7 @@ class _Experts:
         name = self.named[f"{projection}_experts_weights"]
         if not self.quantized:
             return name
-        codes, scales = (self.constants[self.named[f"{projection}_{part}"]] for part in ("experts_weights", "scales"))
+        codes, scales = self._part(projection, "experts_weights"), self._part(projection, "scales")
         layout = self._layout(projection)
         return self.writer.computed_const(lambda: np.stack([
             dequantized(codes[expert], scales[expert], self._points(projection, expert), layout)
@@ -218,7 +221,7 @@ class _Experts:
     def _held(self, projection: str) -> PackedWeight:
         """A packable `projection`'s codes as one packed (depth, experts x outputs) weight, each expert's outputs
         after the previous expert's (relay_amp.packed_int4's 16-column blocks, one expert's after another)."""
-        codes, scales = (self.constants[self.named[f"{projection}_{part}"]] for part in ("experts_weights", "scales"))
+        codes, scales = self._part(projection, "experts_weights"), self._part(projection, "scales")
         parts = [held_packed(codes[expert], scales[expert], None, self._layout(projection))
                  for expert in range(self.count)]
         return PackedWeight(np.concatenate([part.packed for part in parts]),

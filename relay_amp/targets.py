@@ -99,7 +99,7 @@ def seven_bit_codes(target: "tvm.target.Target | None" = None) -> bool:
     int8 products in int16, which codes up to 255 overflow (2 x 255 x 128) and codes under 128 cannot (2 x 127 x
     128 = 32512), so the CPU backend takes 7-bit codes in one byte (relay_amp.backend.cpu.kernels.AVX2_BYTE_DOT)
     where it widens 8-bit ones to int16 pairs (ResNet-50 int8q on Zen 3: 0.77x the time)."""
-    target = target or tvm.target.Target.current(allow_none=True) or get_target(host_preset())
+    target = _given_current_or_host(target)
     has = tvm.target.codegen.target_has_features
     return (target.kind.name == "llvm" and has("avx2", target)
             and not any(has(feature, target) for feature in ("avx512f", "avxvnni")))
@@ -109,8 +109,13 @@ def int8_expert_products(target: "tvm.target.Target | None" = None) -> bool:
     """Whether a mixture of experts' products run in int8 for `target` (the current one, else the host's preset): an
     llvm target with AVX-512 VNNI, whose vpdpbusd the CPU backend's grouped expert kernel computes them on, only for
     the routed rows (relay_amp.backend.cpu.experts); elsewhere int8 would compute every expert's products."""
-    target = target or tvm.target.Target.current(allow_none=True) or get_target(host_preset())
+    target = _given_current_or_host(target)
     return target.kind.name == "llvm" and tvm.target.codegen.target_has_features("avx512vnni", target)
+
+
+def _given_current_or_host(target: "tvm.target.Target | None") -> tvm.target.Target:
+    """`target` if given, else the current target, else the host's preset."""
+    return target or tvm.target.Target.current(allow_none=True) or get_target(host_preset())
 
 
 @functools.cache

@@ -60,7 +60,7 @@ from ...targets import int8_expert_products
 from .dispatch import kernel_dtypes
 from .kernels import BF16_DOT, INT8_DOT, INT8_SHIFT, LANES, register_file
 
-AFFINE_OPS = ("relax.multiply", "relax.add")  # an int8 product's steps after its int32 sums
+MULTIPLY, ADD = "relax.multiply", "relax.add"  # an int8 product's steps after its int32 sums
 MAX_TILE_ROWS = 4  # rows a tile multiplies by each weight vector it loads (more did not run faster on Zen 4)
 PANEL_CHOICES = (4, 2, 1)  # 16-column blocks of a tile, preferred in this order
 NIBBLE_PAIRS = 0x000F000F  # a word's nibbles of depths 2j and 2j + 1, shifted down by 4j, one per half
@@ -373,9 +373,8 @@ class _ExpertRows(relax.PyExprMutator):
         else reading the product; else None."""
         table, index = take.args
         product = table
-        while isinstance(product, relax.Var) and self.uses.get(product, 0) == 1 and call_op_name(
-                self.lookup_binding(product)) in (RESHAPE, CAST):  # AMP's cast of the product: the kernel's store
-            product = self.lookup_binding(product).args[0]
+        while call_op_name(bound_once(product, self.lookup_binding, self.uses)) in (RESHAPE, CAST):
+            product = self.lookup_binding(product).args[0]  # AMP's cast of the product: the kernel's store
         call = self.lookup_binding(product) if isinstance(product, relax.Var) else None
         packed = spec_of(called_prim_func(self.mod, call)) if call_op_name(call) == "relax.call_tir" else None
         if packed is None or self.uses.get(product, 0) != 1 or not takes_rows(take) \
@@ -441,7 +440,7 @@ class _ExpertRows(relax.PyExprMutator):
                 value = call.args[0]
                 continue
             chained = [arg for arg in call.args if isinstance(arg, relax.Var)
-                       and tensor_shape(arg) == tensor_shape(call)] if name in AFFINE_OPS else []
+                       and tensor_shape(arg) == tensor_shape(call)] if name in (MULTIPLY, ADD) else []
             if len(chained) != 1:
                 return None
             steps.append((name, call.args[1] if call.args[0].same_as(chained[0]) else call.args[0]))
@@ -497,11 +496,11 @@ def _affine(steps: list, columns: int, tokens: int) -> "tuple[np.ndarray, relax.
             if values.size != 1 and (values.size != columns or values.shape[-1] != columns):
                 return None
             values = np.broadcast_to(values.reshape(-1), (columns,))
-            if name == AFFINE_OPS[0]:
+            if name == MULTIPLY:
                 affine *= values
             else:
                 affine[1 if row_scales is None else 2] += values
-        elif name == AFFINE_OPS[0] and row_scales is None and tensor_shape(operand) == (tokens, 1) \
+        elif name == MULTIPLY and row_scales is None and tensor_shape(operand) == (tokens, 1) \
                 and tensor_dtype(operand) == "float32":
             row_scales = operand
         else:
