@@ -1,7 +1,7 @@
 """relay_amp: Relax passes that turn an fp32 model into a faster mixed- or low-precision one."""
 
 from . import frontend, targets, transform
-from .compile.build import build, compile_ptx, cuda_source
+from .compile.build import build, compile_ptx, cuda_source, export_library
 from .compile.tuning import tune
 from .errors import (
     DTypeError,
@@ -65,6 +65,7 @@ __all__ = [
     "cuda_source",
     "digits",
     "eliminate_redundant_casts",
+    "export_library",
     "frontend",
     "hoist_over_moves",
     "list_layers",

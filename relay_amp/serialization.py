@@ -1,8 +1,10 @@
 """Modules to and from JSON files, atomic writes, and dataclasses (kernel specs) back from their JSON."""
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import tvm
@@ -10,19 +12,27 @@ import tvm
 from .errors import ModelLoadError
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder, then rename it into place."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
+    """A temporary path in `path`'s folder (its suffix kept, for writers that choose a format by it) to write to;
+    when the block ends without an exception it is given `mode` and renamed to `path`, else removed."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=f".tmp{target.suffix}")
+    os.close(handle)
     try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.chmod(temp, 0o644)  # mkstemp creates 0600; a written artifact is readable like any other file
+        yield Path(temp)
+        os.chmod(temp, mode)  # mkstemp creates 0600; a written artifact is readable like any other file
         os.replace(temp, target)
     except BaseException:
-        os.unlink(temp)
+        Path(temp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder, then rename it into place."""
+    with atomic_path(path) as temp:
+        temp.write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -3,17 +3,22 @@
 import contextlib
 import os
 import warnings
+from pathlib import Path
 
 import tvm
 from tvm import relax
 
 from ..backend import pipeline_for
 from ..backend.fusion import AUTO
-from ..errors import ModuleError, TargetError, TuningError
+from ..errors import ModuleError, OptionError, TargetError, TuningError
 from ..passes.shapes import bind_advice, symbolic_dims
 from ..runtime import set_host_compiler
+from ..serialization import atomic_path
 from ..targets import check_host, get_target, host_preset
 from .tuning import load_database, prepared_records
+
+LIBRARY_SUFFIXES = (".so", ".tar")  # export_library's formats: TVM links a .so with the host compiler, tars a .tar
+LIBRARY_MODE = 0o755  # a shared library's usual mode
 
 
 def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
@@ -67,6 +72,25 @@ def build_for_host(mod: tvm.IRModule) -> relax.VMExecutable:
 
 
 set_host_compiler(build_for_host)
+
+
+def library_path(path: str | os.PathLike) -> Path:
+    """`path` as a Path, or an OptionError where it does not name a library export_library writes."""
+    if Path(path).suffix not in LIBRARY_SUFFIXES:
+        raise OptionError(f"a built model is written as {' or '.join(LIBRARY_SUFFIXES)}, got {str(path)!r}")
+    return Path(path)
+
+
+def export_library(executable: relax.VMExecutable, path: str | os.PathLike) -> Path:
+    """Write a built model to `path` as a shared library (.so) or a tar of its objects (.tar), atomically; the plain
+    TVM runtime runs it without relay_amp (tvm.runtime.load_module, then relax.VirtualMachine). Returns the path."""
+    target = library_path(path)
+    try:
+        with atomic_path(target, LIBRARY_MODE) as temp:
+            executable.export_library(str(temp))
+    except RuntimeError as err:  # the host compiler's failure to link, or TVM's (its errors are RuntimeErrors)
+        raise ModuleError(f"cannot write {target}: {str(err).strip().splitlines()[-1]}") from err
+    return target
 
 
 def _symbolic_input_dims(mod: tvm.IRModule) -> list[str]:

@@ -81,7 +81,8 @@ def variant(mod: tvm.IRModule, dtype: str, calibration: Sequence | None = None) 
     return to_mixed_precision(mod, dtype)
 
 
-def _logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, target: str) -> Path | None:
+def logs_for(tune_logs: str | os.PathLike | None, model: str, dtype: str, target: str) -> Path | None:
+    """`tune_logs` where it holds one log, else its MODEL-DTYPE-TARGET log where there is one; None without logs."""
     if tune_logs is None:
         return None
     root = Path(tune_logs)
@@ -122,7 +123,7 @@ def benchmark(mod: tvm.IRModule, dtypes: Sequence[str] = ("float32", "bfloat16")
         calibration = random_batches(mod)
     runners, tuned = {}, {}
     for dtype in order:
-        logs = _logs_for(tune_logs, model, dtype, target)
+        logs = logs_for(tune_logs, model, dtype, target)
         executable = build(variant(mod, dtype, calibration), target, logs, fast_math, LAYOUTS[layout])
         runners[(RELAY_AMP, dtype)] = relay_runner(executable, inputs)
         tuned[(RELAY_AMP, dtype)] = logs is not None

@@ -1,13 +1,15 @@
-"""The relay-amp command line: inspect layers and convert models from a shell."""
+"""The relay-amp command line: inspect layers, convert models and build them into libraries from a shell."""
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import tvm
 from tabulate import tabulate
 
 from .. import frontend
+from ..compile.build import build, export_library, library_path
 from ..compile.tuning import RPC_WAIT_S, log_dir, tune
 from ..errors import MissingDependencyError, OptionError, RelayAmpError
 from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
@@ -15,10 +17,11 @@ from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from ..passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
 from ..passes.quantize.observers import DEFAULT_PERCENTILE, OBSERVERS
 from ..passes.recast import DEFAULT_RECAST_OPS, recast
-from ..serialization import atomic_write_text, save
+from ..passes.shapes import specialize
+from ..serialization import atomic_write_text, load, save
 from ..targets import host_cores, host_preset
 from . import models
-from .bench import LAYOUTS, benchmark, format_rows, rows_to_json, variant
+from .bench import BASELINE, LAYOUTS, QUANTIZED, benchmark, format_rows, logs_for, rows_to_json, variant
 from .calibration import load_batches, random_batches
 from .gpu_check import MODELS as GPU_MODELS
 from .gpu_check import VARIANTS as GPU_VARIANTS
@@ -26,16 +29,19 @@ from .gpu_check import format_rows as format_gpu_rows
 from .gpu_check import gpu_check
 from .profile import format_profile, profile, profile_to_json
 
+SAVED_SUFFIX = ".json"  # a module written by save (convert's and quantize's -o)
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "int8q": "int8q", "int4w": "int4w"}
 
 
 def load_model(spec: str, batch: int = 1, dims: "dict[str, int] | None" = None) -> tvm.IRModule:
-    """A built-in model by name (see relay_amp.models.MODELS) or an ONNX file by path, its symbolic input dims
-    named in `dims` bound to their sizes."""
+    """A built-in model by name (see relay_amp.models.MODELS), a module saved by convert or quantize (.json) or an
+    ONNX file by path, its symbolic input dims named in `dims` bound to their sizes."""
     if spec in models.MODELS:
         if dims:
             raise OptionError(f"--dim sizes an ONNX file's symbolic dims; built-in model {spec!r} takes --batch")
         return models.get_model(spec, batch=batch)
+    if Path(spec).suffix == SAVED_SUFFIX:
+        return specialize(load(spec), dims) if dims else load(spec)
     return frontend.from_onnx(spec, dims=dims)
 
 
@@ -94,6 +100,26 @@ def _write_plan_and_module(args: argparse.Namespace, plan, mod: tvm.IRModule) ->
     if args.output:
         save(mod, args.output)
         print(f"wrote {args.output}")
+
+
+def _cmd_build(args: argparse.Namespace) -> None:
+    library_path(args.output)  # bad options fail before the build
+    if args.calib and args.dtype != QUANTIZED:
+        raise OptionError(f"--calib calibrates --dtype int8q, not {args.dtype or 'a model built as given'}")
+    mod = load_model(args.model, args.batch, args.dim)
+    if args.dtype == QUANTIZED and not args.calib:
+        print("int8q calibrated on random inputs: give --calib DATA.npz of real ones for a model to ship")
+    calibration = load_batches(mod, args.calib) if args.calib else None
+    converted = mod if args.dtype is None else variant(mod, args.dtype, calibration)
+    logs = logs_for(args.tune_logs, args.model, args.dtype or BASELINE, args.target)
+    executable = build(converted, args.target, logs, not args.exact_math, LAYOUTS[args.layout])
+    path = export_library(executable, args.output)
+    print(f"wrote {path} ({_size_text(path.stat().st_size)}) for {args.target}; run it with the TVM runtime alone: "
+          "relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())")
+
+
+def _size_text(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
 
 
 def _cmd_tune(args: argparse.Namespace) -> None:
@@ -229,7 +255,8 @@ def _dtype(text: str) -> str:
 def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None = None,
              target: bool = False) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help=help_text)
-    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}), ONNX file, or (bench) zoo[:NAMES]")
+    parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}), ONNX file, module saved by "
+                        "convert or quantize (.json), or (bench) zoo[:NAMES]")
     parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
     parser.add_argument("--dim", type=_dims, default={}, help="sizes of an ONNX file's symbolic input dims "
                         "(dynamic axes), e.g. batch=1,sequence=128: the kernels need static shapes")
@@ -309,6 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker: measure on its servers")
     tn.add_argument("--rpc-key", help="the servers' key at the tracker (with --rpc-tracker)")
     tn.add_argument("--rpc-wait", type=float, default=RPC_WAIT_S, help="seconds to wait for a server of the key")
+
+    bd = _command(commands, "build", "compile a model (converted first, where --dtype says) into a library the TVM "
+                  "runtime loads", _cmd_build, target=True)
+    bd.add_argument("--dtype", type=_dtype, help="fp32, bf16 or fp16 (AMP defaults), int8q (quantize), int8 (recast), "
+                    "int4w; default: the model as given (e.g. a module saved by convert or quantize)")
+    bd.add_argument("--calib", help="int8q: .npz of calibration inputs, as for quantize (default: random batches)")
+    bd.add_argument("--tune-logs", help="a tuning log, or a root holding MODEL-DTYPE-TARGET logs")
+    bd.add_argument("--layout", choices=list(LAYOUTS), default="auto", help="conv layout, as for bench")
+    bd.add_argument("--exact-math", action="store_true", help="keep libm erf/exp (no relay_amp.backend.cpu.fastmath)")
+    bd.add_argument("-o", "--output", required=True, help="the library to write: .so (shared) or .tar (objects)")
 
     bn = _command(commands, "bench", "build, time and check every dtype variant of a model", _cmd_bench,
                   target=True)

@@ -1,7 +1,12 @@
 """build: host CPU, bf16 preset, tuning logs, and CUDA tensor-core code without a GPU."""
 
+import os
 import re
 import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +15,7 @@ from tvm import relax
 
 import relay_amp
 from relay_amp import models, targets
-from relay_amp.compile.build import build, build_for_host, compile_ptx, cuda_source
+from relay_amp.compile.build import build, build_for_host, compile_ptx, cuda_source, export_library, library_path
 from relay_amp.runtime import compile_for_host, run_executable
 
 from builders import positions_onnx, single_output_module, tensor
@@ -80,3 +85,57 @@ def test_a_dynamic_model_tvm_cannot_compile_is_a_module_error_saying_how_to_bind
                                                   match=r"symbolic input dims \(batch, seq\).*dims=\{'batch': N"):
         build(mod, "cpu")
     build(relay_amp.frontend.from_onnx(positions_onnx(), dims={"batch": 2, "seq": 4}), "cpu")
+
+
+# run in a fresh interpreter: the library's main on the inputs saved in argv[2], its output saved to argv[3]
+TVM_RUNTIME_ALONE = """
+import sys
+import numpy as np
+import tvm
+from tvm import relax
+vm = relax.VirtualMachine(tvm.runtime.load_module(sys.argv[1]), tvm.cpu())
+inputs = np.load(sys.argv[2])
+output = vm["main"](*[tvm.runtime.tensor(inputs[name]) for name in inputs.files])
+np.save(sys.argv[3], output.numpy())
+assert "relay_amp" not in sys.modules
+"""
+
+
+def test_an_exported_library_runs_on_the_tvm_runtime_alone_as_the_build_ran(tmp_path):
+    mod = relay_amp.to_mixed_precision(models.small_cnn(), "bfloat16")
+    executable = build(mod, targets.host_preset())
+    inputs = models.example_inputs(mod)
+    path = export_library(executable, tmp_path / "lib" / "model.so")
+    assert path == tmp_path / "lib" / "model.so"
+    assert [p.name for p in path.parent.iterdir()] == ["model.so"]  # the temporary name renamed
+    np.savez(tmp_path / "inputs.npz", *inputs)
+    environment = {**os.environ, "TVM_NUM_THREADS": str(relay_amp.runtime.pool_threads())}
+    subprocess.run([sys.executable, "-c", TVM_RUNTIME_ALONE, str(path), str(tmp_path / "inputs.npz"),
+                    str(tmp_path / "output.npy")], check=True, env=environment)
+    np.testing.assert_allclose(np.load(tmp_path / "output.npy"), run_executable(executable, inputs)[0], rtol=1e-6)
+
+
+def test_a_library_exports_as_a_tar_of_objects(tmp_path):
+    path = export_library(build(models.small_cnn(), "cpu"), tmp_path / "model.tar")
+    assert tarfile.is_tarfile(path)
+
+
+class _FailingExecutable:
+    """An executable whose export writes part of a file, then fails as a linker does."""
+
+    def export_library(self, path):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("Compilation error:\nld: cannot find -lfoo")
+
+
+def test_a_failed_export_is_a_module_error_and_leaves_the_old_file_alone(tmp_path):
+    old = tmp_path / "model.so"
+    old.write_bytes(b"old")
+    with pytest.raises(relay_amp.ModuleError, match=r"cannot write .*model\.so: ld: cannot find -lfoo"):
+        export_library(_FailingExecutable(), old)
+    assert old.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["model.so"]
+
+
+def test_a_library_name_of_another_format_is_an_option_error():
+    with pytest.raises(relay_amp.OptionError, match=r"written as \.so or \.tar, got 'model\.zip'"):
+        library_path("model.zip")

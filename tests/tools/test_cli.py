@@ -1,7 +1,13 @@
 """The relay-amp command line."""
 
+import numpy as np
 import pytest
+import tvm
+from tvm import relax
 
+import relay_amp
+from relay_amp import models
+from relay_amp.runtime import run_executable
 from relay_amp.tools.cli import main
 
 
@@ -163,3 +169,50 @@ def test_dim_sizes_an_onnx_files_dynamic_axes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", str(path), "--dim", "batch"])
     assert "expected NAME=SIZE" in capsys.readouterr().err
+
+
+def _run_library(path, inputs):
+    """The main of the library at `path` on `inputs`, through the TVM runtime alone."""
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(x) for x in inputs]).numpy()
+
+
+def _built_in_process(mod):
+    """The output of `mod` built for the host's preset and run on the small CNN's example inputs."""
+    return run_executable(relay_amp.build(mod, relay_amp.targets.host_preset()), models.example_inputs(mod))[0]
+
+
+def test_build_writes_a_library_of_the_converted_model(tmp_path, capsys):
+    path = tmp_path / "small_cnn.so"
+    assert main(["build", "small_cnn", "--dtype", "bf16", "-o", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    mod = models.small_cnn()
+    got = _run_library(path, models.example_inputs(mod))
+    np.testing.assert_allclose(got, _built_in_process(relay_amp.to_mixed_precision(mod, "bfloat16")), rtol=1e-6)
+    fp32 = _built_in_process(mod)
+    assert 1e-4 < np.abs(got - fp32).max() / np.abs(fp32).max() < 2e-2  # converted: bf16 AMP's error
+
+
+def test_build_takes_a_module_saved_by_convert_as_it_is(tmp_path, capsys):
+    saved, path = tmp_path / "small_cnn_fp16.json", tmp_path / "small_cnn_fp16.so"
+    assert main(["convert", "small_cnn", "--dtype", "fp16", "-o", str(saved)]) == 0
+    assert main(["build", str(saved), "-o", str(path)]) == 0
+    converted = relay_amp.load(saved)
+    np.testing.assert_allclose(_run_library(path, models.example_inputs(converted)), _built_in_process(converted),
+                               rtol=1e-6)
+
+
+def test_build_of_int8q_without_calibration_data_says_it_used_random_inputs(tmp_path, capsys):
+    assert main(["build", "small_cnn", "--dtype", "int8q", "-o", str(tmp_path / "q.so")]) == 0
+    assert "int8q calibrated on random inputs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["build", "small_cnn", "-o", "model.zip"], "written as .so or .tar, got 'model.zip'"),
+    (["build", "small_cnn", "--calib", "calib.npz", "-o", "model.so"], "--calib calibrates --dtype int8q"),
+    (["build", "missing.json", "-o", "model.so"], "cannot load a module from missing.json"),
+])
+def test_build_errors_are_one_line_before_anything_is_built(argv, fragment, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
