@@ -9,6 +9,7 @@ import tvm
 from tabulate import tabulate
 
 from .. import frontend
+from .._ir import get_function, tensor_dtype, tensor_shape
 from ..compile.build import build, export_library, library_path
 from ..compile.tuning import RPC_WAIT_S, log_dir, tune
 from ..errors import MissingDependencyError, OptionError, RelayAmpError
@@ -115,7 +116,13 @@ def _cmd_build(args: argparse.Namespace) -> None:
     executable = build(converted, args.target, logs, not args.exact_math, LAYOUTS[args.layout])
     path = export_library(executable, args.output)
     print(f"wrote {path} ({_size_text(path.stat().st_size)}) for {args.target}; run it with the TVM runtime alone: "
-          "relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())")
+          f"relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())[\"main\"]({_input_text(converted)})")
+
+
+def _input_text(mod: tvm.IRModule) -> str:
+    """main's parameters as `name: dtype[shape]`, comma-separated (what the library's main takes, in order)."""
+    return ", ".join(f"{param.name}: {tensor_dtype(param)}{list(tensor_shape(param) or ['?'])}"
+                     for param in get_function(mod, "main").params)
 
 
 def _size_text(size: int) -> str:

@@ -185,7 +185,8 @@ def _built_in_process(mod):
 def test_build_writes_a_library_of_the_converted_model(tmp_path, capsys):
     path = tmp_path / "small_cnn.so"
     assert main(["build", "small_cnn", "--dtype", "bf16", "-o", str(path)]) == 0
-    assert f"wrote {path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"wrote {path}" in out and '["main"](data: float32[1, 3, 16, 16])' in out  # what main takes
     mod = models.small_cnn()
     got = _run_library(path, models.example_inputs(mod))
     np.testing.assert_allclose(got, _built_in_process(relay_amp.to_mixed_precision(mod, "bfloat16")), rtol=1e-6)
