@@ -4,12 +4,14 @@ Relax's ConvertLayout carries a layout only through ops with a layout rule; arou
 Pad of BiT's stem and of TF-ported "same" convs; leakyrelu, all of CSPNet's and DarkNet's activations, and softplus)
 it transposes back to the model's layout, and the ops after it run in that layout until the next convolution
 transposes again. This pass moves a transpose below each op that computes the same values on the untransposed tensor
-with its axes renamed (elementwise ops, also of an untransposed operand whose axes past extent one keep their
-order, read back as a view: a squeeze-excite's [1, C, 1, 1] gate; pads; group norms; pools; reductions, the axes one
-drops renumbered in the transpose left: ResNeSt's sum over its radix; expand_dims; strided slices; concats of tensors
-all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so that the transpose back and the next one
+with its axes renamed (every elementwise op: audio codecs' Snake, x + sin(a x)^2 / a, too; also of an untransposed
+operand whose axes past extent one keep their order, read back as a view: a squeeze-excite's [1, C, 1, 1] gate;
+pads; group norms; pools; reductions, the axes one drops renumbered in the transpose left: ResNeSt's sum over its
+radix; expand_dims; strided slices; concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in
+NCHW), so that the transpose back and the next one
 forward meet and cancel (HGNetV2's head transposed its last feature map to NCHW to average it: now the mean's one
-pixel is transposed). Past a reshape too, where it only merges or splits runs of axes that keep their
+pixel is transposed). Past a reshape too (a squeeze is one: a 1-D transposed conv's output, a conv2d of height one,
+squeezed back to NCW), where it only merges or splits runs of axes that keep their
 order (an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed),
 or that merges axes lying together in x in another order, where transposing them in x first copies fewer elements in
 all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the shuffle becomes a transpose of the NHWC tensor's
@@ -33,12 +35,16 @@ from .._dead_code import remove_all_unused
 from .._ir import is_static_shape, read_counts, tensor_shape, with_attr
 from ..ops import bound_call, bound_value, call_op_name, tuple_fields
 
-UNARY = frozenset(f"relax.{name}" for name in (
-    "nn.relu", "nn.leakyrelu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.softplus", "sigmoid", "tanh", "exp", "log",
-    "erf", "sqrt", "rsqrt", "negative", "abs", "sign", "astype", "floor", "ceil", "round", "clip"))
-BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast operands: arithmetic, comparisons
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "greater", "greater_equal", "less",
-    "less_equal", "equal", "not_equal", "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
+UNARY = frozenset(f"relax.{name}" for name in (  # every elementwise op of one tensor Relax has
+    "nn.relu", "nn.leakyrelu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.selu", "nn.softplus", "sigmoid", "tanh",
+    "exp", "log", "erf", "sqrt", "rsqrt", "square", "negative", "abs", "sign", "astype", "floor", "ceil", "round",
+    "trunc", "clip", "sin", "cos", "tan", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh",
+    "isfinite", "isinf", "isnan", "logical_not", "bitwise_not"))
+BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast operands: arithmetic, comparisons,
+    "add", "subtract", "multiply", "divide", "floor_divide", "floor_mod", "mod", "maximum", "minimum", "power",
+    "atan2", "greater", "greater_equal", "less", "less_equal", "equal", "not_equal", "logical_and", "logical_or",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
+    "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
 REDUCTIONS = frozenset(f"relax.{name}" for name in ("mean", "sum", "max", "min", "prod"))
 
@@ -89,7 +95,7 @@ class _Sinker(relax.PyExprMutator):
         name = call_op_name(call)
         if name == "relax.permute_dims":
             return self._cancelled(call)
-        if name in ("relax.split", "relax.reshape", "relax.matmul"):
+        if name in ("relax.split", "relax.reshape", "relax.squeeze", "relax.matmul"):
             return self._through(call, name)
         joined = name == "relax.concat" and isinstance(call.args[0], relax.Tuple)
         operands = list(call.args[0].fields) if joined else list(call.args)
@@ -134,7 +140,7 @@ class _Sinker(relax.PyExprMutator):
         source = self._sinkable(call.args[0])
         if source is None:
             return call
-        if name == "relax.reshape":
+        if name in ("relax.reshape", "relax.squeeze"):  # a squeeze: a reshape dropping axes of extent one
             return self._reshaped(call, *source)
         return self._split(call, *source) if _channels_first(source[1]) else call
 
@@ -166,10 +172,10 @@ class _Sinker(relax.PyExprMutator):
         return _viewed(relax.op.permute_dims(product, perm))
 
     def _reshaped(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Expr:
-        """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape; with
-        `reorder`, of `data` transposed first where the reshape merges axes that lie together in it in another
-        order (`_run_order`); `call` where there is none."""
-        target = _static_shape_of(call.args[1])
+        """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape (a reshape's
+        or a squeeze's); with `reorder`, of `data` transposed first where the reshape merges axes that lie together
+        in it in another order (`_run_order`); `call` where there is none."""
+        target = _static_result_shape(call)
         regrouped = _regrouping(tensor_shape(data), perm, target)
         order = None if regrouped is not None else _run_order(tensor_shape(data), perm, target)
         self.reorderable |= order is not None
@@ -310,6 +316,12 @@ def _runs(sizes: list[int], target: list[int]) -> list[tuple[list[int], list[int
                 wanted, index = wanted * target[index], index + 1
         runs.append((axes, extents))
     return runs
+
+
+def _static_result_shape(call: relax.Call) -> "list[int] | None":
+    """The extents of `call`'s result where they are all ints, else None."""
+    shape = tensor_shape(call)
+    return None if shape is None else _static_shape_of(relax.ShapeExpr(shape))
 
 
 def _static_shape_of(shape: relax.Expr) -> "list[int] | None":

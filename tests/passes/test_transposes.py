@@ -1002,3 +1002,106 @@ def test_a_torchvision_shufflenet_through_torch_export_shuffles_channels_in_nhwc
     with torch.no_grad():
         expected = model(x).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_transposes_move_past_every_elementwise_op_a_snake_activation_spells():
+    """A Snake, x + sin(a x)^2 / a with a per channel (audio codecs' and vocoders' activation, DAC's), between a
+    conv's output taken back to NCW and the next conv's transpose: sin had no move, so both transposes stayed."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 6, 4), "float32"),
+                 alpha: R.Tensor((1, 4, 1), "float32")) -> R.Tensor((1, 6, 4), "float32"):
+            with R.dataflow():
+                ncw = R.permute_dims(x, axes=[0, 2, 1])
+                scaled = R.multiply(alpha, ncw)
+                sine = R.sin(scaled)
+                squared = R.square(sine)
+                added = R.add(ncw, R.divide(squared, alpha))
+                gv = R.permute_dims(added, axes=[0, 2, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 6, 4), "float32"),
+                 alpha: R.Tensor((1, 4, 1), "float32")) -> R.Tensor((1, 6, 4), "float32"):
+            with R.dataflow():
+                row = R.reshape(alpha, R.shape([1, 1, 4]))
+                scaled = R.multiply(row, x)
+                sine = R.sin(scaled)
+                squared = R.square(sine)
+                row_1 = R.reshape(alpha, R.shape([1, 1, 4]))
+                divided = R.divide(squared, row_1)
+                added = R.add(x, divided)
+                gv = added
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((1, 6, 4)).astype("float32"), rng.uniform(0.5, 2, (1, 4, 1)).astype("float32")]
+    np.testing.assert_allclose(relay_amp.run(after, data)[0], relay_amp.run(Before, data)[0], rtol=1e-6)
+
+
+def test_a_squeeze_of_a_transpose_is_a_reshape_of_the_untransposed_tensor():
+    """A 1-D transposed conv's output, computed as a conv2d of height one in NHWC, comes back to NCW through a
+    transpose and a squeeze of the height; the squeeze moves above the transpose, which meets the next one."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((1, 1, 6, 4), "float32")) -> R.Tensor((1, 6, 4), "float32"):
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                ncw = R.squeeze(nchw, axis=[2])
+                active = R.nn.leakyrelu(ncw, alpha=0.1)
+                gv = R.permute_dims(active, axes=[0, 2, 1])
+                R.output(gv)
+            return gv
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((1, 1, 6, 4), "float32")) -> R.Tensor((1, 6, 4), "float32"):
+            with R.dataflow():
+                nwc = R.reshape(x, R.shape([1, 6, 4]))
+                active = R.nn.leakyrelu(nwc, alpha=0.1)
+                gv = active
+                R.output(gv)
+            return gv
+
+    after = assert_transforms(SinkTransposes(), Before, Expected)
+    data = np.random.default_rng(0).standard_normal((1, 1, 6, 4)).astype("float32")
+    np.testing.assert_array_equal(relay_amp.run(after, [data])[0], relay_amp.run(Before, [data])[0])
+
+
+def test_a_hifigan_vocoder_upsamples_and_activates_its_audio_without_transposes(tmp_path):
+    """SpeechT5's HiFi-GAN vocoder (not the model the squeeze's move was written on: DAC): transposed 1-D convs,
+    LeakyReLUs and residual blocks. Its conv transposes' outputs went back to NCW through a squeeze, and six
+    functions transposed; now none does, and the build matches PyTorch."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from relay_amp.backend import pipeline_for
+    from relay_amp.runtime import run_executable
+
+    config = transformers.SpeechT5HifiGanConfig(
+        model_in_dim=16, upsample_initial_channel=32, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
+        resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]])
+    torch.manual_seed(0)
+    vocoder = transformers.SpeechT5HifiGan(config).eval()
+    spectrogram = torch.randn(1, 24, 16)
+    with torch.no_grad():
+        expected = vocoder(spectrogram).numpy()
+        torch.onnx.export(vocoder, (spectrogram,), str(tmp_path / "hifigan.onnx"), input_names=["spectrogram"],
+                          opset_version=17, dynamo=False)
+    mod = relay_amp.frontend.from_onnx(tmp_path / "hifigan.onnx")
+    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
+    backend = pipeline_for(target)
+    with target, tvm.transform.PassContext(opt_level=3, config=backend.PASS_CONFIG):
+        prepared = backend.prepare_passes(target)(mod)
+    transposing = [gv.name_hint for gv, func in prepared.functions_items()
+                   if isinstance(func, tvm.tirx.PrimFunc) and "T_transpose" in func.script()]
+    assert transposing == []
+    got = run_executable(relay_amp.build(mod, target), [spectrogram.numpy()])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
