@@ -1,5 +1,6 @@
 """ONNX's Pad, which TVM's importer writes as a call of a TE function, as relax.nn.pad: constant pads, and reflect
-and edge pads (TResNet's anti-aliased downsampling, style-transfer and super-resolution nets)."""
+and edge pads (TResNet's anti-aliased downsampling, style-transfer and super-resolution nets); one of width zero as
+its input."""
 
 import numpy as np
 import tvm
@@ -24,13 +25,15 @@ def _as_pad(call: relax.Call, prim_func: tvm.tirx.PrimFunc) -> "relax.Expr | Non
     data, pad = call.args[1].fields[0], constant_pad(prim_func)
     if pad is not None:
         return relax.op.nn.pad(data, pad[0], pad_value=pad[1])
+    if _copies(prim_func):
+        return data  # a mirror pad of width zero (EnCodec's convs whose computed padding is 0): no copy needed
     mirrored = mirrored_pad(prim_func)
     return None if mirrored is None else relax.op.nn.pad(data, mirrored[0], pad_mode=mirrored[1])
 
 
-def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | None":
-    """(pad_width as [before0, after0, ...], relax.nn.pad's mode) of a PrimFunc whose one store gathers its input,
-    out[i...] = x[f0(i0), f1(i1), ...], each fi the index numpy's reflect or edge pad reads, else None."""
+def _gathered_reads(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[list[int]], list[int]] | None":
+    """(per output axis the input positions its store reads, the input's shape) of a PrimFunc whose one store gathers
+    its input, out[i...] = x[f0(i0), f1(i1), ...], each fi a function of its own axis, else None."""
     node = only_store(func)
     if node is None or len(func.params) != 2 or not isinstance(node.value, tvm.ir.expr.TensorLoad):
         return None
@@ -39,8 +42,22 @@ def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | N
     if len(in_shape) != len(out_shape) or len(node.indices) != len(load.indices):
         return None
     reads = [_reads(index, var, size_out) for index, var, size_out in zip(load.indices, node.indices, out_shape)]
-    if None in reads:
+    return None if None in reads else (reads, in_shape)
+
+
+def _copies(func: "tvm.tirx.PrimFunc | None") -> bool:
+    """Whether `func` stores its input unchanged, every position read where it is written."""
+    gathered = _gathered_reads(func)
+    return gathered is not None and all(read == list(range(size)) for read, size in zip(*gathered))
+
+
+def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | None":
+    """(pad_width as [before0, after0, ...], relax.nn.pad's mode) of a PrimFunc whose one store gathers its input,
+    out[i...] = x[f0(i0), f1(i1), ...], each fi the index numpy's reflect or edge pad reads, else None."""
+    gathered = _gathered_reads(func)
+    if gathered is None:
         return None
+    reads, in_shape = gathered
     for mode in MODES:
         widths = [_mirrored_widths(read, size_in, mode) for read, size_in in zip(reads, in_shape)]
         if None not in widths and any(any(pair) for pair in widths):

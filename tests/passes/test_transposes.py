@@ -13,6 +13,7 @@ from relay_amp._ir import tensor_shape
 from relay_amp._pads import constant_pad, mirrored_pad, pads_as_ops
 from relay_amp.ops import call_op_name
 from relay_amp.passes.transposes import SinkTransposes
+from relay_amp.runtime import run_executable
 
 from pass_checks import assert_transforms
 
@@ -328,6 +329,65 @@ def test_an_onnx_reflect_or_edge_pad_becomes_relax_pad_of_that_mode(mode, relax_
     data = np.random.default_rng(1).standard_normal((1, 3, 4, 5)).astype("float32")
     np.testing.assert_array_equal(relay_amp.run(mod, [data])[0],
                                   np.pad(data, [(0, 0), (0, 0), (1, 3), (2, 0)], mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge", "constant"])
+def test_an_onnx_pad_of_width_zero_imports_as_its_input(mode):
+    """Exporters write a Pad of computed widths, zero where a conv needs none (EnCodec's 1x1 convs, reflect mode):
+    TVM's importer copied the tensor through a gather (or a pad of nothing), which stopped the transposes around
+    it; now no op is left in any mode."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], mode=mode)], "pad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 5])],
+        [helper.make_tensor("pads", TensorProto.INT64, [6], [0] * 6)])
+    mod = relay_amp.frontend.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    calls = [call_op_name(b.value) for b in mod["main"].body.blocks[0].bindings]
+    assert [call for call in calls if call is not None] == []
+    data = np.random.default_rng(1).standard_normal((1, 3, 5)).astype("float32")
+    np.testing.assert_array_equal(relay_amp.run(mod, [data])[0], data)
+
+
+def test_an_encodec_codec_runs_its_convs_and_elus_in_nwc_without_transposes(tmp_path):
+    """Hugging Face's EnCodec (24 kHz design, small widths): reflect pads of width zero before its 1x1 convs kept a
+    transpose to NCW and back around each ELU; its decoder's transposed convs were squeezed back to NCW. Now no
+    function transposes, and the build matches PyTorch."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.EncodecConfig(num_filters=4, hidden_size=16, num_lstm_layers=1, codebook_dim=16)
+    torch.manual_seed(0)
+    codec = transformers.EncodecModel(config).eval()
+    audio = torch.randn(1, 1, 1600)
+
+    class Decoded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.codec = codec
+
+        def forward(self, values):
+            return self.codec(input_values=values).audio_values
+
+    with torch.no_grad():
+        expected = codec(input_values=audio).audio_values.numpy()
+        torch.onnx.export(Decoded().eval(), (audio,), str(tmp_path / "encodec.onnx"), opset_version=17, dynamo=False)
+    mod = relay_amp.frontend.from_onnx(tmp_path / "encodec.onnx")
+    assert _transposing_functions(mod) == []
+    got = run_executable(relay_amp.build(mod, relay_amp.targets.host_preset()), [audio.numpy()])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+def _transposing_functions(mod: tvm.IRModule) -> list[str]:
+    """The functions of `mod` prepared for the host's CPU (layout, fusion) that transpose a tensor."""
+    from relay_amp.backend import pipeline_for
+
+    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
+    backend = pipeline_for(target)
+    with target, tvm.transform.PassContext(opt_level=3, config=backend.PASS_CONFIG):
+        prepared = backend.prepare_passes(target)(mod)
+    return [gv.name_hint for gv, func in prepared.functions_items()
+            if isinstance(func, tvm.tirx.PrimFunc) and "T_transpose" in func.script()]
 
 
 @pytest.mark.parametrize("gather", [lambda x: topi.flip(x, 3), lambda x: topi.repeat(x, 2, 0)],
@@ -1082,9 +1142,6 @@ def test_a_hifigan_vocoder_upsamples_and_activates_its_audio_without_transposes(
     functions transposed; now none does, and the build matches PyTorch."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from relay_amp.backend import pipeline_for
-    from relay_amp.runtime import run_executable
-
     config = transformers.SpeechT5HifiGanConfig(
         model_in_dim=16, upsample_initial_channel=32, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
         resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]])
@@ -1096,12 +1153,6 @@ def test_a_hifigan_vocoder_upsamples_and_activates_its_audio_without_transposes(
         torch.onnx.export(vocoder, (spectrogram,), str(tmp_path / "hifigan.onnx"), input_names=["spectrogram"],
                           opset_version=17, dynamo=False)
     mod = relay_amp.frontend.from_onnx(tmp_path / "hifigan.onnx")
-    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
-    backend = pipeline_for(target)
-    with target, tvm.transform.PassContext(opt_level=3, config=backend.PASS_CONFIG):
-        prepared = backend.prepare_passes(target)(mod)
-    transposing = [gv.name_hint for gv, func in prepared.functions_items()
-                   if isinstance(func, tvm.tirx.PrimFunc) and "T_transpose" in func.script()]
-    assert transposing == []
-    got = run_executable(relay_amp.build(mod, target), [spectrogram.numpy()])[0]
+    assert _transposing_functions(mod) == []
+    got = run_executable(relay_amp.build(mod, relay_amp.targets.host_preset()), [spectrogram.numpy()])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
