@@ -39,7 +39,10 @@ from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
 from .winograd import WinogradConvs, suits as suits_winograd
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
-PASS_CONFIG: dict = {}  # TVM's defaults
+# TIR's common subexpression elimination off: LLVM's own takes the same redundancy out (ResNet-18, BERT, DAC and EnCodec
+# built without it ran 0.98-1.01x the time, outputs bit-identical), and on long unrolled functions it was the slowest
+# lowering pass (a small EnCodec's build 25.9 -> 15.1 s, DAC's in bf16 32.3 -> 27.2 s)
+PASS_CONFIG: dict = {"tirx.disable_cse_tir": True}
 TIR_PIPELINE = STACK_PIPELINE  # TVM's S-TIR lowering, small buffers on the stack (relay_amp.backend.cpu.stack)
 
 
