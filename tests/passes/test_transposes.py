@@ -359,7 +359,7 @@ def test_an_encodec_codec_runs_its_convs_and_elus_in_nwc_without_transposes(tmp_
     config = transformers.EncodecConfig(num_filters=4, hidden_size=16, num_lstm_layers=1, codebook_dim=16)
     torch.manual_seed(0)
     codec = transformers.EncodecModel(config).eval()
-    audio = torch.randn(1, 1, 1600)
+    audio = torch.randn(1, 1, 640)
 
     class Decoded(torch.nn.Module):
         def __init__(self):
