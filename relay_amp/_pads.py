@@ -26,7 +26,7 @@ def _as_pad(call: relax.Call, prim_func: tvm.tirx.PrimFunc) -> "relax.Expr | Non
     if pad is not None:
         return relax.op.nn.pad(data, pad[0], pad_value=pad[1])
     if _copies(prim_func):
-        return data  # a mirror pad of width zero (EnCodec's convs whose computed padding is 0): no copy needed
+        return data  # a pad of width zero, in any mode (EnCodec's before convs whose padding is 0): no copy
     mirrored = mirrored_pad(prim_func)
     return None if mirrored is None else relax.op.nn.pad(data, mirrored[0], pad_mode=mirrored[1])
 

@@ -5,26 +5,23 @@ Pad of BiT's stem and of TF-ported "same" convs; leakyrelu, all of CSPNet's and 
 it transposes back to the model's layout, and the ops after it run in that layout until the next convolution
 transposes again. This pass moves a transpose below each op that computes the same values on the untransposed tensor
 with its axes renamed (every elementwise op: audio codecs' Snake, x + sin(a x)^2 / a, too; also of an untransposed
-operand whose axes past extent one keep their order, read back as a view: a squeeze-excite's [1, C, 1, 1] gate;
-pads; group norms; pools; reductions, the axes one drops renumbered in the transpose left: ResNeSt's sum over its
-radix; expand_dims; strided slices; concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in
-NCHW), so that the transpose back and the next one
-forward meet and cancel (HGNetV2's head transposed its last feature map to NCHW to average it: now the mean's one
-pixel is transposed). Past a reshape too (a squeeze is one: a 1-D transposed conv's output, a conv2d of height one,
-squeezed back to NCW), where it only merges or splits runs of axes that keep their
-order (an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs transposed),
-or that merges axes lying together in x in another order, where transposing them in x first copies fewer elements in
-all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the shuffle becomes a transpose of the NHWC tensor's
-last two axes and the transposes to NCHW and back cancel); past a split of a conv's output back in NCHW
-(EfficientViT's heads, CSPNet's halves: each part transposed); past a matmul of two operands transposed in their
-last two axes ((B A)^T = A^T B^T), or of one by a column, whose transpose is a view (a GC block's attention
-pooling: the map's [C, HW] by softmax weights, as a row times the map); and past a broadcast_to (no layout rule
-either: ECA's and MobileViTv2's gates), whose result, transposed, is its input transposed and broadcast.
-Two transposes in a row become one, and a transpose that permutes nothing, or only axes of extent one, a view. So
-a hierarchical ViT's tokens made an image for a conv (which ConvertLayout then transposes to NHWC) and the image
-made tokens again are reshapes: PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164
-(54 at import) are 27.
-"""
+operand whose axes past extent one keep their order, read back as a view: a squeeze-excite's [1, C, 1, 1] gate; pads;
+group norms; pools; reductions, the axes one drops renumbered in the transpose left: ResNeSt's sum over its radix;
+expand_dims; strided slices; concats of tensors all transposed alike: tf2onnx's NASNet crops and joins in NCHW), so
+that the transpose back and the next one forward meet and cancel (HGNetV2's head transposed its last feature map to
+NCHW to average it: now the mean's one pixel is transposed). Past a reshape too (a squeeze is one: a 1-D transposed
+conv's output, a conv2d of height one, squeezed back to NCW), where it only merges or splits runs of axes that keep
+their order (an NHWC conv's heads flattened in NCHW to [heads, channels, pixels]: x is flattened and the runs
+transposed), or that merges axes lying together in x in another order, where transposing them in x first copies fewer
+elements in all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the shuffle becomes a transpose of the NHWC
+tensor's last two axes and the transposes to NCHW and back cancel); past a split of a conv's output back in NCHW
+(EfficientViT's heads, CSPNet's halves: each part transposed); past a matmul of two operands transposed in their last
+two axes ((B A)^T = A^T B^T), or of one by a column, whose transpose is a view (a GC block's attention pooling: the
+map's [C, HW] by softmax weights, as a row times the map); and past a broadcast_to (no layout rule either: ECA's and
+MobileViTv2's gates), whose result, transposed, is its input transposed and broadcast. Two transposes in a row become
+one, and a transpose that permutes nothing, or only axes of extent one, a view. So a hierarchical ViT's tokens made
+an image for a conv (which ConvertLayout then transposes to NHWC) and the image made tokens again are reshapes:
+PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164 (54 at import) are 27."""
 
 import math
 
