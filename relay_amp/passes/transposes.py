@@ -316,9 +316,9 @@ def _runs(sizes: list[int], target: list[int]) -> list[tuple[list[int], list[int
 
 
 def _static_result_shape(call: relax.Call) -> "list[int] | None":
-    """The extents of `call`'s result where they are all ints, else None."""
+    """The extents of `call`'s result where they are all ints, else None (a symbolic extent)."""
     shape = tensor_shape(call)
-    return None if shape is None else _static_shape_of(relax.ShapeExpr(shape))
+    return list(shape) if is_static_shape(shape) else None
 
 
 def _static_shape_of(shape: relax.Expr) -> "list[int] | None":

@@ -7,6 +7,7 @@ import tvm
 from tvm import relax, topi
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import relay_amp
 from relay_amp._ir import tensor_shape
@@ -1156,3 +1157,23 @@ def test_a_hifigan_vocoder_upsamples_and_activates_its_audio_without_transposes(
     assert _transposing_functions(mod) == []
     got = run_executable(relay_amp.build(mod, relay_amp.targets.host_preset()), [spectrogram.numpy()])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+def test_a_reshape_or_squeeze_of_a_symbolic_shape_keeps_its_transpose():
+    """A dynamic batch (an export for serving) leaves the result's extents unknown: the transpose stays, as before
+    squeezes moved (the zoo's dynamic-axes ResNet-50 reached this with a symbolic batch)."""
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", 1, 6, 4), "float32")) -> R.Tensor(("n", 4, 6), "float32"):
+            n = T.int64()
+            with R.dataflow():
+                nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+                ncw = R.squeeze(nchw, axis=[2])
+                gv = R.reshape(ncw, R.shape([n, 4, 6]))
+                R.output(gv)
+            return gv
+
+    after = SinkTransposes()(Before)
+    relax.analysis.well_formed(after)
+    tvm.ir.assert_structural_equal(after, Before)
