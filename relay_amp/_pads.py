@@ -25,9 +25,12 @@ def _as_pad(call: relax.Call, prim_func: tvm.tirx.PrimFunc) -> "relax.Expr | Non
     data, pad = call.args[1].fields[0], constant_pad(prim_func)
     if pad is not None:
         return relax.op.nn.pad(data, pad[0], pad_value=pad[1])
-    if _copies(prim_func):
+    gathered = _gathered_reads(prim_func)
+    if gathered is None:
+        return None
+    if _copies(*gathered):
         return data  # a pad of width zero, in any mode (EnCodec's before convs whose padding is 0): no copy
-    mirrored = mirrored_pad(prim_func)
+    mirrored = _mirrored(*gathered)
     return None if mirrored is None else relax.op.nn.pad(data, mirrored[0], pad_mode=mirrored[1])
 
 
@@ -45,19 +48,20 @@ def _gathered_reads(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[list[int]],
     return None if None in reads else (reads, in_shape)
 
 
-def _copies(func: "tvm.tirx.PrimFunc | None") -> bool:
-    """Whether `func` stores its input unchanged, every position read where it is written."""
-    gathered = _gathered_reads(func)
-    return gathered is not None and all(read == list(range(size)) for read, size in zip(*gathered))
+def _copies(reads: list[list[int]], in_shape: list[int]) -> bool:
+    """Whether a gather's `reads` (`_gathered_reads`) read every position of its input where they write it."""
+    return all(read == list(range(size)) for read, size in zip(reads, in_shape))
 
 
 def mirrored_pad(func: "tvm.tirx.PrimFunc | None") -> "tuple[list[int], str] | None":
     """(pad_width as [before0, after0, ...], relax.nn.pad's mode) of a PrimFunc whose one store gathers its input,
     out[i...] = x[f0(i0), f1(i1), ...], each fi the index numpy's reflect or edge pad reads, else None."""
     gathered = _gathered_reads(func)
-    if gathered is None:
-        return None
-    reads, in_shape = gathered
+    return None if gathered is None else _mirrored(*gathered)
+
+
+def _mirrored(reads: list[list[int]], in_shape: list[int]) -> "tuple[list[int], str] | None":
+    """`mirrored_pad` of a gather's `reads` (`_gathered_reads`) from an input of `in_shape`."""
     for mode in MODES:
         widths = [_mirrored_widths(read, size_in, mode) for read, size_in in zip(reads, in_shape)]
         if None not in widths and any(any(pair) for pair in widths):

@@ -16,7 +16,7 @@ from relay_amp.ops import call_op_name
 from relay_amp.passes.transposes import SinkTransposes
 from relay_amp.runtime import run_executable
 
-from pass_checks import assert_transforms
+from pass_checks import assert_transforms, prepared_module
 
 
 def test_a_transpose_moves_past_pad_norm_activation_and_pool_and_cancels_the_next_one():
@@ -381,13 +381,7 @@ def test_an_encodec_codec_runs_its_convs_and_elus_in_nwc_without_transposes(tmp_
 
 def _transposing_functions(mod: tvm.IRModule) -> list[str]:
     """The functions of `mod` prepared for the host's CPU (layout, fusion) that transpose a tensor."""
-    from relay_amp.backend import pipeline_for
-
-    target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
-    backend = pipeline_for(target)
-    with target, tvm.transform.PassContext(opt_level=3, config=backend.PASS_CONFIG):
-        prepared = backend.prepare_passes(target)(mod)
-    return [gv.name_hint for gv, func in prepared.functions_items()
+    return [gv.name_hint for gv, func in prepared_module(mod).functions_items()
             if isinstance(func, tvm.tirx.PrimFunc) and "T_transpose" in func.script()]
 
 
