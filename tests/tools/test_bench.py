@@ -8,7 +8,7 @@ import pytest
 import relay_amp
 from relay_amp import models
 from relay_amp.tools import digits
-from relay_amp.tools.bench import benchmark, format_rows, max_relative_error, rows_to_json, variant
+from relay_amp.tools.bench import benchmark, format_rows, logs_for, max_relative_error, rows_to_json, variant
 from relay_amp.tools.cli import main
 
 
@@ -136,3 +136,20 @@ def test_a_peer_that_fails_leaves_its_row_out_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match=f"ONNX Runtime cannot run {broken} .*; its row is left out"):
         rows = benchmark(models.small_cnn(), ["float32"], "cpu", repeat=1, rounds=1, onnx_file=broken)
     assert [(r.runner, r.dtype) for r in rows] == [("relay_amp", "float32")]
+
+
+def test_logs_for_takes_a_log_or_its_model_dtype_target_log_under_a_root(tmp_path):
+    from relay_amp.compile.tuning import LOG_FILES, log_dir
+
+    one = tmp_path / "one"
+    one.mkdir()
+    for name in LOG_FILES:
+        (one / name).write_text("")
+    nested = log_dir(tmp_path, "bert", "bfloat16", "cpu")
+    nested.mkdir()
+    assert logs_for(None, "bert", "bfloat16", "cpu") is None
+    assert logs_for(one, "bert", "bfloat16", "cpu") == one
+    assert logs_for(tmp_path, "bert", "bfloat16", "cpu") == nested
+    assert logs_for(tmp_path, "bert", "float32", "cpu") is None
+    with pytest.raises(relay_amp.TuningError, match="does not exist"):
+        logs_for(tmp_path / "missing", "bert", "bfloat16", "cpu")
