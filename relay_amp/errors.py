@@ -64,3 +64,8 @@ class TargetError(RelayAmpError, ValueError):
 @_registered
 class TuningError(RelayAmpError):
     """Autotuning that produced no usable record, or a tuning log that is corrupt or does not match."""
+
+
+def one_line(message: object) -> str:
+    """`message` as one line: its runs of whitespace, line breaks included, as single spaces."""
+    return " ".join(str(message).split())

@@ -12,6 +12,7 @@ import tvm
 from ._einsum import einsums_as_matmuls
 from ._expert_matmuls import expert_matmuls_dense
 from ._group_norm import group_norms_as_ops
+from ._importer_errors import naming_failed_node
 from ._layer_norm import layer_norms_as_ops
 from ._ir import checked_dims, clamps_as_max_min, fold_weights
 from ._onnx_graph import (constant_values, held_value, importing_file, importing_model, inferred_values, node_label,
@@ -272,7 +273,8 @@ def _imported_with_weights(proto, shapes: dict) -> tvm.IRModule:
              if value.name in weights}
     rename_values(lean.graph, names)
     graph = upsamples_with_attribute_scales(recurrences_unrolled(_simplified(lean)))
-    imported = relax_from_onnx(graph, shape_dict=shapes, keep_params_in_input=False)
+    with naming_failed_node():
+        imported = relax_from_onnx(graph, shape_dict=shapes, keep_params_in_input=False)
     params = imported["main"].params
     inputs = [value.name for value in graph.graph.input if value.name not in constants]
     if len(inputs) != len(params):

@@ -53,6 +53,16 @@ def positions_onnx() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def mismatched_projection() -> onnx.ModelProto:
+    """A MatMul named 'proj' of an 8-wide input by a 5x4 weight: valid to ONNX's checker, refused by TVM's converter."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    weight = numpy_helper.from_array(np.ones((5, 4), "float32"), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")], "mismatch", [x], [y],
+                              [weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def hidden_states(model):
     """A torch module returning a transformers `model`'s last hidden state for token ids (and an attention mask,
     where one is passed): what users export from a transformers model."""

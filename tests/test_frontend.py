@@ -1,5 +1,7 @@
 """Frontends: ONNX and PyTorch models import with weights bound as constants and compute the same."""
 
+import gc
+import re
 import sys
 import warnings
 
@@ -14,7 +16,7 @@ import relay_amp
 from relay_amp import frontend
 from relay_amp.runtime import run_executable
 
-from builders import hidden_states, positions_onnx
+from builders import hidden_states, mismatched_projection, positions_onnx
 
 
 def conv_gemm_onnx() -> onnx.ModelProto:
@@ -95,6 +97,20 @@ def test_from_onnx_rejects_missing_and_corrupt_files(tmp_path):
     corrupt.write_bytes(b"\x08\x07 this is not a protobuf \xff\xff")
     with pytest.raises(relay_amp.ModelLoadError, match="corrupt.onnx"):
         frontend.from_onnx(corrupt)
+
+
+def test_a_node_tvm_cannot_convert_is_named_on_one_line_and_nothing_is_printed(capfd):
+    """TVM's importer printed the failing op with its inputs as TVMScript, raised a several-line error quoting
+    constants as metadata references, and its BlockBuilder warned on stderr when freed; the error names the node."""
+    with pytest.raises(relay_amp.ModelLoadError) as caught:
+        frontend.from_onnx(mismatched_projection())
+    message = str(caught.value)
+    assert re.search(r"'mismatch': node 'proj' \(MatMul\): Matmul requires .* RHS \(a constant\) has shape", message)
+    assert "\n" not in message and "metadata" not in message
+    del caught
+    gc.collect()
+    printed = capfd.readouterr()
+    assert printed.out == "" and "BlockBuilder" not in printed.err
 
 
 def test_from_torch_matches_torch():

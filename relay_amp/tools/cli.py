@@ -12,7 +12,7 @@ from .. import frontend
 from .._ir import get_function, tensor_dtype, tensor_shape
 from ..compile.build import build, export_library, library_path
 from ..compile.tuning import RPC_WAIT_S, log_dir, tune
-from ..errors import MissingDependencyError, OptionError, RelayAmpError
+from ..errors import MissingDependencyError, OptionError, RelayAmpError, one_line
 from ..passes.amp import PrecisionPlan, apply_plan, precision_plan, to_mixed_precision
 from ..passes.layers import DEFAULT_LAYER_OPS, count_layers, list_layers
 from ..passes.quantize import QuantPlan, apply_quant_plan, quant_plan, quantize, realize_qdq
@@ -397,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args)
     except (RelayAmpError, OSError) as err:
-        print(f"relay-amp: error: {err}", file=sys.stderr)
+        print(f"relay-amp: error: {one_line(err)}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,6 +1,7 @@
 """The relay-amp command line."""
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from tvm import relax
@@ -9,6 +10,8 @@ import relay_amp
 from relay_amp import models
 from relay_amp.runtime import run_executable
 from relay_amp.tools.cli import main
+
+from builders import mismatched_projection
 
 
 def test_layers_prints_the_layer_table(capsys):
@@ -40,6 +43,15 @@ def test_errors_print_one_line_and_exit_nonzero(argv, fragment, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_model_tvm_cannot_import_prints_one_line_naming_the_node(tmp_path, capsys):
+    path = tmp_path / "mismatch.onnx"
+    onnx.save(mismatched_projection(), path)
+    assert main(["layers", str(path)]) == 1
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.count("\n") == 1
+    assert printed.err.startswith("relay-amp: error: cannot import ONNX model 'mismatch': node 'proj' (MatMul): ")
 
 
 def test_bad_option_value_exits_with_usage(capsys):
