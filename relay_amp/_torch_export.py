@@ -278,6 +278,23 @@ def _extremum(node, importer) -> relax.Var:
     return importer.block_builder.emit(reduce(data, axis=dims, keepdims=keepdim))
 
 
+def _unfold(node, importer) -> relax.Var:
+    """aten.unfold (Tensor.unfold(dim, size, step): windows sliding along one axis, a new last axis holding each
+    window's positions; HaloNet's halo blocks), which TVM's importer lacks: a take of every window's positions
+    along `dim` (a constant [windows, size] index), the positions' axis moved last."""
+    data = importer.env[node.args[0]]
+    dim, size, step = (int(arg) for arg in node.args[1:4])
+    rank = data.ty.ndim
+    dim %= rank
+    windows = node.meta["val"].shape[dim]
+    if not isinstance(windows, int):
+        raise ModelLoadError(f"aten.unfold over axis {dim} of symbolic length: its windows are not static")
+    positions = np.arange(windows)[:, None] * step + np.arange(size)[None, :]
+    emit = importer.block_builder.emit
+    taken = emit(relax.op.take(data, relax.const(positions.astype("int64")), axis=dim))
+    return emit(relax.op.permute_dims(taken, [*range(dim + 1), *range(dim + 2, rank + 1), dim + 1]))
+
+
 def _arange(node, importer) -> relax.Expr:
     """aten.arange of constant bounds with a negative step as the constant PyTorch computes: TVM's
     relax.arange(64, -64, -1) has 130 values (Funnel's relative positions did not import). Other aranges go to TVM's
@@ -302,6 +319,7 @@ CONVERTERS = {
     "amax.default": _extremum,
     "amin.default": _extremum,
     "cumsum.default": _cumulative_sum,
+    "unfold.default": _unfold,
     "full_like.default": _full_like,
     "slice_scatter.default": _slice_scatter,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),

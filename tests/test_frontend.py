@@ -271,6 +271,23 @@ def test_from_torch_takes_amax_and_amin():
     np.testing.assert_allclose(relay_amp.run(frontend.from_torch(Extremes(), [x]), [x])[0], expected, rtol=1e-6)
 
 
+def test_from_torch_unfolds_windows_as_torch_does():
+    """TVM's importer had no aten.unfold (Tensor.unfold: timm's HaloNet did not import): windows along an axis
+    (overlapping, apart, the last axis counted from the end), each window's positions a new last axis."""
+    torch = pytest.importorskip("torch")
+
+    class Windows(torch.nn.Module):
+        def forward(self, x):
+            return x.unfold(2, 3, 2).unfold(3, 2, 1) * 2 + x.unfold(-1, 4, 4).sum()
+
+    x = np.random.default_rng(0).standard_normal((1, 2, 9, 8)).astype("float32")
+    with torch.no_grad():
+        expected = Windows()(torch.from_numpy(x)).numpy()
+    got = relay_amp.run(frontend.from_torch(Windows(), [x]), [x])[0]
+    assert got.shape == (1, 2, 4, 7, 3, 2)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["bool", "int32", "float32"])
 def test_from_torch_sums_cumulatively_in_the_dtype_torch_gives(dtype):
     """cumsum of a bool or int tensor is int64 in PyTorch: TVM's importer summed bools as bools, which did not
