@@ -291,8 +291,48 @@ def _unfold(node, importer) -> relax.Var:
         raise ModelLoadError(f"aten.unfold over axis {dim} of symbolic length: its windows are not static")
     positions = np.arange(windows)[:, None] * step + np.arange(size)[None, :]
     emit = importer.block_builder.emit
-    taken = emit(relax.op.take(data, relax.const(positions.astype("int64")), axis=dim))
+    taken = emit(relax.op.take(data, relax.const(positions, "int64"), axis=dim))
     return emit(relax.op.permute_dims(taken, [*range(dim + 1), *range(dim + 2, rank + 1), dim + 1]))
+
+
+def _histogram(node, importer) -> relax.Var:
+    """aten.histc of static bounds (min < max): the count of the input's values in each of `bins` equal bins, a
+    value at `max` in the last, values outside uncounted, in the input's dtype. TVM's importer lacks it:
+    transformers' `grouped_mm` experts count each expert's routed rows so."""
+    data = importer.env[node.args[0]]
+    bins, low, high = (*node.args[1:], 100, 0, 0)[:3]
+    bins, low, high = int(node.kwargs.get("bins", bins)), node.kwargs.get("min", low), node.kwargs.get("max", high)
+    if not low < high:
+        raise ModelLoadError(f"aten.histc with min {low} and max {high}: bounds taken from the data are not static")
+    dtype, emit = str(data.ty.dtype), importer.block_builder.emit
+    flat = emit(relax.op.reshape(data, [-1]))
+    offset = relax.op.multiply(relax.op.subtract(flat, relax.const(low, dtype)), relax.const(bins, dtype))
+    scaled = relax.op.floor(relax.op.divide(offset, relax.const(high - low, dtype)))  # in PyTorch's order
+    last = relax.op.where(relax.op.equal(flat, relax.const(high, dtype)), relax.const(bins - 1, dtype), scaled)
+    inside = relax.op.logical_and(relax.op.greater_equal(flat, relax.const(low, dtype)),
+                                  relax.op.less_equal(flat, relax.const(high, dtype)))
+    column = relax.op.where(inside, last, relax.const(-1, dtype))  # a bin no value matches
+    hits = relax.op.equal(relax.op.expand_dims(column, 1), relax.const(np.arange(bins, dtype=dtype)[None, :]))
+    return emit(relax.op.sum(relax.op.astype(hits, dtype), axis=[0]))
+
+
+def _grouped_matmul(node, importer) -> relax.Var:
+    """transformers' grouped_mm_fallback and aten._grouped_mm (its `grouped_mm` experts: rows sorted by expert,
+    `offs` each expert's end row) in the form `_expert_matmuls` writes: the (S, K) rows times every expert's
+    weight side by side, (K, E * N), and each row's own expert's N outputs taken, that expert counted from
+    `offs` (the ends at or before the row). The CPU backend computes only the taken products."""
+    data, weight, ends = (importer.env[arg] for arg in node.args[:3])
+    rows, depth = (int(extent) for extent in data.ty.shape)
+    experts, _, width = (int(extent) for extent in weight.ty.shape)
+    emit = importer.block_builder.emit
+    every = emit(relax.op.reshape(relax.op.permute_dims(weight, [1, 0, 2]), [depth, experts * width]))
+    positions = relax.const(np.arange(rows)[:, None], "int64")
+    ended = relax.op.less_equal(relax.op.astype(relax.op.expand_dims(ends, 0), "int64"), positions)
+    expert = relax.op.minimum(relax.op.sum(relax.op.astype(ended, "int64"), axis=[1]),
+                              relax.const(experts - 1, "int64"))  # rows past the last end: no expert's rows
+    own = relax.op.add(relax.const(np.arange(rows) * experts, "int64"), expert)
+    products = emit(relax.op.reshape(emit(relax.op.matmul(data, every)), [rows * experts, width]))
+    return emit(relax.op.take(products, emit(own), axis=0))
 
 
 def _arange(node, importer) -> relax.Expr:
@@ -320,6 +360,8 @@ CONVERTERS = {
     "amin.default": _extremum,
     "cumsum.default": _cumulative_sum,
     "unfold.default": _unfold,
+    "histc.default": _histogram,
+    **dict.fromkeys(("grouped_mm_fallback.default", "_grouped_mm.default"), _grouped_matmul),
     "full_like.default": _full_like,
     "slice_scatter.default": _slice_scatter,
     **dict.fromkeys(("div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default"),

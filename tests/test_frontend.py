@@ -288,6 +288,21 @@ def test_from_torch_unfolds_windows_as_torch_does():
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_from_torch_counts_a_histogram_as_torch_does():
+    """TVM's importer had no aten.histc (transformers' grouped_mm experts count each expert's rows with it): values
+    at the upper bound in the last bin, values outside the bounds uncounted, bins of a fractional width."""
+    torch = pytest.importorskip("torch")
+
+    class Histogram(torch.nn.Module):
+        def forward(self, x):
+            return torch.histc(x, bins=5, min=-1, max=2) + torch.histc(x.floor(), bins=3, min=0, max=2).sum()
+
+    x = np.array([[-1.5, -1.0, -0.4, 0.2, 0.2], [0.79, 1.4, 2.0, 2.01, 0.0]], "float32")
+    with torch.no_grad():
+        expected = Histogram()(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(relay_amp.run(frontend.from_torch(Histogram(), [x]), [x])[0], expected)
+
+
 @pytest.mark.parametrize("dtype", ["bool", "int32", "float32"])
 def test_from_torch_sums_cumulatively_in_the_dtype_torch_gives(dtype):
     """cumsum of a bool or int tensor is int64 in PyTorch: TVM's importer summed bools as bools, which did not

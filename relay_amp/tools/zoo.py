@@ -254,7 +254,7 @@ def entry(name: str) -> ZooEntry:
 
 def torch_module(name: str, tiny: bool = False, seed: int = 0, exportable: bool = False):
     """The zoo model as an eval-mode torch.nn.Module taking example_inputs' arrays and returning one tensor;
-    `exportable` gives a mixture of experts the experts implementation the exporters translate."""
+    `exportable` gives a mixture of experts the experts implementation the ONNX exporters translate."""
     spec = entry(name)
     torch.manual_seed(seed)
     if spec.library == "torchvision":
@@ -266,7 +266,7 @@ def torch_module(name: str, tiny: bool = False, seed: int = 0, exportable: bool 
     if tiny and spec.trim_tiny is not None:
         spec.trim_tiny(model)
     if exportable and spec.library == "transformers":  # read by experts layers only; their eager and grouped_mm
-        model.config._experts_implementation = "batched_mm"  # implementations do not export
+        model.config._experts_implementation = "batched_mm"  # implementations do not export to ONNX
     if spec.batch_norm:
         _trained_looking(model)
     module = SingleOutput(model, spec)
@@ -366,7 +366,7 @@ def load(name: str, tiny: bool = False, exporter: str = "torchscript") -> tvm.IR
     """The zoo model as a Relax module, exported with `exporter` (see EXPORTERS) and imported by relay_amp."""
     if exporter not in EXPORTERS:
         raise OptionError(f"exporter must be one of {list(EXPORTERS)}, got {exporter!r}")
-    if exporter == "torch.export":
-        return frontend.from_torch(torch_module(name, tiny, exportable=True), example_inputs(name, tiny))
+    if exporter == "torch.export":  # transformers' default experts (grouped_mm) too, as users export them
+        return frontend.from_torch(torch_module(name, tiny), example_inputs(name, tiny))
     with tempfile.TemporaryDirectory() as tmp:
         return frontend.from_onnx(export_onnx(name, Path(tmp) / f"{name}.onnx", tiny, exporter))

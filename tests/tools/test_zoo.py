@@ -158,6 +158,14 @@ def test_the_mixture_of_experts_exports_batched_experts_that_run_on_the_expert_k
     assert tensor_shape(calls[0].args[1].fields[0])[0] == shape.batch * shape.size
 
 
+def test_the_mixture_of_experts_through_torch_export_runs_transformers_default_experts_on_the_expert_kernel():
+    """transformers' default experts (grouped_mm: rows sorted by expert, counted by histc, multiplied by
+    transformers' grouped matmul op) through torch.export: each layer's up and down projections on the grouped
+    expert kernel (their matching PyTorch: test_other_export_paths_import_and_match)."""
+    mod = zoo.load("qwen3_moe", tiny=True, exporter="torch.export")
+    assert len(prepared_calls(mod, "expert_matmul")) == 2 * zoo.entry("qwen3_moe").config(True).num_hidden_layers
+
+
 @pytest.mark.parametrize("name", ["resnet50", "bert"])
 def test_dynamic_axes_sized_at_import_reach_the_kernels_and_match_pytorch(name, tmp_path):
     """An export with dynamic batch (and sequence) axes, as exports for serving are: sized at import, it gets as
