@@ -145,6 +145,58 @@ def _pair_product(graph, left, right, pairs: set, aten):
     return graph.call_function(aten.mul.Tensor, (pair, factor))
 
 
+def computed_from_weights(exported, supported) -> dict:
+    """Converters for the ops of `exported` that TVM's importer lacks (not in `supported`): each computed by PyTorch
+    at import, as a constant, where every input it reads is computed from weights alone (NaFlexViT resizes its
+    position embedding by an antialiased bicubic interpolation, aten._upsample_bicubic2d_aa); where one reads a
+    runtime tensor, a ModelLoadError naming the op."""
+    weights = _weight_values(exported)
+    lacking = {node.target.__name__ for node in exported.graph.nodes
+               if node.op == "call_function" and node.target.__name__ not in supported}
+    return dict.fromkeys(lacking, lambda node, _importer: _computed_by_torch(node, weights))
+
+
+def _weight_values(exported) -> dict:
+    """{placeholder name: tensor} of `exported`'s parameters, buffers and constant tensors."""
+    values = {**exported.state_dict, **exported.constants}
+    return {spec.arg.name: values[spec.target] for spec in exported.graph_signature.input_specs
+            if spec.target in values}
+
+
+def _computed_by_torch(node, weights: dict) -> relax.Expr:
+    """The value of `node`, computed by PyTorch from weights, as a constant (bf16 through fp32, which numpy holds)."""
+    import torch
+
+    with torch.no_grad():
+        value = _weight_value(node, weights, {})
+    if value is _RUNTIME:
+        raise ModelLoadError(f"TVM's importer has no converter for {node.target.__name__} (node {node.name!r}), "
+                             f"which reads a runtime tensor")
+    if value.dtype == torch.bfloat16:
+        return relax.op.astype(relax.const(value.float().numpy()), "bfloat16")
+    return relax.const(value.contiguous().numpy())
+
+
+_RUNTIME = object()  # a value computed from the graph's inputs, which PyTorch cannot compute at import
+
+
+def _weight_value(node, weights: dict, known: dict):
+    """`node`'s value computed by PyTorch from the weights (memoized in `known`), or _RUNTIME."""
+    import torch
+
+    if node not in known:
+        if node.op == "placeholder":
+            known[node] = weights.get(node.name, _RUNTIME)
+        elif node.op != "call_function":
+            known[node] = _RUNTIME
+        else:
+            read = []
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda arg: read.append(_weight_value(arg, weights, known)) or read[-1])
+            known[node] = _RUNTIME if any(value is _RUNTIME for value in read) else node.target(*args, **kwargs)
+    return known[node]
+
+
 def _nearest_upsample(node, importer) -> relax.Var:
     """aten.upsample_nearest2d (F.interpolate's mode="nearest") as PyTorch computes it: source index
     floor(destination * in / out). TVM's importer took half-pixel centres and rounding (PyTorch's

@@ -20,7 +20,7 @@ from ._onnx_graph import (constant_values, held_value, importing_file, importing
 from ._pads import pads_as_ops
 from ._parallel_convs import merge_parallel_convs
 from ._split_convs import split_convs_grouped
-from ._torch_export import CONVERTERS, as_torch_runs_it
+from ._torch_export import CONVERTERS, as_torch_runs_it, computed_from_weights
 from ._variadic import variadic_ops_as_binary
 from ._zero_addends import zero_addends_dropped
 from .errors import MissingDependencyError, ModelLoadError
@@ -379,11 +379,13 @@ def _value_sized_nodes(graph) -> "list[str]":
 
 def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
     """Import a torch.nn.Module through torch.export in eval mode (a module in training mode is put back in it),
-    weights bound as constants (and those computed from constants folded), batch norms folded into convs and
-    linear layers, parallel conv branches as one conv, clamps (ReLU6, hardtanh) as maximum and minimum."""
+    weights bound as constants (and those computed from constants folded; ops TVM's importer lacks that read
+    weights alone computed by PyTorch), batch norms folded into convs and linear layers, parallel conv branches as
+    one conv, clamps (ReLU6, hardtanh) as maximum and minimum."""
     try:
         import torch
         from tvm.relax.frontend.torch import from_exported_program
+        from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
     except ImportError as err:
         raise MissingDependencyError(
             "from_torch needs PyTorch: pip install 'relay_amp[torch]'"
@@ -394,7 +396,12 @@ def from_torch(module, example_inputs: Sequence) -> tvm.IRModule:
         with torch.no_grad():
             exported = torch.export.export(module.eval(), inputs)
         as_torch_runs_it(exported.graph)
-        imported = from_exported_program(exported, unwrap_unit_return_tuple=True, custom_convert_map=CONVERTERS)
+        decomposed = exported.run_decompositions()  # as TVM's importer would: the ops it converts
+        converters = {**computed_from_weights(decomposed, {*ExportedProgramImporter().convert_map, *CONVERTERS}),
+                      **CONVERTERS}
+        with naming_failed_node():
+            imported = from_exported_program(decomposed, unwrap_unit_return_tuple=True,
+                                             custom_convert_map=converters, run_ep_decomposition=False)
     except Exception as err:  # torch.export and TVM's importer raise many error types
         raise ModelLoadError(f"cannot import torch module {name}: {type(err).__name__}: {err}") from err
     finally:

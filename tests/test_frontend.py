@@ -438,6 +438,35 @@ def test_from_torch_divides_as_torch_promotes(case):
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+def test_from_torch_computes_ops_tvm_lacks_on_weights_with_torch(capfd):
+    """An op TVM's importer lacks (an antialiased bicubic resize), reading weights only (a position embedding sized
+    to the input, as timm's NaFlexViT does), is computed by PyTorch at import; on a runtime tensor it is named."""
+    torch = pytest.importorskip("torch")
+
+    class Resized(torch.nn.Module):
+        def __init__(self, runtime: bool):
+            super().__init__()
+            self.runtime = runtime
+            self.position = torch.nn.Parameter(torch.randn(1, 3, 4, 4))
+
+        def forward(self, x):
+            grid = x if self.runtime else self.position
+            return x + torch.nn.functional.interpolate(grid * 2, size=(6, 6), mode="bicubic", antialias=True)
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).standard_normal((1, 3, 6, 6)).astype("float32")
+    with torch.no_grad():
+        expected = Resized(False)(torch.from_numpy(x)).numpy()
+    torch.manual_seed(0)
+    np.testing.assert_allclose(relay_amp.run(frontend.from_torch(Resized(False), [x]), [x])[0], expected,
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(relay_amp.ModelLoadError, match=r"node '_upsample_bicubic2d_aa' \(aten._upsample_bicubic2d_aa"
+                                                       r".*no converter for _upsample_bicubic2d_aa.default .*runtime"):
+        frontend.from_torch(Resized(True), [x])
+    gc.collect()
+    assert "BlockBuilder" not in capfd.readouterr().err
+
+
 def test_from_torch_names_a_module_it_cannot_import():
     torch = pytest.importorskip("torch")
 
