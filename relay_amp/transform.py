@@ -9,6 +9,7 @@ from .backend.cpu.int4 import UsePackedInt4Kernels
 from .backend.cpu.widen import WidenArithmetic, WidenContractions
 from .passes.amp import ToMixedPrecision
 from .passes.batch_norm import FoldBatchNorm
+from .passes.booleans import BooleanComparisons
 from .passes.casts import EliminateRedundantCasts
 from .passes.conv_transpose import TransposedConvsAsConvs
 from .passes.einsum import EinsumsAsMatmuls
@@ -28,7 +29,7 @@ from .passes.shapes import Specialize
 from .passes.splits import SplitsAsSlices
 from .passes.weight_only import DenseWeights, QuantizeWeights
 
-__all__ = ["ConvertLayout", "DenseExpertMatmuls", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls",
+__all__ = ["BooleanComparisons", "ConvertLayout", "DenseExpertMatmuls", "DenseWeights", "DropPaddingTaps", "EinsumsAsMatmuls",
            "EliminateRedundantCasts", "FastMath", "FoldAffineClamps", "FoldBatchNorm", "FuseKernelEpilogues",
            "GlobalPoolWindows", "GroupNormsAsOps", "GroupSplitConvs", "GroupedExpertMatmuls", "HoistOverMoves",
            "LayerNormsAsOps", "MergeParallelConvs", "Quantize", "QuantizeWeights", "RealizeQDQ", "Recast",

@@ -7,6 +7,7 @@ from tvm import relax
 
 from .._dead_code import EliminateDeadCode
 from .._folding import FoldConstants
+from ..passes.booleans import BooleanComparisons
 from ..passes.pooling import GlobalPoolWindows, SeparableMaxPools
 from ..passes.selection import WidenedSelections
 from ..passes.splits import SplitsAsSlices
@@ -24,13 +25,15 @@ def deduplication_passes() -> list[tvm.transform.Pass]:
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """Global pooling windows as reductions, large max-pool windows as rows then columns, 16-bit sorts and
-    arg-reductions on fp32 (relay_amp.passes.selection) and splits read part by part as slices
+    arg-reductions on fp32 (relay_amp.passes.selection), compares of bool tensors as logical ops
+    (relay_amp.passes.booleans) and splits read part by part as slices
     (relay_amp.passes.splits), then library dispatch, legalization, op-pattern annotation, constant folding, a copy
     of each cast for each of its fusible readers (relay_amp.backend.cast_copies) and fusion for `target`."""
     return [
         GlobalPoolWindows(),
         SeparableMaxPools(),
         WidenedSelections(),
+        BooleanComparisons(),
         SplitsAsSlices(),
         *relax.pipeline.library_dispatch_passes(target),
         relax.transform.LegalizeOps(),
