@@ -28,6 +28,7 @@ from .onnx_attention import attentions_as_matmuls
 from .onnx_col2im import col2ims_as_onnx
 from .onnx_contrib import contrib_ops_as_onnx
 from .onnx_decoder import decoder_ops_as_onnx
+from .onnx_grouped_experts import grouped_matmuls_dense
 from .onnx_legacy import (UPSAMPLE_CHECK_WARNING, has_upsamples, nearest_upsamples_rounded_down, topks_sorted,
                           unit_tiles_as_expands, upsamples_with_attribute_scales)
 from .onnx_moe import moe_ops_as_onnx
@@ -333,8 +334,8 @@ def _as_tvm_reads(proto):
     values; simplification, then the recurrences' unrolling and Upsample's scales, follow on the graph without its
     large weights)."""
     dequantized = constant_dequantizes_folded(as_qdq(proto))
-    return unit_tiles_as_expands(topks_sorted(col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(
-        attentions_as_matmuls(dequantized))))))
+    return grouped_matmuls_dense(unit_tiles_as_expands(topks_sorted(col2ims_as_onnx(dfts_as_matmuls(stfts_as_convs(
+        attentions_as_matmuls(dequantized)))))))
 
 
 def _sizing_hint(proto) -> str:
