@@ -111,14 +111,129 @@ def _as_pairs(graph, node, pairs: set, aten) -> None:
             replacement = graph.call_function(aten.unsqueeze.default, (data, dim if dim >= 0 else dim - 1))
         elif node.target is aten.mul.Tensor:
             replacement = _pair_product(graph, *node.args, pairs, aten)
+        elif node.target in (aten.real.default, aten.imag.default):
+            replacement = graph.call_function(aten.select.int, (node.args[0], -1, int(node.target is aten.imag.default)))
+        elif node.target is aten.abs.default:
+            squares = graph.call_function(aten.mul.Tensor, (node.args[0], node.args[0]))
+            replacement = graph.call_function(aten.sqrt.default, (graph.call_function(aten.sum.dim_IntList,
+                                                                                       (squares, [-1])),))
+        elif _spectral_kind(node) is not None:
+            replacement = _spectral(graph, node, pairs, aten)
         else:
             raise ModelLoadError(f"complex values reach {node.target} ({node.name}), which relay_amp does not import "
-                                 "(it holds polar, view_as_complex, view_as_real, copies, unsqueeze and multiplies of "
-                                 "complex values as real pairs)")
+                                 "(it holds polar, view_as_complex, view_as_real, copies, unsqueeze, multiplies, real, "
+                                 "imag, abs and torch.fft's transforms of complex values as real pairs)")
     if _is_complex(node):
         pairs.add(replacement)
+        replacement.meta["complex_shape"] = list(node.meta["val"].shape)  # the pairs' own lacks the last axis of 2
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
+
+
+# torch.fft's ops: (kind, how many trailing axes they transform by default: None for every axis)
+SPECTRAL = {f"fft_{prefix}{suffix}": (kind, axes) for prefix, kind in
+            (("", "forward"), ("i", "inverse"), ("r", "real to half"), ("ir", "half to real"))
+            for suffix, axes in (("fft", 1), ("fft2", 2), ("fftn", None))}
+
+
+def _spectral_kind(node) -> "tuple[str, int | None] | None":
+    """(kind, default axes) of a torch.fft transform node, or None."""
+    return SPECTRAL.get(getattr(node.target, "__name__", "").removesuffix(".default"))
+
+
+def _spectral(graph, node, pairs: set, aten):
+    """A torch.fft transform (fft, ifft, rfft, irfft and their 2-D and n-D forms) as matmuls of real pairs by the
+    cos and sin of its DFT basis along each transformed axis: a forward step takes a + ib to (aC + bS) + i(bC - aS),
+    an inverse one to (aC - bS) + i(aS + bC), rfft's last axis keeps its n // 2 + 1 first outputs and irfft's
+    counts the others as their conjugates (weights 2, 1 for the first and the middle). Sizes other than the
+    input's (zero padding, cropping) are a ModelLoadError."""
+    kind, default_axes = _spectral_kind(node)
+    options = dict(zip(("size", "dim", "norm"), node.args[1:]))
+    options.update({key: node.kwargs[key] for key in ("dim", "norm") if key in node.kwargs})
+    options["size"] = node.kwargs.get("s", node.kwargs.get("n", options.get("size")))
+    data = node.args[0]
+    shape = data.meta["complex_shape"] if data in pairs else list(data.meta["val"].shape)
+    axes = options.get("dim")
+    axes = ([axes] if isinstance(axes, int) else list(axes)) if axes is not None else (
+        list(range(len(shape)))[-default_axes:] if default_axes else list(range(len(shape))))
+    axes = [axis % len(shape) for axis in axes]
+    sizes = options["size"]
+    sizes = [sizes] if isinstance(sizes, int) else sizes
+    last = 2 * (shape[axes[-1]] - 1) if kind == "half to real" else None
+    if sizes is not None:
+        last = int(sizes[-1]) if kind == "half to real" else last
+        if [int(size) for size in sizes[:len(sizes) - (kind == "half to real")]] != [shape[a] for a in axes][
+                :len(sizes) - (kind == "half to real")]:
+            raise ModelLoadError(f"{node.target} ({node.name}) of sizes {list(sizes)} other than its input's: "
+                                 "relay_amp imports transforms without padding or cropping")
+    parts = [graph.call_function(aten.select.int, (data, -1, index)) for index in (0, 1)] if data in pairs else [
+        data, None]
+    steps = [(axis, "forward") for axis in axes] if kind == "forward" else [(axis, "inverse") for axis in axes]
+    if kind == "real to half":
+        steps = [(axes[-1], kind), *[(axis, "forward") for axis in axes[:-1]]]
+    elif kind == "half to real":
+        steps = [*[(axis, "inverse") for axis in axes[:-1]], (axes[-1], kind)]
+    for axis, step in steps:
+        length = last if step == "half to real" else shape[axis]
+        parts = _spectral_step(graph, parts, axis, length, step, options.get("norm"), aten)
+    real, imaginary = parts
+    return real if kind == "half to real" else graph.call_function(aten.stack.default, ([real, imaginary], -1))
+
+
+def _spectral_step(graph, parts: list, axis: int, length: int, step: str, norm, aten) -> list:
+    """One axis of a transform: (real, imaginary or None) parts to the transformed parts (imaginary None where
+    the result is real)."""
+    real, imaginary = parts
+    inputs = length // 2 + 1 if step == "half to real" else length
+    outputs = length // 2 + 1 if step == "real to half" else length
+    scale = {"ortho": length ** -0.5, "forward": 1.0 / length if step in ("forward", "real to half") else 1.0}.get(
+        norm, 1.0 / length if step in ("inverse", "half to real") else 1.0)
+    cosines, sines = _basis(graph, inputs, outputs, length, scale, step == "half to real", aten)
+
+    def along(tensor, matrix):
+        moved = graph.call_function(aten.transpose.int, (tensor, axis, -1))
+        return graph.call_function(aten.transpose.int, (graph.call_function(aten.matmul.default, (moved, matrix)),
+                                                        axis, -1))
+
+    def combine(first, second, subtract: bool):
+        return graph.call_function(aten.sub.Tensor if subtract else aten.add.Tensor, (first, second))
+
+    forward = step in ("forward", "real to half")
+    if imaginary is None:  # a real input: (aC, -aS) forward, (aC, aS) inverse
+        turned = along(real, sines)
+        return [along(real, cosines), graph.call_function(aten.neg.default, (turned,)) if forward else turned]
+    new_real = combine(along(real, cosines), along(imaginary, sines), subtract=not forward)
+    if step == "half to real":
+        return [new_real, None]
+    return [new_real, combine(along(imaginary, cosines), along(real, sines), subtract=forward)]
+
+
+def _basis(graph, inputs: int, outputs: int, length: int, scale: float, weighted: bool, aten) -> tuple:
+    """The (inputs, outputs) cos and sin of 2 pi j k / length, times `scale` (and, `weighted`, irfft's weight of each
+    input: 1 for the first and, for an even length, the middle, 2 for the others), as graph nodes PyTorch's ops
+    compute (folded as constants after the import). j k is reduced modulo the length in integers first."""
+    rows = graph.call_function(aten.arange.default, (inputs,), {"dtype": _torch().int64})
+    columns = graph.call_function(aten.arange.default, (outputs,), {"dtype": _torch().int64})
+    products = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.unsqueeze.default, (rows, 1)),
+                                                     graph.call_function(aten.unsqueeze.default, (columns, 0))))
+    turns = graph.call_function(aten.remainder.Scalar, (products, length))
+    angles = graph.call_function(aten.mul.Tensor, (graph.call_function(
+        aten._to_copy.default, (turns,), {"dtype": _torch().float32}), 2 * np.pi / length))
+    factor = graph.call_function(aten.full.default, ([inputs, 1], scale), {"dtype": _torch().float32})
+    if weighted:
+        middle = length // 2 if length % 2 == 0 else -1
+        ends = graph.call_function(aten.logical_or.default, (
+            graph.call_function(aten.eq.Scalar, (rows, 0)), graph.call_function(aten.eq.Scalar, (rows, middle))))
+        doubled = graph.call_function(aten.where.Scalar, (ends, scale, 2 * scale))
+        factor = graph.call_function(aten.unsqueeze.default, (doubled, 1))
+    return tuple(graph.call_function(aten.mul.Tensor, (graph.call_function(part, (angles,)), factor))
+                 for part in (aten.cos.default, aten.sin.default))
+
+
+def _torch():
+    import torch
+
+    return torch
 
 
 def _complex_copy(node, aten) -> bool:

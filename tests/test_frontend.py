@@ -355,15 +355,78 @@ def test_from_torch_computes_a_complex_rotary_embedding_on_real_pairs():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+SPECTRAL = {  # torch.fft's transforms as models use them, of a (2, 6, 8) input
+    "FNet's token mixing": lambda x: torch_module().fft.fftn(x, dim=(1, 2)).real,
+    "ifft over a middle axis": lambda x: torch_module().fft.ifft(x, dim=1).imag,
+    "ifftn, ortho": lambda x: torch_module().fft.ifftn(x, dim=(1, 2), norm="ortho").real,
+    "fft of an fft": lambda x: torch_module().fft.fft(torch_module().fft.fft2(x), dim=0).imag,
+    "rfft's magnitudes": lambda x: torch_module().fft.rfftn(x).abs(),
+    "rfft2 then irfft2, forward norm": lambda x: torch_module().fft.irfft2(
+        torch_module().fft.rfft2(x, norm="forward"), s=(6, 8), norm="forward"),
+    "irfft of an odd length": lambda x: torch_module().fft.irfft(torch_module().fft.rfft(x[..., :7]), n=7),
+}
+
+
+def torch_module():
+    """torch, imported where a test runs (the torch extra is optional)."""
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("case", list(SPECTRAL))
+def test_from_torch_computes_torch_fft_transforms_as_torch_does(case):
+    """torch.fft's transforms (complex values TVM's importer lacks) as matmuls of real pairs by their DFT basis:
+    FNet did not import through torch.export."""
+    torch = torch_module()
+
+    class Spectral(torch.nn.Module):
+        def forward(self, x):
+            return SPECTRAL[case](x)
+
+    x = np.random.default_rng(0).standard_normal((2, 6, 8)).astype("float32")
+    with torch.no_grad():
+        expected = Spectral()(torch.from_numpy(x)).resolve_neg().numpy()
+    got = relay_amp.run(frontend.from_torch(Spectral(), [x]), [x])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_from_torch_filters_an_image_globally_as_gfnet_does_and_refuses_padded_transforms():
+    """GFNet's global filter: rfft2, a product by a complex weight, irfft2 back (ortho); a transform padding its
+    input is refused, naming the op."""
+    torch = torch_module()
+
+    class GlobalFilter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(6, 5, 4, 2) * 0.1)
+
+        def forward(self, x):
+            spectrum = torch.fft.rfft2(x, dim=(1, 2), norm="ortho")
+            return torch.fft.irfft2(spectrum * torch.view_as_complex(self.weight), s=(6, 8), dim=(1, 2), norm="ortho")
+
+    class Padded(torch.nn.Module):
+        def forward(self, x):
+            return torch.fft.rfft2(x, s=(12, 8), dim=(1, 2)).real
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).standard_normal((1, 6, 8, 4)).astype("float32")
+    module = GlobalFilter()
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(relay_amp.run(frontend.from_torch(module, [x]), [x])[0], expected, rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(relay_amp.ModelLoadError, match=r"fft_rfft2.* of sizes \[12, 8\] other than its input's"):
+        frontend.from_torch(Padded(), [x])
+
+
 def test_from_torch_refuses_complex_values_it_cannot_hold_naming_the_op():
     torch = pytest.importorskip("torch")
 
-    class Magnitude(torch.nn.Module):
+    class Exponential(torch.nn.Module):
         def forward(self, x):
-            return torch.view_as_complex(x.reshape(4, 2)).abs()
+            return torch.view_as_real(torch.view_as_complex(x.reshape(4, 2)).exp())
 
-    with pytest.raises(relay_amp.ModelLoadError, match="complex values reach aten.abs"):
-        frontend.from_torch(Magnitude(), [np.ones(8, "float32")])
+    with pytest.raises(relay_amp.ModelLoadError, match="complex values reach aten.exp"):
+        frontend.from_torch(Exponential(), [np.ones(8, "float32")])
 
 
 def test_from_torch_writes_a_slice_back_as_a_concatenation_that_builds_in_bf16():
