@@ -150,34 +150,42 @@ def _spectral(graph, node, pairs: set, aten):
     kind, default_axes = _spectral_kind(node)
     options = dict(zip(("size", "dim", "norm"), node.args[1:]))
     options.update({key: node.kwargs[key] for key in ("dim", "norm") if key in node.kwargs})
-    options["size"] = node.kwargs.get("s", node.kwargs.get("n", options.get("size")))
     data = node.args[0]
     shape = data.meta["complex_shape"] if data in pairs else list(data.meta["val"].shape)
     axes = options.get("dim")
     axes = ([axes] if isinstance(axes, int) else list(axes)) if axes is not None else (
         list(range(len(shape)))[-default_axes:] if default_axes else list(range(len(shape))))
     axes = [axis % len(shape) for axis in axes]
-    sizes = options["size"]
-    sizes = [sizes] if isinstance(sizes, int) else sizes
-    last = 2 * (shape[axes[-1]] - 1) if kind == "half to real" else None
-    if sizes is not None:
-        last = int(sizes[-1]) if kind == "half to real" else last
-        if [int(size) for size in sizes[:len(sizes) - (kind == "half to real")]] != [shape[a] for a in axes][
-                :len(sizes) - (kind == "half to real")]:
-            raise ModelLoadError(f"{node.target} ({node.name}) of sizes {list(sizes)} other than its input's: "
-                                 "relay_amp imports transforms without padding or cropping")
+    lengths = _transform_lengths(node, kind, [shape[axis] for axis in axes],
+                                 node.kwargs.get("s", node.kwargs.get("n", options.get("size"))))
     parts = [graph.call_function(aten.select.int, (data, -1, index)) for index in (0, 1)] if data in pairs else [
         data, None]
-    steps = [(axis, "forward") for axis in axes] if kind == "forward" else [(axis, "inverse") for axis in axes]
-    if kind == "real to half":
-        steps = [(axes[-1], kind), *[(axis, "forward") for axis in axes[:-1]]]
-    elif kind == "half to real":
-        steps = [*[(axis, "inverse") for axis in axes[:-1]], (axes[-1], kind)]
-    for axis, step in steps:
-        length = last if step == "half to real" else shape[axis]
+    for axis, length, step in _spectral_steps(kind, axes, lengths):
         parts = _spectral_step(graph, parts, axis, length, step, options.get("norm"), aten)
     real, imaginary = parts
     return real if kind == "half to real" else graph.call_function(aten.stack.default, ([real, imaginary], -1))
+
+
+def _transform_lengths(node, kind: str, extents: list[int], sizes) -> list[int]:
+    """The signal length of each transformed axis: its extent, but irfft's last, 2 (m - 1) for m inputs or its
+    given size (whose half it must hold: m == n // 2 + 1); other sizes than the input's are a ModelLoadError."""
+    sizes = [sizes] if isinstance(sizes, int) else None if sizes is None else [int(size) for size in sizes]
+    lengths = list(extents)
+    if kind == "half to real":
+        lengths[-1] = 2 * (extents[-1] - 1) if sizes is None else sizes[-1]
+    if sizes is not None and (sizes != lengths or lengths[-1] // 2 + 1 != extents[-1] and kind == "half to real"):
+        raise ModelLoadError(f"{node.target} ({node.name}) of sizes {sizes} other than its input's: relay_amp "
+                             "imports transforms without padding or cropping")
+    return lengths
+
+
+def _spectral_steps(kind: str, axes: list[int], lengths: list[int]) -> list[tuple[int, int, str]]:
+    """(axis, length, step) in the order a transform takes them: rfft's halving step first, irfft's last."""
+    if kind in ("forward", "inverse"):
+        return [(axis, length, kind) for axis, length in zip(axes, lengths)]
+    if kind == "real to half":
+        return [(axes[-1], lengths[-1], kind), *[(a, n, "forward") for a, n in zip(axes[:-1], lengths[:-1])]]
+    return [*[(a, n, "inverse") for a, n in zip(axes[:-1], lengths[:-1])], (axes[-1], lengths[-1], kind)]
 
 
 def _spectral_step(graph, parts: list, axis: int, length: int, step: str, norm, aten) -> list:
