@@ -126,6 +126,7 @@ def _as_pairs(graph, node, pairs: set, aten) -> None:
     if _is_complex(node):
         pairs.add(replacement)
         replacement.meta["complex_shape"] = list(node.meta["val"].shape)  # the pairs' own lacks the last axis of 2
+        replacement.meta["complex_dtype"] = node.meta["val"].dtype
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
 
@@ -160,8 +161,10 @@ def _spectral(graph, node, pairs: set, aten):
                                  node.kwargs.get("s", node.kwargs.get("n", options.get("size"))))
     parts = [graph.call_function(aten.select.int, (data, -1, index)) for index in (0, 1)] if data in pairs else [
         data, None]
+    dtype = data.meta["complex_dtype"] if data in pairs else data.meta["val"].dtype
+    wide = str(dtype).removeprefix("torch.") in ("float64", "complex128")  # else float32 (complex64)
     for axis, length, step in _spectral_steps(kind, axes, lengths):
-        parts = _spectral_step(graph, parts, axis, length, step, options.get("norm"), aten)
+        parts = _spectral_step(graph, parts, axis, length, step, options.get("norm"), wide, aten)
     real, imaginary = parts
     return real if kind == "half to real" else graph.call_function(aten.stack.default, ([real, imaginary], -1))
 
@@ -188,15 +191,15 @@ def _spectral_steps(kind: str, axes: list[int], lengths: list[int]) -> list[tupl
     return [*[(a, n, "inverse") for a, n in zip(axes[:-1], lengths[:-1])], (axes[-1], lengths[-1], kind)]
 
 
-def _spectral_step(graph, parts: list, axis: int, length: int, step: str, norm, aten) -> list:
+def _spectral_step(graph, parts: list, axis: int, length: int, step: str, norm, wide: bool, aten) -> list:
     """One axis of a transform: (real, imaginary or None) parts to the transformed parts (imaginary None where
-    the result is real)."""
+    the result is real), in float64 where `wide`, else float32."""
     real, imaginary = parts
     inputs = length // 2 + 1 if step == "half to real" else length
     outputs = length // 2 + 1 if step == "real to half" else length
-    scale = {"ortho": length ** -0.5, "forward": 1.0 / length if step in ("forward", "real to half") else 1.0}.get(
-        norm, 1.0 / length if step in ("inverse", "half to real") else 1.0)
-    cosines, sines = _basis(graph, inputs, outputs, length, scale, step == "half to real", aten)
+    forward = step in ("forward", "real to half")
+    scale = length ** -0.5 if norm == "ortho" else 1.0 / length if (norm == "forward") == forward else 1.0
+    cosines, sines = _basis(graph, (inputs, outputs, length), scale, step == "half to real", wide, aten)
 
     def along(tensor, matrix):
         moved = graph.call_function(aten.transpose.int, (tensor, axis, -1))
@@ -206,7 +209,6 @@ def _spectral_step(graph, parts: list, axis: int, length: int, step: str, norm, 
     def combine(first, second, subtract: bool):
         return graph.call_function(aten.sub.Tensor if subtract else aten.add.Tensor, (first, second))
 
-    forward = step in ("forward", "real to half")
     if imaginary is None:  # a real input: (aC, -aS) forward, (aC, aS) inverse
         turned = along(real, sines)
         return [along(real, cosines), graph.call_function(aten.neg.default, (turned,)) if forward else turned]
@@ -216,18 +218,23 @@ def _spectral_step(graph, parts: list, axis: int, length: int, step: str, norm, 
     return [new_real, combine(along(imaginary, cosines), along(real, sines), subtract=forward)]
 
 
-def _basis(graph, inputs: int, outputs: int, length: int, scale: float, weighted: bool, aten) -> tuple:
-    """The (inputs, outputs) cos and sin of 2 pi j k / length, times `scale` (and, `weighted`, irfft's weight of each
-    input: 1 for the first and, for an even length, the middle, 2 for the others), as graph nodes PyTorch's ops
-    compute (folded as constants after the import). j k is reduced modulo the length in integers first."""
-    rows = graph.call_function(aten.arange.default, (inputs,), {"dtype": _torch().int64})
-    columns = graph.call_function(aten.arange.default, (outputs,), {"dtype": _torch().int64})
+def _basis(graph, sizes: tuple[int, int, int], scale: float, weighted: bool, wide: bool, aten) -> tuple:
+    """The (inputs, outputs) cos and sin of 2 pi j k / length (`sizes`: inputs, outputs, length), times `scale`
+    (and, `weighted`, irfft's weight of each input: 1 for the first and, for an even length, the middle, 2 for the
+    others), as graph nodes PyTorch's ops compute (folded as constants after the import), in float64 where `wide`.
+    j k is reduced modulo the length in integers first."""
+    import torch
+
+    inputs, outputs, length = sizes
+    dtype = torch.float64 if wide else torch.float32
+    rows = graph.call_function(aten.arange.default, (inputs,), {"dtype": torch.int64})
+    columns = graph.call_function(aten.arange.default, (outputs,), {"dtype": torch.int64})
     products = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.unsqueeze.default, (rows, 1)),
                                                      graph.call_function(aten.unsqueeze.default, (columns, 0))))
     turns = graph.call_function(aten.remainder.Scalar, (products, length))
     angles = graph.call_function(aten.mul.Tensor, (graph.call_function(
-        aten._to_copy.default, (turns,), {"dtype": _torch().float32}), 2 * np.pi / length))
-    factor = graph.call_function(aten.full.default, ([inputs, 1], scale), {"dtype": _torch().float32})
+        aten._to_copy.default, (turns,), {"dtype": dtype}), 2 * np.pi / length))
+    factor = graph.call_function(aten.full.default, ([inputs, 1], scale), {"dtype": dtype})
     if weighted:
         middle = length // 2 if length % 2 == 0 else -1
         ends = graph.call_function(aten.logical_or.default, (
@@ -236,12 +243,6 @@ def _basis(graph, inputs: int, outputs: int, length: int, scale: float, weighted
         factor = graph.call_function(aten.unsqueeze.default, (doubled, 1))
     return tuple(graph.call_function(aten.mul.Tensor, (graph.call_function(part, (angles,)), factor))
                  for part in (aten.cos.default, aten.sin.default))
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 def _complex_copy(node, aten) -> bool:
