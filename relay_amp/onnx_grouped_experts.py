@@ -34,10 +34,15 @@ def grouped_matmuls_dense(proto):
     if not any(node.op_type == "Range" for node in proto.graph.node):
         return proto
     producers = {output: node for node in proto.graph.node for output in node.output}
-    constants, values = constant_values(proto.graph), inferred_values(proto)
+    constants = constant_values(proto.graph)
+    found = {node.output[0]: groups for node in proto.graph.node
+             if node.op_type == "Concat" and (groups := _groups(node, producers, constants))}
+    if not found:  # Ranges of positions alone: no shape inference
+        return proto
+    values = inferred_values(proto)
 
     def dense(node, writer: Writer) -> None:
-        groups = _groups(node, producers, constants)
+        groups = found.get(node.output[0])
         rows = values.get(groups[0].rows, ([None],))[0][0] if groups else None
         if rows is None:
             writer.nodes.append(node)
