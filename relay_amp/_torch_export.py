@@ -314,9 +314,8 @@ def _weight_value(node, weights: dict, known: dict):
         elif node.op != "call_function":
             known[node] = _RUNTIME
         else:
-            read = []
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
-                                                 lambda arg: read.append(_weight_value(arg, weights, known)) or read[-1])
+            read = [_weight_value(arg, weights, known) for arg in node.all_input_nodes]  # known from here on
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), known.get)
             known[node] = _RUNTIME if any(value is _RUNTIME for value in read) else node.target(*args, **kwargs)
     return known[node]
 
