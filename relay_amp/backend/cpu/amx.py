@@ -29,6 +29,7 @@ FLAT_GAIN = 1.25  # flat tiling (an extra pad) where it fills tiles this many ti
 PANELS = 2  # output-channel panels of 16 per call
 FUSABLE_ATTR = "relay_amp.amx_spec"  # on an AMX kernel without an epilogue: its ConvSpec as JSON
 PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
+READ_WRITE = 3  # tvm_access_ptr's access mask: read (1) and write (2)
 
 
 @dataclass(frozen=True)
@@ -323,11 +324,19 @@ def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_i
     scratch accumulator `acc`."""
     width, channels = tiles.data_shape[2:]
     return T.call_extern(
-        "int32", product.symbol, T.address_of(acc[0, 0, 0]), T.address_of(acc[1, 0, 0]),
+        "int32", product.symbol, _whole_tile(acc, 0), _whole_tile(acc, 1),
         *(T.address_of(element) for element in first_inputs), T.address_of(weight_panel),
         T.int64(tiles.step_bytes), T.int64(spec.strides[1] * channels * product.element_bytes),
         T.int64(width * channels * product.element_bytes), T.int64(spec.kernel_size[0]), T.int64(tiles.row_bytes),
         T.int64(PANELS * LANES * 4))
+
+
+def _whole_tile(acc, tile: int):
+    """A pointer to accumulator tile `tile` of `acc` that declares all its rows written, as the tile store writes
+    them. Through `address_of` TVM saw one element, and its buffer compaction cut `acc` to the rows the epilogue
+    reads: a 2x2 output's 4 of 16, so the store overran the stack (or a heap workspace, before StackBuffers)."""
+    size = acc.shape[1] * acc.shape[2]
+    return T.tvm_access_ptr(T.type_annotation(acc.dtype), acc.data, tile * size, size, READ_WRITE)
 
 
 def _panel_channel(panel, out_channels: int):

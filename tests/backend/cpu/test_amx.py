@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 import tvm
+from tvm import relax
 
 import relay_amp
 from relay_amp import targets
@@ -155,3 +156,35 @@ def test_only_a_matmul_down_one_pixel_wide_images_stores_its_tiles_rows():
     for kind in kernels.PER_PIXEL:  # a residual, row scales: operands of the unpadded rows
         with pytest.raises(relay_amp.DTypeError, match="without per-pixel operands"):
             amx.conv2d_nhwc(down, kernels.Epilogue((kernels.Step(kind),), F32, F32), tile_rows_out=True)
+
+
+def test_the_scratch_tiles_keep_every_row_through_tvms_buffer_compaction():
+    """A 2x2 output stores 4 pixels of each 16-row tile, but the tile store writes all 16: TVM's compaction must
+    not cut the scratch accumulator to the rows the epilogue reads (it did, and the store overran the stack)."""
+    spec = kernels.ConvSpec((1, 2, 2, 64), (1, 1), 64)
+    assert amx.tiling(spec).tile_rows == 16
+    compacted = tvm.s_tir.transform.CompactBufferAllocation()(tvm.IRModule({"main": amx.conv2d_nhwc(spec)}))
+    assert "T.alloc_buffer((2, 16, 32))" in compacted["main"].script()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_built_conv_on_fewer_pixels_than_a_tile_runs_and_matches_numpy(dtype):
+    """relay_amp's own build (its stack buffers) of a 1x1 conv over a 2x2 image: 4 pixels in a 16-row tile."""
+    from builders import single_output_module, tensor
+
+    rng = np.random.default_rng(3)
+    weight = np.round(rng.standard_normal((64, 96, 1, 1)) * 3).astype(F32)  # integers: int8 holds them exactly
+    mod = single_output_module(lambda x: relax.op.nn.conv2d(x, relax.const(weight), data_layout="NHWC",
+                                                             kernel_layout="OIHW"), tensor("x", (1, 2, 2, 96)))
+    low = relay_amp.recast(mod, dtype, "int32") if dtype == "int8" else \
+        relay_amp.to_mixed_precision(mod, dtype)
+    executable = relay_amp.build(low, "cpu-amx")
+    assert "ldtilecfg" in executable.mod.imports[0].inspect_source("asm")
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
+    x = rng.standard_normal((1, 2, 2, 96)).astype(F32)
+    if dtype == "int8":
+        x = np.round(x * 20)
+    got = relay_amp.runtime.run_executable(executable, [x])[0]
+    expected = np.einsum("bhwi,oi->bhwo", x, weight[:, :, 0, 0])
+    assert max_relative_error(got, expected) <= (0 if dtype == "int8" else 0.02)  # bf16 operands round
