@@ -203,11 +203,13 @@ def tiling(spec: ConvSpec) -> Tiling:
 
 
 def supports(spec: ConvSpec) -> bool:
-    """Whether the AMX kernel computes `spec`: ungrouped, undilated, bf16 -> fp32 or int8/uint8 -> int32, at least
-    32 output channels in 16-blocks, input channels in whole 4-byte groups (as `kernels.pack_weight` packs them),
-    tiles of at least MIN_TILE_ROWS pixels."""
+    """Whether the AMX kernel computes `spec`: ungrouped, undilated, every output pixel and channel stored (the
+    dot-product kernel's stored_width and stored_channels are not the AMX kernel's), bf16 -> fp32 or int8/uint8 ->
+    int32, at least 32 output channels in 16-blocks, input channels in whole 4-byte groups (as
+    `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS pixels."""
     product = PRODUCTS.get(spec.data_dtype)
-    if (product is None or spec.groups != 1 or spec.dilation != (1, 1) or spec.out_dtype != product.acc_dtype or spec.out_channels < PANELS * LANES
+    if (product is None or spec.groups != 1 or spec.dilation != (1, 1) or spec.stored_width or spec.stored_channels
+            or spec.out_dtype != product.acc_dtype or spec.out_channels < PANELS * LANES
             or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot)):
         return False
     return tiling(spec).tile_rows >= MIN_TILE_ROWS

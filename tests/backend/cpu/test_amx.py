@@ -134,6 +134,8 @@ def test_small_stride_1_outputs_tile_flat_over_the_input_width():
     (kernels.ConvSpec((1, 1, 33, 64), (1, 1), 64, (1, 2)), "17 pixels at stride 2 tile only by 1"),
     (kernels.ConvSpec((1, 1, 16, 6), (1, 1), 32, data_dtype="int8", out_dtype="int32"), "6 int8 channels: 4-byte groups"),
     (kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2)), "taps apart: the tiles read whole input rows"),
+    (kernels.ConvSpec((1, 1, 84, 64), (1, 1), 64, stored_width=79), "a row's computed pixels past those stored"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, stored_channels=48), "the leading channels stored"),
 ])
 def test_shapes_the_tiles_do_not_fit_are_refused(spec, reason):
     assert not amx.supports(spec), reason
