@@ -3,6 +3,7 @@ parameters, and an ONNX model on dynamic axes."""
 
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import onnx
 import tvm
@@ -208,5 +209,27 @@ def expert_layer() -> tvm.IRModule:
             every = builder.emit(relax.op.matmul(hidden, relax.const(rng.standard_normal((8, 64)).astype("float32"))))
             table = builder.emit(relax.op.reshape(every, [24, 16]))
             out = builder.emit_output(relax.op.take(table, index, axis=0))
+        builder.emit_func_output(out)
+    return builder.get()
+
+
+
+def taken_expert_rows(weight: np.ndarray, experts: int, tokens: int, rows: int, stored: "str | None" = None,
+                      product_returned: bool = False) -> tvm.IRModule:
+    """main(x: tokens x depth, index: rows) = the rows `index` takes out of x times every expert's weight (`weight`:
+    depth x experts * columns, in x's dtype), as the frontend writes them: the product in fp32 (cast to `stored`),
+    reshaped to one row per token and expert, taken; with `product_returned`, the product is an output too."""
+    dtype = "bfloat16" if weight.dtype == ml_dtypes.bfloat16 else str(weight.dtype)
+    x = relax.Var("x", relax.TensorType((tokens, weight.shape[0]), dtype))
+    index = relax.Var("index", relax.TensorType((rows,), "int64"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            product = builder.emit(relax.op.matmul(x, relax.const(weight), out_dtype="float32"))
+            if stored is not None:
+                product = builder.emit(relax.op.astype(product, stored))
+            table = builder.emit(relax.op.reshape(product, [tokens * experts, weight.shape[1] // experts]))
+            taken = builder.emit(relax.op.take(table, index, axis=0))
+            out = builder.emit_output(relax.Tuple([taken, product]) if product_returned else taken)
         builder.emit_func_output(out)
     return builder.get()

@@ -326,19 +326,20 @@ def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_i
     scratch accumulator `acc`."""
     width, channels = tiles.data_shape[2:]
     return T.call_extern(
-        "int32", product.symbol, _whole_tile(acc, 0), _whole_tile(acc, 1),
+        "int32", product.symbol, whole_tile(acc, 0), whole_tile(acc, 1),
         *(T.address_of(element) for element in first_inputs), T.address_of(weight_panel),
         T.int64(tiles.step_bytes), T.int64(spec.strides[1] * channels * product.element_bytes),
         T.int64(width * channels * product.element_bytes), T.int64(spec.kernel_size[0]), T.int64(tiles.row_bytes),
         T.int64(PANELS * LANES * 4))
 
 
-def _whole_tile(acc, tile: int):
-    """A pointer to accumulator tile `tile` of `acc` that declares all its rows written, as the tile store writes
-    them. Through `address_of` TVM saw one element, and its buffer compaction cut `acc` to the rows the epilogue
-    reads: a 2x2 output's 4 of 16, so the store overran the stack (or a heap workspace, before StackBuffers)."""
-    size = acc.shape[1] * acc.shape[2]
-    return T.tvm_access_ptr(T.type_annotation(acc.dtype), acc.data, tile * size, size, READ_WRITE)
+def whole_tile(tiles, tile: int):
+    """A pointer to tile `tile` of a scratch of tiles (its first axis) that declares all its rows read and
+    written, as the tile loads and stores touch them. Through `address_of` TVM saw one element, and its buffer
+    compaction cut an accumulator to the rows the epilogue reads: a 2x2 output's 4 of 16, so the store overran the
+    stack (or a heap workspace, before StackBuffers)."""
+    size = tiles.shape[1] * tiles.shape[2]
+    return T.tvm_access_ptr(T.type_annotation(tiles.dtype), tiles.data, tile * size, size, READ_WRITE)
 
 
 def _panel_channel(panel, out_channels: int):

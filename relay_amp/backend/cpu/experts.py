@@ -57,6 +57,7 @@ from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
 from ...packed_int4 import ROWS_PER_WORD, ZERO_POINT, nibble_shift, spec_of
 from ...targets import int8_expert_products
+from . import amx, amx_experts
 from .dispatch import kernel_dtypes
 from .kernels import BF16_DOT, INT8_DOT, INT8_SHIFT, LANES, register_file
 
@@ -105,6 +106,7 @@ class ExpertSpec:
     group: int = 1  # BF16_DOT.group: bf16 operands in pairs on vdpbf16ps; INT8_DOT.group: 8-bit codes in fours on
     # vpdpbusd; 1: fp32 FMAs (int32 products for codes), operands widened
     int4_group: int = 0  # the depths of each scale of an int4 weight (relay_amp.packed_int4's layout); 0: float weights
+    amx: bool = False  # computed on AMX tiles (relay_amp.backend.cpu.amx_experts)
 
     @property
     def codes(self) -> bool:
@@ -139,6 +141,8 @@ def packed_weight(weight: np.ndarray, spec: ExpertSpec) -> np.ndarray:
 def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
     """The kernel computing `spec`'s take: (operands, index, packed weight[, int4 scales][, int8's affine per
     column and row scales]) -> (rows, columns)."""
+    if spec.amx:
+        return amx_experts.expert_kernel(spec)
     panels, tile_rows = spec.tile
     tokens, depth, experts, columns, rows, group = (spec.tokens, spec.depth, spec.experts, spec.columns, spec.rows,
                                                     spec.group)
@@ -362,8 +366,9 @@ class _ExpertRows(relax.PyExprMutator):
             return None
         (data, weight), index = self.lookup_binding(product).args, take.args[1]
         (tokens, depth), (rows, columns) = tensor_shape(data), tensor_shape(take)
-        spec = ExpertSpec(tokens, depth, tensor_shape(weight)[1] // columns, columns, rows, tensor_dtype(data),
-                          tensor_dtype(take), tensor_dtype(index), _group(tensor_dtype(data), depth))
+        dtype = tensor_dtype(data)
+        spec = ExpertSpec(tokens, depth, tensor_shape(weight)[1] // columns, columns, rows, dtype, tensor_dtype(take),
+                          tensor_dtype(index), _group(dtype, depth), amx=_on_amx(dtype, depth, columns))
         computed = _computes(spec, tensor_dtype(weight))
         return self._kernel_call(spec, data, index, weight.value.numpy()) if computed else None
 
@@ -482,6 +487,13 @@ def _group(dtype: str, depth: int) -> int:
         return INT8_DOT.group if depth % INT8_DOT.group == 0 and int8_expert_products(target) else 1
     dot = dtype == BF16_DOT.a_dtype and depth % BF16_DOT.group == 0 and dtype in kernel_dtypes(target)
     return BF16_DOT.group if dot else 1
+
+
+def _on_amx(dtype: str, depth: int, columns: int) -> bool:
+    """Whether the current target computes the products of `dtype` operands of `depth` by experts of `columns` on
+    AMX tiles (`amx_experts.supports`)."""
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and amx_experts.supports(dtype, depth, columns, amx.target_dtypes(target))
 
 
 def _affine(steps: list, columns: int, tokens: int) -> "tuple[np.ndarray, relax.Expr | None] | None":

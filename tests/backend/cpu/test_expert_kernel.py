@@ -13,7 +13,7 @@ from relay_amp.backend.cpu import experts
 from relay_amp.backend.cpu.experts import ExpertSpec, GroupedExpertMatmuls
 from relay_amp.runtime import run_executable
 
-from builders import experts_through_dynamo_onnx
+from builders import experts_through_dynamo_onnx, taken_expert_rows
 from pass_checks import assert_transforms
 
 EXPERTS, TOKENS, DEPTH, COLUMNS = 4, 6, 8, 32
@@ -25,23 +25,10 @@ WEIGHT = RNG.standard_normal((DEPTH, EXPERTS * COLUMNS)).astype("float32")  # co
 
 def _taken(rows: int, dtype: str = "float32", stored: "str | None" = None, columns: int = COLUMNS,
            product_returned: bool = False) -> tvm.IRModule:
-    """main(x: TOKENS x DEPTH, index: rows) = the rows `index` takes out of x times every expert's weight, as the
-    frontend writes them: the (TOKENS, E * columns) product in fp32 (cast to `stored`), reshaped to one row per token
-    and expert; with `product_returned`, the product is an output too."""
-    x = relax.Var("x", relax.TensorType((TOKENS, DEPTH), dtype))
-    index = relax.Var("index", relax.TensorType((rows,), "int64"))
-    weight = relax.const(WEIGHT[:, :EXPERTS * columns].astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype))
-    builder = relax.BlockBuilder()
-    with builder.function("main", [x, index]):
-        with builder.dataflow():
-            product = builder.emit(relax.op.matmul(x, weight, out_dtype="float32"))
-            if stored is not None:
-                product = builder.emit(relax.op.astype(product, stored))
-            table = builder.emit(relax.op.reshape(product, [TOKENS * EXPERTS, columns]))
-            taken = builder.emit(relax.op.take(table, index, axis=0))
-            out = builder.emit_output(relax.Tuple([taken, product]) if product_returned else taken)
-        builder.emit_func_output(out)
-    return builder.get()
+    """main(x: TOKENS x DEPTH, index: rows) = the rows `index` takes out of x times every expert's weight
+    (`builders.taken_expert_rows`) of `columns` each."""
+    weight = WEIGHT[:, :EXPERTS * columns].astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    return taken_expert_rows(weight, EXPERTS, TOKENS, rows, stored, product_returned)
 
 
 def _grouped(rows: int, dtype: str, stored: str) -> tvm.IRModule:
