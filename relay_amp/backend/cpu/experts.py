@@ -22,6 +22,11 @@ an expert's weight is read once per tile of its rows, and not at all where no ro
 512 by 64 experts of 512, top 8, then the 512 rows by experts of 256 back: fp32 2.3 + 1.2 ms, bf16 1.6 + 0.5 ms,
 bf16 widened to FMAs 2.1 + 0.9 ms).
 
+On a target that computes bf16 or int8 on AMX tiles, those products run on `amx_experts`' kernel instead (the
+same call and packed weight; int8 codes unshifted), which the dense form's many rows fill: Sapphire Rapids issues
+`vdpbf16ps` at half an FMA's rate, so there the bf16 experts above ran no faster than fp32. A decode step's
+gathered form stays here (a row or two per expert fills no tile).
+
 Weight-only int4 (`quantize_weights`) writes the product by every expert as its reference int4 kernel on packed
 codes (relay_amp.packed_int4's layout, whose 16-column blocks are already one expert's after another); a take of it
 becomes the same kernel on the codes: per group of depths, each row's operands times the nibbles (bf16 pairs on
@@ -58,6 +63,7 @@ from ...ops import call_op_name
 from ...packed_int4 import ROWS_PER_WORD, ZERO_POINT, nibble_shift, spec_of
 from ...targets import int8_expert_products
 from . import amx, amx_experts
+from .amx_experts import AFFINE_ROWS
 from .dispatch import kernel_dtypes
 from .kernels import BF16_DOT, INT8_DOT, INT8_SHIFT, LANES, register_file
 
@@ -88,7 +94,6 @@ define <16 x i32> @{QUADS_DOT}(<16 x i32> %acc, <16 x i32> %a, <16 x i32> %b) al
 """
 CODES = ("uint8", "int8")  # activation codes an int8 kernel reads
 SIGNED_SHIFT = -0x7F7F7F80  # 0x80808080 as int32: XOR-ed over four int8 codes, each becomes its uint8 code + 128
-AFFINE_ROWS = 3  # int8: per column (A, B, C), out = (sums x A + B) x the token's row scale + C
 
 
 @dataclass(frozen=True)
@@ -412,15 +417,17 @@ class _ExpertRows(relax.PyExprMutator):
             return None
         (tokens, depth), (rows, columns) = tensor_shape(codes), tensor_shape(take)
         experts = tensor_shape(weight)[-1] // columns
+        group = _group(tensor_dtype(codes), depth)
         spec = ExpertSpec(tokens, depth, experts, columns, rows, tensor_dtype(codes), tensor_dtype(take),
-                          tensor_dtype(index), _group(tensor_dtype(codes), depth))
+                          tensor_dtype(index), group,
+                          amx=group == INT8_DOT.group and _on_amx(tensor_dtype(codes), depth, columns))
         folded = _affine(steps, experts * columns, tokens)
         if folded is None or tensor_shape(weight) != (depth, experts * columns) or tensor_shape(table) != (
                 tokens * experts, columns) or not _computes(spec, "int8"):
             return None
         affine, row_scales = folded
         values = weight.value.numpy()
-        if spec.group == INT8_DOT.group and spec.dtype == "int8":  # the kernel reads int8 codes as code + 128
+        if spec.group == INT8_DOT.group and spec.dtype == "int8" and not spec.amx:  # vpdpbusd: int8 codes + 128
             affine[1] -= INT8_SHIFT * values.astype("int64").sum(axis=0) * affine[0]
         gvar = add_func_once(self.builder_, self.kernels, spec, lambda: expert_kernel(spec), "expert_matmul")
         ones = relax.const(np.ones((tokens, 1), "float32"))

@@ -19,6 +19,7 @@ from pass_checks import assert_transforms
 EXPERTS, TOKENS, DEPTH, COLUMNS = 4, 6, 8, 32
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}  # fp32 FMAs, operands widened: any x86 host CI runs on
 ZEN4 = {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}  # AVX-512 with vdpbf16ps: runs where the host has it
+AMX = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}  # AMX tiles (amx_experts): runs where the host has it
 RNG = np.random.default_rng(0)
 WEIGHT = RNG.standard_normal((DEPTH, EXPERTS * COLUMNS)).astype("float32")  # column e * COLUMNS + n: expert e's n
 
@@ -102,14 +103,14 @@ def test_a_matmul_of_gathered_expert_weights_becomes_one_kernel_call_on_no_copie
         assert_transforms(GroupedExpertMatmuls(), before, builder.get())
 
 
-INT8_DEPTH = 16
+INT8_DEPTH = 64  # one 64-byte AMX tile row of codes
 WEIGHT_CODES = RNG.integers(-127, 128, (INT8_DEPTH, EXPERTS * COLUMNS)).astype("int8")
 COLUMN_SCALES, COLUMN_OFFSETS, LAST_OFFSETS = (RNG.random(EXPERTS * COLUMNS).astype("float32") * 0.01 + 0.001
                                                for _ in range(3))
 
 
 def _int8_taken(rows: int, codes: str = "int8", row_scaled: bool = True, residual: bool = False) -> tvm.IRModule:
-    """main(x: TOKENS x 16 codes, scales: TOKENS x 1, index: rows[, residual]) = the rows `index` takes out of
+    """main(x: TOKENS x 64 codes, scales: TOKENS x 1, index: rows[, residual]) = the rows `index` takes out of
     quantize's int8 product by every expert's weight codes: int32 sums cast to fp32, times each column's scale, plus
     its offset, times each token's row scale (with `row_scaled`), plus a last offset per column (or, with
     `residual`, a tensor of the product's shape), reshaped."""
@@ -132,15 +133,17 @@ def _int8_taken(rows: int, codes: str = "int8", row_scaled: bool = True, residua
     return builder.get()
 
 
-def test_a_take_of_rows_of_every_experts_int8_product_becomes_one_kernel_call_on_the_codes():
+@pytest.mark.parametrize("target", [ZEN4, AMX], ids=["zen4", "amx"])
+def test_a_take_of_rows_of_every_experts_int8_product_becomes_one_kernel_call_on_the_codes(target):
     """int8 codes on a Zen 4 target (AVX-512 VNNI): the int32 matmul, its scales and offsets, the row scales'
     multiply, reshape and take are one call of the kernel on the packed weight codes (four depths a word), the
     per-column affine (B less 128 times each column's code sum times its scale: the kernel reads the codes + 128)
-    and the row scales."""
+    and the row scales. On Sapphire Rapids the AMX kernel's call, whose tiles multiply signed codes: B unshifted."""
     before = _int8_taken(9)
     x, scales, index = before["main"].params
-    spec = ExpertSpec(TOKENS, INT8_DEPTH, EXPERTS, COLUMNS, 9, "int8", "float32", "int64", 4)
-    shift = 128 * WEIGHT_CODES.astype("int64").sum(axis=0) * COLUMN_SCALES.astype("float64")
+    on_amx = target is AMX
+    spec = ExpertSpec(TOKENS, INT8_DEPTH, EXPERTS, COLUMNS, 9, "int8", "float32", "int64", 4, amx=on_amx)
+    shift = 0 if on_amx else 128 * WEIGHT_CODES.astype("int64").sum(axis=0) * COLUMN_SCALES.astype("float64")
     affine = np.stack([COLUMN_SCALES, COLUMN_OFFSETS - shift, LAST_OFFSETS]).astype("float32")
     builder = relax.BlockBuilder()
     with builder.function("main", [x, scales, index]):
@@ -150,20 +153,23 @@ def test_a_take_of_rows_of_every_experts_int8_product_becomes_one_kernel_call_on
                 kernel, [x, index, relax.const(experts.packed_weight(WEIGHT_CODES, spec)), relax.const(affine),
                          scales], relax.TensorType((9, COLUMNS), "float32")))
         builder.emit_func_output(out)
-    with tvm.target.Target(ZEN4):
+    with tvm.target.Target(target):
         assert_transforms(GroupedExpertMatmuls(), before, builder.get())
 
 
-@pytest.mark.parametrize("target", [AVX2, ZEN4], ids=["avx2", "zen4"])
+@pytest.mark.parametrize("target", [AVX2, ZEN4, AMX], ids=["avx2", "zen4", "amx"])
 @pytest.mark.parametrize("codes, row_scaled", [("int8", True), ("uint8", True), ("uint8", False)])
 def test_the_built_int8_kernel_stores_each_taken_rows_own_product(codes, row_scaled, target):
     """Built by relay_amp: 9 rows of expert 1 (two tiles and one row), none of expert 3, a token taken twice; equal
-    to numpy's affine of the int32 sums within 1e-5 of the largest output (vpdpbusd on Zen 4, widened on AVX2)."""
+    to numpy's affine of the int32 sums within 1e-5 of the largest output (vpdpbusd on Zen 4, widened on AVX2,
+    tdpbssd or tdpbusd on AMX tiles)."""
     experts_of = np.array([1, 0, 1, 1, 2, 1, 1, 1, 1, 0, 1, 1, 2, 1])
     tokens = np.array([0, 0, 1, 2, 2, 3, 4, 5, 0, 5, 2, 1, 4, 3])
     index = (tokens * EXPERTS + experts_of).astype("int64")
     executable = relay_amp.build(_int8_taken(len(index), codes, row_scaled), tvm.target.Target(target))
     assert "expert_matmul" in executable.as_text()
+    instruction = {"int8": "tdpbssd", "uint8": "tdpbusd"}[codes] if target is AMX else "vpdpbusd"
+    assert (instruction in executable.mod.imports[0].inspect_source("asm")) is (target is not AVX2)
     _runnable(target)
     x = RNG.integers(-128 if codes == "int8" else 0, 128 if codes == "int8" else 256, (TOKENS, INT8_DEPTH))
     scales = RNG.random((TOKENS, 1)).astype("float32") + 0.5
@@ -206,6 +212,8 @@ def test_packed_weights_hold_each_experts_16_columns_as_one_stream_of_depths():
 def _runnable(target: dict) -> None:
     if target is ZEN4 and not relay_amp.targets.host_supports("avx512_bf16"):
         pytest.skip("the host has no AVX-512 bf16")
+    if target is AMX and not relay_amp.targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
 
 
 @pytest.mark.parametrize("target", [AVX2, ZEN4], ids=["avx2", "zen4"])
