@@ -162,7 +162,9 @@ class Tiling:
     Row tiling: a tile is `tile_rows` pixels of one output row. Flat tiling (stride 1 only): a tile is 16
     consecutive pixels of the output flattened over the input's width, whose pixels are C apart in the input
     too; the columns past the output's width are computed but not stored (the epilogue skips them), and the
-    input gets zero rows at the bottom for the last tile to read.
+    input gets zero rows at the bottom for the last tile to read. Padded rows (strided): row tiling over output rows
+    widened to whole tiles; a last tile's pixels past the row read on into the next input row (or zero rows added
+    at the bottom) and are not stored.
     """
     tile_rows: int
     tiles_per_image: int
@@ -189,17 +191,29 @@ def _flat_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
                   (batch, -(-pixels // width), width, out_c), step_bytes, row_bytes)
 
 
+def _padded_row_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
+    batch, height, width, channels = spec.data_shape
+    _, out_h, out_w, out_c = spec.out_shape
+    tile_width = -(-out_w // MAX_TILE_ROWS) * MAX_TILE_ROWS
+    (stride_h, stride_w), (kernel_h, kernel_w) = spec.strides, spec.kernel_size
+    read = ((out_h - 1) * stride_h + kernel_h - 1) * width + (tile_width - 1) * stride_w + kernel_w  # last tile's end
+    return Tiling(MAX_TILE_ROWS, out_h * tile_width // MAX_TILE_ROWS, (batch, max(height, -(-read // width)), width,
+                                                                       channels),
+                  (batch, out_h, tile_width, out_c), step_bytes, row_bytes)
+
+
 def tiling(spec: ConvSpec) -> Tiling:
-    """Row tiling, or flat tiling where it fills tiles at least FLAT_GAIN times better (a 7x7 output: 44% vs 77%)."""
+    """Row tiling, or where it fills tiles at least FLAT_GAIN times better (a 7x7 output: 44% vs 77%), flat tiling
+    (stride 1) or padded rows (strided: tiles of 16 pixels along each output row, the last one's pixels past the
+    row computed from the next input row's values, or zero rows added below, and not stored: a conv1d's 799 output
+    pixels as 50 tiles of 16, where 799 = 17 x 47 tiles only by 1)."""
     row_bytes = spec.kernel_size[1] * spec.data_shape[-1] * PRODUCTS[spec.data_dtype].element_bytes
     step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if row_bytes % d == 0)  # channels fill 4-byte groups
     rows = _row_tiling(spec, step_bytes, row_bytes)
-    if spec.strides != (1, 1):
-        return rows
-    flat = _flat_tiling(spec, step_bytes, row_bytes)
+    other = (_flat_tiling if spec.strides == (1, 1) else _padded_row_tiling)(spec, step_bytes, row_bytes)
     _, out_h, out_w, _ = spec.out_shape
-    flat_filled = out_h * out_w / (flat.tiles_per_image * MAX_TILE_ROWS)
-    return flat if flat_filled >= FLAT_GAIN * rows.tile_rows / MAX_TILE_ROWS else rows
+    other_filled = out_h * out_w / (other.tiles_per_image * MAX_TILE_ROWS)
+    return other if other_filled >= FLAT_GAIN * rows.tile_rows / MAX_TILE_ROWS else rows
 
 
 def supports(spec: ConvSpec) -> bool:

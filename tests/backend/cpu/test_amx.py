@@ -26,6 +26,8 @@ CASES = {
     "uint8_matmul": kernels.ConvSpec((1, 1, 48, 128), (1, 1), 32, (1, 1), "uint8", "int32"),
     "bf16_48_channels": kernels.ConvSpec((1, 1, 64, 64), (1, 1), 48),  # the last panel overlaps the first
     "int8_3x3_80_channels": kernels.ConvSpec((1, 6, 6, 32), (3, 3), 80, (1, 1), "int8", "int32"),
+    "bf16_conv1d_19_outputs_stride2": kernels.ConvSpec((1, 1, 39, 64), (1, 3), 32, (1, 2)),  # padded rows: 2 tiles
+    "int8_3x17_output_stride2": kernels.ConvSpec((1, 7, 35, 32), (3, 3), 64, (2, 2), "int8", "int32"),  # padded rows
 }
 
 
@@ -125,13 +127,25 @@ def test_small_stride_1_outputs_tile_flat_over_the_input_width():
     assert (rows.tile_rows, rows.data_shape, rows.out_shape) == (14, (1, 16, 16, 256), (1, 14, 14, 256))
 
 
+def test_strided_outputs_that_tile_badly_take_tiles_of_16_along_each_row():
+    """wav2vec2's conv1d of 799 outputs (17 x 47: rows tile only by 1) as 50 tiles of 16; the last reads 2 input
+    pixels past the row: one zero row. In 2-D the last tile of a row reads on into the next input rows."""
+    conv1d = amx.tiling(kernels.ConvSpec((1, 1, 1599, 512), (1, 3), 512, (1, 2)))
+    assert (conv1d.tile_rows, conv1d.tiles_per_image) == (16, 50)
+    assert conv1d.data_shape == (1, 2, 1599, 512) and conv1d.out_shape == (1, 1, 800, 512)
+    image = amx.tiling(kernels.ConvSpec((1, 7, 35, 32), (3, 3), 64, (2, 2)))  # 3 x 17 outputs in 3 x 2 tiles
+    assert (image.tiles_per_image, image.data_shape, image.out_shape) == (6, (1, 8, 35, 32), (1, 3, 32, 64))
+    rows = amx.tiling(kernels.ConvSpec((1, 16, 16, 64), (3, 3), 64, (2, 2)))  # 7 of 16 rows filled either way
+    assert (rows.tile_rows, rows.out_shape) == (7, (1, 7, 7, 64))
+
+
 @pytest.mark.parametrize("spec, reason", [
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 16), "fewer output channels than one block of 32"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 40), "output channels not in 16-blocks"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, out_dtype=BF16), "tiles accumulate fp32"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype=F32, out_dtype=F32), "no fp32 tiles"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype=F32), "int8 accumulates int32"),
-    (kernels.ConvSpec((1, 1, 33, 64), (1, 1), 64, (1, 2)), "17 pixels at stride 2 tile only by 1"),
+    (kernels.ConvSpec((1, 1, 5, 64), (1, 1), 64, (1, 2)), "3 pixels at stride 2: 3 of 16 rows filled either way"),
     (kernels.ConvSpec((1, 1, 16, 6), (1, 1), 32, data_dtype="int8", out_dtype="int32"), "6 int8 channels: 4-byte groups"),
     (kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2)), "taps apart: the tiles read whole input rows"),
     (kernels.ConvSpec((1, 1, 84, 64), (1, 1), 64, stored_width=79), "a row's computed pixels past those stored"),
