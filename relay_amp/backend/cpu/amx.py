@@ -69,7 +69,8 @@ def llvm_ir(product: AmxProduct) -> str:
     """LLVM IR of three functions: `<symbol>_config` (tile shapes for M pixels and K steps of kt bytes; the
     first call in a process asks Linux for AMX tile state, so a library exported and loaded elsewhere runs),
     `<symbol>` (one block: C tiles, ldc bytes per pixel, = A (pixels lda bytes apart, kernel rows a_kh bytes
-    apart, K bytes per kernel row in steps of kt) x B (two packed panels of 16 output channels)) and
+    apart, kwc K bytes per kernel row in `taps` runs a_tap bytes apart (a grouped conv's taps: its group's
+    channels of each input pixel), each in steps of kt) x B (two packed panels of 16 output channels)) and
     `<symbol>_release`. A kernel configures the tiles once for many blocks: ldtilecfg costs as much as a block."""
     loads = "\n".join(f"  call void @llvm.x86.tileloadd64(i8 {tile}, ptr %{ptr}, i64 %{stride})" for tile, ptr, stride in
                       ((4, "pa0", "lda"), (5, "pa1", "lda"), (6, "pb0", "ldb"), (7, "pb1", "ldb")))
@@ -115,33 +116,45 @@ entry:
   ret void
 }}
 define void @{product.symbol}(ptr %c0, ptr %c1, ptr %a0, ptr %a1, ptr %b, i64 %kt, i64 %lda, i64 %a_kh, i64 %kh,
-                               i64 %kwc, i64 %ldc) {{
+                               i64 %kwc, i64 %ldc, i64 %taps, i64 %a_tap) {{
 entry:
 {zeros}
   %ldb = add i64 0, {TILE_BYTES}
   %weights = mul i64 %kh, %kwc
   %panel = shl i64 %weights, 4
   %b1 = getelementptr i8, ptr %b, i64 %panel
+  %tap_bytes = udiv i64 %kwc, %taps
   br label %row
 row:
   %r = phi i64 [ 0, %entry ], [ %rnext, %row_end ]
   %arow = mul i64 %r, %a_kh
   %brow = mul i64 %r, %kwc
+  br label %tap
+tap:
+  %t = phi i64 [ 0, %row ], [ %tnext, %tap_end ]
+  %atap = mul i64 %t, %a_tap
+  %atapoff = add i64 %arow, %atap
+  %btap = mul i64 %t, %tap_bytes
+  %btapoff = add i64 %brow, %btap
   br label %step
 step:
-  %k = phi i64 [ 0, %row ], [ %knext, %step ]
-  %aoff = add i64 %arow, %k
+  %k = phi i64 [ 0, %tap ], [ %knext, %step ]
+  %aoff = add i64 %atapoff, %k
   %pa0 = getelementptr i8, ptr %a0, i64 %aoff
   %pa1 = getelementptr i8, ptr %a1, i64 %aoff
-  %bk = add i64 %brow, %k
+  %bk = add i64 %btapoff, %k
   %boff = shl i64 %bk, 4
   %pb0 = getelementptr i8, ptr %b, i64 %boff
   %pb1 = getelementptr i8, ptr %b1, i64 %boff
 {loads}
 {products}
   %knext = add i64 %k, %kt
-  %kdone = icmp uge i64 %knext, %kwc
-  br i1 %kdone, label %row_end, label %step
+  %kdone = icmp uge i64 %knext, %tap_bytes
+  br i1 %kdone, label %tap_end, label %step
+tap_end:
+  %tnext = add i64 %t, 1
+  %tdone = icmp uge i64 %tnext, %taps
+  br i1 %tdone, label %row_end, label %tap
 row_end:
   %rnext = add i64 %r, 1
   %rdone = icmp uge i64 %rnext, %kh
@@ -171,16 +184,27 @@ class Tiling:
     data_shape: tuple[int, int, int, int]  # the input buffer: the spec's, plus any zero rows
     out_shape: tuple[int, int, int, int]  # the output as the tiles number it: the spec's, or input-wide (flat)
     step_bytes: int  # K bytes per tdp step
-    row_bytes: int  # K bytes per kernel row: KW x C elements
+    row_bytes: int  # K bytes per kernel row: KW x C elements (grouped: KW x the group's channels)
+    taps: int = 1  # runs of K bytes per kernel row: one (KW x C contiguous), or KW (a grouped conv's)
 
 
-def _row_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
+def _row_tiling(spec: ConvSpec) -> Tiling:
     _, out_h, out_w, _ = spec.out_shape
     rows = largest_divisor(out_w, MAX_TILE_ROWS)
-    return Tiling(rows, out_h * out_w // rows, spec.data_shape, spec.out_shape, step_bytes, row_bytes)
+    return Tiling(rows, out_h * out_w // rows, spec.data_shape, spec.out_shape, *_k_steps(spec))
 
 
-def _flat_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
+def _k_steps(spec: ConvSpec) -> tuple[int, int, int]:
+    """(K bytes per tdp step, K bytes per kernel row, runs of them): a kernel row's KW x C values are one run; a
+    grouped conv's are KW runs of its group's channels, one per tap."""
+    element_bytes = PRODUCTS[spec.data_dtype].element_bytes
+    taps = spec.kernel_size[1] if spec.groups > 1 else 1
+    run_bytes = spec.kernel_size[1] * spec.depth * element_bytes // taps
+    step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if run_bytes % d == 0)  # channels fill 4-byte groups
+    return step_bytes, run_bytes * taps, taps
+
+
+def _flat_tiling(spec: ConvSpec) -> Tiling:
     batch, height, width, channels = spec.data_shape
     _, out_h, _, out_c = spec.out_shape
     tiles = -(-out_h * width // MAX_TILE_ROWS)
@@ -188,10 +212,10 @@ def _flat_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
     read = pixels - 1 + (spec.kernel_size[0] - 1) * width + spec.kernel_size[1]  # input pixels the last tile reads
     data_rows = max(height, -(-read // width))
     return Tiling(MAX_TILE_ROWS, tiles, (batch, data_rows, width, channels),
-                  (batch, -(-pixels // width), width, out_c), step_bytes, row_bytes)
+                  (batch, -(-pixels // width), width, out_c), *_k_steps(spec))
 
 
-def _padded_row_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tiling:
+def _padded_row_tiling(spec: ConvSpec) -> Tiling:
     batch, height, width, channels = spec.data_shape
     _, out_h, out_w, out_c = spec.out_shape
     tile_width = -(-out_w // MAX_TILE_ROWS) * MAX_TILE_ROWS
@@ -199,7 +223,7 @@ def _padded_row_tiling(spec: ConvSpec, step_bytes: int, row_bytes: int) -> Tilin
     read = ((out_h - 1) * stride_h + kernel_h - 1) * width + (tile_width - 1) * stride_w + kernel_w  # last tile's end
     return Tiling(MAX_TILE_ROWS, out_h * tile_width // MAX_TILE_ROWS, (batch, max(height, -(-read // width)), width,
                                                                        channels),
-                  (batch, out_h, tile_width, out_c), step_bytes, row_bytes)
+                  (batch, out_h, tile_width, out_c), *_k_steps(spec))
 
 
 def tiling(spec: ConvSpec) -> Tiling:
@@ -207,24 +231,22 @@ def tiling(spec: ConvSpec) -> Tiling:
     (stride 1) or padded rows (strided: tiles of 16 pixels along each output row, the last one's pixels past the
     row computed from the next input row's values, or zero rows added below, and not stored: a conv1d's 799 output
     pixels as 50 tiles of 16, where 799 = 17 x 47 tiles only by 1)."""
-    row_bytes = spec.kernel_size[1] * spec.data_shape[-1] * PRODUCTS[spec.data_dtype].element_bytes
-    step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if row_bytes % d == 0)  # channels fill 4-byte groups
-    rows = _row_tiling(spec, step_bytes, row_bytes)
-    other = (_flat_tiling if spec.strides == (1, 1) else _padded_row_tiling)(spec, step_bytes, row_bytes)
+    rows = _row_tiling(spec)
+    other = (_flat_tiling if spec.strides == (1, 1) else _padded_row_tiling)(spec)
     _, out_h, out_w, _ = spec.out_shape
     other_filled = out_h * out_w / (other.tiles_per_image * MAX_TILE_ROWS)
     return other if other_filled >= FLAT_GAIN * rows.tile_rows / MAX_TILE_ROWS else rows
 
 
 def supports(spec: ConvSpec) -> bool:
-    """Whether the AMX kernel computes `spec`: ungrouped, undilated, every output pixel and channel stored (the
-    dot-product kernel's stored_width and stored_channels are not the AMX kernel's), bf16 -> fp32 or int8/uint8 ->
-    int32, at least 32 output channels in 16-blocks, input channels in whole 4-byte groups (as
+    """Whether the AMX kernel computes `spec`: undilated, every output pixel and channel stored (the dot-product
+    kernel's stored_width and stored_channels are not the AMX kernel's), bf16 -> fp32 or int8/uint8 -> int32, at
+    least 32 output channels in 16-blocks per group, each group's input channels in whole 4-byte groups (as
     `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS pixels."""
     product = PRODUCTS.get(spec.data_dtype)
-    if (product is None or spec.groups != 1 or spec.dilation != (1, 1) or spec.stored_width or spec.stored_channels
-            or spec.out_dtype != product.acc_dtype or spec.out_channels < PANELS * LANES
-            or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot)):
+    if (product is None or spec.dilation != (1, 1) or spec.stored_width or spec.stored_channels
+            or spec.out_dtype != product.acc_dtype or spec.out_channels // spec.groups < PANELS * LANES
+            or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot, spec.groups)):
         return False
     return tiling(spec).tile_rows >= MIN_TILE_ROWS
 
@@ -244,9 +266,9 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue(), tile_rows_out: 
     `tile_rows_out` every row its tiles compute (`padded_out_shape`): a matmul's output that another AMX matmul
     reads with zero rows added, whose values there no stored product reads."""
     if not supports(spec):
-        raise DTypeError(f"the AMX kernel takes undilated, ungrouped bf16 -> fp32 or int8 -> int32 with at least "
-                         f"{PANELS * LANES} output channels in {LANES}-blocks, input channels filling 4-byte groups "
-                         f"(2 bf16, 4 int8) and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
+        raise DTypeError(f"the AMX kernel takes undilated bf16 -> fp32 or int8 -> int32 with at least "
+                         f"{PANELS * LANES} output channels in {LANES}-blocks per group, input channels filling 4-byte "
+                         f"groups (2 bf16, 4 int8) and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
     if tile_rows_out and (padded_out_shape(spec) is None or epilogue.reads_pixels):
         raise DTypeError(f"only a matmul down one-pixel-wide images without per-pixel operands (a residual, row "
                          f"scales) stores its tiles' rows; got {spec} with {epilogue}")
@@ -284,7 +306,8 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     batch, _, _, channels = tiles.data_shape
     tile_width = tiles.out_shape[2]
     group, rows, block = 4 // product.element_bytes, tiles.tile_rows, PANELS * LANES
-    positions, panels = batch * tiles.tiles_per_image, -(-out_shape[3] // block)
+    group_width = out_shape[3] // spec.groups
+    positions, panels = batch * tiles.tiles_per_image, spec.groups * -(-group_width // block)
     sharing = tiles.tiles_per_image if spec.weight_batch else positions  # pixel tiles that read one weight
     pairs_per_weight = (sharing + 1) // 2  # a pair shares its weight: an odd count repeats its last tile
     pairs = positions // sharing * pairs_per_weight
@@ -297,7 +320,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             T.func_attr({"tirx.noalias": True})
             data = T.arg("data", T.Buffer(tiles.data_shape, spec.data_dtype))
             weights = (spec.weight_batch,) if spec.weight_batch else ()
-            packed = T.arg("packed", T.Buffer((*weights, out_shape[3] // LANES, *spec.kernel_size, channels // group,
+            packed = T.arg("packed", T.Buffer((*weights, out_shape[3] // LANES, *spec.kernel_size, spec.depth // group,
                                                LANES, group), spec.data_dtype if group == 2 else "int8"))
             operands = [T.arg(f"operand{i}", T.Buffer(*epilogue.operand_buffer(step, out_shape)))
                         for i, step in enumerate(epilogue.operand_steps)]
@@ -308,7 +331,8 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                     T.writes(out[tuple(slice(0, d) for d in out_shape)])
                     acc = T.alloc_buffer((2, rows, block), product.acc_dtype)
                     panel, start = _item_panel_and_start(item, panels, chunks, per_chunk, pixels_first)
-                    channel = _panel_channel(panel, out_shape[3])
+                    channel, stored_from = _panel_channel(panel, group_width)
+                    first_input = channel // group_width * spec.depth  # the group's first input channel
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_config", T.int64(rows),
                                              T.int64(tiles.step_bytes)))
                     with T.serial(0, T.min(per_chunk, pairs - start)) as step:
@@ -318,11 +342,11 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                                   for p in (first, T.min(first + 1, weight * sharing + sharing - 1))]
                         panel_start = (*([weight] if spec.weight_batch else []), channel // LANES, 0, 0, 0, 0, 0)
                         T.evaluate(_block_call(spec, product, tiles, acc, [
-                            data[image, pixel // tile_width * spec.strides[0], pixel % tile_width * spec.strides[1], 0]
-                            for image, pixel in pixels], packed[panel_start]))
+                            data[image, pixel // tile_width * spec.strides[0], pixel % tile_width * spec.strides[1],
+                                 first_input] for image, pixel in pixels], packed[panel_start]))
                         for tile, (image, pixel) in enumerate(pixels):
                             _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, channel),
-                                        (rows, panel * block))
+                                        (rows, stored_from, group_width % block != 0))
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_release"))
     return builder.get()
 
@@ -344,7 +368,7 @@ def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_i
         *(T.address_of(element) for element in first_inputs), T.address_of(weight_panel),
         T.int64(tiles.step_bytes), T.int64(spec.strides[1] * channels * product.element_bytes),
         T.int64(width * channels * product.element_bytes), T.int64(spec.kernel_size[0]), T.int64(tiles.row_bytes),
-        T.int64(PANELS * LANES * 4))
+        T.int64(PANELS * LANES * 4), T.int64(tiles.taps), T.int64(channels * product.element_bytes))
 
 
 def whole_tile(tiles, tile: int):
@@ -356,25 +380,30 @@ def whole_tile(tiles, tile: int):
     return T.tvm_access_ptr(T.type_annotation(tiles.dtype), tiles.data, tile * size, size, READ_WRITE)
 
 
-def _panel_channel(panel, out_channels: int):
-    """The first output channel the block of `panel` computes: panel x 32, except that a last panel of only 16
-    channels overlaps the one before (it computes the 32 channels that end the output, and stores the new 16)."""
+def _panel_channel(panel, group_width: int) -> tuple:
+    """(the first output channel the block of `panel` computes, the first it stores): each group's panels in turn,
+    32 channels apart, except that a group's last panel of only 16 channels overlaps the one before (it computes
+    the 32 channels that end the group, and stores the new 16)."""
     block = PANELS * LANES
-    return panel * block if out_channels % block == 0 else T.min(panel * block, out_channels - block)
+    per_group = -(-group_width // block)
+    first = panel // per_group * group_width
+    stored = first + panel % per_group * block
+    return (stored if group_width % block == 0 else first + T.min(panel % per_group * block, group_width - block),
+            stored)
 
 
 def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tuple, rows_from: tuple) -> None:
     """The epilogue of one tile: acc[tile] (rows pixels x 32 channels from `channel`) through the steps into `out`
-    from pixel `pixel` of the tile buffer (`tile_width` wide) of `image`; pixels off the output skipped, and
-    channels below `stored_from` (another panel's, where the last panel overlaps it)."""
+    from pixel `pixel` of the tile buffer (`tile_width` wide) of `image`; pixels off the output skipped, and, where
+    a group's last panel may overlap the one before, channels below `stored_from` (that panel's)."""
     image, pixel, tile_width, channel = at
-    rows, stored_from = rows_from
-    _, out_h, out_w, out_channels = out.shape
+    rows, stored_from, overlapping = rows_from
+    _, out_h, out_w, _ = out.shape
     with T.serial(0, rows) as row:
         y, x = (pixel + row) // tile_width, (pixel + row) % tile_width
         with T.If(tvm.tirx.all(y < out_h, x < out_w) if tile_width != out_w else y < out_h):
             with T.Then():
-                if out_channels % (PANELS * LANES) == 0:
+                if not overlapping:
                     _store_lanes(epilogue, acc, (tile, row, 0), operands, out, (image, y, x, channel), PANELS * LANES)
                 else:  # the last panel overlaps the one before: each half is stored unless that panel's
                     for half in range(PANELS):

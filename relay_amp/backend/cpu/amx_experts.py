@@ -78,7 +78,8 @@ def expert_kernel(spec) -> tvm.tirx.PrimFunc:
                     "int32", product.symbol, amx.whole_tile(acc, 0), amx.whole_tile(acc, 1),
                     amx.whole_tile(scratch, 0), amx.whole_tile(scratch, 1),
                     T.address_of(weight[expert, panel * amx.PANELS, 0, 0]), T.int64(amx.TILE_BYTES),
-                    T.int64(row_bytes), T.int64(0), T.int64(1), T.int64(row_bytes), T.int64(PANEL * 4)))
+                    T.int64(row_bytes), T.int64(0), T.int64(1), T.int64(row_bytes), T.int64(PANEL * 4),
+                    T.int64(1), T.int64(0)))
                 for r in range(SCRATCH_ROWS):
                     if r < count:
                         store(out, acc, affine, row_scales, order[0, r], order[1, r], r,

@@ -28,6 +28,10 @@ CASES = {
     "int8_3x3_80_channels": kernels.ConvSpec((1, 6, 6, 32), (3, 3), 80, (1, 1), "int8", "int32"),
     "bf16_conv1d_19_outputs_stride2": kernels.ConvSpec((1, 1, 39, 64), (1, 3), 32, (1, 2)),  # padded rows: 2 tiles
     "int8_3x17_output_stride2": kernels.ConvSpec((1, 7, 35, 32), (3, 3), 64, (2, 2), "int8", "int32"),  # padded rows
+    "bf16_grouped_pointwise": kernels.ConvSpec((1, 4, 16, 80), (1, 1), 64, groups=2),  # 40 channels in, 32 out a group
+    "bf16_grouped_3x3_48_a_group": kernels.ConvSpec((1, 6, 10, 96), (3, 3), 96, groups=2),  # overlapping panels
+    "int8_grouped_conv1d": kernels.ConvSpec((1, 1, 40, 128), (1, 5), 64, data_dtype="int8", out_dtype="int32",
+                                            groups=2),  # 5 taps of 64 codes a group
 }
 
 
@@ -115,7 +119,14 @@ def test_a_strided_conv_walks_its_input_with_tile_strides():
     spec = kernels.ConvSpec((1, 9, 9, 64), (3, 3), 64, (2, 2))  # 4x4 output
     # tiles of 4 rows, K steps of 64 bytes; next pixel 2 x 64 x 2 bytes on, next kernel row 9 x 64 x 2 bytes on,
     # 3 kernel rows of 3 x 64 x 2 bytes, accumulator pixels 32 x 4 bytes apart in the scratch tiles
-    assert _call_arguments(spec) == ([4, 64], [64, 256, 1152, 3, 384, 128])
+    assert _call_arguments(spec) == ([4, 64], [64, 256, 1152, 3, 384, 128, 1, 128])
+
+
+def test_a_grouped_conv_steps_over_each_tap_of_its_groups_channels():
+    spec = kernels.ConvSpec((1, 6, 10, 96), (3, 3), 96, groups=2)  # 4x8 outputs, tiled flat over the 10-wide input
+    # K steps of 48 bytes (48 bf16 channels a group: 96 bytes a tap), pixels 96 x 2 bytes apart, kernel rows 10 x 96
+    # x 2 bytes apart, 3 kernel rows of 3 taps of 96 bytes, each tap 96 x 2 bytes after the one before
+    assert _call_arguments(spec) == ([16, 48], [48, 192, 1920, 3, 288, 128, 3, 192])
 
 
 def test_small_stride_1_outputs_tile_flat_over_the_input_width():
@@ -150,6 +161,8 @@ def test_strided_outputs_that_tile_badly_take_tiles_of_16_along_each_row():
     (kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2)), "taps apart: the tiles read whole input rows"),
     (kernels.ConvSpec((1, 1, 84, 64), (1, 1), 64, stored_width=79), "a row's computed pixels past those stored"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, stored_channels=48), "the leading channels stored"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, groups=4), "16 output channels a group: no panel of 32"),
+    (kernels.ConvSpec((1, 1, 64, 6), (1, 1), 64, groups=2), "3 bf16 channels a group: not 4-byte groups"),
 ])
 def test_shapes_the_tiles_do_not_fit_are_refused(spec, reason):
     assert not amx.supports(spec), reason
@@ -204,3 +217,30 @@ def test_a_built_conv_on_fewer_pixels_than_a_tile_runs_and_matches_numpy(dtype):
     got = relay_amp.runtime.run_executable(executable, [x])[0]
     expected = np.einsum("bhwi,oi->bhwo", x, weight[:, :, 0, 0])
     assert max_relative_error(got, expected) <= (0 if dtype == "int8" else 0.02)  # bf16 operands round
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("shape, channels, kernel, groups, padding", [
+    ((1, 8, 8, 80), 64, (1, 1), 2, (0, 0, 0, 0)),  # MixNet's grouped pointwise convs: 40 in, 32 out a group
+    ((1, 1, 50, 96), 96, (1, 16), 2, (0, 8, 0, 7)),  # wav2vec2's positional conv: 48 a group, overlapping panels
+])
+def test_a_built_grouped_conv_runs_on_tiles_and_matches_numpy(dtype, shape, channels, kernel, groups, padding):
+    """relay_amp's own build of a grouped conv for cpu-amx: each group's channels per tap on AMX tiles."""
+    from builders import single_output_module, tensor
+
+    rng = np.random.default_rng(4)
+    weight = np.round(rng.standard_normal((channels, shape[3] // groups, *kernel)) * 3).astype(F32)
+    mod = single_output_module(lambda x: relax.op.nn.conv2d(x, relax.const(weight), padding=padding, groups=groups,
+                                                             data_layout="NHWC", kernel_layout="OIHW"),
+                               tensor("x", shape))
+    low = relay_amp.recast(mod, dtype, "int32") if dtype == "int8" else relay_amp.to_mixed_precision(mod, dtype)
+    executable = relay_amp.build(low, "cpu-amx")
+    assert "ldtilecfg" in executable.mod.imports[0].inspect_source("asm")
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
+    x = np.round(rng.standard_normal(shape) * (20 if dtype == "int8" else 1)).astype(F32)
+    top, left, bottom, right = padding
+    padded = np.pad(x, [(0, 0), (top, bottom), (left, right), (0, 0)]).astype(F32)
+    spec = kernels.ConvSpec(padded.shape, kernel, channels, groups=groups)
+    got = relay_amp.runtime.run_executable(executable, [x])[0]
+    assert max_relative_error(got, reference_conv(padded, weight, spec)) <= (0 if dtype == "int8" else 0.02)
