@@ -175,9 +175,9 @@ class Tiling:
     Row tiling: a tile is `tile_rows` pixels of one output row. Flat tiling (stride 1 only): a tile is 16
     consecutive pixels of the output flattened over the input's width, whose pixels are C apart in the input
     too; the columns past the output's width are computed but not stored (the epilogue skips them), and the
-    input gets zero rows at the bottom for the last tile to read. Padded rows (strided): row tiling over output rows
-    widened to whole tiles; a last tile's pixels past the row read on into the next input row (or zero rows added
-    at the bottom) and are not stored.
+    input gets zero rows at the bottom for the last tile to read. Overlapping rows (strided): tiles of 16 pixels
+    along each output row, the last one ending at the row's end, so that it recomputes and stores again some of
+    the pixels of the one before (the same values).
     """
     tile_rows: int
     tiles_per_image: int
@@ -186,6 +186,14 @@ class Tiling:
     step_bytes: int  # K bytes per tdp step
     row_bytes: int  # K bytes per kernel row: KW x C elements (grouped: KW x the group's channels)
     taps: int = 1  # runs of K bytes per kernel row: one (KW x C contiguous), or KW (a grouped conv's)
+    row_tiles: int = 0  # overlapping rows: tiles per output row; 0: tile t starts at pixel t x tile_rows
+
+    def tile_start(self, tile):
+        """The first pixel of the tile buffer (flattened) that tile `tile` of an image computes."""
+        if not self.row_tiles:
+            return tile * self.tile_rows
+        width = self.out_shape[2]
+        return tile // self.row_tiles * width + T.min(tile % self.row_tiles * self.tile_rows, width - self.tile_rows)
 
 
 def _row_tiling(spec: ConvSpec) -> Tiling:
@@ -215,24 +223,20 @@ def _flat_tiling(spec: ConvSpec) -> Tiling:
                   (batch, -(-pixels // width), width, out_c), *_k_steps(spec))
 
 
-def _padded_row_tiling(spec: ConvSpec) -> Tiling:
-    batch, height, width, channels = spec.data_shape
-    _, out_h, out_w, out_c = spec.out_shape
-    tile_width = -(-out_w // MAX_TILE_ROWS) * MAX_TILE_ROWS
-    (stride_h, stride_w), (kernel_h, kernel_w) = spec.strides, spec.kernel_size
-    read = ((out_h - 1) * stride_h + kernel_h - 1) * width + (tile_width - 1) * stride_w + kernel_w  # last tile's end
-    return Tiling(MAX_TILE_ROWS, out_h * tile_width // MAX_TILE_ROWS, (batch, max(height, -(-read // width)), width,
-                                                                       channels),
-                  (batch, out_h, tile_width, out_c), *_k_steps(spec))
+def _overlapping_row_tiling(spec: ConvSpec) -> Tiling:
+    _, out_h, out_w, _ = spec.out_shape
+    row_tiles = -(-out_w // MAX_TILE_ROWS) if out_w >= MAX_TILE_ROWS else 0
+    if not row_tiles:
+        return _row_tiling(spec)
+    return Tiling(MAX_TILE_ROWS, out_h * row_tiles, spec.data_shape, spec.out_shape, *_k_steps(spec), row_tiles)
 
 
 def tiling(spec: ConvSpec) -> Tiling:
     """Row tiling, or where it fills tiles at least FLAT_GAIN times better (a 7x7 output: 44% vs 77%), flat tiling
-    (stride 1) or padded rows (strided: tiles of 16 pixels along each output row, the last one's pixels past the
-    row computed from the next input row's values, or zero rows added below, and not stored: a conv1d's 799 output
-    pixels as 50 tiles of 16, where 799 = 17 x 47 tiles only by 1)."""
+    (stride 1) or overlapping rows (strided: tiles of 16 pixels along each output row, the last one ending at the
+    row's end: a conv1d's 799 output pixels as 50 tiles of 16, where 799 = 17 x 47 tiles only by 1)."""
     rows = _row_tiling(spec)
-    other = (_flat_tiling if spec.strides == (1, 1) else _padded_row_tiling)(spec)
+    other = (_flat_tiling if spec.strides == (1, 1) else _overlapping_row_tiling)(spec)
     _, out_h, out_w, _ = spec.out_shape
     other_filled = out_h * out_w / (other.tiles_per_image * MAX_TILE_ROWS)
     return other if other_filled >= FLAT_GAIN * rows.tile_rows / MAX_TILE_ROWS else rows
@@ -338,7 +342,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                     with T.serial(0, T.min(per_chunk, pairs - start)) as step:
                         weight = (start + step) // pairs_per_weight
                         first = weight * sharing + (start + step) % pairs_per_weight * 2
-                        pixels = [(p // tiles.tiles_per_image, p % tiles.tiles_per_image * rows)
+                        pixels = [(p // tiles.tiles_per_image, tiles.tile_start(p % tiles.tiles_per_image))
                                   for p in (first, T.min(first + 1, weight * sharing + sharing - 1))]
                         panel_start = (*([weight] if spec.weight_batch else []), channel // LANES, 0, 0, 0, 0, 0)
                         T.evaluate(_block_call(spec, product, tiles, acc, [

@@ -139,15 +139,17 @@ def test_small_stride_1_outputs_tile_flat_over_the_input_width():
 
 
 def test_strided_outputs_that_tile_badly_take_tiles_of_16_along_each_row():
-    """wav2vec2's conv1d of 799 outputs (17 x 47: rows tile only by 1) as 50 tiles of 16; the last reads 2 input
-    pixels past the row: one zero row. In 2-D the last tile of a row reads on into the next input rows."""
+    """wav2vec2's conv1d of 799 outputs (17 x 47: rows tile only by 1) as 50 tiles of 16, the last one from pixel
+    783 (it recomputes 784-799's 15 pixels before it): no input read past the row. In 2-D, per output row."""
     conv1d = amx.tiling(kernels.ConvSpec((1, 1, 1599, 512), (1, 3), 512, (1, 2)))
-    assert (conv1d.tile_rows, conv1d.tiles_per_image) == (16, 50)
-    assert conv1d.data_shape == (1, 2, 1599, 512) and conv1d.out_shape == (1, 1, 800, 512)
+    assert (conv1d.tile_rows, conv1d.tiles_per_image, conv1d.row_tiles) == (16, 50, 50)
+    assert conv1d.data_shape == (1, 1, 1599, 512) and conv1d.out_shape == (1, 1, 799, 512)
+    assert [int(conv1d.tile_start(t)) for t in (0, 1, 48, 49)] == [0, 16, 768, 783]
     image = amx.tiling(kernels.ConvSpec((1, 7, 35, 32), (3, 3), 64, (2, 2)))  # 3 x 17 outputs in 3 x 2 tiles
-    assert (image.tiles_per_image, image.data_shape, image.out_shape) == (6, (1, 8, 35, 32), (1, 3, 32, 64))
+    assert (image.tiles_per_image, image.data_shape, image.out_shape) == (6, (1, 7, 35, 32), (1, 3, 17, 64))
+    assert [int(image.tile_start(t)) for t in range(6)] == [0, 1, 17, 18, 34, 35]
     rows = amx.tiling(kernels.ConvSpec((1, 16, 16, 64), (3, 3), 64, (2, 2)))  # 7 of 16 rows filled either way
-    assert (rows.tile_rows, rows.out_shape) == (7, (1, 7, 7, 64))
+    assert (rows.tile_rows, rows.out_shape, rows.row_tiles) == (7, (1, 7, 7, 64), 0)
 
 
 @pytest.mark.parametrize("spec, reason", [
