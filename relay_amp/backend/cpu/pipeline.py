@@ -36,7 +36,7 @@ from .sampling import FuseWeightedSamples, GridSamplesChannelsLast
 from .schedules import default_schedule, default_schedules
 from .stack import TIR_PIPELINE as STACK_PIPELINE
 from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
-from .winograd import WinogradConvs, suits as suits_winograd
+from .winograd import WinogradConvs, min_extent as winograd_min_extent, suits as suits_winograd
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 # TIR's common subexpression elimination off: LLVM's own takes the same redundancy out (ResNet-18, BERT, DAC and EnCodec
@@ -99,7 +99,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         BatchNormsAsAffine(),
         FoldAffineClamps(),
         PadSoftmaxRows(),
-        *([WidenContractions(dtypes), *([WinogradConvs()] if suits_winograd(target) else []),
+        *([WidenContractions(dtypes),
+           *([WinogradConvs(least_extent=winograd_min_extent(target))] if suits_winograd(target) else []),
            UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         SinkReshapes(),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),

@@ -18,9 +18,12 @@ in fp32). Zen 4 computes each AVX-512 FMA in two 256-bit halves, as many product
 direct kernels run near that peak (ResNet-50 fp32 at about 105 GMAC/s on two cores), so it takes them too (2-core
 Zen 4, the direct kernels' time against these, ReLU after: 56x56x64 0.63x, 28x28x128 0.54x, 14x14x256 0.59x,
 7x7x512 0.77-0.91x; the bounds below measured the same way there: 14x14x64 1.27x and 56x56x32 0.92x with them
-lowered). Cores that compute a whole AVX-512 FMA a cycle (Zen 5, Intel's server cores; AMX hosts) keep the direct
-kernels (not measured there), and bf16 and int8 convolutions keep theirs (the transforms would add in their
-precision); AVX2's bf16 convolutions, widened to fp32 first, take it.
+lowered). On a 2-core Sapphire Rapids-class AMX host, whose cores compute a whole AVX-512 FMA a cycle, the direct
+kernels run near their peak too, and Winograd's still saves time from 14x14 outputs up (14x14x256 0.76x the
+direct conv's time; 56x56x64 1.0x; 7x7x512 1.28x, so there `min_extent` is 14): ResNet-50 fp32 23.16 -> 21.57 ms,
+ResNet-18 10.49 -> 8.10 ms (ONNX Runtime 22.56 and 9.76; one process). Other cores with whole AVX-512 FMAs (Zen 5,
+Intel's without AMX) keep the direct kernels (not measured there), and bf16 and int8 convolutions keep theirs (the
+transforms would add in their precision); AVX2's bf16 convolutions, widened to fp32 first, take it.
 """
 
 import math
@@ -41,37 +44,50 @@ MIN_CHANNELS = 64  # fewer channels in or out: faster where the host is quiet, s
 # their transforms fit in 4 MB: 0.94x the time in a quiet stretch, 1.12x in a contended one, when ResNet-18's wide
 # Winograd convs read 0.73x and 0.91x): their transforms move as many bytes for fewer multiplies saved
 MIN_EXTENT = 7  # an output height or width below this: not measured
+WIDE_MIN_EXTENT = 14  # the same where each AVX-512 FMA computes 16 products (AMX hosts): 7x7x512 -> 512 there ran
+# 1.28x the direct conv's time (its transforms as costly, its multiplies saved half as long), 14x14x256 0.76x
 MIN_PRODUCTS = 1 << 17  # tiles x channels in x out of each of the 16 matmuls: below this the transforms cost more
 # than the multiplies saved (7x7x64 -> 64: 1.18-1.28x the direct conv's time; 14x14x64, over it: 0.74-0.82x)
 
 
 def suits(target: tvm.target.Target) -> bool:
-    """Whether `target` takes Winograd convolutions: an LLVM CPU without AVX-512, or one whose core computes an
-    AVX-512 FMA in two halves (Zen 4), where fp32 FMAs compute 16 products a cycle."""
-    return target.kind.name == "llvm" and (not tvm.target.codegen.target_has_features("avx512f", target)
-                                           or splits_avx512(target))
+    """Whether `target` takes Winograd convolutions: an LLVM CPU without AVX-512, one whose core computes an
+    AVX-512 FMA in two halves (Zen 4), where fp32 FMAs compute 16 products a cycle, or an AMX host (Sapphire
+    Rapids' cores compute 32 a cycle, and its wider convs still ran faster as Winograd's; see `min_extent`)."""
+    has = tvm.target.codegen.target_has_features
+    return target.kind.name == "llvm" and (not has("avx512f", target) or splits_avx512(target)
+                                           or has("amx-tile", target))
+
+
+def min_extent(target: tvm.target.Target) -> int:
+    """The least output height and width of a conv that takes Winograd's form on `target` (a `suits` one):
+    WIDE_MIN_EXTENT where AVX-512 FMAs are whole, else MIN_EXTENT."""
+    has = tvm.target.codegen.target_has_features
+    return WIDE_MIN_EXTENT if has("avx512f", target) and not splits_avx512(target) else MIN_EXTENT
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.WinogradConvs")
 class WinogradConvs:
     """Rewrite each fp32 NHWC 3x3 stride-1 undilated ungrouped convolution with a constant HWIO weight, at least
-    MIN_CHANNELS channels in and out, an output at least MIN_EXTENT high and wide and MIN_PRODUCTS products in each
-    transformed element's matmul, as Winograd's F(2x2, 3x3): a pad, an input transform, one batched matmul of the
+    MIN_CHANNELS channels in and out, an output at least `least_extent` high and wide (`min_extent` of the target)
+    and MIN_PRODUCTS products in each transformed element's matmul, as Winograd's F(2x2, 3x3): a pad, an input transform, one batched matmul of the
     16 transformed elements by their transformed weights and an output transform."""
 
-    def __init__(self, func: str = "main"):
+    def __init__(self, func: str = "main", least_extent: int = MIN_EXTENT):
         self.func = func
+        self.least_extent = least_extent
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite `func` of `mod`; the input module is left as it was."""
         if not calls_any_op(mod, [CONV]):
             return mod
-        return rewrite_op_calls(mod, self.func, {CONV: _winograd})
+        return rewrite_op_calls(mod, self.func, {CONV: lambda call, builder: _winograd(call, builder,
+                                                                                       self.least_extent)})
 
 
-def _winograd(call: relax.Call, builder: relax.BlockBuilder) -> "relax.Expr | None":
+def _winograd(call: relax.Call, builder: relax.BlockBuilder, least_extent: int) -> "relax.Expr | None":
     """`call` as Winograd's pad, transforms and matmuls, or None where it does not take them."""
-    if not _takes_winograd(call):
+    if not _takes_winograd(call, least_extent):
         return None
     data, weight = call.args
     (batch, height, width, _), (_, out_height, out_width, _) = tensor_shape(data), tensor_shape(call)
@@ -116,8 +132,8 @@ def windows_schedule(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return sch.mod["main"]
 
 
-def _takes_winograd(call: relax.Call) -> bool:
-    """Whether the conv2d `call` is one WinogradConvs rewrites."""
+def _takes_winograd(call: relax.Call, least_extent: int) -> bool:
+    """Whether the conv2d `call` is one WinogradConvs rewrites, its output at least `least_extent` high and wide."""
     attrs, (data, weight) = call.attrs, call.args
     shape, out_shape = tensor_shape(data), tensor_shape(call)
     if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NHWC", "HWIO", "NHWC") or int(attrs.groups) != 1:
@@ -130,7 +146,7 @@ def _takes_winograd(call: relax.Call) -> bool:
     if kernel[:2] != (3, 3) or not is_static_shape(shape) or not is_static_shape(out_shape):
         return False
     tiles = out_shape[0] * math.prod(_tile_grid(*out_shape[1:3]))
-    return (min(kernel[2:]) >= MIN_CHANNELS and min(out_shape[1:3]) >= MIN_EXTENT
+    return (min(kernel[2:]) >= MIN_CHANNELS and min(out_shape[1:3]) >= least_extent
             and tiles * kernel[2] * kernel[3] >= MIN_PRODUCTS)
 
 

@@ -1,4 +1,4 @@
-"""winograd: 3x3 stride-1 fp32 convolutions on AVX2 and Zen 4 as Winograd's F(2x2, 3x3), 16 matmuls in one kernel
+"""winograd: 3x3 stride-1 fp32 convolutions on AVX2, Zen 4 and AMX hosts as Winograd's F(2x2, 3x3), 16 matmuls in one kernel
 call between an input and an output transform, matching the direct convolution within fp32 rounding."""
 
 import numpy as np
@@ -172,16 +172,25 @@ def test_torchvisions_vgg11_on_zen4_runs_its_3x3_convs_as_winograd_and_matches_p
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("target, takes", [
-    (AVX2, True),
-    (ZEN4, True),
-    ({"kind": "llvm", "mcpu": relay_amp.targets.BF16_CPU, "model": "znver4"}, True),  # cpu-avx512-bf16 on Zen 4
-    ({"kind": "llvm", "mcpu": relay_amp.targets.BF16_CPU, "model": "znver5"}, False),  # whole AVX-512 FMAs
-    ({"kind": "llvm", "mcpu": "skylake-avx512"}, False),
-    ({"kind": "llvm", "mcpu": relay_amp.targets.AMX_CPU}, False),
+@pytest.mark.parametrize("target, takes, least_extent", [
+    (AVX2, True, 7),
+    (ZEN4, True, 7),
+    ({"kind": "llvm", "mcpu": relay_amp.targets.BF16_CPU, "model": "znver4"}, True, 7),  # cpu-avx512-bf16 on Zen 4
+    ({"kind": "llvm", "mcpu": relay_amp.targets.BF16_CPU, "model": "znver5"}, False, 14),  # whole AVX-512 FMAs
+    ({"kind": "llvm", "mcpu": "skylake-avx512"}, False, 14),
+    ({"kind": "llvm", "mcpu": relay_amp.targets.AMX_CPU}, True, 14),  # measured: ResNets faster, but not at 7x7
 ])
-def test_cpu_targets_whose_fp32_fmas_are_256_bits_wide_take_winograd(target, takes):
+def test_cpu_targets_whose_fp32_fmas_are_256_bits_wide_or_amx_hosts_take_winograd(target, takes, least_extent):
     assert winograd.suits(tvm.target.Target(target)) == takes
+    assert winograd.min_extent(tvm.target.Target(target)) == least_extent
+
+
+def test_where_fmas_are_whole_a_7x7_conv_keeps_the_direct_kernel_and_a_14x14_one_takes_winograd():
+    """Sapphire Rapids: 7x7x512 -> 512 as Winograd's ran 1.28x the direct conv's time, 14x14x256 0.76x."""
+    wide = WinogradConvs(least_extent=winograd.WIDE_MIN_EXTENT)
+    assert "winograd" not in wide(_convs(shape=(1, 7, 7, 512), outputs=512)).script()
+    assert "winograd_input" in wide(_convs(shape=(1, 14, 14, 256), outputs=256)).script()
+    assert "winograd_input" in WinogradConvs()(_convs(shape=(1, 7, 7, 512), outputs=512)).script()
 
 
 def test_a_gpu_target_does_not_take_winograd():
