@@ -196,13 +196,15 @@ def test_a_leaky_relu_becomes_one_map_step():
 def test_a_darknets_leaky_relus_all_run_in_its_kernels(tmp_path):
     """timm's DarkNet-17 through ONNX (a model the rule was not written on): every one of its 17 LeakyReLUs runs in
     the write-back of the conv before it, in fp32 and in bf16 (each was a function of its own, with a transpose
-    back to NCHW and forth around it), and the fp32 build matches PyTorch."""
+    back to NCHW and forth around it), and the fp32 build matches PyTorch. Where a conv takes Winograd's form (fp32
+    on AVX2, Zen 4 and AMX hosts), its LeakyReLU runs in the output transform, the conv's write-back there."""
     from builders import timm_through_onnx
     from pass_checks import prepared_function_names
 
     _, imported, x, expected = timm_through_onnx("darknet17", tmp_path)
     for model in (imported, relay_amp.to_mixed_precision(imported, BF16)):
-        assert not [name for name in prepared_function_names(model) if "leaky" in name]
+        names = prepared_function_names(model)
+        assert not [name for name in names if "leaky" in name and "winograd_output_leaky" not in name]
     got = run_executable(relay_amp.build(imported, targets.host_preset()), [x])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
