@@ -385,8 +385,8 @@ class _Dispatcher(relax.PyExprMutator):
             extra = self._whole_extra(data, dot.group) or -weight.shape[layout.index("I")] % dot.group
             weight = np.pad(weight, [(0, {"I": extra, "O": -channels % kernels.LANES}.get(axis, 0)) for axis in layout])
         else:
-            grouped = kernels.grouped_weight(np.transpose(weight, [layout.index(axis) for axis in "OIHW"]),
-                                             int(attrs.groups))
+            grouped = self._grouped_weight(np.transpose(weight, [layout.index(axis) for axis in "OIHW"]),
+                                           int(attrs.groups), dtype)
             if grouped is None:
                 return None
             (weight, groups), layout = grouped, "OIHW"
@@ -422,6 +422,13 @@ class _Dispatcher(relax.PyExprMutator):
         if int(attrs.groups) != 1 and kernels.padded_group_width(group_width) != group_width:
             return self._groups_compacted(result, int(attrs.groups), group_width)
         return self._first_channels(result, 3, channels, out_ch)
+
+    def _grouped_weight(self, weight_oihw: np.ndarray, groups: int, dtype: str) -> "tuple[np.ndarray, int] | None":
+        """`kernels.grouped_weight` in blocks of 16 output channels, or where `dtype` is computed on AMX tiles, of
+        an AMX panel's 32 (groups of 8 or 16 merged: RegNetY's, which AMX takes only whole panels of)."""
+        panel = amx.PANELS * kernels.LANES
+        merged = kernels.grouped_weight(weight_oihw, groups, panel) if dtype in self.amx_dtypes else None
+        return merged or kernels.grouped_weight(weight_oihw, groups)
 
     def _groups_compacted(self, result: relax.Expr, groups: int, group_width: int) -> relax.Expr:
         """A grouped conv's NHWC result without the zero output channels that padded each group to whole blocks."""

@@ -370,11 +370,11 @@ def pack_weight(weight: np.ndarray, layout: str, dot: DotIntrin) -> np.ndarray:
     return packed.astype(dot.b_dtype, copy=False) if packed.dtype.kind in "iu" else packed  # int8 codes for INT16_DOT
 
 
-def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, int] | None":
+def grouped_weight(weight_oihw: np.ndarray, groups: int, block: int = LANES) -> "tuple[np.ndarray, int] | None":
     """A grouped convolution's [O, I/groups, KH, KW] weight for the kernel, with its number of channel blocks
-    (`ConvSpec.groups`): output channels in 16-lane blocks, each reducing over the input channels of the groups it
-    covers, zero where they are not its own group's (block diagonal). A last block short of groups gets zero
-    output channels (sliced off) and reads zero input channels (padded). Groups whose width neither divides 16 nor
+    (`ConvSpec.groups`): output channels in blocks of `block` (16 lanes; AMX's panels of 32), each reducing over the
+    input channels of the groups it covers, zero where they are not its own group's (block diagonal). A last block
+    short of groups gets zero output channels (sliced off) and reads zero input channels (padded). Groups whose width neither divides 16 nor
     is a multiple of it (RegNetY-1.6GF's 24, Visformer's) get zero output channels up to whole blocks each
     (`padded_group_width`; the result's groups are compacted after). None where the zeros would be more than
     MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
@@ -387,7 +387,7 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int) -> "tuple[np.ndarray, i
         dense = np.zeros((groups, padded, *weight_oihw.shape[1:]), weight_oihw.dtype)
         dense[:, :group_width] = weight_oihw.reshape(groups, group_width, *weight_oihw.shape[1:])
         return dense.reshape(groups * padded, *weight_oihw.shape[1:]), groups
-    merged = 1 if group_width % LANES == 0 else LANES // group_width  # groups per 16-lane block
+    merged = 1 if group_width % block == 0 or group_width > block else block // group_width  # groups per block
     if merged > MAX_GROUP_WASTE:
         return None
     blocks = -(-groups // merged)

@@ -225,6 +225,7 @@ def test_a_built_conv_on_fewer_pixels_than_a_tile_runs_and_matches_numpy(dtype):
 @pytest.mark.parametrize("shape, channels, kernel, groups, padding", [
     ((1, 8, 8, 80), 64, (1, 1), 2, (0, 0, 0, 0)),  # MixNet's grouped pointwise convs: 40 in, 32 out a group
     ((1, 1, 50, 96), 96, (1, 16), 2, (0, 8, 0, 7)),  # wav2vec2's positional conv: 48 a group, overlapping panels
+    ((1, 8, 8, 48), 48, (3, 3), 6, (1, 1, 1, 1)),  # RegNetY's groups of 8: four a 32-channel panel, block diagonal
 ])
 def test_a_built_grouped_conv_runs_on_tiles_and_matches_numpy(dtype, shape, channels, kernel, groups, padding):
     """relay_amp's own build of a grouped conv for cpu-amx: each group's channels per tap on AMX tiles."""

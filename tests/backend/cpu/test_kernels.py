@@ -212,6 +212,18 @@ def test_grouped_weights_are_block_diagonal_over_16_lane_blocks():
     assert kernels.grouped_weight(np.ones((48, 1, 3, 3)), 16) is None  # groups of 3: 16 lanes, 13 zeros
 
 
+def test_grouped_weights_fill_amx_panels_of_32_outputs_when_asked():
+    weight = np.random.default_rng(2).standard_normal((48, 8, 3, 3)).astype("float32")  # 6 groups of 8 (RegNetY's)
+    dense, blocks = kernels.grouped_weight(weight, 6, block=32)
+    assert blocks == 2 and dense.shape == (64, 32, 3, 3)  # 4 groups a panel; the last one 2, 16 zero outputs
+    for out in range(48):
+        slot = out // 8 % 4
+        np.testing.assert_array_equal(dense[out, 8 * slot:8 * slot + 8], weight[out])
+        assert not np.delete(dense[out], np.s_[8 * slot:8 * slot + 8], axis=0).any()
+    assert kernels.grouped_weight(np.ones((96, 3, 3, 3)), 2, block=32)[1] == 2  # groups of 48: whole, overlapping
+    assert kernels.grouped_weight(np.ones((64, 1, 3, 3)), 16, block=32) is None  # groups of 4: 8 a panel, 7 zeros
+
+
 def test_groups_off_the_16_lanes_get_zero_outputs_up_to_whole_blocks_each():
     weight = np.random.default_rng(1).standard_normal((48, 24, 3, 3)).astype("float32")  # 2 groups of 24
     dense, blocks = kernels.grouped_weight(weight, 2)
