@@ -233,3 +233,20 @@ def taken_expert_rows(weight: np.ndarray, experts: int, tokens: int, rows: int, 
             out = builder.emit_output(relax.Tuple([taken, product]) if product_returned else taken)
         builder.emit_func_output(out)
     return builder.get()
+
+
+def expert_kernel_call(before: tvm.IRModule, spec, weight: np.ndarray) -> tvm.IRModule:
+    """What GroupedExpertMatmuls writes for `before` (a `taken_expert_rows` module): one call of the kernel of
+    `spec` (an experts.ExpertSpec) on x, the index and `weight` packed."""
+    from relay_amp.backend.cpu import experts
+
+    x, index = before["main"].params
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x, index]):
+        with builder.dataflow():
+            kernel = builder.add_func(experts.expert_kernel(spec), "expert_matmul")
+            packed = relax.const(experts.packed_weight(weight, spec))
+            out_type = relax.TensorType((spec.rows, spec.columns), spec.out_dtype)
+            out = builder.emit_output(relax.call_tir(kernel, [x, index, packed], out_type))
+        builder.emit_func_output(out)
+    return builder.get()

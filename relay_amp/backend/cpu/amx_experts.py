@@ -59,8 +59,8 @@ def expert_kernel(spec) -> tvm.tirx.PrimFunc:
     with fast_script_parsing():
         @T.macro
         def store(out, acc, affine, row_scales, take_row, token, r, column):
-            """Scratch row r's sums of 32 columns from `column` into row `take_row` of `out` (codes: through the
-            affine of the expert's columns from `at` and `token`'s row scale)."""
+            """Scratch row r's sums of the 32 columns from `column` (of every expert's) into row `take_row` of `out`
+            (codes: through those columns' affine and `token`'s row scale)."""
             for lane in T.vectorized(PANEL):
                 if spec.codes:
                     out[take_row, column % columns + lane] = T.Cast(spec.out_dtype, (

@@ -5,7 +5,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 
 import relay_amp
 from relay_amp import targets
@@ -13,7 +12,7 @@ from relay_amp.backend.cpu import amx_experts, experts
 from relay_amp.backend.cpu.experts import ExpertSpec, GroupedExpertMatmuls
 from relay_amp.runtime import run_executable
 
-from builders import taken_expert_rows
+from builders import expert_kernel_call, taken_expert_rows
 from pass_checks import assert_transforms
 
 EXPERTS, TOKENS, DEPTH, COLUMNS = 4, 40, 64, 64  # depths: two 64-byte tile rows; columns: two 32-column panels
@@ -46,18 +45,7 @@ def _spec(rows: int, stored: str, amx: bool = True) -> ExpertSpec:
 
 def _grouped(rows: int, stored: str) -> tvm.IRModule:
     """What the pass writes on an AMX target: one call of the AMX kernel on x, the index and the packed weight."""
-    before = taken_expert_rows(WEIGHT, EXPERTS, TOKENS, rows, stored)
-    x, index = before["main"].params
-    spec = _spec(rows, stored)
-    builder = relax.BlockBuilder()
-    with builder.function("main", [x, index]):
-        with builder.dataflow():
-            kernel = builder.add_func(experts.expert_kernel(spec), "expert_matmul")
-            packed = relax.const(experts.packed_weight(WEIGHT, spec))
-            taken = builder.emit(relax.call_tir(kernel, [x, index, packed], relax.TensorType((rows, COLUMNS), stored)))
-            out = builder.emit_output(taken)
-        builder.emit_func_output(out)
-    return builder.get()
+    return expert_kernel_call(taken_expert_rows(WEIGHT, EXPERTS, TOKENS, rows, stored), _spec(rows, stored), WEIGHT)
 
 
 def test_an_amx_target_takes_bf16_rows_to_the_amx_kernel():

@@ -13,7 +13,7 @@ from relay_amp.backend.cpu import experts
 from relay_amp.backend.cpu.experts import ExpertSpec, GroupedExpertMatmuls
 from relay_amp.runtime import run_executable
 
-from builders import experts_through_dynamo_onnx, taken_expert_rows
+from builders import expert_kernel_call, experts_through_dynamo_onnx, taken_expert_rows
 from pass_checks import assert_transforms
 
 EXPERTS, TOKENS, DEPTH, COLUMNS = 4, 6, 8, 32
@@ -35,19 +35,9 @@ def _taken(rows: int, dtype: str = "float32", stored: "str | None" = None, colum
 def _grouped(rows: int, dtype: str, stored: str) -> tvm.IRModule:
     """What the pass writes for `_taken(rows, dtype, stored)`: one call of the kernel on x, the index and the packed
     weight."""
-    before = _taken(rows, dtype, stored)
-    x, index = before["main"].params
     spec = ExpertSpec(TOKENS, DEPTH, EXPERTS, COLUMNS, rows, dtype, stored, "int64", 2 if dtype == "bfloat16" else 1)
     weight = WEIGHT.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else WEIGHT
-    builder = relax.BlockBuilder()
-    with builder.function("main", [x, index]):
-        with builder.dataflow():
-            kernel = builder.add_func(experts.expert_kernel(spec), "expert_matmul")
-            packed = relax.const(experts.packed_weight(weight, spec))
-            taken = builder.emit(relax.call_tir(kernel, [x, index, packed], relax.TensorType((rows, COLUMNS), stored)))
-            out = builder.emit_output(taken)
-        builder.emit_func_output(out)
-    return builder.get()
+    return expert_kernel_call(_taken(rows, dtype, stored), spec, weight)
 
 
 @pytest.mark.parametrize("dtype, stored", [("float32", "float32"), ("bfloat16", "bfloat16")])
