@@ -247,6 +247,7 @@ def expert_kernel_call(before: tvm.IRModule, spec, weight: np.ndarray) -> tvm.IR
             kernel = builder.add_func(experts.expert_kernel(spec), "expert_matmul")
             packed = relax.const(experts.packed_weight(weight, spec))
             out_type = relax.TensorType((spec.rows, spec.columns), spec.out_dtype)
-            out = builder.emit_output(relax.call_tir(kernel, [x, index, packed], out_type))
+            taken = builder.emit(relax.call_tir(kernel, [x, index, packed], out_type))
+            out = builder.emit_output(taken)
         builder.emit_func_output(out)
     return builder.get()
