@@ -174,10 +174,11 @@ class Tiling:
 
     Row tiling: a tile is `tile_rows` pixels of one output row. Flat tiling (stride 1 only): a tile is 16
     consecutive pixels of the output flattened over the input's width, whose pixels are C apart in the input
-    too; the columns past the output's width are computed but not stored (the epilogue skips them), and the
-    input gets zero rows at the bottom for the last tile to read. Overlapping rows (strided): tiles of 16 pixels
-    along each output row, the last one ending at the row's end, so that it recomputes and stores again some of
-    the pixels of the one before (the same values).
+    too; the columns past the output's width are computed but not stored (the epilogue skips them). The last tile
+    ends at the last output pixel, overlapping the one before (it recomputes and stores again some of its pixels,
+    the same values), so that it reads no pixel past the input; only an output of fewer than 16 pixels gets zero
+    rows at the bottom of its input for its one tile to read. Overlapping rows (strided): tiles of 16 pixels along
+    each output row, the last one ending at the row's end, overlapping the one before likewise.
     """
     tile_rows: int
     tiles_per_image: int
@@ -186,14 +187,16 @@ class Tiling:
     step_bytes: int  # K bytes per tdp step
     row_bytes: int  # K bytes per kernel row: KW x C elements (grouped: KW x the group's channels)
     taps: int = 1  # runs of K bytes per kernel row: one (KW x C contiguous), or KW (a grouped conv's)
-    row_tiles: int = 0  # overlapping rows: tiles per output row; 0: tile t starts at pixel t x tile_rows
+    run_tiles: int = 0  # overlapping tiles: tiles in each run (an output row; flat: all); 0: none overlap
+    run_span: int = 0  # the pixels of the tile buffer each run covers, the last tile ending at its end
 
     def tile_start(self, tile):
-        """The first pixel of the tile buffer (flattened) that tile `tile` of an image computes."""
-        if not self.row_tiles:
+        """The first pixel of the tile buffer (flattened) that tile `tile` of an image computes: tile x tile_rows,
+        or in runs of overlapping tiles, each run an output row of the tile buffer on."""
+        if not self.run_tiles:
             return tile * self.tile_rows
-        width = self.out_shape[2]
-        return tile // self.row_tiles * width + T.min(tile % self.row_tiles * self.tile_rows, width - self.tile_rows)
+        return tile // self.run_tiles * self.out_shape[2] + T.min(tile % self.run_tiles * self.tile_rows,
+                                                                  self.run_span - self.tile_rows)
 
 
 def _row_tiling(spec: ConvSpec) -> Tiling:
@@ -214,13 +217,15 @@ def _k_steps(spec: ConvSpec) -> tuple[int, int, int]:
 
 def _flat_tiling(spec: ConvSpec) -> Tiling:
     batch, height, width, channels = spec.data_shape
-    _, out_h, _, out_c = spec.out_shape
-    tiles = -(-out_h * width // MAX_TILE_ROWS)
-    pixels = tiles * MAX_TILE_ROWS
-    read = pixels - 1 + (spec.kernel_size[0] - 1) * width + spec.kernel_size[1]  # input pixels the last tile reads
-    data_rows = max(height, -(-read // width))
-    return Tiling(MAX_TILE_ROWS, tiles, (batch, data_rows, width, channels),
-                  (batch, -(-pixels // width), width, out_c), *_k_steps(spec))
+    _, out_h, out_w, out_c = spec.out_shape
+    span = (out_h - 1) * width + out_w  # from the first output pixel to the last, flattened over the input's width
+    if span >= MAX_TILE_ROWS:  # the last tile ends at the last output pixel: it reads no pixel past the input
+        tiles = -(-span // MAX_TILE_ROWS)
+        return Tiling(MAX_TILE_ROWS, tiles, spec.data_shape, (batch, out_h, width, out_c), *_k_steps(spec), tiles,
+                      span)
+    read = MAX_TILE_ROWS - 1 + (spec.kernel_size[0] - 1) * width + spec.kernel_size[1]  # one tile's input pixels
+    return Tiling(MAX_TILE_ROWS, 1, (batch, max(height, -(-read // width)), width, channels),
+                  (batch, -(-MAX_TILE_ROWS // width), width, out_c), *_k_steps(spec))
 
 
 def _overlapping_row_tiling(spec: ConvSpec) -> Tiling:
@@ -228,7 +233,8 @@ def _overlapping_row_tiling(spec: ConvSpec) -> Tiling:
     row_tiles = -(-out_w // MAX_TILE_ROWS) if out_w >= MAX_TILE_ROWS else 0
     if not row_tiles:
         return _row_tiling(spec)
-    return Tiling(MAX_TILE_ROWS, out_h * row_tiles, spec.data_shape, spec.out_shape, *_k_steps(spec), row_tiles)
+    return Tiling(MAX_TILE_ROWS, out_h * row_tiles, spec.data_shape, spec.out_shape, *_k_steps(spec), row_tiles,
+                  out_w)
 
 
 def tiling(spec: ConvSpec) -> Tiling:
@@ -263,33 +269,19 @@ def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
     return frozenset(dtype for dtype, feature in TARGET_FEATURES.items() if has(feature, target))
 
 
-def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue(), tile_rows_out: bool = False) -> tvm.tirx.PrimFunc:
+def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.PrimFunc:
     """The AMX kernel for `spec` (see `supports`) with `epilogue` fused into its write-back: it takes the input
     buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums; one per image where
-    `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype, or with
-    `tile_rows_out` every row its tiles compute (`padded_out_shape`): a matmul's output that another AMX matmul
-    reads with zero rows added, whose values there no stored product reads."""
+    `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype."""
     if not supports(spec):
         raise DTypeError(f"the AMX kernel takes undilated bf16 -> fp32 or int8 -> int32 with at least "
                          f"{PANELS * LANES} output channels in {LANES}-blocks per group, input channels filling 4-byte "
                          f"groups (2 bf16, 4 int8) and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
-    if tile_rows_out and (padded_out_shape(spec) is None or epilogue.reads_pixels):
-        raise DTypeError(f"only a matmul down one-pixel-wide images without per-pixel operands (a residual, row "
-                         f"scales) stores its tiles' rows; got {spec} with {epilogue}")
-    out_shape = padded_out_shape(spec) if tile_rows_out else spec.out_shape
-    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue, out_shape))
+    sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue, spec.out_shape))
     sch.annotate(sch.get_loops(sch.get_sblock("amx_block"))[0], "pragma_import_llvm",
                  llvm_ir(PRODUCTS[spec.data_dtype]))
     return kernels.mark_fusable(sch.mod["main"].without_attr("global_symbol").with_attr("tirx.is_scheduled", True),
                                 spec, epilogue, FUSABLE_ATTR)
-
-
-def padded_out_shape(spec: ConvSpec) -> "tuple[int, int, int, int] | None":
-    """The output with every row the tiles compute, for a matmul down one-pixel-wide images (1x1, stride 1, one
-    pixel wide) whose rows are off the tiles: its input's tile buffer shape with the output channels; else None."""
-    tiles = tiling(spec)
-    own_rows = (spec.kernel_size, spec.strides, spec.data_shape[2]) == ((1, 1), (1, 1), 1)
-    return (*tiles.data_shape[:3], spec.out_channels) if own_rows and tiles.data_shape != spec.data_shape else None
 
 
 def _chunks(pairs: int, panels: int) -> int:

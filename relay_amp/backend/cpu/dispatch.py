@@ -356,11 +356,8 @@ class _Dispatcher(relax.PyExprMutator):
         images, rows = (weight_batch, math.prod(shape[:-1]) // weight_batch) if weight_batch else (1, math.prod(shape[:-1]))
         spec = kernels.ConvSpec((images, 1, rows, in_ch), (1, 1), out_ch, (1, 1), dtype, _out_dtype(call, dtype),
                                 weight_batch, instruction=kernels.instruction_name(dtype, dot))
-        on_amx = self._on_amx(spec)
-        if on_amx:
-            spec = _fewest_padded_rows(spec, dataclasses.replace(spec, data_shape=(images, rows, 1, in_ch)))
         flat = self.builder_.emit(relax.op.reshape(data, spec.data_shape))
-        extra = 0 if on_amx else kernels.padded_width(rows, out_ch) - rows
+        extra = 0 if self._on_amx(spec) else kernels.padded_width(rows, out_ch) - rows
         if extra:  # the last register tile computes rows past the data, which the kernel does not store
             spec = dataclasses.replace(spec, data_shape=(images, 1, rows + extra, in_ch), stored_width=rows)
         result = self._emit_kernel(spec, flat, packed)
@@ -667,14 +664,6 @@ def _deeper(shape: tuple[int, ...], axis: int, extra: int) -> tuple[int, ...]:
     grown = list(shape)
     grown[axis] += extra
     return tuple(grown)
-
-
-def _fewest_padded_rows(across: kernels.ConvSpec, down: kernels.ConvSpec) -> kernels.ConvSpec:
-    """A matmul's rows across one image row or down a one-pixel-wide image: whichever AMX tiles with fewer zero
-    rows (197 rows across pad a second row of 197; down, they pad to 208)."""
-    if not amx.supports(down):
-        return across
-    return down if math.prod(amx.tiling(down).data_shape) < math.prod(amx.tiling(across).data_shape) else across
 
 
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.UseDotKernels")

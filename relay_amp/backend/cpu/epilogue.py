@@ -27,10 +27,6 @@ weight was padded with to whole vectors: a vocabulary of 50257 words computed as
 stores only those channels (`kernels.ConvSpec.stored_channels`), so no function copies them out of the padded
 result (a 128-token prefill's logits over that vocabulary: 16.20 -> 15.68 ms in bf16). Inside the graph a slice
 fuses into its reader's function instead.
-
-A matmul's output that dispatch pads with zero rows for another AMX matmul (197 tokens to 208, whole tiles) is
-stored with every row its tiles compute instead: the second matmul's products over those rows are not stored,
-so what they hold does not matter, and no function copies the output to pad it.
 """
 
 import dataclasses
@@ -69,17 +65,6 @@ class _Chain:
     out_dtype: str = ""
     end: "relax.Var | None" = None  # the var whose value the fused call computes
     absorbed: list = field(default_factory=list)  # vars whose bindings the fused call replaces
-    tile_rows_out: bool = False  # an AMX matmul storing every row its tiles compute, for another one's padded input
-
-    @property
-    def out_shape(self) -> tuple:
-        """The shape the fused call stores."""
-        return amx.padded_out_shape(self.spec) if self.tile_rows_out else self.spec.stored_shape
-
-    @property
-    def operand_shape(self) -> tuple:
-        """The output shape the epilogue's operands are given for (`kernels.ConvSpec.operand_shape`)."""
-        return amx.padded_out_shape(self.spec) if self.tile_rows_out else self.spec.operand_shape
 
 
 def _channel_constant(expr: relax.Expr, channels: int) -> "np.ndarray | None":
@@ -203,7 +188,7 @@ class _ChainFinder:
             return None
         handler = {"relax.add": self._add, "relax.multiply": self._multiply, "relax.nn.relu": self._relu,
                    "relax.clip": self._clip, "relax.maximum": self._bound, "relax.minimum": self._bound,
-                   "relax.astype": self._astype, "relax.nn.pad": self._tile_rows}.get(value.op.name)
+                   "relax.astype": self._astype}.get(value.op.name)
         return None if handler is None else handler(value, current, chain)
 
     @staticmethod
@@ -329,7 +314,7 @@ class _ChainFinder:
         of the op reading it, at no cost of its own, while the kernel's store of part of a vector costs: MixNet-S
         in bf16 ran 2.45 against 2.31 ms with its mixed convs' slices stored so."""
         window = slice_window(value)
-        if chain.make is not kernels.conv2d_nhwc_compute or chain.tile_rows_out or window is None:
+        if chain.make is not kernels.conv2d_nhwc_compute or window is None:
             return None
         if isinstance(self.reader[current].var, relax.DataflowVar):
             return None
@@ -338,27 +323,6 @@ class _ChainFinder:
             return None
         chain.spec = dataclasses.replace(chain.spec, stored_channels=end[-1])
         return _ALIAS
-
-    def _tile_rows(self, value: relax.Call, current: relax.Var, chain: _Chain):
-        """An AMX matmul's output padded with rows after it for one AMX matmul (dispatch pads a matmul's input to
-        whole tiles): the first stores the rows its tiles compute instead. Row i of a matmul reads only input row
-        i, so the second's products over those rows, whatever they hold, are not stored."""
-        if chain.make is not amx.conv2d_nhwc or kernels.Epilogue(tuple(chain.steps)).reads_pixels:
-            return None
-        padded, widths = amx.padded_out_shape(chain.spec), [int(width) for width in value.attrs.pad_width]
-        if (padded is None or tensor_shape(value) != padded or widths[:3] + widths[4:] != [0] * 7
-                or not self._read_by_one_matmul(self.reader[current].var)):
-            return None
-        chain.tile_rows_out = True
-        return _ALIAS
-
-    def _read_by_one_matmul(self, var: relax.Var) -> bool:
-        """Whether `var` is read once, as the input of an AMX kernel that reads each output row's own input row."""
-        binding = self.reader.get(var)
-        kernel = None if binding is None or self.uses.get(var, 0) != 1 else self._kernel(binding.value)
-        if kernel is None or kernel[1] is not amx.conv2d_nhwc or not binding.value.args[1].fields[0].same_as(var):
-            return False
-        return (kernel[0].kernel_size, kernel[0].strides) == ((1, 1), (1, 1))
 
     @staticmethod
     def _record(chain: _Chain, step: "kernels.Step", operand: "relax.Expr | None"):
@@ -383,7 +347,7 @@ class _Fuser(relax.PyExprMutator):
         super().__init__(mod)
         self.absorbed = {var for chain in chains for var in chain.absorbed}
         self.chain_of = {chain.end: chain for chain in chains}
-        self.kernels: dict = {}  # (maker, spec, the epilogue's repr, tile_rows_out) -> the kernel's GlobalVar
+        self.kernels: dict = {}  # (maker, spec, the epilogue's repr) -> the kernel's GlobalVar
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.absorbed:
@@ -393,7 +357,7 @@ class _Fuser(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         fused = self._fused_call(chain)
-        if tensor_shape(binding.var) != chain.out_shape:
+        if tensor_shape(binding.var) != chain.spec.stored_shape:
             fused = relax.op.reshape(self.builder_.emit(fused), tensor_shape(binding.var))
         leaves_block = not isinstance(binding.var, relax.DataflowVar)
         self.set_var_remap(binding.var, self.builder_.emit_output(fused) if leaves_block else self.builder_.emit(fused))
@@ -402,17 +366,16 @@ class _Fuser(relax.PyExprMutator):
         out_dtype = chain.out_dtype or chain.spec.out_dtype
         epilogue = kernels.Epilogue(tuple(chain.steps), chain.residual_dtype, out_dtype)
         operands = [self._as_operand_shape(self.visit_expr(operand),
-                                           epilogue.operand_buffer(step, chain.operand_shape)[0])
+                                           epilogue.operand_buffer(step, chain.spec.operand_shape)[0])
                     for step, operand in zip(epilogue.operand_steps, chain.operands)]
         gvar = self._kernel(chain, epilogue)
         inputs = [self.visit_expr(arg) for arg in chain.kernel.args[1].fields]
-        return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(chain.out_shape, out_dtype))
+        return relax.call_tir(gvar, [*inputs, *operands], relax.TensorType(chain.spec.stored_shape, out_dtype))
 
     def _kernel(self, chain: _Chain, epilogue: "kernels.Epilogue") -> relax.GlobalVar:
         """The kernel of `chain`'s spec with `epilogue`, added once (repr tells -0.0 from 0.0 in its formulas)."""
-        key = (chain.make, chain.spec, repr(epilogue), chain.tile_rows_out)
-        extra = {"tile_rows_out": True} if chain.tile_rows_out else {}
-        return add_func_once(self.builder_, self.kernels, key, lambda: chain.make(chain.spec, epilogue, **extra),
+        key = (chain.make, chain.spec, repr(epilogue))
+        return add_func_once(self.builder_, self.kernels, key, lambda: chain.make(chain.spec, epilogue),
                              "relay_amp_dot_kernel")
 
     def _as_operand_shape(self, operand: relax.Expr, shape: tuple) -> relax.Expr:

@@ -131,9 +131,13 @@ def test_a_grouped_conv_steps_over_each_tap_of_its_groups_channels():
 
 def test_small_stride_1_outputs_tile_flat_over_the_input_width():
     tiles = amx.tiling(kernels.ConvSpec((1, 9, 9, 512), (3, 3), 512))  # ResNet-18's last stage: 7x7 outputs
-    # 63 flat pixels (7 rows of 9) in 4 tiles of 16; the last reads 2 pixels past the input: one zero row
-    assert (tiles.tile_rows, tiles.tiles_per_image) == (16, 4)
-    assert tiles.data_shape == (1, 10, 9, 512) and tiles.out_shape == (1, 8, 9, 512)
+    # 61 flat pixels (6 rows of 9, then 7) in 4 tiles of 16, the last from pixel 45 (it overlaps the third): it
+    # reads up to the input's last pixel, so no zero rows
+    assert (tiles.tile_rows, tiles.tiles_per_image, tiles.run_span) == (16, 4, 61)
+    assert tiles.data_shape == (1, 9, 9, 512) and tiles.out_shape == (1, 7, 9, 512)
+    assert [int(tiles.tile_start(t)) for t in range(4)] == [0, 16, 32, 45]
+    tiny = amx.tiling(kernels.ConvSpec((1, 4, 4, 64), (3, 3), 64))  # 2x2 outputs: 6 flat pixels, one tile
+    assert (tiny.tiles_per_image, tiny.data_shape, tiny.run_tiles) == (1, (1, 7, 4, 64), 0)  # zero rows to read
     rows = amx.tiling(kernels.ConvSpec((1, 16, 16, 256), (3, 3), 256))  # 14 of 16 rows filled either way
     assert (rows.tile_rows, rows.data_shape, rows.out_shape) == (14, (1, 16, 16, 256), (1, 14, 14, 256))
 
@@ -142,14 +146,14 @@ def test_strided_outputs_that_tile_badly_take_tiles_of_16_along_each_row():
     """wav2vec2's conv1d of 799 outputs (17 x 47: rows tile only by 1) as 50 tiles of 16, the last one from pixel
     783 (it recomputes 784-799's 15 pixels before it): no input read past the row. In 2-D, per output row."""
     conv1d = amx.tiling(kernels.ConvSpec((1, 1, 1599, 512), (1, 3), 512, (1, 2)))
-    assert (conv1d.tile_rows, conv1d.tiles_per_image, conv1d.row_tiles) == (16, 50, 50)
+    assert (conv1d.tile_rows, conv1d.tiles_per_image, conv1d.run_tiles, conv1d.run_span) == (16, 50, 50, 799)
     assert conv1d.data_shape == (1, 1, 1599, 512) and conv1d.out_shape == (1, 1, 799, 512)
     assert [int(conv1d.tile_start(t)) for t in (0, 1, 48, 49)] == [0, 16, 768, 783]
     image = amx.tiling(kernels.ConvSpec((1, 7, 35, 32), (3, 3), 64, (2, 2)))  # 3 x 17 outputs in 3 x 2 tiles
     assert (image.tiles_per_image, image.data_shape, image.out_shape) == (6, (1, 7, 35, 32), (1, 3, 17, 64))
     assert [int(image.tile_start(t)) for t in range(6)] == [0, 1, 17, 18, 34, 35]
     rows = amx.tiling(kernels.ConvSpec((1, 16, 16, 64), (3, 3), 64, (2, 2)))  # 7 of 16 rows filled either way
-    assert (rows.tile_rows, rows.out_shape, rows.row_tiles) == (7, (1, 7, 7, 64), 0)
+    assert (rows.tile_rows, rows.out_shape, rows.run_tiles) == (7, (1, 7, 7, 64), 0)
 
 
 @pytest.mark.parametrize("spec, reason", [
@@ -176,17 +180,6 @@ def test_target_dtypes_follow_the_target_features():
     assert amx.target_dtypes(targets.get_target("cpu-amx")) == {BF16, "int8", "uint8"}
     assert not amx.target_dtypes(targets.get_target("cpu-avx512-bf16"))
     assert not amx.target_dtypes(targets.get_target("cuda-tensorcore"))
-
-
-def test_only_a_matmul_down_one_pixel_wide_images_stores_its_tiles_rows():
-    down = kernels.ConvSpec((1, 197, 1, 64), (1, 1), 32)  # 197 rows in 13 tiles of 16
-    assert amx.padded_out_shape(down) == (1, 208, 1, 32)
-    assert [int(d) for d in amx.conv2d_nhwc(down, tile_rows_out=True).params[-1].ty.shape] == [1, 208, 1, 32]
-    assert amx.padded_out_shape(CASES["bf16_conv_stride2_batch2"]) is None  # a 3x3 conv reads its neighbours' rows
-    assert amx.padded_out_shape(kernels.ConvSpec((1, 208, 1, 64), (1, 1), 32)) is None  # whole tiles: no extra rows
-    for kind in kernels.PER_PIXEL:  # a residual, row scales: operands of the unpadded rows
-        with pytest.raises(relay_amp.DTypeError, match="without per-pixel operands"):
-            amx.conv2d_nhwc(down, kernels.Epilogue((kernels.Step(kind),), F32, F32), tile_rows_out=True)
 
 
 def test_the_scratch_tiles_keep_every_row_through_tvms_buffer_compaction():

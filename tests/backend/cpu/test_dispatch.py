@@ -113,22 +113,23 @@ def test_amx_takes_the_calls_that_fit_its_tiles():
     assert amx.PRODUCTS["int8"].symbol in int8["relay_amp_dot_kernel1"].script()
 
 
-def test_flat_amx_tiles_get_zero_rows_in_and_store_only_the_output():
+def test_flat_amx_tiles_read_no_zero_rows_and_store_only_the_output():
     after = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(_conv_module(np.ones((3, 3, 8, 32), "int8"),
                                                                               strides=1))
     ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
-    assert ops == ["relax.nn.pad", "relax.nn.pad", "relax.call_tir"]  # the kernel skips the tiles' extra columns
+    assert ops == ["relax.nn.pad", "relax.call_tir"]  # the conv's own pad; the kernel skips the tiles' extra columns
     relax.analysis.well_formed(after)
 
 
-def test_matmul_rows_off_the_tiles_run_down_a_one_pixel_wide_image_on_amx():
-    """2 x 197 rows (ViT's tokens): across one image row, AMX's flat tiles would pad a second row of 394 (788 rows
-    in); down a one-pixel-wide image they pad to 25 tiles of 16 (400 rows in). 2 x 16 rows tile either way."""
+def test_matmul_rows_off_the_tiles_run_across_one_image_row_on_amx_without_zero_rows():
+    """2 x 197 rows (ViT's tokens) as 25 flat tiles of 16, the last overlapping the one before; 2 x 5 as row tiles
+    of 10: no rows padded either way."""
     def kernel_input(rows):
         after = dispatch.UseDotKernels({BF16}, amx_dtypes={BF16})(_matmul_module(BF16, _bf16_weight((64, 32)), rows))
+        assert "relax.nn.pad" not in after["main"].script()
         return tuple(int(d) for d in after["relay_amp_dot_kernel1"].params[0].ty.shape)
-    assert kernel_input(197) == (1, 400, 1, 64)
-    assert kernel_input(16) == (1, 1, 32, 64)
+    assert kernel_input(197) == (1, 1, 394, 64)
+    assert kernel_input(5) == (1, 1, 10, 64)
     if not (targets.host_runs_amx()):
         pytest.skip("host CPU (or kernel) has no AMX")
     mod = _matmul_module(BF16, _bf16_weight((64, 32)), rows=197)
@@ -437,8 +438,7 @@ def test_runtime_operands_on_amx_get_a_weight_per_head_in_16_channel_blocks(toke
     kernel = after["relay_amp_dot_kernel1"]
     assert amx.FUSABLE_ATTR in kernel.attrs  # the AMX kernel, not the AVX-512 one
     assert [int(d) for d in kernel.params[1].ty.shape] == [2, blocks, 1, 1, 16, 16, 2]  # heads, 16-column blocks
-    rows = -(-tokens // 16) * 16  # per head, the rows down whole tiles of 16
-    assert [int(d) for d in kernel.params[0].ty.shape] == [2, rows, 1, 32]
+    assert [int(d) for d in kernel.params[0].ty.shape] == [2, 1, tokens, 32]  # a weight per head: its tokens flat
     relax.analysis.well_formed(after)
 
 
