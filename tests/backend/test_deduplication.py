@@ -63,16 +63,17 @@ def test_a_deduplicated_build_computes_both_outputs():
         np.testing.assert_array_equal(got, expected)
 
 
-def test_cpu_pads_a_tensor_two_amx_matmuls_read_once():
-    """197 rows (ViT's tokens) read by two AMX matmuls: dispatch pads them to whole tiles for each, and the pipeline
-    merges the two pads after epilogue fusion."""
+def test_cpu_pads_a_tensor_two_amx_convs_read_once():
+    """Two 3x3 convs of one tensor (an Inception block's branches) on AMX: dispatch pads it by one pixel around for
+    each, and the pipeline merges the two pads after epilogue fusion."""
     rng = np.random.default_rng(0)
-    x = relax.Var("x", relax.TensorType((1, 197, 64), "bfloat16"))
-    weights = [rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    x = relax.Var("x", relax.TensorType((1, 14, 14, 64), "bfloat16"))
+    weights = [rng.standard_normal((64, 64, 3, 3)).astype(ml_dtypes.bfloat16) for _ in range(2)]
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
-            products = [bb.emit(relax.op.matmul(x, relax.const(w), out_dtype="float32")) for w in weights]
+            products = [bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC",
+                                                   out_dtype="float32")) for w in weights]
             out = bb.emit_output(relax.Tuple(products))
         bb.emit_func_output(out)
     prepared = cpu_pipeline.prepare_passes(relay_amp.targets.get_target("cpu-amx"))(bb.get())
