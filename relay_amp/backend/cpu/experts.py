@@ -371,9 +371,9 @@ class _ExpertRows(relax.PyExprMutator):
             return None
         (data, weight), index = self.lookup_binding(product).args, take.args[1]
         (tokens, depth), (rows, columns) = tensor_shape(data), tensor_shape(take)
-        dtype = tensor_dtype(data)
+        dtype, group = tensor_dtype(data), _group(tensor_dtype(data), depth)
         spec = ExpertSpec(tokens, depth, tensor_shape(weight)[1] // columns, columns, rows, dtype, tensor_dtype(take),
-                          tensor_dtype(index), _group(dtype, depth), amx=_on_amx(dtype, depth, columns))
+                          tensor_dtype(index), group, amx=_on_amx(dtype, depth, columns, group))
         computed = _computes(spec, tensor_dtype(weight))
         return self._kernel_call(spec, data, index, weight.value.numpy()) if computed else None
 
@@ -419,8 +419,7 @@ class _ExpertRows(relax.PyExprMutator):
         experts = tensor_shape(weight)[-1] // columns
         group = _group(tensor_dtype(codes), depth)
         spec = ExpertSpec(tokens, depth, experts, columns, rows, tensor_dtype(codes), tensor_dtype(take),
-                          tensor_dtype(index), group,
-                          amx=group == INT8_DOT.group and _on_amx(tensor_dtype(codes), depth, columns))
+                          tensor_dtype(index), group, amx=_on_amx(tensor_dtype(codes), depth, columns, group))
         folded = _affine(steps, experts * columns, tokens)
         if folded is None or tensor_shape(weight) != (depth, experts * columns) or tensor_shape(table) != (
                 tokens * experts, columns) or not _computes(spec, "int8"):
@@ -496,11 +495,12 @@ def _group(dtype: str, depth: int) -> int:
     return BF16_DOT.group if dot else 1
 
 
-def _on_amx(dtype: str, depth: int, columns: int) -> bool:
+def _on_amx(dtype: str, depth: int, columns: int, group: int) -> bool:
     """Whether the current target computes the products of `dtype` operands of `depth` by experts of `columns` on
-    AMX tiles (`amx_experts.supports`)."""
+    AMX tiles (`amx_experts.supports`), their weight packed in the 32-bit groups of depths AMX's B tiles take."""
     target = tvm.target.Target.current(allow_none=True)
-    return target is not None and amx_experts.supports(dtype, depth, columns, amx.target_dtypes(target))
+    return (target is not None and amx_experts.supports(dtype, depth, columns, amx.target_dtypes(target))
+            and group == 4 // amx.PRODUCTS[dtype].element_bytes)
 
 
 def _affine(steps: list, columns: int, tokens: int) -> "tuple[np.ndarray, relax.Expr | None] | None":
