@@ -64,7 +64,6 @@ QUANTIZED_DTYPES = ("int8", "uint8")  # integer dtypes a kernel may store its fi
 BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  # epilogue step kinds
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
-PER_PIXEL = (RESIDUAL, ROW_SCALE)  # steps whose operand has a value for each output pixel, not one per channel
 # fields spec_json leaves out at these values
 LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": "", "stored_channels": 0}
 
@@ -205,11 +204,6 @@ class Epilogue:
     def operand_steps(self) -> list["Step"]:
         """The steps that take an operand, in the order of the kernel's operand parameters."""
         return [step for step in self.steps if step.kind in TAKES_OPERAND]
-
-    @property
-    def reads_pixels(self) -> bool:
-        """Whether a step reads an operand with a value for each output pixel (which a padded output overruns)."""
-        return any(step.kind in PER_PIXEL for step in self.steps)
 
     def operand_buffer(self, step: Step, out_shape: tuple) -> tuple[tuple, str]:
         """(shape, dtype) of `step`'s operand for a kernel computing the channels of `out_shape` at its pixels."""

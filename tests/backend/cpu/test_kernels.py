@@ -432,4 +432,3 @@ def test_each_operand_step_reads_its_buffer_where_the_output_element_is(kind, sh
     dtype = "bfloat16" if kind == kernels.RESIDUAL else "float32"
     assert epilogue.operand_buffer(kernels.Step(kind), (1, 8, 4, 64)) == (shape, dtype)
     assert epilogue.operand_index(kernels.Step(kind), (0, 2, 3, 5)) == index
-    assert epilogue.reads_pixels == (kind in (kernels.RESIDUAL, kernels.ROW_SCALE))
