@@ -368,9 +368,9 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int, block: int = LANES) -> 
     """A grouped convolution's [O, I/groups, KH, KW] weight for the kernel, with its number of channel blocks
     (`ConvSpec.groups`): output channels in blocks of `block` (16 lanes; AMX's panels of 32), each reducing over the
     input channels of the groups it covers, zero where they are not its own group's (block diagonal). A last block
-    short of groups gets zero output channels (sliced off) and reads zero input channels (padded). Groups whose width neither divides 16 nor
-    is a multiple of it (RegNetY-1.6GF's 24, Visformer's) get zero output channels up to whole blocks each
-    (`padded_group_width`; the result's groups are compacted after). None where the zeros would be more than
+    short of groups gets zero output channels (sliced off) and reads zero input channels (padded). Groups whose
+    width neither divides 16 nor is a multiple of it (RegNetY-1.6GF's 24, Visformer's) get zero output channels up
+    to whole blocks each (`padded_group_width`; the result's groups are compacted after). None where the zeros would be more than
     MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
     out_channels, group_depth = weight_oihw.shape[:2]
     group_width = out_channels // groups

@@ -70,8 +70,9 @@ def min_extent(target: tvm.target.Target) -> int:
 class WinogradConvs:
     """Rewrite each fp32 NHWC 3x3 stride-1 undilated ungrouped convolution with a constant HWIO weight, at least
     MIN_CHANNELS channels in and out, an output at least `least_extent` high and wide (`min_extent` of the target)
-    and MIN_PRODUCTS products in each transformed element's matmul, as Winograd's F(2x2, 3x3): a pad, an input transform, one batched matmul of the
-    16 transformed elements by their transformed weights and an output transform."""
+    and MIN_PRODUCTS products in each transformed element's matmul, as Winograd's F(2x2, 3x3): a pad, an input
+    transform, one batched matmul of the 16 transformed elements by their transformed weights and an output
+    transform."""
 
     def __init__(self, func: str = "main", least_extent: int = MIN_EXTENT):
         self.func = func

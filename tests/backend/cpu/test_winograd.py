@@ -1,5 +1,5 @@
-"""winograd: 3x3 stride-1 fp32 convolutions on AVX2, Zen 4 and AMX hosts as Winograd's F(2x2, 3x3), 16 matmuls in one kernel
-call between an input and an output transform, matching the direct convolution within fp32 rounding."""
+"""winograd: 3x3 stride-1 fp32 convolutions on AVX2, Zen 4 and AMX hosts as Winograd's F(2x2, 3x3), 16 matmuls in
+one kernel call between an input and an output transform, matching the direct convolution within fp32 rounding."""
 
 import numpy as np
 import pytest
