@@ -359,12 +359,21 @@ def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_i
     """The LLVM call of one block: two pixel tiles (their first input elements) x one weight panel pair into the
     scratch accumulator `acc`."""
     width, channels = tiles.data_shape[2:]
+    pixel_bytes = channels * product.element_bytes
+    return block_call(product, acc, [T.address_of(element) for element in first_inputs], T.address_of(weight_panel),
+                      tiles.step_bytes, spec.strides[1] * pixel_bytes, tiles.row_bytes,
+                      (spec.kernel_size[0], width * pixel_bytes), (tiles.taps, pixel_bytes))
+
+
+def block_call(product: AmxProduct, acc, a_tiles: list, b_panels, step_bytes: int, lda: int, row_bytes: int,
+               kernel_rows: tuple = (1, 0), taps: tuple = (1, 0)):
+    """The call of `llvm_ir`'s block function: the two A tiles at `a_tiles` (pointers; rows `lda` bytes apart)
+    times the two B panels from `b_panels` into the scratch accumulator `acc`, over `kernel_rows` (count, bytes
+    apart in A) of `row_bytes` K bytes each, in `taps` runs (count, bytes apart in A), in steps of `step_bytes`."""
     return T.call_extern(
-        "int32", product.symbol, whole_tile(acc, 0), whole_tile(acc, 1),
-        *(T.address_of(element) for element in first_inputs), T.address_of(weight_panel),
-        T.int64(tiles.step_bytes), T.int64(spec.strides[1] * channels * product.element_bytes),
-        T.int64(width * channels * product.element_bytes), T.int64(spec.kernel_size[0]), T.int64(tiles.row_bytes),
-        T.int64(PANELS * LANES * 4), T.int64(tiles.taps), T.int64(channels * product.element_bytes))
+        "int32", product.symbol, whole_tile(acc, 0), whole_tile(acc, 1), *a_tiles, b_panels,
+        T.int64(step_bytes), T.int64(lda), T.int64(kernel_rows[1]), T.int64(kernel_rows[0]), T.int64(row_bytes),
+        T.int64(PANELS * LANES * 4), T.int64(taps[0]), T.int64(taps[1]))
 
 
 def whole_tile(tiles, tile: int):

@@ -74,12 +74,9 @@ def expert_kernel(spec) -> tvm.tirx.PrimFunc:
         def multiply_rows(scratch, acc, order, weight, affine, row_scales, out, expert, first_panel, count):
             """The `count` rows of the scratch times each panel of the run from `first_panel`, stored in `out`."""
             for panel in range(first_panel, first_panel + run):
-                T.evaluate(T.call_extern(
-                    "int32", product.symbol, amx.whole_tile(acc, 0), amx.whole_tile(acc, 1),
-                    amx.whole_tile(scratch, 0), amx.whole_tile(scratch, 1),
-                    T.address_of(weight[expert, panel * amx.PANELS, 0, 0]), T.int64(amx.TILE_BYTES),
-                    T.int64(row_bytes), T.int64(0), T.int64(1), T.int64(row_bytes), T.int64(PANEL * 4),
-                    T.int64(1), T.int64(0)))
+                T.evaluate(amx.block_call(product, acc, [amx.whole_tile(scratch, 0), amx.whole_tile(scratch, 1)],
+                                          T.address_of(weight[expert, panel * amx.PANELS, 0, 0]), amx.TILE_BYTES,
+                                          row_bytes, row_bytes))
                 for r in range(SCRATCH_ROWS):
                     if r < count:
                         store(out, acc, affine, row_scales, order[0, r], order[1, r], r,
