@@ -11,8 +11,9 @@ input's width instead (see `Tiling`). The weight is the one `kernels.pack_weight
 
 from dataclasses import dataclass
 
+import numpy as np
 import tvm
-from tvm import s_tir
+from tvm import relax, s_tir
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
@@ -255,10 +256,28 @@ def supports(spec: ConvSpec) -> bool:
     `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS pixels."""
     product = PRODUCTS.get(spec.data_dtype)
     if (product is None or spec.dilation != (1, 1) or spec.stored_width or spec.stored_channels
-            or spec.out_dtype != product.acc_dtype or spec.out_channels // spec.groups < PANELS * LANES
+            or spec.out_dtype != product.acc_dtype or not _panel_fits(spec)
             or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot, spec.groups)):
         return False
     return tiling(spec).tile_rows >= MIN_TILE_ROWS
+
+
+def _panel_fits(spec: ConvSpec) -> bool:
+    """Whether each group's output channels fill AMX panels: at least a panel's 32, or (ungrouped) one 16-lane
+    block, computed against a weight padded with a zero block (`padded_weight`)."""
+    return spec.out_channels // spec.groups >= PANELS * LANES or (spec.groups == 1 and spec.out_channels == LANES)
+
+
+def padded_weight(packed: "np.ndarray | relax.Expr", spec: ConvSpec) -> "np.ndarray | relax.Expr":
+    """`kernels.pack_weight`'s weight for `spec` (a constant, or a runtime operand packed by Relax ops) with the zero
+    block of output channels that completes a 16-channel conv's panel pair (the block function multiplies two); the
+    weight itself where it fills whole panels."""
+    if spec.out_channels >= PANELS * LANES:
+        return packed
+    block_axis = 1 if spec.weight_batch else 0
+    if isinstance(packed, np.ndarray):
+        return np.concatenate([packed, np.zeros_like(packed)], axis=block_axis)
+    return relax.op.concat([packed, relax.op.zeros_like(packed)], axis=block_axis)
 
 
 def target_dtypes(target: tvm.target.Target) -> frozenset[str]:
@@ -316,7 +335,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             T.func_attr({"tirx.noalias": True})
             data = T.arg("data", T.Buffer(tiles.data_shape, spec.data_dtype))
             weights = (spec.weight_batch,) if spec.weight_batch else ()
-            packed = T.arg("packed", T.Buffer((*weights, out_shape[3] // LANES, *spec.kernel_size, spec.depth // group,
+            packed = T.arg("packed", T.Buffer((*weights, max(out_shape[3] // LANES, PANELS), *spec.kernel_size, spec.depth // group,
                                                LANES, group), spec.data_dtype if group == 2 else "int8"))
             operands = [T.arg(f"operand{i}", T.Buffer(*epilogue.operand_buffer(step, out_shape)))
                         for i, step in enumerate(epilogue.operand_steps)]
@@ -342,7 +361,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                                  first_input] for image, pixel in pixels], packed[panel_start]))
                         for tile, (image, pixel) in enumerate(pixels):
                             _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, channel),
-                                        (rows, stored_from, group_width % block != 0))
+                                        (rows, stored_from, group_width))
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_release"))
     return builder.get()
 
@@ -393,16 +412,19 @@ def _panel_channel(panel, group_width: int) -> tuple:
     per_group = -(-group_width // block)
     first = panel // per_group * group_width
     stored = first + panel % per_group * block
-    return (stored if group_width % block == 0 else first + T.min(panel % per_group * block, group_width - block),
+    last = max(group_width - block, 0)  # a 16-channel conv's one panel: the block and the padded weight's zeros
+    return (stored if group_width % block == 0 else first + T.min(panel % per_group * block, last),
             stored)
 
 
 def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tuple, rows_from: tuple) -> None:
     """The epilogue of one tile: acc[tile] (rows pixels x 32 channels from `channel`) through the steps into `out`
     from pixel `pixel` of the tile buffer (`tile_width` wide) of `image`; pixels off the output skipped, and, where
-    a group's last panel may overlap the one before, channels below `stored_from` (that panel's)."""
+    a group's last panel may overlap the one before, channels below `stored_from` (that panel's); a 16-channel
+    conv's first half alone."""
     image, pixel, tile_width, channel = at
-    rows, stored_from, overlapping = rows_from
+    rows, stored_from, group_width = rows_from
+    overlapping = group_width % (PANELS * LANES) != 0
     _, out_h, out_w, _ = out.shape
     with T.serial(0, rows) as row:
         y, x = (pixel + row) // tile_width, (pixel + row) % tile_width
@@ -411,7 +433,7 @@ def _store_tile(epilogue: Epilogue, acc, tile: int, operands: list, out, at: tup
                 if not overlapping:
                     _store_lanes(epilogue, acc, (tile, row, 0), operands, out, (image, y, x, channel), PANELS * LANES)
                 else:  # the last panel overlaps the one before: each half is stored unless that panel's
-                    for half in range(PANELS):
+                    for half in range(min(PANELS, group_width // LANES)):
                         with T.If(channel + half * LANES >= stored_from):
                             with T.Then():
                                 _store_lanes(epilogue, acc, (tile, row, half * LANES), operands, out,

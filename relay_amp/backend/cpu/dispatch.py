@@ -524,9 +524,9 @@ class _Dispatcher(relax.PyExprMutator):
         """The kernel call on a weight packed here (a constant) or by Relax ops at run time."""
         self.kernel_count += 1
         name = f"relay_amp_dot_kernel{self.kernel_count}"
-        weight = relax.const(packed) if isinstance(packed, np.ndarray) else packed
         if self._on_amx(spec):
-            return self._emit_amx_kernel(spec, data, weight, name)
+            return self._emit_amx_kernel(spec, data, amx.padded_weight(packed, spec), name)
+        weight = relax.const(packed) if isinstance(packed, np.ndarray) else packed
         args = [data, weight]
         if spec.shifted:  # shifted to uint8: the correction is 128 x each output channel's weight sum
             args.append(relax.const(kernels.weight_sums(packed)) if isinstance(packed, np.ndarray)
@@ -545,11 +545,13 @@ class _Dispatcher(relax.PyExprMutator):
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
         return spec.data_dtype in self.amx_dtypes and amx.supports(spec)
 
-    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, weight: relax.Expr, name: str) -> relax.Expr:
+    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr",
+                         name: str) -> relax.Expr:
         """The AMX kernel call, with the zero rows its input buffer adds."""
         extra_rows = amx.tiling(spec).data_shape[1] - spec.data_shape[1]
         if extra_rows:
             data = self.builder_.emit(pad_after(data, 4, 1, extra_rows))
+        weight = relax.const(packed) if isinstance(packed, np.ndarray) else packed
         gvar = add_func_once(self.builder_, self.kernel_funcs, ("amx", spec), lambda: amx.conv2d_nhwc(spec), name)
         out_type = relax.TensorType(spec.out_shape, spec.out_dtype)
         return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))

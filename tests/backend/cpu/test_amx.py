@@ -32,6 +32,8 @@ CASES = {
     "bf16_grouped_3x3_48_a_group": kernels.ConvSpec((1, 6, 10, 96), (3, 3), 96, groups=2),  # overlapping panels
     "int8_grouped_conv1d": kernels.ConvSpec((1, 1, 40, 128), (1, 5), 64, data_dtype="int8", out_dtype="int32",
                                             groups=2),  # 5 taps of 64 codes a group
+    "bf16_3x3_16_channels": kernels.ConvSpec((1, 10, 12, 32), (3, 3), 16),  # one block: a zero block completes its panel
+    "int8_16_channels": kernels.ConvSpec((1, 1, 40, 64), (1, 1), 16, data_dtype="int8", out_dtype="int32"),
 }
 
 
@@ -48,7 +50,8 @@ def test_kernel_uses_tiles_and_matches_numpy(case):
     tiles = amx.tiling(spec)
     buffer = np.zeros(tiles.data_shape, data.dtype)
     buffer[:, :spec.data_shape[1]] = data
-    tensors = [tvm.runtime.tensor(buffer), tvm.runtime.tensor(kernels.pack_weight(weight, "OIHW", spec.dot)),
+    packed = amx.padded_weight(kernels.pack_weight(weight, "OIHW", spec.dot), spec)
+    tensors = [tvm.runtime.tensor(buffer), tvm.runtime.tensor(packed),
                tvm.runtime.empty(spec.out_shape, spec.out_dtype, tvm.cpu())]
     lib["main"](*tensors)
     got = tensors[-1].numpy()
@@ -157,7 +160,7 @@ def test_strided_outputs_that_tile_badly_take_tiles_of_16_along_each_row():
 
 
 @pytest.mark.parametrize("spec, reason", [
-    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 16), "fewer output channels than one block of 32"),
+    (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 16, out_dtype=BF16), "tiles accumulate fp32 (16 channels)"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 40), "output channels not in 16-blocks"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, out_dtype=BF16), "tiles accumulate fp32"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype=F32, out_dtype=F32), "no fp32 tiles"),
@@ -174,6 +177,17 @@ def test_shapes_the_tiles_do_not_fit_are_refused(spec, reason):
     assert not amx.supports(spec), reason
     with pytest.raises(relay_amp.DTypeError, match="AMX kernel"):
         amx.conv2d_nhwc(spec)
+
+
+def test_a_16_channel_conv_stores_one_block_of_a_panel_whose_weight_ends_in_zeros():
+    spec = kernels.ConvSpec((1, 4, 16, 64), (1, 1), 16)
+    packed = kernels.pack_weight(np.ones((16, 64, 1, 1), F32), "OIHW", spec.dot)
+    padded = amx.padded_weight(packed, spec)
+    assert padded.shape == (2, *packed.shape[1:]) and not padded[1].any() and (padded[0] == packed[0]).all()
+    wide = kernels.ConvSpec((1, 4, 16, 64), (1, 1), 48)
+    assert amx.padded_weight(packed, wide) is packed
+    script = amx.conv2d_nhwc(spec).script()
+    assert script.count("T.vectorized(16)") == 2 and "T.vectorized(32)" not in script  # 2 tiles, their first half
 
 
 def test_target_dtypes_follow_the_target_features():
@@ -219,9 +233,11 @@ def test_a_built_conv_on_fewer_pixels_than_a_tile_runs_and_matches_numpy(dtype):
     ((1, 8, 8, 80), 64, (1, 1), 2, (0, 0, 0, 0)),  # MixNet's grouped pointwise convs: 40 in, 32 out a group
     ((1, 1, 50, 96), 96, (1, 16), 2, (0, 8, 0, 7)),  # wav2vec2's positional conv: 48 a group, overlapping panels
     ((1, 8, 8, 48), 48, (3, 3), 6, (1, 1, 1, 1)),  # RegNetY's groups of 8: four a 32-channel panel, block diagonal
+    ((1, 14, 14, 32), 16, (1, 1), 1, (0, 0, 0, 0)),  # MobileNetV2's first projection: 16 channels, a zero block added
 ])
-def test_a_built_grouped_conv_runs_on_tiles_and_matches_numpy(dtype, shape, channels, kernel, groups, padding):
-    """relay_amp's own build of a grouped conv for cpu-amx: each group's channels per tap on AMX tiles."""
+def test_a_built_conv_of_part_panels_runs_on_tiles_and_matches_numpy(dtype, shape, channels, kernel, groups, padding):
+    """relay_amp's own build for cpu-amx of a conv whose groups' output channels are not whole 32-channel panels:
+    each group's channels per tap on AMX tiles, or a 16-channel conv's one block beside a zero block."""
     from builders import single_output_module, tensor
 
     rng = np.random.default_rng(4)
@@ -240,3 +256,18 @@ def test_a_built_grouped_conv_runs_on_tiles_and_matches_numpy(dtype, shape, chan
     spec = kernels.ConvSpec(padded.shape, kernel, channels, groups=groups)
     got = relay_amp.runtime.run_executable(executable, [x])[0]
     assert max_relative_error(got, reference_conv(padded, weight, spec)) <= (0 if dtype == "int8" else 0.02)
+
+
+def test_a_runtime_matmul_of_16_columns_packs_a_zero_block_beside_its_operand():
+    """Both operands at run time, 16 output columns: the packed operand gains its zero block by Relax ops."""
+    from builders import single_output_module, tensor
+
+    mod = single_output_module(relax.op.matmul, tensor("x", (1, 64, 32)), tensor("y", (1, 32, 16)))
+    executable = relay_amp.build(relay_amp.to_mixed_precision(mod, BF16), "cpu-amx")
+    assert "ldtilecfg" in executable.mod.imports[0].inspect_source("asm")
+    if not targets.host_runs_amx():
+        pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((1, 64, 32)).astype(F32), rng.standard_normal((1, 32, 16)).astype(F32)
+    got = relay_amp.runtime.run_executable(executable, [x, y])[0]
+    assert max_relative_error(got, x @ y) <= 0.02  # bf16 operands round

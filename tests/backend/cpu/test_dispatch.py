@@ -397,12 +397,14 @@ def test_runtime_operands_are_packed_by_relax_ops_for_a_per_head_kernel():
 @pytest.mark.parametrize("dtype, amx_dtypes, columns", [
     (BF16, set(), 32),  # a dot-product instruction's tile shares each broadcast between two 16-lane columns
     ("float32", set(), 16),  # fp32 FMAs measured slower so
-    (BF16, {BF16}, 16),  # AMX tiles take 16-column blocks
+    (BF16, {BF16}, 32),  # AMX tiles take 16-column blocks, the operand packed beside a zero block (amx.padded_weight)
 ])
 def test_a_runtime_width_is_padded_to_the_kernels_column_block(dtype, amx_dtypes, columns):
     scores = _attention_scores(dtype, tokens=16, out_dtype="float32")
     after = dispatch.UseDotKernels({dtype}, amx_dtypes=amx_dtypes)(scores)
-    assert int(after["relay_amp_dot_kernel1"].params[1].ty.shape[1]) * 16 == columns
+    kernel = after["relay_amp_dot_kernel1"]
+    assert int(kernel.params[1].ty.shape[1]) * 16 == columns
+    assert int(kernel.params[-1].ty.shape[-1]) == (16 if amx_dtypes else columns)  # the columns it stores
     relax.analysis.well_formed(after)
 
 
