@@ -370,18 +370,19 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int, block: int = LANES) -> 
     input channels of the groups it covers, zero where they are not its own group's (block diagonal). A last block
     short of groups gets zero output channels (sliced off) and reads zero input channels (padded). Groups whose
     width neither divides 16 nor is a multiple of it (RegNetY-1.6GF's 24, Visformer's) get zero output channels up
-    to whole blocks each (`padded_group_width`; the result's groups are compacted after). None where the zeros would be more than
-    MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
+    to whole blocks each (`padded_group_width`; the result's groups are compacted after), and padded groups are
+    merged into blocks of 32 only where they fill them (MixNet-S's groups of 12 as 16, two a panel). None where the
+    zeros would be more than MAX_GROUP_WASTE - 1 products per useful one (a depthwise convolution: 15)."""
     out_channels, group_depth = weight_oihw.shape[:2]
     group_width = out_channels // groups
     padded = padded_group_width(group_width)
+    merged = 1 if padded % block == 0 or padded > block else block // padded  # groups per block
     if padded != group_width:
         if padded > MAX_GROUP_WASTE * group_width:
             return None
-        dense = np.zeros((groups, padded, *weight_oihw.shape[1:]), weight_oihw.dtype)
-        dense[:, :group_width] = weight_oihw.reshape(groups, group_width, *weight_oihw.shape[1:])
-        return dense.reshape(groups * padded, *weight_oihw.shape[1:]), groups
-    merged = 1 if group_width % block == 0 or group_width > block else block // group_width  # groups per block
+        if groups % merged or merged * padded > MAX_GROUP_WASTE * group_width:
+            merged = 1
+        weight_oihw, group_width, out_channels = _padded_groups(weight_oihw, groups, padded), padded, groups * padded
     if merged > MAX_GROUP_WASTE:
         return None
     blocks = -(-groups // merged)
@@ -391,6 +392,13 @@ def grouped_weight(weight_oihw: np.ndarray, groups: int, block: int = LANES) -> 
         rows = np.flatnonzero(place == slot)
         dense[rows, slot * group_depth:(slot + 1) * group_depth] = weight_oihw[rows]
     return dense, blocks
+
+
+def _padded_groups(weight_oihw: np.ndarray, groups: int, padded: int) -> np.ndarray:
+    """A grouped conv's weight with zero output channels after each group's, up to `padded` a group."""
+    dense = np.zeros((groups, padded, *weight_oihw.shape[1:]), weight_oihw.dtype)
+    dense[:, :weight_oihw.shape[0] // groups] = weight_oihw.reshape(groups, -1, *weight_oihw.shape[1:])
+    return dense.reshape(groups * padded, *weight_oihw.shape[1:])
 
 
 def padded_group_width(group_width: int) -> int:

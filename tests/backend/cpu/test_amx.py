@@ -234,6 +234,7 @@ def test_a_built_conv_on_fewer_pixels_than_a_tile_runs_and_matches_numpy(dtype):
     ((1, 1, 50, 96), 96, (1, 16), 2, (0, 8, 0, 7)),  # wav2vec2's positional conv: 48 a group, overlapping panels
     ((1, 8, 8, 48), 48, (3, 3), 6, (1, 1, 1, 1)),  # RegNetY's groups of 8: four a 32-channel panel, block diagonal
     ((1, 14, 14, 32), 16, (1, 1), 1, (0, 0, 0, 0)),  # MobileNetV2's first projection: 16 channels, a zero block added
+    ((1, 8, 8, 96), 24, (1, 1), 2, (0, 0, 0, 0)),  # MixNet-S's groups of 12, each padded to 16, both in one panel
 ])
 def test_a_built_conv_of_part_panels_runs_on_tiles_and_matches_numpy(dtype, shape, channels, kernel, groups, padding):
     """relay_amp's own build for cpu-amx of a conv whose groups' output channels are not whole 32-channel panels:

@@ -234,6 +234,17 @@ def test_groups_off_the_16_lanes_get_zero_outputs_up_to_whole_blocks_each():
     assert [kernels.padded_group_width(w) for w in (4, 8, 16, 32, 6, 12, 24, 56)] == [4, 8, 16, 32, 16, 16, 32, 64]
 
 
+def test_padded_groups_fill_amx_panels_where_they_fill_them_whole():
+    weight = np.random.default_rng(3).standard_normal((24, 48, 1, 1)).astype("float32")  # MixNet-S: 2 groups of 12
+    dense, blocks = kernels.grouped_weight(weight, 2, block=32)
+    assert blocks == 1 and dense.shape == (32, 96, 1, 1)  # each group padded to 16, both in one block diagonal panel
+    np.testing.assert_array_equal(dense[:12, :48], weight[:12])
+    np.testing.assert_array_equal(dense[16:28, 48:], weight[12:])
+    assert not dense[:, 48:][:16].any() and not dense[:, :48][16:].any() and not dense[12:16].any()
+    assert kernels.grouped_weight(np.ones((36, 48, 1, 1)), 3, block=32)[1] == 3  # 3 groups of 16: not whole panels
+    assert kernels.grouped_weight(np.ones((12, 48, 1, 1)), 2, block=32)[1] == 2  # groups of 6: 16 x 2 > 4 x 6
+
+
 def test_quantize_keeps_fp32_sums_exactly_for_the_group_widths_no_kernel_takes():
     """realize.MIN_KERNEL_GROUP_WIDTH restates this module's rule (passes import no backend): they must agree."""
     for width in range(1, 65):
