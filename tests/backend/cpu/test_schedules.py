@@ -1460,11 +1460,13 @@ def test_row_reduction_rule_vectorizes_a_row_off_whole_vectors_with_a_serial_res
 
 def test_row_reduction_rule_computes_elementwise_steps_in_their_readers():
     """The layer norm and the multiply after it are one block, which writes the output; the softmax's x - max is
-    computed in its exp, and its exps, which the sum reads, keep their block (each reader would compute them)."""
+    computed in its exp, and its exps, which the sum reads, keep their block (each reader would compute them); the
+    reciprocal of the sum is computed in the product's block (where LLVM computes it once a row)."""
     layer_norm = _row_reduction_blocks("layer_norm_scaled_rows")
     assert "T_layer_norm" not in layer_norm and layer_norm[-1] == "T_multiply"
     softmax = _row_reduction_blocks("softmax_layer_norm_rows")
-    assert "T_subtract" not in softmax and "fast_exp" in softmax and softmax[-1] == "T_divide"  # formula.fast_softmax
+    assert "T_subtract" not in softmax and "fast_exp" in softmax and "T_divide" not in softmax
+    assert softmax[-1] == "T_multiply"  # formula.fast_softmax: exps times 1 / sum
 
 
 def test_row_reduction_rule_widens_a_bf16_input_as_each_pass_loads_it():
