@@ -46,18 +46,19 @@ def lanes_of(expr: tvm.ir.Expr) -> int:
     return tvm.DataType(str(expr.ty)).lanes
 
 
-def _shuffle(vectors: list[tvm.ir.Expr], indices: range) -> tvm.ir.Expr:
+def shuffle(vectors: list[tvm.ir.Expr], indices: range) -> tvm.ir.Expr:
+    """The lanes `indices` of the vectors `vectors` laid end to end, as one vector."""
     return tvm.tirx.Shuffle(vectors, [tvm.tirx.const(i, "int32") for i in indices])
 
 
-def _as_chunks(value: tvm.ir.Expr) -> list[tvm.ir.Expr]:
+def as_chunks(value: tvm.ir.Expr) -> list[tvm.ir.Expr]:
     """`value`'s lanes in 16-lane vectors, the last one padded with zeros."""
     lanes = lanes_of(value)
     if lanes == 1:
         return [tvm.tirx.Broadcast(value, CHUNK)]
     zeros = tvm.tirx.Broadcast(tvm.tirx.const(0, "float32"), CHUNK)  # whole: a Broadcast of one lane is invalid
     padded = [value, zeros] if lanes % CHUNK else [value]
-    return [_shuffle(padded, range(start, start + CHUNK)) for start in range(0, lanes, CHUNK)]
+    return [shuffle(padded, range(start, start + CHUNK)) for start in range(0, lanes, CHUNK)]
 
 
 def lower_round(call: tvm.ir.Expr) -> tvm.ir.Expr:
@@ -65,12 +66,12 @@ def lower_round(call: tvm.ir.Expr) -> tvm.ir.Expr:
     they are whole 32s (two registers rounded into one by one instruction), else `vcvtneps2bf16` on each 16."""
     value = call.args[0]
     lanes = lanes_of(value)
-    chunks = _as_chunks(value)
+    chunks = as_chunks(value)
     if lanes % PAIR_LANES == 0:  # the instruction's second operand fills the low half
         rounded = [_bits(PAIR_LANES, _PAIR_INTRINSIC, high, low) for low, high in zip(chunks[::2], chunks[1::2])]
     else:
         rounded = [_bits(CHUNK, _LLVM_INTRINSIC, chunk) for chunk in chunks]
-    return rounded[0] if lanes_of(rounded[0]) == lanes else _shuffle(rounded, range(lanes))
+    return rounded[0] if lanes_of(rounded[0]) == lanes else shuffle(rounded, range(lanes))
 
 
 def _bits(lanes: int, intrinsic: str, *operands: tvm.ir.Expr) -> tvm.ir.Expr:

@@ -16,6 +16,7 @@ from tvm import relax, s_tir, te, topi
 
 from ..._ir import tensor_dtype
 from ...dtypes import MODEL_FLOAT_DTYPES
+from . import reciprocal
 
 WIDE = "float32"
 X = ("x",)
@@ -130,6 +131,17 @@ def _narrow_erf(x: te.Tensor) -> te.Tensor:
     return te.compute(x.shape, element, name="narrow_erf")
 
 
+def _quotients(numerator, denominator, narrow: bool) -> te.Tensor:
+    """numerator / denominator elementwise (tensors of one shape, or a constant and a tensor) as reciprocal.divide
+    computes it."""
+    shape = next(operand.shape for operand in (numerator, denominator) if isinstance(operand, te.Tensor))
+
+    def element(*index):
+        values = [operand(*index) if isinstance(operand, te.Tensor) else operand for operand in (numerator, denominator)]
+        return reciprocal.divide(*values, narrow)
+    return te.compute(shape, element, name="narrow_divide" if narrow else "fast_divide")
+
+
 def _wide(value: float) -> tvm.ir.Expr:
     return tvm.tirx.const(value, WIDE)
 
@@ -176,6 +188,8 @@ def _fast_sine(x: te.Tensor, quarter_turns: int) -> te.Tensor:
     return te.compute(x.shape, element, name="fast_cos" if quarter_turns else "fast_sin")
 
 
+PRIMITIVES["fast_divide"] = lambda a, b: _quotients(a, b, narrow=False)
+PRIMITIVES["narrow_divide"] = lambda a, b: _quotients(a, b, narrow=True)
 PRIMITIVES["fast_exp"] = _fast_exp
 PRIMITIVES["narrow_exp"] = _narrow_exp
 PRIMITIVES["fast_exp_negative"] = lambda x: _negated_exps(x, narrow=False)
@@ -200,10 +214,12 @@ def fast_softmax(x: te.Tensor, axis: int, narrow: bool = False) -> te.Tensor:
 def narrowed(formula: tuple, requantized: bool = False) -> tuple:
     """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp); where
     `requantized` (a result rounded to 8-bit integers, in steps of its range), its fast erfs instead (narrow_erf):
-    its exps stay fast_exp, as narrow_exp's moved a quantized CSPDarkNet's codes past its module's rounding."""
+    its exps stay fast_exp, as narrow_exp's moved a quantized CSPDarkNet's codes past its module's rounding. Either
+    way its fast quotients take the reciprocal estimate alone (narrow_divide: relay_amp.backend.cpu.reciprocal)."""
+    quotients = _renamed(formula, "fast_divide", "narrow_divide")
     if requantized:
-        return _renamed(formula, "fast_erf", "narrow_erf")
-    return _renamed(_renamed(formula, "fast_exp", "narrow_exp"), "fast_exp_negative", "narrow_exp_negative")
+        return _renamed(quotients, "fast_erf", "narrow_erf")
+    return _renamed(_renamed(quotients, "fast_exp", "narrow_exp"), "fast_exp_negative", "narrow_exp_negative")
 
 
 def _renamed(formula: tuple, old: str, new: str) -> tuple:
@@ -218,14 +234,19 @@ def const(value: float) -> tuple:
     return ("const", float(value))
 
 
+def _quotient_kind(exp: str) -> str:
+    """How a sigmoid's quotient divides: on the reciprocal estimate with fast math (fast_divide), else exactly."""
+    return "fast_divide" if exp == "fast_exp" else "divide"
+
+
 def _sigmoid(x: tuple, exp: str) -> tuple:
-    return ("divide", const(1.0), ("add", (exp, ("negative", x)), const(1.0)))
+    return (_quotient_kind(exp), const(1.0), ("add", (exp, ("negative", x)), const(1.0)))
 
 
 def _silu(x: tuple, exp: str) -> tuple:
     """x / (1 + e^-x) (a multiply fewer than x * sigmoid(x)); a fast exp of -x as fast_exp_negative."""
     if exp == "fast_exp":
-        return ("divide", x, ("add", ("fast_exp_negative", x), const(1.0)))
+        return ("fast_divide", x, ("add", ("fast_exp_negative", x), const(1.0)))
     return ("divide", x, ("add", (exp, ("negative", x)), const(1.0)))
 
 
@@ -319,7 +340,7 @@ def _cheaper(kind: str, left: tuple, right: tuple) -> tuple:
         return ("multiply", left, const(1.0 / right[1]))
     if kind == "multiply":
         for value, other in ((left, right), (right, left)):
-            if other[0] == "divide" and other[1] == const(1.0):
+            if other[0] in ("divide", "fast_divide") and other[1] == const(1.0):
                 return _quotient(value, other[2])
     return (kind, left, right)
 

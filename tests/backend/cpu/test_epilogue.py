@@ -135,7 +135,7 @@ def test_a_value_also_read_outside_the_epilogue_ends_the_chain_and_is_stored():
 
 
 # x * sigmoid(x) as formula.of_call reads it under fast math
-SILU = ("divide", ("x",), ("add", ("fast_exp_negative", ("x",)), ("const", 1.0)))  # x * sigmoid(x) as x / (1 + e^-x)
+SILU = ("fast_divide", ("x",), ("add", ("fast_exp_negative", ("x",)), ("const", 1.0)))  # x * sigmoid(x): x / (1 + e^-x)
 
 
 def test_an_activation_reading_its_input_twice_becomes_one_map_step():
