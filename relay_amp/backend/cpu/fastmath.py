@@ -3,10 +3,10 @@
 LLVM compiles TVM's `erf`/`exp`/`tanh`/`sigmoid` to scalar libm calls, and in bfloat16 or float16 TVM computes
 them op by op with a rounding step between each (10-30x slower than fp32 here), so a GELU, SiLU or softmax
 decomposed by an exporter fell to a slow path. `FastMath` computes every such call in fp32 with polynomials
-(relay_amp's `fast_exp`, TVM's `fast_erf`/`fast_tanh`: relay_amp.backend.cpu.formula) and casts the result back to
-the call's dtype: GELU (both forms), SiLU, sigmoid, exp and softmax become one fused-friendly TE function each; a
-low-precision `erf` or `tanh` gets fp32 casts around it; then TVM's own `FastMathTransform` turns the fp32 ones into
-its fast versions. TVM has no fast log: `log` (Softplus, Mish, LogSigmoid as the importer writes them) becomes
+(relay_amp's `fast_exp`, TVM's `fast_erf` (its quotient as relay_amp.backend.cpu.reciprocal's) and `fast_tanh`:
+relay_amp.backend.cpu.formula) and casts the result back to the call's dtype: GELU (both forms), SiLU, sigmoid, erf,
+exp and softmax become one fused-friendly TE function each; a low-precision `tanh` gets fp32 casts around it; then
+TVM's own `FastMathTransform` turns the fp32 ones into its fast versions. TVM has no fast log: `log` (Softplus, Mish, LogSigmoid as the importer writes them) becomes
 relay_amp's polynomial (formula.fast_log, within an ulp), and `log_softmax` one TE function on the fast exp and
 log. The approximations stay within about 1e-6 relative of the exact functions in fp32; an exp whose result is
 rounded to bfloat16 or float16 takes a shorter polynomial (formula.narrow_exp, 7e-6).
@@ -23,11 +23,11 @@ from . import formula
 from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
 
 # FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
-WIDENED_OPS = ("relax.erf", "relax.tanh")
+WIDENED_OPS = ("relax.tanh",)
 # the activations computed as one TE function each, by the formulas kernels' epilogues use (relay_amp.backend.cpu
-# .formula)
+# .formula; erf as TVM's fast_erf computes it, its quotient on the reciprocal estimate)
 ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu", "relax.exp", "relax.log",
-               "relax.sin", "relax.cos")
+               "relax.sin", "relax.cos", "relax.erf")
 # ops that compute each output element from the same element of their operands: a value read only by these, whose
 # results are in turn rounded to a narrow float, is itself kept only as accurately as that float
 ELEMENTWISE = (*formula.UNARY_OPS, *formula.BINARY_OPS, *ACTIVATIONS, "relax.astype", "relax.nn.relu", "relax.clip")

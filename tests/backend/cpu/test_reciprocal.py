@@ -1,21 +1,28 @@
 """reciprocal: fast math's quotients in vector loops run on `vrcp14ps` where the target has AVX-512, and divide
 elsewhere, within the accuracy their results need."""
 
+import math
+
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from tvm import te
+from tvm import relax, te
 from tvm.script import ir as I
 from tvm.script import tirx as T
 
 from relay_amp import targets
 from relay_amp.backend.cpu import formula
+from relay_amp.compile.build import build
+from relay_amp.runtime import run_executable
 from relay_amp.backend.cpu.reciprocal import (ESTIMATE, FAST_DIVIDE, NARROW_DIVIDE, ReciprocalEstimates, divide,
                                               reciprocal_passes)
 
+from builders import single_output_module, tensor
 from pass_checks import assert_transforms
 
 AVX512_HOST = pytest.mark.skipif(not targets.host_supports("avx512f"), reason="host CPU lacks AVX-512")
+BF16_HOST = pytest.mark.skipif(not targets.host_supports("avx512_bf16"), reason="host CPU lacks avx512_bf16")
 AVX512_TARGET = targets.get_target("cpu-avx512-bf16")
 
 
@@ -104,3 +111,30 @@ def test_fast_sigmoids_and_silus_divide_by_the_fast_op_and_narrow_results_by_the
     assert silu[0] == sigmoid[0] == "fast_divide"
     assert formula.narrowed(silu)[0] == formula.narrowed(sigmoid, requantized=True)[0] == "narrow_divide"
     assert formula.activation("relax.sigmoid", formula.X, fast=False)[0] == "divide"  # fast math off: exact
+
+
+ERF = np.vectorize(math.erf)
+EXACT = {  # float64 references of the functions whose fast forms divide
+    "relax.erf": ERF,
+    "relax.sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "relax.nn.silu": lambda x: x / (1 + np.exp(-x)),
+    "relax.nn.gelu": lambda x: x * 0.5 * (1 + ERF(x / math.sqrt(2))),
+}
+RELATIVE = {"float32": 2e-6, "bfloat16": 8e-3}  # the fp32 polynomials' error; one rounding to bf16
+
+
+@BF16_HOST
+@pytest.mark.parametrize("dtype", list(RELATIVE))
+@pytest.mark.parametrize("name", list(EXACT))
+def test_functions_on_the_estimate_match_the_exact_ones(name, dtype):
+    """Built for an AVX-512 target (the quotients on vrcp14ps): each value within the bounds fastmath's own
+    functions keep on the division (tests/backend/cpu/test_fastmath.py)."""
+    op = {"relax.erf": relax.op.erf, "relax.sigmoid": relax.op.sigmoid, "relax.nn.silu": relax.op.nn.silu,
+          "relax.nn.gelu": relax.op.nn.gelu}[name]
+    executable = build(single_output_module(op, tensor("x", (4, 64), dtype)), "cpu-avx512-bf16")
+    assert "vrcp14ps" in executable.mod.imports[0].inspect_source("asm")
+    x = np.linspace(-9, 9, 256, dtype="float32").reshape(4, 64).astype(ml_dtypes.bfloat16 if dtype != "float32"
+                                                                        else np.float32)
+    got = run_executable(executable, [x])[0].astype("float64")
+    expected = EXACT[name](x.astype("float64"))
+    assert np.all(np.abs(got - expected) <= RELATIVE[dtype] * np.abs(expected) + 2e-6 * np.abs(expected).max())
