@@ -335,8 +335,9 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             T.func_attr({"tirx.noalias": True})
             data = T.arg("data", T.Buffer(tiles.data_shape, spec.data_dtype))
             weights = (spec.weight_batch,) if spec.weight_batch else ()
-            packed = T.arg("packed", T.Buffer((*weights, max(out_shape[3] // LANES, PANELS), *spec.kernel_size, spec.depth // group,
-                                               LANES, group), spec.data_dtype if group == 2 else "int8"))
+            blocks = max(out_shape[3] // LANES, PANELS)  # a 16-channel conv's weight: its block and a zero one
+            packed = T.arg("packed", T.Buffer((*weights, blocks, *spec.kernel_size, spec.depth // group, LANES, group),
+                                              spec.data_dtype if group == 2 else "int8"))
             operands = [T.arg(f"operand{i}", T.Buffer(*epilogue.operand_buffer(step, out_shape)))
                         for i, step in enumerate(epilogue.operand_steps)]
             out = T.arg("out", T.Buffer(out_shape, epilogue.out_dtype or product.acc_dtype))

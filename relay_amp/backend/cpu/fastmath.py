@@ -3,10 +3,10 @@
 LLVM compiles TVM's `erf`/`exp`/`tanh`/`sigmoid` to scalar libm calls, and in bfloat16 or float16 TVM computes
 them op by op with a rounding step between each (10-30x slower than fp32 here), so a GELU, SiLU or softmax
 decomposed by an exporter fell to a slow path. `FastMath` computes every such call in fp32 with polynomials
-(relay_amp's `fast_exp`, TVM's `fast_erf` (its quotient as relay_amp.backend.cpu.reciprocal's) and `fast_tanh`:
+(relay_amp's `fast_exp`, TVM's `fast_erf` and `fast_tanh` with their quotients as relay_amp.backend.cpu.reciprocal's:
 relay_amp.backend.cpu.formula) and casts the result back to the call's dtype: GELU (both forms), SiLU, sigmoid, erf,
-exp and softmax become one fused-friendly TE function each; a low-precision `tanh` gets fp32 casts around it; then
-TVM's own `FastMathTransform` turns the fp32 ones into its fast versions. TVM has no fast log: `log` (Softplus, Mish, LogSigmoid as the importer writes them) becomes
+tanh, exp and softmax become one fused-friendly TE function each; then TVM's own `FastMathTransform` takes what is
+left of its ops. TVM has no fast log: `log` (Softplus, Mish, LogSigmoid as the importer writes them) becomes
 relay_amp's polynomial (formula.fast_log, within an ulp), and `log_softmax` one TE function on the fast exp and
 log. The approximations stay within about 1e-6 relative of the exact functions in fp32; an exp whose result is
 rounded to bfloat16 or float16 takes a shorter polynomial (formula.narrow_exp, 7e-6).
@@ -22,12 +22,10 @@ from ...ops import call_op_name
 from . import formula
 from .formula import WIDE  # the only dtype TVM's fast_* functions are fast in
 
-# FastMathTransform rewrites these when they are fp32: a low-precision one is widened around the call
-WIDENED_OPS = ("relax.tanh",)
 # the activations computed as one TE function each, by the formulas kernels' epilogues use (relay_amp.backend.cpu
-# .formula; erf as TVM's fast_erf computes it, its quotient on the reciprocal estimate)
+# .formula; erf and tanh as TVM's fast_erf and fast_tanh compute them, their quotients on the reciprocal estimate)
 ACTIVATIONS = ("relax.nn.gelu", "relax.nn.gelu_tanh", "relax.sigmoid", "relax.nn.silu", "relax.exp", "relax.log",
-               "relax.sin", "relax.cos", "relax.erf")
+               "relax.sin", "relax.cos", "relax.erf", "relax.tanh")
 # ops that compute each output element from the same element of their operands: a value read only by these, whose
 # results are in turn rounded to a narrow float, is itself kept only as accurately as that float
 ELEMENTWISE = (*formula.UNARY_OPS, *formula.BINARY_OPS, *ACTIVATIONS, "relax.astype", "relax.nn.relu", "relax.clip")
@@ -179,9 +177,6 @@ class _FastMathRewriter(relax.PyExprMutator):
         if name in ACTIVATIONS:
             hint = "fast_" + name.rpartition(".")[2]
             return self._call_te((name, narrow), _in_fp32(name, narrow), new_call.args[0], primfunc_name_hint=hint)
-        if name in WIDENED_OPS and dtype in LOW_FLOAT_DTYPES:
-            wide = self.builder_.emit(relax.op.astype(new_call.args[0], WIDE))
-            return relax.op.astype(self.builder_.emit(relax.Call(new_call.op, [wide])), dtype)
         return new_call
 
     def _masked_softmax(self, call: relax.Call, new_call: relax.Call, narrow: bool) -> "relax.Expr | None":
@@ -222,7 +217,7 @@ class _FastMathRewriter(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.FastMath")
 class FastMath:
     """Rewrite GELU, SiLU, sigmoid, erf, exp, tanh, log, softmax and log_softmax into vectorizable fp32
-    approximations (relay_amp's exp and log, TVM's erf and tanh), and
+    approximations (relay_amp's exp and log, TVM's erf and tanh on fast quotients), and
     powers by constant multiples of 1/4 up to 4 (2, 3, 0.5, a local response norm's 0.75) into multiplies and
     square roots."""
 

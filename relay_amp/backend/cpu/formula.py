@@ -25,7 +25,6 @@ PRIMITIVES = {
     "maximum": topi.maximum, "minimum": topi.minimum, "negative": topi.negative, "sqrt": topi.sqrt,
     "erf": topi.erf, "exp": topi.exp, "tanh": topi.tanh, "floor": topi.floor, "log": topi.log, "sin": topi.sin,
     "cos": topi.cos, "abs": topi.abs,
-    "fast_tanh": topi.fast_tanh,
 }
 UNARY_OPS = {"relax.negative": "negative", "relax.sqrt": "sqrt", "relax.erf": "erf", "relax.exp": "exp",
              "relax.tanh": "tanh", "relax.floor": "floor",  # floor: the rounding of a quantize (floor(x + 0.5))
@@ -53,13 +52,15 @@ NARROW_ERF_POLYNOMIAL = (1.1282684265863718, -0.37531487725282203, 0.11107933623
                          0.004235427019393558, -0.0005110367420977076, 4.1060505537407824e-05,
                          -1.9448213378001067e-06, 4.0742065110510595e-08)
 NARROW_ERF_LIMIT = 3.0
-# erf(x) = x P(x^2) / Q(x^2) on |x| <= 4 (TVM's fast_erf: Eigen's rational approximation), coefficients lowest
-# power first
-ERF_LIMIT = 4.0
-ERF_NUMERATOR = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04, -5.69250639462346e-05,
-                 -2.10102402082508e-06, 2.77068142495902e-08, -2.72614225801306e-10)
-ERF_DENOMINATOR = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03, -2.13374055278905e-04,
-                   -1.45660718464996e-05)
+# erf(x) and tanh(x) as x P(x^2) / Q(x^2), x clamped to a limit (TVM's fast_erf and fast_tanh: Eigen's rational
+# approximations), as (limit, P, Q), coefficients lowest power first
+ERF_RATIO = (4.0, (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04, -5.69250639462346e-05,
+                   -2.10102402082508e-06, 2.77068142495902e-08, -2.72614225801306e-10),
+             (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03, -2.13374055278905e-04,
+              -1.45660718464996e-05))
+TANH_RATIO = (9.0, (4.89352455891786e-03, 6.37261928875436e-04, 1.48572235717979e-05, 5.12229709037114e-08,
+                    -8.60467152213735e-11, 2.00018790482477e-13, -2.76076847742355e-16),
+              (4.89352518554385e-03, 2.26843463243900e-03, 1.18534705686654e-04, 1.19825839466702e-06))
 EXP_LIMIT = 88.0  # |x| clamped so that n stays within [-127, 127]: 2^n's exponent field within [0, 254]
 ROUNDING_MAGIC = 1.5 * 2 ** 23 + 127  # a float whose ulp is 1: adding it rounds to an integer, offset by 127
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
@@ -129,15 +130,17 @@ def _negated_exps(x: te.Tensor, narrow: bool) -> te.Tensor:
     return _polynomial_exp(x, EXP_POLYNOMIAL, (LN2_HIGH, LN2_LOW), False, name="fast_exp_negative", negated=True)
 
 
-def _fast_erf(x: te.Tensor) -> te.Tensor:
-    """TVM's fast_erf (a ratio of two polynomials of x^2, x clamped to ERF_LIMIT), its quotient as fast math's
-    (reciprocal.divide: on AVX-512 the reciprocal estimate and a Newton step, not a vdivps a vector)."""
-    def element(*index):
-        value = te.max(te.min(x(*index), _wide(ERF_LIMIT)), _wide(-ERF_LIMIT))
-        square = value * value
-        return reciprocal.divide(value * _series(square, ERF_NUMERATOR), _series(square, ERF_DENOMINATOR), False)
+def _odd_ratio(x: te.Tensor, ratio: tuple, name: str) -> te.Tensor:
+    """x P(x^2) / Q(x^2) of `ratio` (ERF_RATIO, TANH_RATIO: TVM's fast_erf and fast_tanh), its quotient as fast
+    math's (reciprocal.divide: on AVX-512 the reciprocal estimate and a Newton step, not a vdivps a vector)."""
+    limit, numerator, denominator = ratio
 
-    return te.compute(x.shape, element, name="fast_erf")
+    def element(*index):
+        value = te.max(te.min(x(*index), _wide(limit)), _wide(-limit))
+        square = value * value
+        return reciprocal.divide(value * _series(square, numerator), _series(square, denominator), False)
+
+    return te.compute(x.shape, element, name=name)
 
 
 def _narrow_erf(x: te.Tensor) -> te.Tensor:
@@ -155,7 +158,8 @@ def _quotients(numerator, denominator, narrow: bool) -> te.Tensor:
     shape = next(operand.shape for operand in (numerator, denominator) if isinstance(operand, te.Tensor))
 
     def element(*index):
-        values = [operand(*index) if isinstance(operand, te.Tensor) else operand for operand in (numerator, denominator)]
+        values = [operand(*index) if isinstance(operand, te.Tensor) else operand
+                  for operand in (numerator, denominator)]
         return reciprocal.divide(*values, narrow)
     return te.compute(shape, element, name="narrow_divide" if narrow else "fast_divide")
 
@@ -212,7 +216,8 @@ PRIMITIVES["fast_exp"] = _fast_exp
 PRIMITIVES["narrow_exp"] = _narrow_exp
 PRIMITIVES["fast_exp_negative"] = lambda x: _negated_exps(x, narrow=False)
 PRIMITIVES["narrow_exp_negative"] = lambda x: _negated_exps(x, narrow=True)
-PRIMITIVES["fast_erf"] = _fast_erf
+PRIMITIVES["fast_erf"] = lambda x: _odd_ratio(x, ERF_RATIO, "fast_erf")
+PRIMITIVES["fast_tanh"] = lambda x: _odd_ratio(x, TANH_RATIO, "fast_tanh")
 PRIMITIVES["narrow_erf"] = _narrow_erf
 PRIMITIVES["fast_log"] = _fast_log
 PRIMITIVES["fast_sin"] = lambda x: _fast_sine(x, 0)

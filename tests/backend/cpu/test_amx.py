@@ -32,7 +32,7 @@ CASES = {
     "bf16_grouped_3x3_48_a_group": kernels.ConvSpec((1, 6, 10, 96), (3, 3), 96, groups=2),  # overlapping panels
     "int8_grouped_conv1d": kernels.ConvSpec((1, 1, 40, 128), (1, 5), 64, data_dtype="int8", out_dtype="int32",
                                             groups=2),  # 5 taps of 64 codes a group
-    "bf16_3x3_16_channels": kernels.ConvSpec((1, 10, 12, 32), (3, 3), 16),  # one block: a zero block completes its panel
+    "bf16_3x3_16_channels": kernels.ConvSpec((1, 10, 12, 32), (3, 3), 16),  # one block, a zero one beside it
     "int8_16_channels": kernels.ConvSpec((1, 1, 40, 64), (1, 1), 16, data_dtype="int8", out_dtype="int32"),
 }
 

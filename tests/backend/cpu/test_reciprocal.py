@@ -119,6 +119,8 @@ EXACT = {  # float64 references of the functions whose fast forms divide
     "relax.sigmoid": lambda x: 1 / (1 + np.exp(-x)),
     "relax.nn.silu": lambda x: x / (1 + np.exp(-x)),
     "relax.nn.gelu": lambda x: x * 0.5 * (1 + ERF(x / math.sqrt(2))),
+    "relax.tanh": np.tanh,
+    "relax.nn.gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
 }
 RELATIVE = {"float32": 2e-6, "bfloat16": 8e-3}  # the fp32 polynomials' error; one rounding to bf16
 
@@ -130,7 +132,8 @@ def test_functions_on_the_estimate_match_the_exact_ones(name, dtype):
     """Built for an AVX-512 target (the quotients on vrcp14ps): each value within the bounds fastmath's own
     functions keep on the division (tests/backend/cpu/test_fastmath.py)."""
     op = {"relax.erf": relax.op.erf, "relax.sigmoid": relax.op.sigmoid, "relax.nn.silu": relax.op.nn.silu,
-          "relax.nn.gelu": relax.op.nn.gelu}[name]
+          "relax.nn.gelu": relax.op.nn.gelu, "relax.tanh": relax.op.tanh,
+          "relax.nn.gelu_tanh": relax.op.nn.gelu_tanh}[name]
     executable = build(single_output_module(op, tensor("x", (4, 64), dtype)), "cpu-avx512-bf16")
     assert "vrcp14ps" in executable.mod.imports[0].inspect_source("asm")
     x = np.linspace(-9, 9, 256, dtype="float32").reshape(4, 64).astype(ml_dtypes.bfloat16 if dtype != "float32"
