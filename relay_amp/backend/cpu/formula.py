@@ -238,12 +238,13 @@ def fast_softmax(x: te.Tensor, axis: int, narrow: bool = False) -> te.Tensor:
 def narrowed(formula: tuple, requantized: bool = False) -> tuple:
     """`formula` with its fast exps only as accurate as a bfloat16 or float16 result keeps them (narrow_exp); where
     `requantized` (a result rounded to 8-bit integers, in steps of its range), its fast erfs instead (narrow_erf):
-    its exps stay fast_exp, as narrow_exp's moved a quantized CSPDarkNet's codes past its module's rounding. Either
-    way its fast quotients take the reciprocal estimate alone (narrow_divide: relay_amp.backend.cpu.reciprocal)."""
-    quotients = _renamed(formula, "fast_divide", "narrow_divide")
+    its exps stay fast_exp and its quotients fast_divide, as narrow_exp's and the reciprocal estimate's 2^-14 moved a
+    quantized CSPDarkNet's codes past its module's rounding. A narrow float result's fast quotients take the estimate
+    alone (narrow_divide: relay_amp.backend.cpu.reciprocal)."""
     if requantized:
-        return _renamed(quotients, "fast_erf", "narrow_erf")
-    return _renamed(_renamed(quotients, "fast_exp", "narrow_exp"), "fast_exp_negative", "narrow_exp_negative")
+        return _renamed(formula, "fast_erf", "narrow_erf")
+    exps = _renamed(_renamed(formula, "fast_exp", "narrow_exp"), "fast_exp_negative", "narrow_exp_negative")
+    return _renamed(exps, "fast_divide", "narrow_divide")
 
 
 def _renamed(formula: tuple, old: str, new: str) -> tuple:

@@ -1,15 +1,15 @@
-"""reciprocal: fast math's quotients (SiLU's x / (1 + e^-x), sigmoid's 1 / (1 + e^-x)) on AVX-512's reciprocal
-estimate instead of a division.
+"""reciprocal: fast math's quotients (SiLU's x / (1 + e^-x), sigmoid's 1 / (1 + e^-x), the ratios of polynomials
+of erf and tanh) on AVX-512's reciprocal estimate instead of a division.
 
 A `vdivps` of 16 lanes occupies the divider for several cycles: EfficientNet-B0's SiLUs spent a tenth of its bf16
 time dividing (2.27 ms against 2.02 with the quotients left out, Sapphire Rapids). `formula` writes those
-quotients as the ops `relay_amp.fast_divide` (a result kept in fp32) and `relay_amp.narrow_divide` (a result
-rounded to bfloat16 or float16, or requantized to 8-bit codes), which TVM's vectorizer widens to a loop's lanes
-and which lower to an exact `a / b` by default. On targets with AVX-512 `ReciprocalEstimates` rewrites them in
-vectorized loops, before TVM's lowering: a narrow quotient as `a` times `vrcp14ps`'s estimate of 1 / b (within
-2^-14 relative, below bf16's and fp16's half ulp), an fp32 one with a Newton step after it (r (2 - b r): within
-about an ulp). The estimate's lowering calls the instruction on 16 lanes at a time (relay_amp.backend.cpu.
-bf16_round's chunks). Quotients in loops TVM leaves scalar divide.
+quotients as the ops `relay_amp.fast_divide` (a result kept in fp32, or requantized to 8-bit codes, whose rounding
+the estimate alone moved) and `relay_amp.narrow_divide` (a result rounded to bfloat16 or float16), which TVM's
+vectorizer widens to a loop's lanes and which lower to an exact `a / b` by default. On targets with AVX-512
+`ReciprocalEstimates` rewrites them in vectorized loops, before TVM's lowering: a narrow quotient as `a` times
+`vrcp14ps`'s estimate of 1 / b (within 2^-14 relative, below bf16's and fp16's half ulp), any other with a Newton
+step after the estimate (r (2 - b r): within about an ulp). The estimate's lowering calls the instruction on 16
+lanes at a time (relay_amp.backend.cpu.bf16_round's chunks). Quotients in loops TVM leaves scalar divide.
 """
 
 import tvm
@@ -38,7 +38,7 @@ def _register_ops() -> None:
 
 def divide(numerator: tvm.ir.Expr, denominator: tvm.ir.Expr, narrow: bool) -> tvm.ir.Expr:
     """The fp32 quotient as fast math computes it: `relay_amp.narrow_divide` where `narrow` (its result is rounded
-    to a narrow float or 8-bit codes), else `relay_amp.fast_divide`."""
+    to a narrow float), else `relay_amp.fast_divide`."""
     return tvm.tirx.call_intrin("float32", NARROW_DIVIDE if narrow else FAST_DIVIDE, numerator, denominator)
 
 
