@@ -32,13 +32,15 @@ _PAIR_INTRINSIC = "llvm.x86.avx512bf16.cvtne2ps2bf16.512"  # 32 lanes of two fp3
 _PURE = tvm.ir.Op.get("tirx.exp").get_attr("TCallEffectKind")  # the effect kind of a pure math op
 
 
-def _register_op() -> None:
-    if ROUND_OP in tvm.ir.Op.list_op_names():
+def register_vector_op(name: str, lowering) -> None:
+    """Register `name` as a pure TIR op that TVM's vectorizer widens to a loop's lanes, lowered for LLVM by
+    `lowering` (a call -> its LLVM form); once per process."""
+    if name in tvm.ir.Op.list_op_names():
         return
-    tvm.ir.register_op_attr(ROUND_OP, "TCallEffectKind", _PURE)
-    tvm.ir.register_op_attr(ROUND_OP, "TVectorizable", True)
-    tvm.ir.register_op_attr(ROUND_OP, "TScriptPrinterName", ROUND_OP)
-    tvm.tirx.register_intrin_lowering(ROUND_OP, target="llvm", f=lower_round, level=99)
+    tvm.ir.register_op_attr(name, "TCallEffectKind", _PURE)
+    tvm.ir.register_op_attr(name, "TVectorizable", True)
+    tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
+    tvm.tirx.register_intrin_lowering(name, target="llvm", f=lowering, level=99)
 
 
 def lanes_of(expr: tvm.ir.Expr) -> int:
@@ -125,4 +127,4 @@ def rounding_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     return [DropRegisterRoundTrips, *([NativeBF16Rounding] if native else [])]
 
 
-_register_op()
+register_vector_op(ROUND_OP, lower_round)

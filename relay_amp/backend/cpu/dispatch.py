@@ -90,6 +90,11 @@ def _constant_weight(expr: relax.Expr, data_dtype: str) -> np.ndarray | None:
     return narrow if np.array_equal(narrow.astype("float32"), values) else None
 
 
+def _weight_operand(packed: "np.ndarray | relax.Expr") -> relax.Expr:
+    """A kernel's packed weight as its call's operand: a constant, or the runtime packing itself."""
+    return relax.const(packed) if isinstance(packed, np.ndarray) else packed
+
+
 def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
     shape = tensor_shape(expr)
     return shape if shape is not None and all(isinstance(d, int) for d in shape) else None
@@ -525,9 +530,8 @@ class _Dispatcher(relax.PyExprMutator):
         self.kernel_count += 1
         name = f"relay_amp_dot_kernel{self.kernel_count}"
         if self._on_amx(spec):
-            return self._emit_amx_kernel(spec, data, amx.padded_weight(packed, spec), name)
-        weight = relax.const(packed) if isinstance(packed, np.ndarray) else packed
-        args = [data, weight]
+            return self._emit_amx_kernel(spec, data, _weight_operand(amx.padded_weight(packed, spec)), name)
+        args = [data, _weight_operand(packed)]
         if spec.shifted:  # shifted to uint8: the correction is 128 x each output channel's weight sum
             args.append(relax.const(kernels.weight_sums(packed)) if isinstance(packed, np.ndarray)
                         else self.builder_.emit(_run_time_weight_sums(packed, spec)))
@@ -545,13 +549,11 @@ class _Dispatcher(relax.PyExprMutator):
     def _on_amx(self, spec: kernels.ConvSpec) -> bool:
         return spec.data_dtype in self.amx_dtypes and amx.supports(spec)
 
-    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, packed: "np.ndarray | relax.Expr",
-                         name: str) -> relax.Expr:
+    def _emit_amx_kernel(self, spec: kernels.ConvSpec, data: relax.Expr, weight: relax.Expr, name: str) -> relax.Expr:
         """The AMX kernel call, with the zero rows its input buffer adds."""
         extra_rows = amx.tiling(spec).data_shape[1] - spec.data_shape[1]
         if extra_rows:
             data = self.builder_.emit(pad_after(data, 4, 1, extra_rows))
-        weight = relax.const(packed) if isinstance(packed, np.ndarray) else packed
         gvar = add_func_once(self.builder_, self.kernel_funcs, ("amx", spec), lambda: amx.conv2d_nhwc(spec), name)
         out_type = relax.TensorType(spec.out_shape, spec.out_dtype)
         return self.builder_.emit(relax.call_tir(gvar, [data, weight], out_type))

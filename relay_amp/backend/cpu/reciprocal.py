@@ -15,7 +15,7 @@ lanes at a time (relay_amp.backend.cpu.bf16_round's chunks). Quotients in loops 
 import tvm
 import tvm_ffi
 
-from .bf16_round import CHUNK, as_chunks, lanes_of, shuffle
+from .bf16_round import CHUNK, as_chunks, lanes_of, register_vector_op, shuffle
 
 FAST_DIVIDE = "relay_amp.fast_divide"  # a / b, to be computed within about an ulp
 NARROW_DIVIDE = "relay_amp.narrow_divide"  # a / b for a result rounded to a narrow float: within 2^-14 will do
@@ -23,17 +23,6 @@ ESTIMATE = "relay_amp.reciprocal_estimate"  # 1 / b within 2^-14 relative: vrcp1
 FEATURE = "avx512f"
 _LLVM_INTRINSIC = "llvm.x86.avx512.rcp14.ps.512"
 _ALL_LANES = -1  # the instruction's mask: every lane computed
-_PURE = tvm.ir.Op.get("tirx.exp").get_attr("TCallEffectKind")  # the effect kind of a pure math op
-
-
-def _register_ops() -> None:
-    if ESTIMATE in tvm.ir.Op.list_op_names():
-        return
-    for name, lowering in ((FAST_DIVIDE, _quotient), (NARROW_DIVIDE, _quotient), (ESTIMATE, lower_estimate)):
-        tvm.ir.register_op_attr(name, "TCallEffectKind", _PURE)
-        tvm.ir.register_op_attr(name, "TVectorizable", True)
-        tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
-        tvm.tirx.register_intrin_lowering(name, target="llvm", f=lowering, level=99)
 
 
 def divide(numerator: tvm.ir.Expr, denominator: tvm.ir.Expr, narrow: bool) -> tvm.ir.Expr:
@@ -87,6 +76,11 @@ def reciprocal_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     if target.kind.name != "llvm" or not tvm.target.codegen.target_has_features(FEATURE, target):
         return []
     return [ReciprocalEstimates]
+
+
+def _register_ops() -> None:
+    for name, lowering in ((FAST_DIVIDE, _quotient), (NARROW_DIVIDE, _quotient), (ESTIMATE, lower_estimate)):
+        register_vector_op(name, lowering)
 
 
 _register_ops()
