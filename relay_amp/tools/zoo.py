@@ -152,6 +152,26 @@ def _vit_s16(tiny: bool):
                         image_size=224, patch_size=16, num_labels=1000)
 
 
+def _swin_t(tiny: bool):
+    if tiny:
+        return hf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                             window_size=4, num_labels=10)
+    return hf.SwinConfig(num_labels=1000)  # the defaults are Swin-T: shifted-window attention (rolls, window
+    # partitions, a relative position bias gathered per window) and patch merging
+
+
+def _clip_vit_b32(tiny: bool):
+    if tiny:
+        return hf.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+    return hf.CLIPVisionConfig()  # the defaults are CLIP's ViT-B/32 image tower: quick GELU, pre-norm, a class token
+
+
+def _efficientvit_b0(tiny: bool):
+    return {"num_classes": 10 if tiny else 1000}  # timm's EfficientViT-B0 (MIT): ReLU linear attention (a division
+    # by a per-token sum), hardswish, depthwise convs of 16-64 channels
+
+
 def _bert(tiny: bool):
     if tiny:
         return hf.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -199,6 +219,31 @@ def _t5_encoder(tiny: bool):
     return hf.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8)  # t5-small's encoder
 
 
+def _deberta_v2(tiny: bool):
+    if tiny:
+        return hf.DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, max_position_embeddings=64, relative_attention=True,
+                                  position_buckets=16, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                                  norm_rel_ebd="layer_norm", share_att_key=True)
+    # DeBERTa-v3-base's design, 6 of its 12 layers and a 32000-token vocabulary: disentangled attention (content to
+    # position and position to content scores gathered by bucketed relative distance)
+    return hf.DebertaV2Config(vocab_size=32000, hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
+                              intermediate_size=3072, relative_attention=True, position_buckets=256,
+                              pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+                              share_att_key=True, max_relative_positions=-1)
+
+
+def _gemma2(tiny: bool):
+    if tiny:
+        return hf.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                               sliding_window=8)
+    # Gemma 2's design at BERT-base width, 4 layers: tanh soft-capped attention scores, sliding-window layers, a
+    # tanh-GELU gated MLP, norms after each block as well as before
+    return hf.Gemma2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                           num_attention_heads=12, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+
+
 def _wav2vec2(tiny: bool):
     if tiny:
         return hf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -232,6 +277,11 @@ ZOO = {entry.name: entry for entry in [
     ZooEntry("mixnet_s", "cnn", _mixnet_s, "mixnet_s", None, Shape(1, 224), Shape(1, 32), batch_norm="measured",
              library="timm", trim_tiny=_first_block_of_each_stage),
     ZooEntry("vit_s16", "cnn", _vit_s16, "ViTForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
+    ZooEntry("swin_t", "cnn", _swin_t, "SwinForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
+    ZooEntry("clip_vit_b32", "cnn", _clip_vit_b32, "CLIPVisionModel", "last_hidden_state", Shape(1, 224),
+             Shape(1, 32)),
+    ZooEntry("efficientvit_b0", "cnn", _efficientvit_b0, "efficientvit_b0", None, Shape(1, 224), Shape(1, 64),
+             batch_norm="measured", library="timm"),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("distilbert", "transformer", _distilbert, "DistilBertModel", "last_hidden_state",
              Shape(1, 128), Shape(2, 16)),
@@ -239,6 +289,9 @@ ZOO = {entry.name: entry for entry in [
     ZooEntry("llama", "transformer", _llama, "LlamaModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("qwen3_moe", "transformer", _qwen3_moe, "Qwen3MoeModel", "last_hidden_state", Shape(1, 128),
              Shape(2, 16)),
+    ZooEntry("deberta_v2", "transformer", _deberta_v2, "DebertaV2Model", "last_hidden_state", Shape(1, 128),
+             Shape(2, 16)),
+    ZooEntry("gemma2", "transformer", _gemma2, "Gemma2Model", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
     ZooEntry("t5_encoder", "transformer", _t5_encoder, "T5EncoderModel", "last_hidden_state",
              Shape(1, 128), Shape(2, 16)),
     ZooEntry("wav2vec2", "audio", _wav2vec2, "Wav2Vec2Model", "last_hidden_state", Shape(1, 16000), Shape(1, 800)),
