@@ -5,7 +5,8 @@ Nothing is downloaded: each entry builds its architecture with seeded random wei
 benchmark times) and a tiny one (what the tests convert). `load` exports it the way users do (`torch.onnx.export`
 with the TorchScript or the dynamo exporter, or `torch.export` into `from_torch`) and imports it into Relax. The
 CNNs are transformers' ResNet, MobileNetV2, EfficientNet, ConvNeXt, RegNet, BiT, LeViT and PoolFormer,
-torchvision's MobileNetV3 (which transformers lacks) and timm's MixNet-S; wav2vec2 is the audio model; Qwen3-MoE is
+torchvision's MobileNetV3 (which transformers lacks) and timm's MixNet-S and EfficientViT-B0; the vision transformers
+ViT, Swin and CLIP's image tower take images too; wav2vec2 is the audio model; Qwen3-MoE is
 the mixture of experts (exported with transformers' `batched_mm` experts, the implementation the exporters
 translate; PyTorch runs its default, `grouped_mm`, faster in PyTorch and the same products). Needs the
 `zoo` extra (torch, torchvision, timm, transformers): import this module only where it is used.
