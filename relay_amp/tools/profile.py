@@ -10,6 +10,11 @@ path); GPT-2's query-key-value split, `reshape_reshape_split` in fp32 and `resha
 both), so the same work lines up across dtypes; rows are sorted by how much slower the last
 variant is than the first. The variants' runs alternate in one process, as the benchmarks' runners do.
 That is how a slow path shows itself: a row whose bf16 time is many times its fp32 time.
+
+The hook's own time (a call into Python, the call's arguments converted for it) falls inside each call's: 0.4-2 us
+a call, most of what the `vm.builtin` rows show (LeViT-128S in bf16: 0.52 ms over 500 builtin calls, its whole run
+1.74 ms against 1.78 summed over its kernels alone). `profile` also times each variant's whole run without the hook
+(the WHOLE_RUN row, apart from the total): the build's real time.
 """
 
 import json
@@ -30,12 +35,15 @@ from ..errors import OptionError
 from ..runtime import virtual_machine
 from .bench import BASELINE, variant
 from .models import example_inputs
+from .peers import rotating_medians
 
 # casts, a backend's padding and the slices that trim it, and reshapes (free views that fusion puts on either side
 # of a function) join the ops
 DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", "strided", "slice", "reshape", ""})
 ALONE = (("slice", "strided_slice"), ("pad", "pad"), ("reshape", "reshape"))  # a function of those only
 KEEP_GOING = 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
+WHOLE_RUN = "whole run, no hook"  # the group of `main` timed as a whole on a VM without the hook
+WHOLE_RUN_BLOCK = 3  # runs per block of the whole-run timing
 
 
 def call_group(symbol: str) -> str:
@@ -56,11 +64,13 @@ def call_key(symbol: str, call_args: Sequence) -> str:
 
 
 def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.ndarray], repeat: int = 5,
-               warmup: int = 2, by_shape: bool = False) -> dict[str, dict[str, tuple[int, float]]]:
+               warmup: int = 2, by_shape: bool = False,
+               whole_runs: bool = False) -> dict[str, dict[str, tuple[int, float]]]:
     """Per variant, per call group: (calls per run, median ms per run over `repeat` runs) of `main` on `inputs`.
     The variants run in turn, one run each, the first of each round rotating, so that the machine's drift (20-50%
     within minutes on a shared VM) falls on all of them alike rather than on whichever ran last. `by_shape` splits
-    each group of compiled functions by the shape of the result they write (`call_key`)."""
+    each group of compiled functions by the shape of the result they write (`call_key`); `whole_runs` adds the
+    group WHOLE_RUN: `main` timed as a whole without the hook, in rotating blocks too."""
     _check_repeat(repeat)
     timers = {name: _CallTimer(executable, inputs, warmup, by_shape) for name, executable in executables.items()}
     order = list(timers)
@@ -68,7 +78,19 @@ def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.n
         shift = round_index % len(order)
         for name in order[shift:] + order[:shift]:
             timers[name].run()
-    return {name: timer.times() for name, timer in timers.items()}
+    times = {name: timer.times() for name, timer in timers.items()}
+    if whole_runs:
+        runs = {name: _whole_run(executable, inputs) for name, executable in executables.items()}
+        for name, ms in rotating_medians(runs, repeat, WHOLE_RUN_BLOCK).items():
+            times[name][WHOLE_RUN] = (1, ms)
+    return times
+
+
+def _whole_run(executable: relax.VMExecutable, inputs: Sequence[np.ndarray]):
+    """A run of `main` on `inputs` on a VM of its own, without the hook."""
+    vm = virtual_machine(executable)
+    args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
+    return lambda: vm["main"](*args)
 
 
 def _check_repeat(repeat: int) -> None:
@@ -127,13 +149,13 @@ def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), t
             repeat: int = 5, *, conv_layout: "str | list[str] | None" = AUTO, fast_math: bool = True,
             by_shape: bool = False) -> list[ProfileRow]:
     """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group (split by output
-    shape with `by_shape`), worst penalty first."""
+    shape with `by_shape`), worst penalty first, and each variant's whole run without the hook (WHOLE_RUN)."""
     if not dtypes:
         raise OptionError("profile needs at least one dtype")
     _check_repeat(repeat)  # before anything is built
     executables = {dtype: build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout)
                    for dtype in dtypes}
-    return profile_rows(call_times(executables, example_inputs(mod), repeat, by_shape=by_shape))
+    return profile_rows(call_times(executables, example_inputs(mod), repeat, by_shape=by_shape, whole_runs=True))
 
 
 def profile_rows(measured: dict[str, dict[str, tuple[int, float]]]) -> list[ProfileRow]:
@@ -146,16 +168,21 @@ def profile_rows(measured: dict[str, dict[str, tuple[int, float]]]) -> list[Prof
 
 
 def format_profile(rows: Sequence[ProfileRow], dtypes: Sequence[str], top: int | None = None) -> str:
-    """A printable table: per call group its calls and ms per variant, and the last variant's ratio to the first."""
+    """A printable table: per call group its calls and ms per variant, and the last variant's ratio to the first;
+    the total of the groups, then any WHOLE_RUN row (the whole runs without the hook), which the total leaves out."""
+    whole = [row for row in rows if row.group == WHOLE_RUN]
+    calls = [row for row in rows if row.group != WHOLE_RUN]
+    table = [_table_row(row, dtypes) for row in calls[:top]]
+    totals = ["total", *(f"{sum(r.ms.get(d, 0.0) for r in calls):.3f}" for d in dtypes), ""]
+    headers = ["call group", *(f"{d} ms (calls)" for d in dtypes), f"{dtypes[-1]} / {dtypes[0]}"]
+    return tabulate([*table, totals, *(_table_row(row, dtypes) for row in whole)], headers=headers)
+
+
+def _table_row(row: ProfileRow, dtypes: Sequence[str]) -> list:
     first, last = dtypes[0], dtypes[-1]
-    table = []
-    for row in rows[:top]:
-        ratio = row.ms.get(last, 0.0) / row.ms[first] if row.ms.get(first) else float("inf")
-        table.append([_label(row.group), *(f"{row.ms[d]:.3f} ({row.calls[d]})" if d in row.ms else "-" for d in dtypes),
-                      f"{ratio:.2f}x"])
-    totals = ["total", *(f"{sum(r.ms.get(d, 0.0) for r in rows):.3f}" for d in dtypes), ""]
-    headers = ["call group", *(f"{d} ms (calls)" for d in dtypes), f"{last} / {first}"]
-    return tabulate([*table, totals], headers=headers)
+    ratio = row.ms.get(last, 0.0) / row.ms[first] if row.ms.get(first) else float("inf")
+    return [_label(row.group), *(f"{row.ms[d]:.3f} ({row.calls[d]})" if d in row.ms else "-" for d in dtypes),
+            f"{ratio:.2f}x"]
 
 
 def _label(group: str, width: int = 70) -> str:

@@ -8,7 +8,8 @@ from relay_amp import OptionError, models
 from relay_amp.tools.cli import main
 from relay_amp.compile.build import build
 from relay_amp.tools import profile as profile_module
-from relay_amp.tools.profile import call_group, call_key, call_times, format_profile, profile, profile_to_json
+from relay_amp.tools.profile import (WHOLE_RUN, call_group, call_key, call_times, format_profile, profile,
+                                     profile_to_json)
 
 
 @pytest.mark.parametrize("symbol, group", [
@@ -39,8 +40,20 @@ def test_profile_lines_up_dtype_variants_worst_penalty_first():
     assert any("conv2d" in row.group or "dot_kernel" in row.group for row in both)
     assert all(row.calls[d] >= 1 and row.ms[d] >= 0 for row in rows for d in row.ms)
     table = format_profile(rows, ["float32", "bfloat16"], top=3)
-    assert "bfloat16 / float32" in table and table.splitlines()[-1].startswith("total")
+    assert "bfloat16 / float32" in table and table.splitlines()[-2].startswith("total")
     assert json.loads(profile_to_json(rows, model="small_cnn"))["rows"][0]["group"] == rows[0].group
+
+
+def test_whole_runs_without_the_hook_are_a_row_of_their_own_apart_from_the_total():
+    """The hook's own time falls inside every call's, so profile also times each variant's whole run without it:
+    one call per run, positive, and no part of the total of the call groups."""
+    rows = profile(models.small_cnn(), ["float32", "bfloat16"], "cpu", repeat=2)
+    whole = [row for row in rows if row.group == WHOLE_RUN]
+    assert len(whole) == 1 and whole[0].calls == {"float32": 1, "bfloat16": 1}
+    assert all(ms > 0 for ms in whole[0].ms.values())
+    lines = format_profile(rows, ["float32", "bfloat16"]).splitlines()
+    calls_total = sum(row.ms["float32"] for row in rows if row.group != WHOLE_RUN and "float32" in row.ms)
+    assert lines[-2].split()[:2] == ["total", f"{calls_total:.3f}"] and lines[-1].startswith(WHOLE_RUN)
 
 
 def test_by_shape_splits_the_kernels_by_the_result_each_writes():
