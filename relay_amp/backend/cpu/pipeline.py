@@ -34,6 +34,7 @@ from .norms import GroupNormsOverChannels
 from .operand_scales import ScalesAfterMatmuls
 from .rows import PadSoftmaxRows
 from .sampling import FuseWeightedSamples, GridSamplesChannelsLast
+from .resize import SeparableResizes
 from .schedules import default_schedule, default_schedules
 from .stack import TIR_PIPELINE as STACK_PIPELINE
 from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
@@ -62,7 +63,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     with a channel multiplier as depthwise convs of repeated channels (relay_amp.backend.cpu.multiplier), taps that read
     only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel
     sums (relay_amp.backend.cpu.norms), grid samples read channels-last and deformable attention's weighted sums
-    computed as they sample (relay_amp.backend.cpu.sampling), matmuls' operand scales moved to their products
+    computed as they sample (relay_amp.backend.cpu.sampling), bilinear NCHW resizes as resizes along W and then H, an
+    upsampled NHWC result's transpose to NCHW moved before the resize (relay_amp.backend.cpu.resize), matmuls' operand scales moved to their products
     (relay_amp.backend.cpu.operand_scales), bf16 chains widened, batch norms no conv took as scales and shifts, runs of
     scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs
     and matmuls widened where only fp32 has kernels (AVX2) or fp32's are faster (the target's core:
@@ -95,6 +97,7 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         GroupNormsOverChannels(),
         FuseWeightedSamples(),
         GridSamplesChannelsLast(),
+        SeparableResizes(),
         ScalesAfterMatmuls(),
         WidenArithmetic(),
         BatchNormsAsAffine(),
