@@ -208,9 +208,10 @@ def _row_tiling(spec: ConvSpec) -> Tiling:
 
 def _k_steps(spec: ConvSpec) -> tuple[int, int, int]:
     """(K bytes per tdp step, K bytes per kernel row, runs of them): a kernel row's KW x C values are one run; a
-    grouped conv's are KW runs of its group's channels, one per tap."""
+    grouped conv's, and a conv's whose taps are spaced apart along the row (dilated), are KW runs of its group's
+    channels, one per tap."""
     element_bytes = PRODUCTS[spec.data_dtype].element_bytes
-    taps = spec.kernel_size[1] if spec.groups > 1 else 1
+    taps = spec.kernel_size[1] if spec.groups > 1 or spec.dilation[1] > 1 else 1
     run_bytes = spec.kernel_size[1] * spec.depth * element_bytes // taps
     step_bytes = max(d for d in range(4, TILE_BYTES + 1, 4) if run_bytes % d == 0)  # channels fill 4-byte groups
     return step_bytes, run_bytes * taps, taps
@@ -224,7 +225,7 @@ def _flat_tiling(spec: ConvSpec) -> Tiling:
         tiles = -(-span // MAX_TILE_ROWS)
         return Tiling(MAX_TILE_ROWS, tiles, spec.data_shape, (batch, out_h, width, out_c), *_k_steps(spec), tiles,
                       span)
-    read = MAX_TILE_ROWS - 1 + (spec.kernel_size[0] - 1) * width + spec.kernel_size[1]  # one tile's input pixels
+    read = MAX_TILE_ROWS - 1 + (spec.window[0] - 1) * width + spec.window[1]  # one tile's input pixels
     return Tiling(MAX_TILE_ROWS, 1, (batch, max(height, -(-read // width)), width, channels),
                   (batch, -(-MAX_TILE_ROWS // width), width, out_c), *_k_steps(spec))
 
@@ -250,12 +251,13 @@ def tiling(spec: ConvSpec) -> Tiling:
 
 
 def supports(spec: ConvSpec) -> bool:
-    """Whether the AMX kernel computes `spec`: undilated, every output pixel and channel stored (the dot-product
+    """Whether the AMX kernel computes `spec`: every output pixel and channel stored (the dot-product
     kernel's stored_width and stored_channels are not the AMX kernel's), bf16 -> fp32 or int8/uint8 -> int32, at
     least 32 output channels in 16-blocks per group, each group's input channels in whole 4-byte groups (as
-    `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS pixels."""
+    `kernels.pack_weight` packs them), tiles of at least MIN_TILE_ROWS pixels. Dilated (atrous) convs read their
+    taps spaced apart: each kernel row `dilation` input rows after the one before, each tap a run of its own."""
     product = PRODUCTS.get(spec.data_dtype)
-    if (product is None or spec.dilation != (1, 1) or spec.stored_width or spec.stored_channels
+    if (product is None or spec.stored_width or spec.stored_channels
             or spec.out_dtype != product.acc_dtype or not _panel_fits(spec)
             or not kernels.supports(spec.out_channels, spec.data_shape[-1], spec.dot, spec.groups)):
         return False
@@ -293,7 +295,7 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.Pri
     buffer `tiling(spec)` describes, the weight `kernels.pack_weight` packs (no weight sums; one per image where
     `spec.weight_batch`), the epilogue's operands, and writes `spec.out_shape` in the epilogue's dtype."""
     if not supports(spec):
-        raise DTypeError(f"the AMX kernel takes undilated bf16 -> fp32 or int8 -> int32 with at least "
+        raise DTypeError(f"the AMX kernel takes bf16 -> fp32 or int8 -> int32 with at least "
                          f"{PANELS * LANES} output channels in {LANES}-blocks per group, input channels filling 4-byte "
                          f"groups (2 bf16, 4 int8) and output rows of at least {MIN_TILE_ROWS} pixels; got {spec}")
     sch = s_tir.Schedule(_kernel(spec, PRODUCTS[spec.data_dtype], tiling(spec), epilogue, spec.out_shape))
@@ -380,9 +382,10 @@ def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_i
     scratch accumulator `acc`."""
     width, channels = tiles.data_shape[2:]
     pixel_bytes = channels * product.element_bytes
+    step_y, step_x = spec.dilation
     return block_call(product, acc, [T.address_of(element) for element in first_inputs], T.address_of(weight_panel),
                       tiles.step_bytes, spec.strides[1] * pixel_bytes, tiles.row_bytes,
-                      (spec.kernel_size[0], width * pixel_bytes), (tiles.taps, pixel_bytes))
+                      (spec.kernel_size[0], step_y * width * pixel_bytes), (tiles.taps, step_x * pixel_bytes))
 
 
 def block_call(product: AmxProduct, acc, a_tiles: list, b_panels, step_bytes: int, lda: int, row_bytes: int,

@@ -9,7 +9,7 @@ cached keys the kernel's rows; P.V reads V in place on the generic schedule), wh
 cache for a few products of each value. A grouped conv's weight is made block-diagonal over 16-lane output blocks
 (`kernels.grouped_weight`), where that costs at most MAX_GROUP_WASTE times the products; groups whose width is off
 the 16 lanes (24) get zero outputs up to whole blocks each, and the result's groups are compacted after. A
-dilated (atrous) conv's kernel reads its window's taps spaced apart (`ConvSpec.dilation`; not on AMX). Calls the
+dilated (atrous) conv's kernel reads its window's taps spaced apart (`ConvSpec.dilation`; on AMX too). Calls the
 kernels cannot take (other dtypes, NCHW data, depthwise convs, broadcast runtime matmuls) are left to the generic
 schedules. Conv inputs whose channels do not fill the
 instruction's group (an RGB stem conv) and runtime matmuls of such a depth (P.V over 197 tokens) get zero

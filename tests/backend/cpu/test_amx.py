@@ -34,6 +34,12 @@ CASES = {
                                             groups=2),  # 5 taps of 64 codes a group
     "bf16_3x3_16_channels": kernels.ConvSpec((1, 10, 12, 32), (3, 3), 16),  # one block, a zero one beside it
     "int8_16_channels": kernels.ConvSpec((1, 1, 40, 64), (1, 1), 16, data_dtype="int8", out_dtype="int32"),
+    "bf16_atrous_3x3_rate_2": kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2)),  # DeepLab's
+    "bf16_atrous_7x7_output_flat": kernels.ConvSpec((1, 11, 11, 32), (3, 3), 32, dilation=(2, 2)),  # zero rows read
+    "int8_atrous_rows_apart": kernels.ConvSpec((1, 12, 24, 32), (3, 3), 64, (1, 1), "int8", "int32",
+                                               dilation=(3, 1)),  # taps together along a row, rows 3 apart
+    "bf16_atrous_strided_grouped": kernels.ConvSpec((1, 19, 19, 64), (3, 3), 64, (2, 2), groups=2,
+                                                    dilation=(2, 2)),
 }
 
 
@@ -132,6 +138,13 @@ def test_a_grouped_conv_steps_over_each_tap_of_its_groups_channels():
     assert _call_arguments(spec) == ([16, 48], [48, 192, 1920, 3, 288, 128, 3, 192])
 
 
+def test_an_atrous_conv_reads_its_taps_and_kernel_rows_dilation_apart():
+    spec = kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2))  # DeepLab's rate 2: 16x16 outputs
+    # tiles of 16 pixels, K steps of 64 bytes; next pixel 64 x 2 bytes on, next kernel row 2 x 20 x 64 x 2 bytes on,
+    # 3 kernel rows of 3 taps of 128 bytes each, each tap 2 x 64 x 2 bytes after the one before
+    assert _call_arguments(spec) == ([16, 64], [64, 128, 5120, 3, 384, 128, 3, 256])
+
+
 def test_small_stride_1_outputs_tile_flat_over_the_input_width():
     tiles = amx.tiling(kernels.ConvSpec((1, 9, 9, 512), (3, 3), 512))  # ResNet-18's last stage: 7x7 outputs
     # 61 flat pixels (6 rows of 9, then 7) in 4 tiles of 16, the last from pixel 45 (it overlaps the third): it
@@ -167,7 +180,6 @@ def test_strided_outputs_that_tile_badly_take_tiles_of_16_along_each_row():
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, data_dtype="int8", out_dtype=F32), "int8 accumulates int32"),
     (kernels.ConvSpec((1, 1, 5, 64), (1, 1), 64, (1, 2)), "3 pixels at stride 2: 3 of 16 rows filled either way"),
     (kernels.ConvSpec((1, 1, 16, 6), (1, 1), 32, data_dtype="int8", out_dtype="int32"), "6 int8 channels: 4-byte groups"),
-    (kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2)), "taps apart: the tiles read whole input rows"),
     (kernels.ConvSpec((1, 1, 84, 64), (1, 1), 64, stored_width=79), "a row's computed pixels past those stored"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, stored_channels=48), "the leading channels stored"),
     (kernels.ConvSpec((1, 1, 64, 64), (1, 1), 64, groups=4), "16 output channels a group: no panel of 32"),

@@ -307,14 +307,16 @@ def _dilated_conv_module(dtype: str, weight_hwio: np.ndarray):
         tensor("x", (1, 9, 10, weight_hwio.shape[2]), dtype))
 
 
-def test_a_dilated_conv_becomes_a_kernel_reading_its_taps_apart():
-    after = dispatch.UseDotKernels({"int8"}, amx_dtypes={"int8"})(
+@pytest.mark.parametrize("amx_dtypes, attr", [(set(), kernels.FUSABLE_ATTR), ({"int8"}, amx.FUSABLE_ATTR)])
+def test_a_dilated_conv_becomes_a_kernel_reading_its_taps_apart(amx_dtypes, attr):
+    """The dot-product kernel, or on AMX the tile kernel (each tap a run of its own, kernel rows 2 rows apart)."""
+    after = dispatch.UseDotKernels({"int8"}, amx_dtypes=amx_dtypes)(
         _dilated_conv_module("int8", np.ones((3, 3, 16, 32), "int8")))
     relax.analysis.well_formed(after)
     calls = [b.value for b in after["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
     assert [c.op.name for c in calls] == ["relax.nn.pad", "relax.call_tir"]
-    spec = kernels.fusable_spec(after["relay_amp_dot_kernel1"], kernels.FUSABLE_ATTR)  # not AMX's: its tiles read
-    assert spec.dilation == (2, 2) and spec.out_shape == (1, 9, 10, 32)  # whole rows of neighbouring pixels
+    spec = kernels.fusable_spec(after["relay_amp_dot_kernel1"], attr)
+    assert spec.dilation == (2, 2) and spec.out_shape == (1, 9, 10, 32)
 
 
 @pytest.mark.parametrize("dtype,feature", [("int8", "avx512_vnni"), (BF16, "avx512_bf16"), ("float32", "avx512f")])
