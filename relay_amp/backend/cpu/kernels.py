@@ -54,6 +54,8 @@ MAX_ROWS = (STACK_BYTES - 1) // (LANES * 4)  # accumulator vectors (rows x colum
 MAX_GROUP_WASTE = 4  # products per useful one a grouped conv's block-diagonal weight may cost (see grouped_weight)
 MIN_ROWS = 4  # an untuned tile of fewer pixel rows leaves FMA latency exposed: pad the rows instead
 COLUMN_CHOICES = (2, 3, 4, 1)  # 16-lane output-channel columns of an untuned tile, preferred in this order on ties
+SLICE_BYTES = 1 << 20  # the packed weight of a tile's columns, over the whole reduction, that stays in a core's L2
+# (Zen 4's 1 MiB, half of Sapphire Rapids') while the tile's pixels sweep past it
 ISSUE_PER_CYCLE = 2  # vector products a core issues a cycle: Zen 5's and Sapphire Rapids' two 512-bit units
 RULE = "relay_amp_dot"  # the blocks' `schedule_rule` annotation: MetaSchedule calls s_tir.meta_schedule.cpu.<RULE>
 SPEC_ANNOTATION = "relay_amp.conv_spec"
@@ -634,10 +636,15 @@ def register_file() -> RegisterFile:
     return AVX2_REGISTERS
 
 
-def default_tile(width: int, out_channels: int) -> tuple[int, int]:
+def default_tile(width: int, out_channels: int, column_bytes: int = 0) -> tuple[int, int]:
     """The untuned register tile for an output row of `width` pixels, (16-lane columns, pixel rows): of the tiles
-    whose rows divide `width`, the one `_products_per_cycle` rates best."""
-    return _best_tile(width, out_channels, padding=False)
+    whose rows divide `width`, the one `_products_per_cycle` rates best, of columns whose packed weight
+    (`column_bytes` each, over the whole reduction) fits SLICE_BYTES where any does, else of one column. Each of
+    the output's pixel tiles reads its columns' weight again: DeepLabV3's atrous 3x3 convs over 2048 channels
+    (18432 products an output) streamed 2.4 MB of fp32 weight from memory per tile of 2 columns (125 ms, 51 ms
+    with one column)."""
+    fitting = max(1, SLICE_BYTES // column_bytes) if column_bytes else None
+    return _best_tile(width, out_channels, padding=False, max_columns=fitting)
 
 
 def padded_width(width: int, out_channels: int) -> int:
@@ -664,9 +671,12 @@ def _column_choices(out_channels: int) -> list[int]:
     return [c for c in COLUMN_CHOICES if out_channels // LANES % c == 0 and row_budget(c) > 0]
 
 
-def _best_tile(width: int, out_channels: int, padding: bool) -> tuple[int, int]:
-    """The (columns, rows) tile `_products_per_cycle` rates best for `width` rows, with rows past it where `padding`."""
-    tiles = [(c, rows) for c in _column_choices(out_channels) for rows in _tile_rows(width, c, padding)]
+def _best_tile(width: int, out_channels: int, padding: bool, max_columns: "int | None" = None) -> tuple[int, int]:
+    """The (columns, rows) tile `_products_per_cycle` rates best for `width` rows, with rows past it where `padding`,
+    of at most `max_columns` columns where that leaves a choice."""
+    choices = _column_choices(out_channels)
+    choices = [c for c in choices if max_columns is None or c <= max_columns] or [min(choices)]
+    tiles = [(c, rows) for c in choices for rows in _tile_rows(width, c, padding)]
 
     def rank(tile):  # on equal rates: no rows past the width, then more accumulators, then COLUMN_CHOICES' order
         padded = _padded_rows(width, tile[1])
@@ -708,8 +718,13 @@ def schedule_kernel(sch: s_tir.Schedule, block, tunable: bool = False) -> None:
         columns = sch.sample_categorical(choices, [1 / len(choices)] * len(choices)) if len(choices) > 1 else 1
         rows = sch.sample_perfect_tile(out_x, n=2, max_innermost_factor=MAX_ROWS)[1]
     else:
-        columns, rows = default_tile(spec.out_shape[2], spec.out_channels)
+        columns, rows = default_tile(spec.out_shape[2], spec.out_channels, _weight_column_bytes(spec))
     _schedule_conv(sch, spec, block, columns, rows, vectorize_copies=not tunable)
+
+
+def _weight_column_bytes(spec: ConvSpec) -> int:
+    """The bytes of one 16-lane output-channel column of `spec`'s packed weight, over its whole reduction."""
+    return math.prod(spec.kernel_size) * spec.depth * LANES * tvm.DataType(spec.dot.b_dtype).itemsize
 
 
 def pixels_outermost(spec: ConvSpec) -> bool:

@@ -387,6 +387,23 @@ def test_the_untuned_tile_on_avx512_takes_the_most_accumulators_it_can_feed(widt
     assert kernels.default_tile(padded, channels) == tile
 
 
+def test_the_untuned_tile_takes_the_columns_whose_weight_stays_in_a_cores_cache():
+    """Each of an output's pixel tiles reads its columns' packed weight over the whole reduction again: DeepLabV3's
+    atrous 3x3 convs over 2048 channels (18432 products an output, 1.2 MB of fp32 weight a column) take one column,
+    as many as fit SLICE_BYTES where some do, and the usual tile where all fit (ResNet-50's last 3x3 convs)."""
+    aspp = kernels.ConvSpec((1, 34, 34, 2048), (3, 3), 256, data_dtype="float32")
+    assert kernels._weight_column_bytes(aspp) == 18432 * kernels.LANES * 4
+    assert kernels.default_tile(32, 256) == (2, 4)
+    assert kernels.default_tile(32, 256, kernels._weight_column_bytes(aspp)) == (1, 8)
+    assert kernels.default_tile(128, 768, kernels.SLICE_BYTES // 2) == (2, 4)  # 3 x 4 rated best, 2 fit
+    resnet = kernels.ConvSpec((1, 9, 9, 512), (3, 3), 512, data_dtype="float32")
+    assert kernels.default_tile(7, 512, kernels._weight_column_bytes(resnet)) == kernels.default_tile(7, 512)
+    sch = kernels.DotKernelRule().apply(kernels.conv2d_nhwc_compute(aspp), targets.get_target("cpu-avx512-bf16"),
+                                        False)
+    *_, rows, columns, _ = (sch.get(loop) for loop in sch.get_loops(sch.get_sblock("acc_global")))
+    assert (int(rows.extent), int(columns.extent)) == (8, 1)
+
+
 def test_the_untuned_tile_on_avx2_keeps_one_column_where_two_would_spill_rows():
     with tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}):
         assert [kernels.row_budget(c) for c in (1, 2, 3, 4)] == [6, 2, 1, 0]
