@@ -55,19 +55,20 @@ def layout_passes(conv_layout: "str | list[str] | None" = AUTO) -> list[tvm.tran
 
 def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
                    conv_layout: "str | list[str] | None" = AUTO) -> tvm.transform.Pass:
-    """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, a
-    mixture of experts' routed rows taken out of every expert's product computed alone, grouped by expert
-    (relay_amp.backend.cpu.experts), int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as convolutions of their output phases
-    (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout` overrides; None keeps the model's; conv1d to
-    NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its frames, relay_amp.backend.cpu.conv3d), convs
-    with a channel multiplier as depthwise convs of repeated channels (relay_amp.backend.cpu.multiplier), taps that read
-    only padding cut from the convs' windows (relay_amp.passes.padding_taps), channels-last group norms as per-channel
-    sums (relay_amp.backend.cpu.norms), grid samples read channels-last and deformable attention's weighted sums
-    computed as they sample (relay_amp.backend.cpu.sampling), bilinear NCHW resizes as resizes along W and then H, an
-    upsampled NHWC result's transpose to NCHW moved before the resize (relay_amp.backend.cpu.resize), matmuls' operand scales moved to their products
-    (relay_amp.backend.cpu.operand_scales), bf16 chains widened, batch norms no conv took as scales and shifts, runs of
-    scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16 convs
-    and matmuls widened where only fp32 has kernels (AVX2) or fp32's are faster (the target's core:
+    """Weights a file held packed made dense (relay_amp.passes.weight_only), identical bindings computed once, a mixture
+    of experts' routed rows taken out of every expert's product computed alone, grouped by expert
+    (relay_amp.backend.cpu.experts), int4 values held in int8 (relay_amp.passes.sub_byte), transposed convolutions as
+    convolutions of their output phases (relay_amp.passes.conv_transpose), convolutions to NHWC (`conv_layout`
+    overrides; None keeps the model's; conv1d to NWC, then a conv2d of height 1; conv3d to NDHWC, then a conv2d over its
+    frames, relay_amp.backend.cpu.conv3d), convs with a channel multiplier as depthwise convs of repeated channels
+    (relay_amp.backend.cpu.multiplier), taps that read only padding cut from the convs' windows
+    (relay_amp.passes.padding_taps), channels-last group norms as per-channel sums (relay_amp.backend.cpu.norms), grid
+    samples read channels-last and deformable attention's weighted sums computed as they sample
+    (relay_amp.backend.cpu.sampling), bilinear NCHW resizes as resizes along W and then H, an upsampled NHWC result's
+    transpose to NCHW moved before the resize (relay_amp.backend.cpu.resize), matmuls' operand scales moved to their
+    products (relay_amp.backend.cpu.operand_scales), bf16 chains widened, batch norms no conv took as scales and shifts,
+    runs of scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16
+    convs and matmuls widened where only fp32 has kernels (AVX2) or fp32's are faster (the target's core:
     relay_amp.backend.cpu.cores), fp32 3x3 convs as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4
     (relay_amp.backend.cpu.winograd), dot-product kernel dispatch, elementwise ops of reshaped tensors computed before
     the reshapes (relay_amp.passes.reshapes), kernel epilogue fusion (casts and scalar ops moved next to the kernels
@@ -78,9 +79,9 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     fast math (unless turned off) and packed int4 kernels, takes of one index that select a contiguous block made views
     of it (an unrolled recurrence's step reading its input row: relay_amp.backend.views), then legalization and fusion.
 
-    Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the
-    graph's edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already
-    tensorized; MetaSchedule tunes their tiles through their own rule.
+    Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the graph's
+    edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already tensorized;
+    MetaSchedule tunes their tiles through their own rule.
     """
     dtypes = kernel_dtypes(target)
     return tvm.transform.Sequential([

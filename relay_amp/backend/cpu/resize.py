@@ -8,10 +8,11 @@ model's NCHW fuses into the resize): LR-ASPP-MobileNetV3's 21 classes upsampled 
 ms in bf16 on an AMX host. Bilinear interpolation is separable, and TVM's resize2d interpolates the two rows along W
 first and then between them along H; topi's resize1d along W (the channels and rows folded into its batch axes) and
 then along H (the new columns as its channels, read as whole rows) does the same arithmetic in the same order, the
-intermediate kept in fp32 as resize2d keeps it (LLVM may contract a product and a sum into an FMA in one function
-and not the other: the results agree to an fp32 rounding); that resize took 0.28 ms against 1.98. The enlarging NHWC resize read only by its transpose to NCHW runs in NCHW on its transposed input instead (the
-transpose then copies the small tensor). Nearest-neighbour resizes and NHWC ones (whose lanes run along the
-channels, contiguous) stay TVM's: made separable they measured as fast or slower.
+intermediate kept in fp32 as resize2d keeps it (LLVM may contract a product and a sum into an FMA in one function and
+not the other: the results agree to an fp32 rounding); that resize took 0.28 ms against 1.98. The enlarging NHWC
+resize read only by its transpose to NCHW runs in NCHW on its transposed input instead (the transpose then copies the
+small tensor). Nearest-neighbour resizes and NHWC ones (whose lanes run along the channels, contiguous) stay TVM's:
+made separable they measured as fast or slower.
 """
 
 import tvm
@@ -42,7 +43,8 @@ class SeparableResizes:
         if not calls_any_op(mod, [RESIZE]):
             return mod
         reads = read_counts(mod[self.func])
-        moved = rewrite_op_calls(mod, self.func, {TRANSPOSE: lambda call, builder: _resized_first(call, builder, reads)})
+        moved = rewrite_op_calls(mod, self.func,
+                                 {TRANSPOSE: lambda call, builder: _resized_first(call, builder, reads)})
         moved = EliminateDeadCode([self.func])(moved)
         return rewrite_op_calls(moved, self.func, {RESIZE: _separable})
 
