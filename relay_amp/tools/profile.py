@@ -33,7 +33,7 @@ from ..backend.fusion import AUTO
 from ..compile.build import build
 from ..errors import OptionError
 from ..runtime import virtual_machine
-from .bench import BASELINE, variant
+from .bench import BASELINE, relay_runner, variant
 from .models import example_inputs
 from .peers import rotating_medians
 
@@ -80,17 +80,10 @@ def call_times(executables: dict[str, relax.VMExecutable], inputs: Sequence[np.n
             timers[name].run()
     times = {name: timer.times() for name, timer in timers.items()}
     if whole_runs:
-        runs = {name: _whole_run(executable, inputs) for name, executable in executables.items()}
+        runs = {name: relay_runner(executable, inputs) for name, executable in executables.items()}
         for name, ms in rotating_medians(runs, repeat, WHOLE_RUN_BLOCK).items():
             times[name][WHOLE_RUN] = (1, ms)
     return times
-
-
-def _whole_run(executable: relax.VMExecutable, inputs: Sequence[np.ndarray]):
-    """A run of `main` on `inputs` on a VM of its own, without the hook."""
-    vm = virtual_machine(executable)
-    args = [tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs]
-    return lambda: vm["main"](*args)
 
 
 def _check_repeat(repeat: int) -> None:
