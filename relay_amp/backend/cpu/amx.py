@@ -10,6 +10,7 @@ input's width instead (see `Tiling`). The weight is the one `kernels.pack_weight
 """
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 import tvm
@@ -71,7 +72,8 @@ def llvm_ir(product: AmxProduct) -> str:
     first call in a process asks Linux for AMX tile state, so a library exported and loaded elsewhere runs),
     `<symbol>` (one block: C tiles, ldc bytes per pixel, = A (pixels lda bytes apart, kernel rows a_kh bytes
     apart, kwc K bytes per kernel row in `taps` runs a_tap bytes apart (a grouped conv's taps: its group's
-    channels of each input pixel), each in steps of kt) x B (two packed panels of 16 output channels)) and
+    channels of each input pixel), each in steps of kt) x B (two packed panels of 16 output channels, kh kernel
+    rows each), over the first kh_run kernel rows and taps_run taps from A's and B's pointers) and
     `<symbol>_release`. A kernel configures the tiles once for many blocks: ldtilecfg costs as much as a block."""
     loads = "\n".join(f"  call void @llvm.x86.tileloadd64(i8 {tile}, ptr %{ptr}, i64 %{stride})" for tile, ptr, stride in
                       ((4, "pa0", "lda"), (5, "pa1", "lda"), (6, "pb0", "ldb"), (7, "pb1", "ldb")))
@@ -117,7 +119,7 @@ entry:
   ret void
 }}
 define void @{product.symbol}(ptr %c0, ptr %c1, ptr %a0, ptr %a1, ptr %b, i64 %kt, i64 %lda, i64 %a_kh, i64 %kh,
-                               i64 %kwc, i64 %ldc, i64 %taps, i64 %a_tap) {{
+                               i64 %kwc, i64 %ldc, i64 %taps, i64 %a_tap, i64 %kh_run, i64 %taps_run) {{
 entry:
 {zeros}
   %ldb = add i64 0, {TILE_BYTES}
@@ -154,11 +156,11 @@ step:
   br i1 %kdone, label %tap_end, label %step
 tap_end:
   %tnext = add i64 %t, 1
-  %tdone = icmp uge i64 %tnext, %taps
+  %tdone = icmp uge i64 %tnext, %taps_run
   br i1 %tdone, label %row_end, label %tap
 row_end:
   %rnext = add i64 %r, 1
-  %rdone = icmp uge i64 %rnext, %kh
+  %rdone = icmp uge i64 %rnext, %kh_run
   br i1 %rdone, label %exit, label %row
 exit:
   %c0b = getelementptr i8, ptr %c0, i64 {TILE_BYTES}
@@ -358,10 +360,13 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
                         first = weight * sharing + (start + step) % pairs_per_weight * 2
                         pixels = [(p // tiles.tiles_per_image, tiles.tile_start(p % tiles.tiles_per_image))
                                   for p in (first, T.min(first + 1, weight * sharing + sharing - 1))]
-                        panel_start = (*([weight] if spec.weight_batch else []), channel // LANES, 0, 0, 0, 0, 0)
+                        first_row, rows_run, first_tap, taps_run = _live_taps(spec, tiles, [p for _, p in pixels])
+                        panel_start = (*([weight] if spec.weight_batch else []), channel // LANES, first_row,
+                                       first_tap, 0, 0, 0)
                         T.evaluate(_block_call(spec, product, tiles, acc, [
-                            data[image, pixel // tile_width * spec.strides[0], pixel % tile_width * spec.strides[1],
-                                 first_input] for image, pixel in pixels], packed[panel_start]))
+                            data[image, pixel // tile_width * spec.strides[0] + first_row * spec.dilation[0],
+                                 pixel % tile_width * spec.strides[1] + first_tap * spec.dilation[1], first_input]
+                            for image, pixel in pixels], packed[panel_start], (rows_run, taps_run)))
                         for tile, (image, pixel) in enumerate(pixels):
                             _store_tile(epilogue, acc, tile, operands, out, (image, pixel, tile_width, channel),
                                         (rows, stored_from, group_width))
@@ -377,26 +382,84 @@ def _item_panel_and_start(item, panels: int, chunks: int, per_chunk: int, pixels
     return item // chunks, item % chunks * per_chunk
 
 
-def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_inputs: list, weight_panel):
+def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_inputs: list, weight_panel,
+                runs: tuple):
     """The LLVM call of one block: two pixel tiles (their first input elements) x one weight panel pair into the
-    scratch accumulator `acc`."""
+    scratch accumulator `acc`, over `runs` (kernel rows, taps) from those."""
     width, channels = tiles.data_shape[2:]
     pixel_bytes = channels * product.element_bytes
     step_y, step_x = spec.dilation
     return block_call(product, acc, [T.address_of(element) for element in first_inputs], T.address_of(weight_panel),
                       tiles.step_bytes, spec.strides[1] * pixel_bytes, tiles.row_bytes,
-                      (spec.kernel_size[0], step_y * width * pixel_bytes), (tiles.taps, step_x * pixel_bytes))
+                      (spec.kernel_size[0], step_y * width * pixel_bytes), (tiles.taps, step_x * pixel_bytes), runs)
+
+
+class _Ops(NamedTuple):
+    """The min, max and select that `_live_taps` computes with: TIR's in a kernel, Python's for an estimate."""
+    minimum: Callable
+    maximum: Callable
+    select: Callable
+
+
+TIR_OPS = _Ops(T.min, T.max, T.Select)
+PYTHON_OPS = _Ops(min, max, lambda condition, then, otherwise: then if condition else otherwise)
+
+
+def _live_taps(spec: ConvSpec, tiles: Tiling, starts: list, ops: _Ops = TIR_OPS) -> tuple:
+    """(first kernel row, kernel rows, first tap, taps) a pair of tiles starting at tile-buffer pixels `starts`
+    reads: all, unless the spec names its padding (tap_skips); then those through which some pixel of the pair
+    reads the image (a tap per kernel row where each is a run of its own), at least one (reading zeros)."""
+    if not any(spec.padding):
+        return 0, spec.kernel_size[0], 0, tiles.taps
+    top, left, bottom, right = spec.padding
+    width = tiles.out_shape[2]
+    ends = [start + tiles.tile_rows - 1 for start in starts]
+    rows = _live_range([start // width for start in starts], [end // width for end in ends], spec.strides[0],
+                       spec.dilation[0], (top, spec.data_shape[1] - bottom), spec.kernel_size[0], ops)
+    if tiles.taps != spec.kernel_size[1]:
+        return (*rows, 0, tiles.taps)
+    in_one_row = [start // width == end // width for start, end in zip(starts, ends)]
+    columns = _live_range([ops.select(one, start % width, 0) for one, start in zip(in_one_row, starts)],
+                          [ops.select(one, end % width, width - 1) for one, end in zip(in_one_row, ends)],
+                          spec.strides[1], spec.dilation[1], (left, spec.data_shape[2] - right), spec.kernel_size[1],
+                          ops)
+    return (*rows, *columns)
+
+
+def _live_range(lows: list, highs: list, stride: int, dilation: int, image: tuple, taps: int, ops: _Ops) -> tuple:
+    """(first tap, taps) along an axis through which some output from min(`lows`) to max(`highs`) reads the image
+    (its padded pixels `image`: first, end), at least one."""
+    low, high = ops.minimum(*lows), ops.maximum(*highs)
+    first = ops.minimum(ops.maximum((image[0] - high * stride + dilation - 1) // dilation, 0), taps - 1)
+    last = ops.minimum((image[1] - 1 - low * stride) // dilation, taps - 1)
+    return first, ops.maximum(last - first + 1, 1)
+
+
+def skipped_share(spec: ConvSpec) -> float:
+    """The share of the products of `spec`'s kernel (its padding named) that its tile pairs skip, in one image."""
+    tiles = tiling(spec)
+    starts = [int(tiles.tile_start(tile)) for tile in range(tiles.tiles_per_image)]
+    pairs = [(starts[tile], starts[min(tile + 1, len(starts) - 1)]) for tile in range(0, len(starts), 2)]
+    runs = [_live_taps(spec, tiles, list(pair), PYTHON_OPS) for pair in pairs]
+    return 1 - sum(rows * taps for _, rows, _, taps in runs) / (len(pairs) * spec.kernel_size[0] * tiles.taps)
 
 
 def block_call(product: AmxProduct, acc, a_tiles: list, b_panels, step_bytes: int, lda: int, row_bytes: int,
-               kernel_rows: tuple = (1, 0), taps: tuple = (1, 0)):
+               kernel_rows: tuple = (1, 0), taps: tuple = (1, 0), runs: "tuple | None" = None):
     """The call of `llvm_ir`'s block function: the two A tiles at `a_tiles` (pointers; rows `lda` bytes apart)
     times the two B panels from `b_panels` into the scratch accumulator `acc`, over `kernel_rows` (count, bytes
-    apart in A) of `row_bytes` K bytes each, in `taps` runs (count, bytes apart in A), in steps of `step_bytes`."""
+    apart in A) of `row_bytes` K bytes each, in `taps` runs (count, bytes apart in A), in steps of `step_bytes`;
+    of those, the (kernel rows, taps) in `runs` from the pointers (all where None)."""
+    runs = runs or (kernel_rows[0], taps[0])
     return T.call_extern(
         "int32", product.symbol, whole_tile(acc, 0), whole_tile(acc, 1), *a_tiles, b_panels,
         T.int64(step_bytes), T.int64(lda), T.int64(kernel_rows[1]), T.int64(kernel_rows[0]), T.int64(row_bytes),
-        T.int64(PANELS * LANES * 4), T.int64(taps[0]), T.int64(taps[1]))
+        T.int64(PANELS * LANES * 4), T.int64(taps[0]), T.int64(taps[1]), *map(_int64, runs))
+
+
+def _int64(value):
+    """`value` (a Python int or an expression) as an int64 argument."""
+    return T.int64(value) if isinstance(value, int) else T.Cast("int64", value)
 
 
 def whole_tile(tiles, tile: int):

@@ -54,7 +54,7 @@ from ...dtypes import MODEL_FLOAT_DTYPES, numpy_dtype
 from ...ops import bound_call, call_op_name, sliced_by_binding
 from ...passes.transposes import UNARY
 from ..code_bounds import value_range
-from . import amx, cores, kernels
+from . import amx, cores, kernels, tap_skips
 
 FEW_ROWS = 8  # a runtime matmul of this many rows or fewer packs no cache (_Dispatcher._few_rows)
 DATA_DTYPES = ("float32", "bfloat16", "int8", "uint8")  # activations relay_amp.backend.cpu.kernels has a dot product for
@@ -410,6 +410,8 @@ class _Dispatcher(relax.PyExprMutator):
         if extra_width:  # the last register tile computes pixels past the row (an audio conv's 799 outputs), unstored
             computed = (*spec.data_shape[:2], spec.data_shape[2] + extra_width * spec.strides[1], in_ch)
             spec = dataclasses.replace(spec, data_shape=computed, stored_width=width)
+        if not in_one_row and tap_skips.worth_skipping(spec, (top, left, bottom, right), self._on_amx(spec)):
+            spec = dataclasses.replace(spec, padding=(top, left, bottom, right))
         widened = self._unsliced(data, extra) if extra else None
         if widened is not None:  # the zero channels come from the producing kernel: nothing to pad
             data, extra = widened, 0

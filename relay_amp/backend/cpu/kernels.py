@@ -67,7 +67,8 @@ BIAS, SCALE, RESIDUAL, CLIP, MAP = "bias", "scale", "residual", "clip", "map"  #
 ROW_SCALE = "row_scale"  # multiplies by one runtime value per output pixel: a dynamic matmul's row scales
 TAKES_OPERAND = (BIAS, SCALE, RESIDUAL, ROW_SCALE)
 # fields spec_json leaves out at these values
-LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": "", "stored_channels": 0}
+LATER_FIELDS = {"dilation": (1, 1), "stored_width": 0, "instruction": "", "stored_channels": 0,
+                "padding": (0, 0, 0, 0)}
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,9 @@ def supports(out_channels: int, in_channels: int, dot: DotIntrin, groups: int = 
 class ConvSpec:
     """An unpadded NHWC convolution the kernel computes (pad the data first): shapes, strides, dtypes; `groups`
     splits the channels into that many blocks, each output block reducing over its own input block (a grouped
-    convolution; see `grouped_weight`); `dilation` spaces the window's taps (DeepLab's atrous convs)."""
+    convolution; see `grouped_weight`); `dilation` spaces the window's taps (DeepLab's atrous convs); `padding`
+    names the rows and columns of the input (top, left, bottom, right) that hold the padding dispatch added, whose
+    taps the kernel skips where a tile reads nothing else through them (relay_amp.backend.cpu.tap_skips)."""
     data_shape: tuple[int, int, int, int]
     kernel_size: tuple[int, int]
     out_channels: int
@@ -437,6 +440,7 @@ class ConvSpec:
     stored_width: int = 0  # 0: every output pixel; else the leading output pixels of each row the kernel stores
     instruction: str = ""  # the DotIntrin's name where it is not intrinsic_for(data_dtype)'s (target_intrinsic)
     stored_channels: int = 0  # 0: every output channel; else the leading output channels the kernel stores
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:

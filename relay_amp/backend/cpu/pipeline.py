@@ -37,6 +37,7 @@ from .sampling import FuseWeightedSamples, GridSamplesChannelsLast
 from .resize import SeparableResizes
 from .schedules import default_schedule, default_schedules
 from .stack import TIR_PIPELINE as STACK_PIPELINE
+from .tap_skips import SkipPaddedTaps
 from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
 from .winograd import WinogradConvs, min_extent as winograd_min_extent, suits as suits_winograd
 
@@ -122,9 +123,9 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
     """For a prepared module: reshapes made views, outputs' too (relay_amp.backend.views), tuning records (when
     `tuned`), default schedules for the rest, NaN tests as tests of the bits (relay_amp.backend.cpu.nan_tests), vector
     write-backs that store part of their lanes split into whole vectors and the cut one
-    (relay_amp.backend.cpu.lane_predicates), bf16 roundings dropped in registers and native elsewhere (on avx512_bf16
-    targets), fast math's quotients on the reciprocal estimate (AVX-512 targets: relay_amp.backend.cpu.reciprocal),
-    lower."""
+    (relay_amp.backend.cpu.lane_predicates), taps that read only padding skipped (relay_amp.backend.cpu.tap_skips),
+    bf16 roundings dropped in registers and native elsewhere (on avx512_bf16 targets), fast math's quotients on the
+    reciprocal estimate (AVX-512 targets: relay_amp.backend.cpu.reciprocal), lower."""
     return tvm.transform.Sequential([
         *view_passes(),
         *([relax.transform.MetaScheduleApplyDatabase()] if tuned else []),
@@ -138,14 +139,16 @@ def lowering_passes(target: tvm.target.Target, tuned: bool) -> tvm.transform.Pas
 def candidate_passes(target: tvm.target.Target) -> tvm.transform.Pass:
     """What a tuning candidate gets after its schedule, as `lowering_passes` gives a built function: its NaN tests as
     bit tests (relay_amp.backend.cpu.nan_tests), its cut vector write-backs split
-    (relay_amp.backend.cpu.lane_predicates), bf16 roundings (relay_amp.backend.cpu.bf16_round) and fast quotients
-    (relay_amp.backend.cpu.reciprocal), so that tuning measures the code a build runs."""
+    (relay_amp.backend.cpu.lane_predicates), its taps that read only padding skipped (relay_amp.backend.cpu.tap_skips),
+    bf16 roundings (relay_amp.backend.cpu.bf16_round) and fast quotients (relay_amp.backend.cpu.reciprocal), so that
+    tuning measures the code a build runs."""
     return tvm.transform.Sequential(_after_schedules(target), name="relay_amp_cpu_candidate")
 
 
 def _after_schedules(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """The passes a scheduled function gets before TVM lowers it, in a build and in a tuning candidate alike."""
-    return [NanTestsAsBitTests, WholeVectorWriteBacks, *rounding_passes(target), *reciprocal_passes(target)]
+    return [NanTestsAsBitTests, WholeVectorWriteBacks, SkipPaddedTaps, *rounding_passes(target),
+            *reciprocal_passes(target)]
 
 
 def untuned_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> "tvm.s_tir.Schedule | None":

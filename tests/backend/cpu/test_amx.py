@@ -128,21 +128,21 @@ def test_a_strided_conv_walks_its_input_with_tile_strides():
     spec = kernels.ConvSpec((1, 9, 9, 64), (3, 3), 64, (2, 2))  # 4x4 output
     # tiles of 4 rows, K steps of 64 bytes; next pixel 2 x 64 x 2 bytes on, next kernel row 9 x 64 x 2 bytes on,
     # 3 kernel rows of 3 x 64 x 2 bytes, accumulator pixels 32 x 4 bytes apart in the scratch tiles
-    assert _call_arguments(spec) == ([4, 64], [64, 256, 1152, 3, 384, 128, 1, 128])
+    assert _call_arguments(spec) == ([4, 64], [64, 256, 1152, 3, 384, 128, 1, 128, 3, 1])  # all rows run
 
 
 def test_a_grouped_conv_steps_over_each_tap_of_its_groups_channels():
     spec = kernels.ConvSpec((1, 6, 10, 96), (3, 3), 96, groups=2)  # 4x8 outputs, tiled flat over the 10-wide input
     # K steps of 48 bytes (48 bf16 channels a group: 96 bytes a tap), pixels 96 x 2 bytes apart, kernel rows 10 x 96
     # x 2 bytes apart, 3 kernel rows of 3 taps of 96 bytes, each tap 96 x 2 bytes after the one before
-    assert _call_arguments(spec) == ([16, 48], [48, 192, 1920, 3, 288, 128, 3, 192])
+    assert _call_arguments(spec) == ([16, 48], [48, 192, 1920, 3, 288, 128, 3, 192, 3, 3])  # all rows, taps run
 
 
 def test_an_atrous_conv_reads_its_taps_and_kernel_rows_dilation_apart():
     spec = kernels.ConvSpec((1, 20, 20, 64), (3, 3), 64, dilation=(2, 2))  # DeepLab's rate 2: 16x16 outputs
     # tiles of 16 pixels, K steps of 64 bytes; next pixel 64 x 2 bytes on, next kernel row 2 x 20 x 64 x 2 bytes on,
     # 3 kernel rows of 3 taps of 128 bytes each, each tap 2 x 64 x 2 bytes after the one before
-    assert _call_arguments(spec) == ([16, 64], [64, 128, 5120, 3, 384, 128, 3, 256])
+    assert _call_arguments(spec) == ([16, 64], [64, 128, 5120, 3, 384, 128, 3, 256, 3, 3])  # all rows, taps run
 
 
 def test_small_stride_1_outputs_tile_flat_over_the_input_width():
