@@ -40,11 +40,12 @@ def worth_skipping(spec: ConvSpec, padding: tuple, on_amx: bool) -> bool:
     """Whether the kernel of `spec` skips SKIPPED_SHARE of its products or more when told its `padding` (top, left,
     bottom, right): the AMX kernel's tile pairs' share (`amx.skipped_share`); the dot-product kernel's, at least
     its share along the height (each register tile lies in one output row; how many columns a tile holds is tuned).
-    Never for int8 data shifted to uint8: its padding reads 128, which the weight sums of every tap take back."""
-    if spec.shifted:
-        return False
+    Never for int8 data a dot-product kernel shifts to uint8: its padding reads 128, which the weight sums of every
+    tap take back (AMX multiplies int8 by int8 as it is)."""
     if on_amx:
         return amx.skipped_share(dataclasses.replace(spec, padding=padding)) >= SKIPPED_SHARE
+    if spec.shifted:
+        return False
     top, _, bottom, _ = padding
     share = padded_products_share(spec.input_shape[1], spec.kernel_size[0], spec.strides[0], spec.dilation[0], top,
                                   bottom)

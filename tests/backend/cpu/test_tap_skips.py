@@ -102,10 +102,12 @@ def test_only_kernels_skipping_enough_products_are_told_their_padding():
         assert not tap_skips.worth_skipping(spec, (1,) * 4, on_amx=True)
 
 
-def test_int8_data_shifted_to_uint8_skips_no_taps():
-    """The kernel adds 128 to int8 data and takes 128 x each tap's weight sum back: its padding reads 128."""
-    aspp = kernels.ConvSpec((1, 56, 56, 64), (3, 3), 16, data_dtype="int8", out_dtype="int32", dilation=(12, 12))
+def test_int8_data_shifted_to_uint8_skips_no_taps_and_on_amx_it_does():
+    """The dot-product kernel adds 128 to int8 data and takes 128 x each tap's weight sum back: its padding reads
+    128. AMX multiplies the int8 data as it is (tdpbssd)."""
+    aspp = kernels.ConvSpec((1, 56, 56, 64), (3, 3), 32, data_dtype="int8", out_dtype="int32", dilation=(12, 12))
     assert aspp.shifted and not tap_skips.worth_skipping(aspp, (12, 12, 12, 12), on_amx=False)
+    assert tap_skips.worth_skipping(aspp, (12, 12, 12, 12), on_amx=True)
 
 
 def _tests_taps(func: tirx.PrimFunc) -> bool:
