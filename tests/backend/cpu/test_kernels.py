@@ -252,16 +252,21 @@ def test_quantize_keeps_fp32_sums_exactly_for_the_group_widths_no_kernel_takes()
         assert taken == (width >= realize.MIN_KERNEL_GROUP_WIDTH), width
 
 
-def test_pixel_tiles_go_outermost_only_when_the_weight_fits_in_cache_and_is_no_larger_than_the_data():
+def test_pixel_tiles_go_outermost_when_the_weight_fits_in_cache_and_is_no_larger_than_the_data_or_per_image():
     assert kernels.pixels_outermost(kernels.ConvSpec((1, 56, 56, 64), (1, 1), 256, data_dtype="float32"))  # 64 KB
     assert kernels.pixels_outermost(kernels.ConvSpec((1, 28, 28, 512), (1, 1), 512, data_dtype="bfloat16"))  # 512 KB
     assert not kernels.pixels_outermost(kernels.ConvSpec((1, 28, 28, 512), (1, 1), 512, data_dtype="float32"))
     assert not kernels.pixels_outermost(CASES["fp32_matmul_large_weight"][0])  # 557 KB
     # ViT-S/16's projections: a 295 KB weight read by 197 tokens (151 KB)
     assert not kernels.pixels_outermost(kernels.ConvSpec((1, 208, 1, 384), (1, 1), 384, data_dtype="bfloat16"))
-    # attention's P.V: a weight (27 KB) per head, one head's data (27 KB)
+    # attention's P.V: a weight (27 KB) per head, one head's data (27 KB); its Q.K^T: keys a bit larger than the
+    # queries (208 and 197 tokens), and in cache all the same; a per-image weight past the cache
     assert kernels.pixels_outermost(kernels.ConvSpec((6, 208, 1, 64), (1, 1), 64, data_dtype="bfloat16",
                                                      weight_batch=6))
+    assert kernels.pixels_outermost(kernels.ConvSpec((6, 197, 1, 64), (1, 1), 208, data_dtype="bfloat16",
+                                                     weight_batch=6))
+    assert not kernels.pixels_outermost(kernels.ConvSpec((2, 64, 1, 1024), (1, 1), 1024, data_dtype="bfloat16",
+                                                         weight_batch=2))
     assert not kernels.pixels_outermost(CASES["bf16_matmul"][0])  # a 6 KB weight over 3 KB of data
     assert kernels.pixels_outermost(CASES["fp32_matmul_pixels_first"][0])
 
