@@ -1,7 +1,9 @@
 """operand_scales: a matmul of operands scaled by constants as the matmul of the operands, its product scaled.
 
 Exporters scale attention's query and key before their product: the dynamo exporter's scaled-dot-product
-attention multiplies each by d^-1/4 (GPT-2: `matmul(q * 0.354, kᵀ * 0.354)`), others the query by d^-1/2. Each
+attention multiplies each by d^-1/4 (GPT-2: `matmul(q * 0.354, kᵀ * 0.354)`), others the query by d^-1/2, and
+DeBERTa divides its key by sqrt(3d) (AMP widens it for the division and rounds it back: DeBERTa-v3's bf16 packing of
+the divided keys ran 1.9x its fp32 on a 2-core Sapphire Rapids). Each
 multiply is an elementwise pass of its own over an operand, and the key's joins its run-time packing: a gathered
 transpose that cannot vectorize in bf16 (GPT-2's bf16 packing ran 1.49x its fp32). A product is linear in each
 operand, so `ScalesAfterMatmuls` multiplies the product by the scales' product instead: a scalar step in the
@@ -44,20 +46,16 @@ class _ScaleMover(relax.PyExprMutator):
         return relax.op.multiply(product, relax.const(scale, tensor_dtype(new_call)))
 
     def _unscaled(self, operand: relax.Expr) -> "tuple[relax.Expr, float]":
-        """`operand` computed from the input of its multiply by a scalar constant, and the scale; (`operand`, 1.0)
-        where it has none, or the casts and moves between them have other readers."""
+        """`operand` computed from the input of its multiply by (or division by) a scalar constant, and the scale;
+        (`operand`, 1.0) where it has none, or the casts and moves between them have other readers."""
         moves, source = [], operand
         while self.uses.get(source, 0) == 1 and call_op_name(bound := bound_value(self, source)) in PASSED:
             moves.append(bound)
             source = bound.args[0]
-        multiply = bound_call(self, source, "relax.multiply")
-        if multiply is None or tensor_dtype(multiply) not in MODEL_FLOAT_DTYPES:
+        data, scale = _scaled(bound_value(self, source))
+        if data is None:
             return operand, 1.0
-        data, factor = multiply.args
-        if scalar(data) is not None:
-            data, factor = factor, data
-        scale = scalar(factor)
-        same = tensor_shape(data) == tensor_shape(multiply) and tensor_dtype(data) == tensor_dtype(multiply)
+        same = tensor_shape(data) == tensor_shape(source) and tensor_dtype(data) == tensor_dtype(source)
         if scale is None or not same:  # a scalar tensor times a constant, or a broadcast
             return operand, 1.0
         for move in reversed(moves):
@@ -65,11 +63,26 @@ class _ScaleMover(relax.PyExprMutator):
         return data, scale
 
 
+def _scaled(value: "relax.Expr | None") -> "tuple[relax.Expr | None, float | None]":
+    """(x, s) where `value` is a float x times or divided by a constant scalar (s the factor, or 1 / the divisor;
+    None where the other operand is no scalar constant); (None, None) for anything else."""
+    name = call_op_name(value)
+    if name not in ("relax.multiply", "relax.divide") or tensor_dtype(value) not in MODEL_FLOAT_DTYPES:
+        return None, None
+    data, factor = value.args
+    if name == "relax.divide":
+        divisor = scalar(factor)
+        return data, None if not divisor else 1.0 / divisor
+    if scalar(data) is not None:
+        data, factor = factor, data
+    return data, scalar(factor)
+
+
 @tvm.transform.module_pass(opt_level=0, name="relay_amp.ScalesAfterMatmuls")
 class ScalesAfterMatmuls:
-    """Rewrite each float matmul whose operands are multiplied by scalar constants (before casts, transposes and
-    reshapes that nothing else reads) as the matmul of the unscaled operands times the scales' product; multiplies
-    nothing else reads are dropped."""
+    """Rewrite each float matmul whose operands are multiplied or divided by scalar constants (before casts,
+    transposes and reshapes that nothing else reads) as the matmul of the unscaled operands times the scales'
+    product; multiplies and divisions nothing else reads are dropped."""
 
     def __init__(self, func: str = "main"):
         self.func = func

@@ -1,5 +1,6 @@
 """operand_scales: attention's query and key scales (the dynamo exporter's d^-1/4 on each) move to the product."""
 
+import ml_dtypes
 import numpy as np
 import tvm
 from tvm.script import ir as I
@@ -49,6 +50,46 @@ def test_both_scales_move_past_the_casts_and_transposes_to_the_product():
     assert_transforms(ScalesAfterMatmuls(), ScaledAttention, Expected)
 
 
+@I.ir_module
+class DividedKeys:
+    """DeBERTa's attention as AMP leaves it: bf16 keys widened, divided by a scale in fp32, rounded back."""
+    @R.function
+    def main(q: R.Tensor((1, 2, 16, 8), "bfloat16"), k: R.Tensor((1, 16, 2, 8), "bfloat16")):
+        with R.dataflow():
+            wide = R.astype(k, "float32")
+            divided = R.divide(wide, R.const(13.875, "float32"))
+            narrow = R.astype(divided, "bfloat16")
+            keys = R.permute_dims(narrow, axes=[0, 2, 3, 1])
+            gv = R.matmul(q, keys, out_dtype="float32")
+            R.output(gv)
+        return gv
+
+
+def test_a_division_by_a_constant_moves_to_the_product_as_its_reciprocal():
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(q: R.Tensor((1, 2, 16, 8), "bfloat16"), k: R.Tensor((1, 16, 2, 8), "bfloat16")):
+            with R.dataflow():
+                wide = R.astype(k, "float32")
+                narrow = R.astype(wide, "bfloat16")
+                keys = R.permute_dims(narrow, axes=[0, 2, 3, 1])
+                product = R.matmul(q, keys, out_dtype="float32")
+                gv = R.multiply(product, R.const(1 / 13.875, "float32"))
+                R.output(gv)
+            return gv
+
+    assert_transforms(ScalesAfterMatmuls(), DividedKeys, Expected)
+
+
+def test_the_built_divided_keys_scores_match_numpy():
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((1, 2, 16, 8), (1, 16, 2, 8)))
+    got = run_executable(build(DividedKeys, relay_amp.targets.host_preset()), [q, k])[0]
+    expected = q.astype("float32") @ (k.astype("float32").transpose(0, 2, 3, 1) / 13.875)
+    assert np.abs(got - expected).max() <= TOLERANCE * np.abs(expected).max()
+
+
 def test_a_scale_before_a_move_other_ops_read_stays_where_it_is():
     @I.ir_module
     class Before:
@@ -65,7 +106,7 @@ def test_a_scale_before_a_move_other_ops_read_stays_where_it_is():
     assert_transforms(ScalesAfterMatmuls(), Before, Before)
 
 
-def test_a_scale_by_a_tensor_or_of_integer_codes_is_left():
+def test_a_scale_by_a_tensor_or_of_integer_codes_or_a_constant_divided_by_the_operand_is_left():
     @I.ir_module
     class Before:
         @R.function
@@ -74,7 +115,8 @@ def test_a_scale_by_a_tensor_or_of_integer_codes_is_left():
             with R.dataflow():
                 by_tensor = R.matmul(R.multiply(q, s), R.permute_dims(q, axes=[1, 0]))
                 codes = R.matmul(R.multiply(a, R.const(2, "int8")), b, out_dtype="int32")
-                gv = (by_tensor, codes)
+                reciprocal = R.matmul(R.divide(R.const(2.0, "float32"), q), R.permute_dims(q, axes=[1, 0]))
+                gv = (by_tensor, codes, reciprocal)
                 R.output(gv)
             return gv
 
