@@ -98,6 +98,17 @@ def lraspp_logits():
     return Logits().eval()
 
 
+def seeded_torchvision_through_onnx(name: str, size: int) -> tuple:
+    """torchvision's model `name` with random weights (after torch.manual_seed(0)) through `torchvision_through_onnx`;
+    the test is skipped where torch or torchvision is missing."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    return torchvision_through_onnx(getattr(torchvision.models, name)(weights=None), size)
+
+
 def torchvision_through_onnx(model, size: int) -> tuple:
     """A torchvision module (`model`, built after torch.manual_seed(0)) exported to ONNX by the TorchScript exporter
     on a `size`x`size` image and imported: (the imported module, the image as an array, torch's output)."""

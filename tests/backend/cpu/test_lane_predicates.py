@@ -14,7 +14,7 @@ from relay_amp.compile.tuning import prepare
 from relay_amp.runtime import run_executable
 from relay_amp.tools import models
 
-from builders import torchvision_through_onnx
+from builders import seeded_torchvision_through_onnx
 from pass_checks import assert_transforms
 
 
@@ -119,10 +119,7 @@ def test_torchvisions_resnet18_stores_its_1000_logits_in_whole_vectors_and_match
     """A model the change was not made on (random weights, 64x64): its classifier's kernel computes 1008 or 1024
     channels and stores the 1000 logits, the model's output; the write-back is split, and the build matches
     PyTorch within 1e-5 of the largest logit (fp32)."""
-    torch = pytest.importorskip("torch")
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    mod, x, expected = torchvision_through_onnx(torchvision.models.resnet18(weights=None), 64)
+    mod, x, expected = seeded_torchvision_through_onnx("resnet18", 64)
     target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
     with target:
         prepared = prepare(mod, target)

@@ -18,7 +18,7 @@ from relay_amp.compile.build import build
 from relay_amp.compile.tuning import prepare
 from relay_amp.runtime import run_executable
 
-from builders import single_output_module, tensor, torchvision_through_onnx
+from builders import seeded_torchvision_through_onnx, single_output_module, tensor
 from conv_cases import max_relative_error, random_operands, reference_conv
 from pass_checks import assert_transforms
 
@@ -171,10 +171,7 @@ def test_torchvisions_resnet18_skips_its_padded_taps_and_matches_pytorch():
     """A model the change was not made on (random weights, 64x64): its 3x3 convs on the 8x8, 4x4 and 2x2 maps read
     padding with 8% to 33% of their rows' products; their kernels test their taps, the stem's, the 16x16 map's, the
     1x1 convs' and the classifier's do not, and the fp32 build matches PyTorch within 1e-5 of the largest logit."""
-    torch = pytest.importorskip("torch")
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    mod, x, expected = torchvision_through_onnx(torchvision.models.resnet18(weights=None), 64)
+    mod, x, expected = seeded_torchvision_through_onnx("resnet18", 64)
     target = relay_amp.targets.get_target(relay_amp.targets.host_preset())
     with target:
         prepared = prepare(mod, target)

@@ -12,7 +12,7 @@ from relay_amp.backend.cpu import winograd
 from relay_amp.backend.cpu.winograd import WinogradConvs
 from relay_amp.runtime import run_executable
 
-from builders import torchvision_through_onnx
+from builders import seeded_torchvision_through_onnx, torchvision_through_onnx
 from pass_checks import assert_transforms
 
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}  # FMA and AVX2, no AVX-512: any x86 host CI runs on
@@ -144,10 +144,7 @@ def test_a_built_winograd_conv_computes_what_the_direct_one_does(shape, padding,
 def test_torchvisions_resnet18_on_avx2_runs_its_3x3_convs_as_winograd_and_matches_pytorch():
     """A model nobody here wrote (random weights, 112x112: the first three stages' 3x3 convs take it, the last
     stage's 4x4 maps do not), exported by PyTorch to ONNX; fp32 within 1e-5 of PyTorch's largest output."""
-    torch = pytest.importorskip("torch")
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    mod, x, expected = torchvision_through_onnx(torchvision.models.resnet18(weights=None), 112)
+    mod, x, expected = seeded_torchvision_through_onnx("resnet18", 112)
     executable = relay_amp.build(mod, tvm.target.Target(AVX2))
     transforms = {line.split()[1] for line in executable.as_text().splitlines()
                   if line.strip().startswith("call ") and "winograd_output" in line}
