@@ -401,11 +401,11 @@ class _Ops(NamedTuple):
     select: Callable
 
 
-TIR_OPS = _Ops(T.min, T.max, T.Select)
-PYTHON_OPS = _Ops(min, max, lambda condition, then, otherwise: then if condition else otherwise)
+_TIR_OPS = _Ops(T.min, T.max, T.Select)
+_PYTHON_OPS = _Ops(min, max, lambda condition, then, otherwise: then if condition else otherwise)
 
 
-def _live_taps(spec: ConvSpec, tiles: Tiling, starts: list, ops: _Ops = TIR_OPS) -> tuple:
+def _live_taps(spec: ConvSpec, tiles: Tiling, starts: list, ops: _Ops = _TIR_OPS) -> tuple:
     """(first kernel row, kernel rows, first tap, taps) a pair of tiles starting at tile-buffer pixels `starts`
     reads: all, unless the spec names its padding (tap_skips); then those through which some pixel of the pair
     reads the image (a tap per kernel row where each is a run of its own), at least one (reading zeros)."""
@@ -440,7 +440,7 @@ def skipped_share(spec: ConvSpec) -> float:
     tiles = tiling(spec)
     starts = [int(tiles.tile_start(tile)) for tile in range(tiles.tiles_per_image)]
     pairs = [(starts[tile], starts[min(tile + 1, len(starts) - 1)]) for tile in range(0, len(starts), 2)]
-    runs = [_live_taps(spec, tiles, list(pair), PYTHON_OPS) for pair in pairs]
+    runs = [_live_taps(spec, tiles, list(pair), _PYTHON_OPS) for pair in pairs]
     return 1 - sum(rows * taps for _, rows, _, taps in runs) / (len(pairs) * spec.kernel_size[0] * tiles.taps)
 
 

@@ -17,7 +17,7 @@ from tvm import relax
 from ..._dead_code import EliminateDeadCode
 from ..._ir import get_function, read_counts, rewrite_function, tensor_dtype, tensor_shape
 from ...dtypes import MODEL_FLOAT_DTYPES
-from ...ops import bound_call, bound_value, call_op_name
+from ...ops import bound_value, call_op_name
 from .formula import scalar
 
 PASSED = ("relax.astype", "relax.permute_dims", "relax.reshape")  # ops a scale commutes with
