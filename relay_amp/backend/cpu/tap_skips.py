@@ -64,35 +64,43 @@ def annotated_spec(func: tirx.PrimFunc) -> "ConvSpec | None":
     return specs[0] if specs else None
 
 
-def _pixel_indices(func: tirx.PrimFunc, spec: ConvSpec) -> "tuple[tvm.ir.Expr, tvm.ir.Expr] | None":
+def _window_read(func: tirx.PrimFunc, spec: ConvSpec) -> "tuple[tvm.ir.Expr, tvm.ir.Expr, list] | None":
     """The padded input row and column the accumulating block reads (a reducing block's read of a buffer shaped as
-    the kernel's input), in terms of the loop variables; None unless one block reads one."""
+    the kernel's input), in terms of the loop variables, and the loop variables its reduction axes are bound to;
+    None unless one block reads one."""
     found = []
 
     def visit(realize: s_tir.SBlockRealize) -> None:
         block = realize.block
-        if not any(iter_var.iter_type == tirx.IterVar.CommReduce for iter_var in block.iter_vars):
+        reduced = [value for iter_var, value in zip(block.iter_vars, realize.iter_values)
+                   if iter_var.iter_type == tirx.IterVar.CommReduce]
+        if not reduced:
             return
         binding = list(zip(block.iter_vars, realize.iter_values))
 
         def bound(var: tirx.Var) -> tvm.ir.Expr:
             return next((value for iter_var, value in binding if iter_var.var.same_as(var)), var)
 
-        found.extend(tuple(tvm_ffi.structural_map(region.region[axis].min, [(tirx.Var, bound)]) for axis in (1, 2))
+        reduction_vars = [var for value in reduced for var in tirx.analysis.undefined_vars(value)]
+        found.extend((*(tvm_ffi.structural_map(region.region[axis].min, [(tirx.Var, bound)]) for axis in (1, 2)),
+                      reduction_vars)
                      for region in block.reads if tuple(int(d) for d in region.source.shape) == spec.input_shape)
 
     tvm_ffi.structural_walk(func.body, [(s_tir.SBlockRealize, visit)])
     return found[0] if len(found) == 1 else None
 
 
-def _tested_tap_loop(func: tirx.PrimFunc, row: tvm.ir.Expr, col: tvm.ir.Expr) -> "tirx.Var | None":
-    """The variable of the loop whose body the test wraps: the innermost serial loop the read's row or column
-    changes with (the kernel's loop over a kernel row's taps; its register tile's pixels are unrolled inside)."""
+def _tested_tap_loop(func: tirx.PrimFunc, row: tvm.ir.Expr, col: tvm.ir.Expr, reduction_vars: list
+                     ) -> "tirx.Var | None":
+    """The variable of the loop whose body the test wraps: the innermost serial loop of a reduction axis that the
+    read's row or column changes with (the kernel's loop over a kernel row's taps; the accumulators' zeroing lies
+    outside every reduction loop, and the register tile's pixels are unrolled inside)."""
     read_vars = [*tirx.analysis.undefined_vars(row), *tirx.analysis.undefined_vars(col)]
     loops = []
 
     def visit(loop: tirx.For) -> None:
-        if loop.kind == tirx.ForKind.SERIAL and any(loop.loop_var.same_as(var) for var in read_vars):
+        if loop.kind == tirx.ForKind.SERIAL and all(any(loop.loop_var.same_as(var) for var in variables)
+                                                    for variables in (read_vars, reduction_vars)):
             loops.append(loop.loop_var)
 
     tvm_ffi.structural_walk(func.body, [(tirx.For, visit)], order="post")
@@ -131,10 +139,11 @@ def SkipPaddedTaps(func: tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tirx.PrimFu
     spec = annotated_spec(func)
     if spec is None or not any(spec.padding):
         return func
-    pixel = _pixel_indices(func, spec)
-    tap_loop = None if pixel is None else _tested_tap_loop(func, *pixel)
+    read = _window_read(func, spec)
+    tap_loop = None if read is None else _tested_tap_loop(func, *read)
     if tap_loop is None:
         return func
+    pixel = read[:2]
 
     def wrap(loop: tirx.For) -> tirx.Stmt:
         if not loop.loop_var.same_as(tap_loop):

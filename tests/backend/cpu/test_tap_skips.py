@@ -69,6 +69,15 @@ def test_each_tap_is_tested_for_a_pixel_of_the_image_in_the_tile():
                       tvm.IRModule({"main": _register_tiles_skipping}))
 
 
+def test_the_test_wraps_a_reduction_loop_not_a_serial_pixel_loop_inside_it():
+    """The tile's pixels in a serial loop (a schedule that does not unroll them): the test still wraps the tap
+    loop's body, over both pixels."""
+    def serial(func):
+        return tvm.IRModule({"main": tvm.script.from_source(func.script().replace("T.unroll(2)", "range(2)"))})
+
+    assert_transforms(tap_skips.SkipPaddedTaps, serial(_register_tiles), serial(_register_tiles_skipping))
+
+
 def test_a_kernel_without_padding_is_left():
     unpadded = kernels.spec_json(kernels.ConvSpec((1, 6, 6, 16), (3, 3), 16, data_dtype="float32",
                                                   dilation=(2, 2)))
