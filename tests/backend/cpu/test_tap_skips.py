@@ -176,6 +176,30 @@ def test_kernels_skipping_taps_give_the_same_sums(case):
     assert max_relative_error(outs[0], expected) < 1e-5
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_tuning_candidates_sampled_tile_skips_taps_too(seed):
+    """MetaSchedule's candidates (a sampled register tile, its copies left to LLVM) get the test from the passes
+    every candidate gets, and sum as the untuned kernel does."""
+    spec = dataclasses.replace(CASES["fp32_rate_3"][0], padding=(3, 3, 3, 3))
+    sch = tvm.s_tir.Schedule(kernels.conv2d_nhwc_compute(spec), seed=seed)
+    kernels.schedule_kernel(sch, sch.get_sblock("acc"), tunable=True)
+    target = targets.get_target("cpu-avx512-bf16")
+    candidate = candidate_passes(target)(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}))
+    assert _tests_taps(candidate["main"])
+    if not targets.host_supports("avx512f"):
+        pytest.skip("host CPU lacks avx512f: the code is checked, not run")
+    data, weight = random_operands(spec, np.random.default_rng(0))
+    data[:, :3] = data[:, -3:] = data[:, :, :3] = data[:, :, -3:] = 0
+    packed = kernels.pack_weight(weight, "OIHW", spec.dot)
+    outs = []
+    for lib in (tvm.compile(candidate, target=target, tir_pipeline="relay_amp_cpu"), _compiled(spec)[1]):
+        args = [tvm.runtime.tensor(data), tvm.runtime.tensor(packed),
+                tvm.runtime.empty(spec.out_shape, "float32", tvm.cpu())]
+        lib["main"](*args)
+        outs.append(args[-1].numpy())
+    assert max_relative_error(outs[0], outs[1].astype("float64")) < 1e-6  # tiles sum in other orders
+
+
 def test_torchvisions_resnet18_skips_its_padded_taps_and_matches_pytorch():
     """A model the change was not made on (random weights, 64x64): its 3x3 convs on the 8x8, 4x4 and 2x2 maps read
     padding with 8% to 33% of their rows' products; their kernels test their taps, the stem's, the 16x16 map's, the
