@@ -740,8 +740,7 @@ def pixels_outermost(spec: ConvSpec) -> bool:
     in cache whatever its size beside the data: the pixels go outermost, and each thread stores whole rows, as the
     softmax or the matmul that reads them takes them (ViT-S/16 in bf16 on AMX, scores split by columns between the
     threads: its softmaxes took 1.3x their fp32 time, the kernels 4% more)."""
-    weight = spec.out_channels * math.prod(spec.kernel_size) * spec.depth
-    weight_bytes = weight * tvm.DataType(spec.dot.b_dtype).itemsize
+    weight_bytes = _weight_column_bytes(spec) * (spec.out_channels // LANES)
     if spec.weight_batch:
         return weight_bytes <= CACHE_BYTES
     return weight_bytes <= min(CACHE_BYTES, math.prod(spec.data_shape) * tvm.DataType(spec.data_dtype).itemsize)
