@@ -22,7 +22,7 @@ from ...errors import DTypeError
 from ...targets import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA
 from . import kernels
 from .kernels import LANES, ConvSpec, Epilogue
-from .schedules import largest_divisor
+from .schedules import CACHE_BYTES, largest_divisor
 
 TILE_BYTES = 64  # bytes in one row of a tile
 MAX_TILE_ROWS = 16
@@ -30,7 +30,7 @@ MIN_TILE_ROWS = 4  # below this a tile wastes most of each tdp instruction: the 
 FLAT_GAIN = 1.25  # flat tiling (an extra pad) where it fills tiles this many times better than rows
 PANELS = 2  # output-channel panels of 16 per call
 FUSABLE_ATTR = "relay_amp.amx_spec"  # on an AMX kernel without an epilogue: its ConvSpec as JSON
-PARALLEL_ITEMS = 32  # parallel work items a kernel aims for: a few per thread, for balance
+PARALLEL_ITEMS = 32  # parallel workers a kernel aims for: a few per thread, each configuring the tiles once
 READ_WRITE = 3  # tvm_access_ptr's access mask: read (1) and write (2)
 
 
@@ -307,16 +307,11 @@ def conv2d_nhwc(spec: ConvSpec, epilogue: Epilogue = Epilogue()) -> tvm.tirx.Pri
                                 spec, epilogue, FUSABLE_ATTR)
 
 
-def _chunks(pairs: int, panels: int) -> int:
-    """How many runs of consecutive tile pairs each 32-channel panel is cut into: enough parallel items for the
-    threads, and runs long enough to configure the tiles once for many blocks."""
-    return max(1, min(pairs, -(-PARALLEL_ITEMS // panels)))
-
-
 def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilogue,
             out_shape: tuple) -> tvm.tirx.PrimFunc:
-    """The PrimFunc: a parallel loop over (32 output channels, run of pixel-tile pairs); per pair one LLVM call
-    into a scratch accumulator, then the epilogue stores its pixels. With a weight per image (`weight_batch`) the
+    """The PrimFunc: a parallel loop over workers, each a run of units (32 output channels x a pair of pixel tiles,
+    see `_unit_panel_and_pair`); per unit one LLVM call into a scratch accumulator, then the epilogue stores its
+    pixels. With a weight per image (`weight_batch`) the
     two tiles of a pair come from one image.
 
     Tile t of an image starts at pixel t x tile_rows of the tile buffer flattened (row tiling: rows tile the
@@ -330,9 +325,9 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     sharing = tiles.tiles_per_image if spec.weight_batch else positions  # pixel tiles that read one weight
     pairs_per_weight = (sharing + 1) // 2  # a pair shares its weight: an odd count repeats its last tile
     pairs = positions // sharing * pairs_per_weight
-    per_chunk = -(-pairs // _chunks(pairs, panels))
-    chunks = -(-pairs // per_chunk)
-    pixels_first = kernels.pixels_outermost(spec)
+    units = panels * pairs
+    workers = min(units, PARALLEL_ITEMS)
+    pixels_first = pixels_outermost(spec)
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
             T.func_name("main")
@@ -345,19 +340,19 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             operands = [T.arg(f"operand{i}", T.Buffer(*epilogue.operand_buffer(step, out_shape)))
                         for i, step in enumerate(epilogue.operand_steps)]
             out = T.arg("out", T.Buffer(out_shape, epilogue.out_dtype or product.acc_dtype))
-            with T.parallel(0, panels * chunks) as item:
+            with T.parallel(0, workers) as worker:
                 with T.sblock("amx_block"):
                     T.reads([buffer[tuple(slice(0, d) for d in buffer.shape)] for buffer in (data, packed, *operands)])
                     T.writes(out[tuple(slice(0, d) for d in out_shape)])
                     acc = T.alloc_buffer((2, rows, block), product.acc_dtype)
-                    panel, start = _item_panel_and_start(item, panels, chunks, per_chunk, pixels_first)
-                    channel, stored_from = _panel_channel(panel, group_width)
-                    first_input = channel // group_width * spec.depth  # the group's first input channel
                     T.evaluate(T.call_extern("int32", f"{product.symbol}_config", T.int64(rows),
                                              T.int64(tiles.step_bytes)))
-                    with T.serial(0, T.min(per_chunk, pairs - start)) as step:
-                        weight = (start + step) // pairs_per_weight
-                        first = weight * sharing + (start + step) % pairs_per_weight * 2
+                    with T.serial(worker * units // workers, (worker + 1) * units // workers) as unit:
+                        panel, pair = _unit_panel_and_pair(unit, panels, pairs, pixels_first)
+                        channel, stored_from = _panel_channel(panel, group_width)
+                        first_input = channel // group_width * spec.depth  # the group's first input channel
+                        weight = pair // pairs_per_weight
+                        first = weight * sharing + pair % pairs_per_weight * 2
                         pixels = [(p // tiles.tiles_per_image, tiles.tile_start(p % tiles.tiles_per_image))
                                   for p in (first, T.min(first + 1, weight * sharing + sharing - 1))]
                         first_row, rows_run, first_tap, taps_run = _live_taps(spec, tiles, [p for _, p in pixels])
@@ -374,12 +369,22 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     return builder.get()
 
 
-def _item_panel_and_start(item, panels: int, chunks: int, per_chunk: int, pixels_first: bool) -> tuple:
-    """The weight panel and first tile pair of parallel item `item`: consecutive items take one run of pixels
-    through every panel where `kernels.pixels_outermost` says so, else one panel through every run."""
+def pixels_outermost(spec: ConvSpec) -> bool:
+    """Whether the AMX kernel's workers take pixel tiles outermost: as `kernels.pixels_outermost` says, and also
+    wherever the packed weight fits CACHE_BYTES. Tiles multiply so fast that what bounds a small layer is where
+    its operands are: split by output channels, each thread reads every pixel, half of them written by the other
+    core (7x7x160 -> 960 -> 160 in bf16, weights in L2: 43.5 us by channels, 22.9 by pixels on two threads, 32 on
+    one); split by pixels, each reads the whole weight, from its own L2 once it is there."""
+    return kernels.pixels_outermost(spec) or kernels.packed_weight_bytes(spec) <= CACHE_BYTES
+
+
+def _unit_panel_and_pair(unit, panels: int, pairs: int, pixels_first: bool) -> tuple:
+    """The weight panel and the pair of pixel tiles of work unit `unit`: consecutive units take one pair through
+    every panel where `pixels_first`, else one panel through every pair. Each worker takes a run of consecutive
+    units, as many as the next one (+-1), and configures the tiles once for them."""
     if pixels_first:
-        return item % panels, item // panels * per_chunk
-    return item // chunks, item % chunks * per_chunk
+        return unit % panels, unit // panels
+    return unit // pairs, unit % pairs
 
 
 def _block_call(spec: ConvSpec, product: AmxProduct, tiles: Tiling, acc, first_inputs: list, weight_panel,

@@ -731,6 +731,11 @@ def _weight_column_bytes(spec: ConvSpec) -> int:
     return math.prod(spec.kernel_size) * spec.depth * LANES * tvm.DataType(spec.dot.b_dtype).itemsize
 
 
+def packed_weight_bytes(spec: ConvSpec) -> int:
+    """The bytes of `spec`'s packed weight (one image's, where it has one per image)."""
+    return _weight_column_bytes(spec) * (spec.out_channels // LANES)
+
+
 def pixels_outermost(spec: ConvSpec) -> bool:
     """Whether a kernel's parallel tiles take pixels outermost: where the packed weight is no larger than the data
     and fits in CACHE_BYTES, each thread streams its pixels once, in whole pixel rows of data, residual and output,
@@ -740,7 +745,7 @@ def pixels_outermost(spec: ConvSpec) -> bool:
     in cache whatever its size beside the data: the pixels go outermost, and each thread stores whole rows, as the
     softmax or the matmul that reads them takes them (ViT-S/16 in bf16 on AMX, scores split by columns between the
     threads: its softmaxes took 1.3x their fp32 time, the kernels 4% more)."""
-    weight_bytes = _weight_column_bytes(spec) * (spec.out_channels // LANES)
+    weight_bytes = packed_weight_bytes(spec)
     if spec.weight_batch:
         return weight_bytes <= CACHE_BYTES
     return weight_bytes <= min(CACHE_BYTES, math.prod(spec.data_shape) * tvm.DataType(spec.data_dtype).itemsize)

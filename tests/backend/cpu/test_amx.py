@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 
 import relay_amp
@@ -40,6 +41,8 @@ CASES = {
                                                dilation=(3, 1)),  # taps together along a row, rows 3 apart
     "bf16_atrous_strided_grouped": kernels.ConvSpec((1, 19, 19, 64), (3, 3), 64, (2, 2), groups=2,
                                                     dilation=(2, 2)),
+    "bf16_matmul_57_units": kernels.ConvSpec((1, 1, 600, 64), (1, 1), 96),  # 19 pairs x 3 panels on 32 workers
+    "bf16_matmul_weight_past_the_cache": kernels.ConvSpec((1, 1, 100, 1024), (1, 1), 288),  # 590 KB, by panels
 }
 
 
@@ -66,8 +69,56 @@ def test_kernel_uses_tiles_and_matches_numpy(case):
 
 
 def test_the_cases_take_both_parallel_orders():
-    """Runs of pixel tiles through every panel (a weight no larger than the data) and panels through every run."""
-    assert {kernels.pixels_outermost(spec) for spec in CASES.values()} == {True, False}
+    """Runs of pixel tiles through every panel (a weight in cache) and panels through every run."""
+    assert {amx.pixels_outermost(spec) for spec in CASES.values()} == {True, False}
+
+
+def test_a_weight_in_cache_larger_than_the_data_takes_pixels_outermost():
+    """MobileNetV2's 7x7x160 -> 960 (a 307 KB weight, 16 KB of data): by pixels on AMX, where the dot-product
+    kernels split it by panels; a weight past CACHE_BYTES stays split by panels."""
+    expansion = kernels.ConvSpec((1, 7, 7, 160), (1, 1), 960)
+    assert amx.pixels_outermost(expansion) and not kernels.pixels_outermost(expansion)
+    assert not amx.pixels_outermost(CASES["bf16_matmul_weight_past_the_cache"])
+
+
+@pytest.mark.parametrize("pixels_first", [True, False])
+def test_workers_take_even_runs_of_units_each_unit_once(pixels_first):
+    """7 pairs x 12 panels (ViT-S/16's projection) on 32 workers: every (panel, pair) once, each worker 2 or 3
+    units; by pixels the first half of the workers (one of two threads) takes pairs 0-3 and the second 3-6."""
+    pairs, panels, workers = 7, 12, 32
+    runs = [[amx._unit_panel_and_pair(unit, panels, pairs, pixels_first)
+             for unit in range(worker * pairs * panels // workers, (worker + 1) * pairs * panels // workers)]
+            for worker in range(workers)]
+    assert sorted(unit for run in runs for unit in run) == [(panel, pair) for panel in range(panels)
+                                                            for pair in range(pairs)]
+    assert {len(run) for run in runs} == {2, 3}
+    if pixels_first:
+        halves = [{pair for run in runs[half * 16:(half + 1) * 16] for _, pair in run} for half in range(2)]
+        assert halves == [{0, 1, 2, 3}, {3, 4, 5, 6}]
+
+
+def test_the_kernel_configures_the_tiles_once_a_worker():
+    """57 units on 32 parallel workers: each configures the tiles, runs its units (block calls alone), releases."""
+    func = amx.conv2d_nhwc(CASES["bf16_matmul_57_units"])
+    parallel = [loop for loop in _nodes(func.body, tvm.tirx.For) if loop.kind == tvm.tirx.ForKind.PARALLEL]
+    assert [int(loop.extent) for loop in parallel] == [amx.PARALLEL_ITEMS]
+    units = [loop for loop in _nodes(parallel[0].body, tvm.tirx.For) if not isinstance(loop.min, tvm.tirx.IntImm)]
+    assert len(units) == 1  # from worker x 57 // 32 on
+    assert _externs(parallel[0].body) - _externs(units[0].body) == {"relay_amp_amx_tdpbf16ps_config",
+                                                                     "relay_amp_amx_tdpbf16ps_release"}
+    assert _externs(units[0].body) == {"relay_amp_amx_tdpbf16ps"}
+
+
+def _nodes(root, node_type) -> list:
+    """The nodes of type `node_type` under `root`."""
+    found = []
+    tvm_ffi.structural_walk(root, [(node_type, found.append)])
+    return found
+
+
+def _externs(root) -> set:
+    """The names of the external functions called under `root`."""
+    return {str(call.args[0].value) for call in _nodes(root, tvm.ir.Call) if call.op.name == "tirx.call_extern"}
 
 
 def test_an_overlapping_last_panel_stores_its_own_channels_through_the_epilogue():
