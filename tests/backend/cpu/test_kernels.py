@@ -271,6 +271,16 @@ def test_pixel_tiles_go_outermost_when_the_weight_fits_in_cache_and_is_no_larger
     assert kernels.pixels_outermost(CASES["fp32_matmul_pixels_first"][0])
 
 
+def test_the_packed_weight_bytes_count_one_images_weight_in_its_packed_dtype():
+    """A bf16 7x7x160 -> 960 conv: 160 x 960 x 2 bytes; an int8 3x3 conv's weight one byte a value; attention's
+    keys one head's."""
+    assert kernels.packed_weight_bytes(kernels.ConvSpec((1, 7, 7, 160), (1, 1), 960, data_dtype="bfloat16")) == 307200
+    assert kernels.packed_weight_bytes(kernels.ConvSpec((1, 9, 9, 30), (3, 3), 64, data_dtype="int8",
+                                                        out_dtype="int32")) == 3 * 3 * 30 * 64
+    assert kernels.packed_weight_bytes(kernels.ConvSpec((6, 197, 1, 64), (1, 1), 208, data_dtype="bfloat16",
+                                                        weight_batch=6)) == 64 * 208 * 2
+
+
 def test_packing_does_not_depend_on_the_source_layout():
     weight = np.arange(32 * 8 * 3 * 3, dtype="float32").reshape(32, 8, 3, 3)
     from_oihw = kernels.pack_weight(weight, "OIHW", kernels.BF16_DOT)
