@@ -311,8 +311,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
             out_shape: tuple) -> tvm.tirx.PrimFunc:
     """The PrimFunc: a parallel loop over workers, each a run of units (32 output channels x a pair of pixel tiles,
     see `_unit_panel_and_pair`); per unit one LLVM call into a scratch accumulator, then the epilogue stores its
-    pixels. With a weight per image (`weight_batch`) the
-    two tiles of a pair come from one image.
+    pixels. With a weight per image (`weight_batch`) the two tiles of a pair come from one image.
 
     Tile t of an image starts at pixel t x tile_rows of the tile buffer flattened (row tiling: rows tile the
     output's width exactly; flat tiling: the tile buffer is as wide as the input, and pixels past the output's
@@ -370,12 +369,13 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
 
 
 def pixels_outermost(spec: ConvSpec) -> bool:
-    """Whether the AMX kernel's workers take pixel tiles outermost: as `kernels.pixels_outermost` says, and also
-    wherever the packed weight fits CACHE_BYTES. Tiles multiply so fast that what bounds a small layer is where
-    its operands are: split by output channels, each thread reads every pixel, half of them written by the other
-    core (7x7x160 -> 960 -> 160 in bf16, weights in L2: 43.5 us by channels, 22.9 by pixels on two threads, 32 on
-    one); split by pixels, each reads the whole weight, from its own L2 once it is there."""
-    return kernels.pixels_outermost(spec) or kernels.packed_weight_bytes(spec) <= CACHE_BYTES
+    """Whether the AMX kernel's workers take pixel tiles outermost: wherever the packed weight fits CACHE_BYTES,
+    larger than the data or not (`kernels.pixels_outermost`, for the dot-product kernels, also asks that). Tiles
+    multiply so fast that where its operands lie bounds a small layer: split by output channels, each thread reads
+    every pixel, half of them written by the other core (7x7x160 -> 960 -> 160 in bf16, weights in L2: 43.5 us by
+    channels, 22.9 by pixels on two threads, 32 on one); split by pixels, each reads the whole weight, from its own
+    L2 once it is there."""
+    return kernels.packed_weight_bytes(spec) <= CACHE_BYTES
 
 
 def _unit_panel_and_pair(unit, panels: int, pairs: int, pixels_first: bool) -> tuple:

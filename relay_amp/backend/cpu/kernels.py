@@ -737,14 +737,15 @@ def packed_weight_bytes(spec: ConvSpec) -> int:
 
 
 def pixels_outermost(spec: ConvSpec) -> bool:
-    """Whether a kernel's parallel tiles take pixels outermost: where the packed weight is no larger than the data
-    and fits in CACHE_BYTES, each thread streams its pixels once, in whole pixel rows of data, residual and output,
-    and reads the weight from L2. Otherwise output-channel panels go outermost, so each thread streams only its
-    share of the weight, which is then the larger read: a layer's weight arrives from memory, not from cache, at
-    every inference. A weight per image (attention's keys and values, computed just before) fitting CACHE_BYTES is
-    in cache whatever its size beside the data: the pixels go outermost, and each thread stores whole rows, as the
-    softmax or the matmul that reads them takes them (ViT-S/16 in bf16 on AMX, scores split by columns between the
-    threads: its softmaxes took 1.3x their fp32 time, the kernels 4% more)."""
+    """Whether a dot-product kernel's parallel tiles take pixels outermost (the AMX kernel's: `amx.pixels_outermost`):
+    where the packed weight is no larger than the data and fits in CACHE_BYTES, each thread streams its pixels once,
+    in whole pixel rows of data, residual and output, and reads the weight from L2. Otherwise output-channel panels
+    go outermost, so each thread streams only its share of the weight, which is then the larger read: a layer's
+    weight arrives from memory, not from cache, at every inference. A weight per image (attention's keys and values,
+    computed just before) fitting CACHE_BYTES is in cache whatever its size beside the data: the pixels go
+    outermost, and each thread stores whole rows, as the softmax or the matmul that reads them takes them (ViT-S/16
+    in bf16 on AMX, scores split by columns between the threads: its softmaxes took 1.3x their fp32 time, the
+    kernels 4% more)."""
     weight_bytes = packed_weight_bytes(spec)
     if spec.weight_batch:
         return weight_bytes <= CACHE_BYTES
