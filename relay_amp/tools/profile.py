@@ -40,7 +40,9 @@ from .peers import rotating_medians
 # casts, a backend's padding and the slices that trim it, and reshapes (free views that fusion puts on either side
 # of a function) join the ops
 DROPPED_TOKENS = frozenset({"fused", "astype", "cast", "pad", "strided", "slice", "reshape", ""})
-ALONE = (("slice", "strided_slice"), ("pad", "pad"), ("reshape", "reshape"))  # a function of those only
+# a function of those only: one that pads is a pad, whatever it trims first (RegNetY's bf16 crops its channel-padded
+# results and pads them for the grouped conv in one function, where its fp32 pads alone)
+ALONE = (("pad", "pad"), ("slice", "strided_slice"), ("reshape", "reshape"))
 KEEP_GOING = 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 WHOLE_RUN = "whole run, no hook"  # the group of `main` timed as a whole on a VM without the hook
 WHOLE_RUN_BLOCK = 3  # runs per block of the whole-run timing
