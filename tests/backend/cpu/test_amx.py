@@ -41,7 +41,7 @@ CASES = {
                                                dilation=(3, 1)),  # taps together along a row, rows 3 apart
     "bf16_atrous_strided_grouped": kernels.ConvSpec((1, 19, 19, 64), (3, 3), 64, (2, 2), groups=2,
                                                     dilation=(2, 2)),
-    "bf16_matmul_57_units": kernels.ConvSpec((1, 1, 600, 64), (1, 1), 96),  # 19 pairs x 3 panels on 32 workers
+    "bf16_matmul_57_units": kernels.ConvSpec((1, 1, 608, 64), (1, 1), 96),  # 19 pairs x 3 panels on 32 workers
     "bf16_matmul_weight_past_the_cache": kernels.ConvSpec((1, 1, 100, 1024), (1, 1), 288),  # 590 KB, by panels
 }
 
@@ -98,7 +98,8 @@ def test_workers_take_even_runs_of_units_each_unit_once(pixels_first):
 
 
 def test_the_kernel_configures_the_tiles_once_a_worker():
-    """57 units on 32 parallel workers: each configures the tiles, runs its units (block calls alone), releases."""
+    """57 units on 32 parallel workers (no target names the cores): each configures the tiles, runs its units
+    (block calls alone), releases."""
     func = amx.conv2d_nhwc(CASES["bf16_matmul_57_units"])
     parallel = [loop for loop in _nodes(func.body, tvm.tirx.For) if loop.kind == tvm.tirx.ForKind.PARALLEL]
     assert [int(loop.extent) for loop in parallel] == [amx.PARALLEL_ITEMS]
@@ -107,6 +108,15 @@ def test_the_kernel_configures_the_tiles_once_a_worker():
     assert _externs(parallel[0].body) - _externs(units[0].body) == {"relay_amp_amx_tdpbf16ps_config",
                                                                      "relay_amp_amx_tdpbf16ps_release"}
     assert _externs(units[0].body) == {"relay_amp_amx_tdpbf16ps"}
+
+
+@pytest.mark.parametrize("cores, workers", [(2, 2), (8, 8), (64, 57)])
+def test_the_kernel_runs_one_worker_a_core_of_its_target(cores, workers):
+    """Built for a target of `cores` cores, a kernel of 57 units runs as many workers (at most one a unit)."""
+    with tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": cores}):
+        func = amx.conv2d_nhwc(CASES["bf16_matmul_57_units"])
+    parallel = [loop for loop in _nodes(func.body, tvm.tirx.For) if loop.kind == tvm.tirx.ForKind.PARALLEL]
+    assert [int(loop.extent) for loop in parallel] == [workers]
 
 
 def _nodes(root, node_type) -> list:
