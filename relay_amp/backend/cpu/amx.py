@@ -325,7 +325,7 @@ def _kernel(spec: ConvSpec, product: AmxProduct, tiles: Tiling, epilogue: Epilog
     pairs_per_weight = (sharing + 1) // 2  # a pair shares its weight: an odd count repeats its last tile
     pairs = positions // sharing * pairs_per_weight
     units = panels * pairs
-    workers = min(units, _cores())
+    workers = min(units, _worker_count())
     pixels_first = pixels_outermost(spec)
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
@@ -378,11 +378,11 @@ def pixels_outermost(spec: ConvSpec) -> bool:
     return kernels.packed_weight_bytes(spec) <= CACHE_BYTES
 
 
-def _cores() -> int:
-    """The parallel workers of a kernel: one per core of the target it is built for (its `num-cores`, the threads
+def _worker_count() -> int:
+    """The parallel workers a kernel wants: one per core of the target it is built for (its `num-cores`, the threads
     relay_amp sizes TVM's pool to), else PARALLEL_ITEMS. A worker is a run of units; fewer, longer runs were faster:
     whole runs of BERT in bf16 7.62 ms on 32 workers, 7.08 on 8, 6.68 on 2 (this 2-core host; RegNetY-400MF 1.59,
-    1.48, 1.44; MobileNetV2 1.06, 1.02, 1.00), where a tile configuration costs ~90 ns."""
+    1.48, 1.44; MobileNetV2 1.06, 1.02, 1.00), more than the ~90 ns a tile configuration costs accounts for."""
     target = tvm.target.Target.current(allow_none=True)
     cores = int(target.attrs.get("num-cores", 0)) if target is not None else 0
     return cores if cores > 0 else PARALLEL_ITEMS
