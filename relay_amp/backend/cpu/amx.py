@@ -20,7 +20,7 @@ from tvm.script.ir_builder import tirx as T
 
 from ...errors import DTypeError
 from ...targets import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA
-from . import kernels
+from . import cores, kernels
 from .kernels import LANES, ConvSpec, Epilogue
 from .schedules import CACHE_BYTES, largest_divisor
 
@@ -383,9 +383,7 @@ def _worker_count() -> int:
     relay_amp sizes TVM's pool to), else PARALLEL_ITEMS. A worker is a run of units; fewer, longer runs were faster:
     whole runs of BERT in bf16 7.62 ms on 32 workers, 7.08 on 8, 6.68 on 2 (this 2-core host; RegNetY-400MF 1.59,
     1.48, 1.44; MobileNetV2 1.06, 1.02, 1.00), more than the ~90 ns a tile configuration costs accounts for."""
-    target = tvm.target.Target.current(allow_none=True)
-    cores = int(target.attrs.get("num-cores", 0)) if target is not None else 0
-    return cores if cores > 0 else PARALLEL_ITEMS
+    return cores.target_cores() or PARALLEL_ITEMS
 
 
 def _unit_panel_and_pair(unit, panels: int, pairs: int, pixels_first: bool) -> tuple:

@@ -28,3 +28,10 @@ def slow_dtypes(target: tvm.target.Target) -> frozenset[str]:
 def splits_avx512(target: tvm.target.Target) -> bool:
     """Whether the core `target` builds for computes each AVX-512 FMA in two 256-bit halves (Zen 4)."""
     return target_core(target) in HALF_WIDTH_AVX512
+
+
+def target_cores(target: "tvm.target.Target | None" = None) -> int:
+    """The cores `target` (else the target a build has set current) is built for: its `num-cores`, the threads
+    relay_amp sizes TVM's pool to; 0 where it names none."""
+    target = target or tvm.target.Target.current(allow_none=True)
+    return int(target.attrs.get("num-cores", 0)) if target is not None else 0

@@ -28,6 +28,15 @@ def test_a_target_names_its_core_by_model_else_by_mcpu():
     assert cores.target_core(tvm.target.Target("llvm")) == ""
 
 
+def test_a_targets_cores_are_its_num_cores_given_or_current_else_none():
+    four = tvm.target.Target({"kind": "llvm", "num-cores": 4})
+    assert cores.target_cores(four) == 4
+    assert cores.target_cores(tvm.target.Target("llvm")) == 0
+    with four:
+        assert cores.target_cores() == 4
+    assert cores.target_cores() == 0
+
+
 @pytest.mark.parametrize("target, slow", [(_llvm(targets.BF16_CPU, "emeraldrapids"), {BF16}),
                                           (_llvm("sapphirerapids"), {BF16}),
                                           (_llvm(targets.BF16_CPU, "znver4"), set()),
