@@ -69,8 +69,8 @@ NOT_MONOTONE = frozenset(("relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh"
 MAX_POOLS = frozenset(f"relax.nn.max_pool{rank}d" for rank in (1, 2, 3))
 RESIZE = "relax.image.resize2d"  # nearest-neighbour: each output a copy of one input value
 PAD = "relax.nn.pad"
-ROUNDING_COMMUTES = ("relax.nn.relu", PAD)  # a narrowing float cast before them rounds to the same values (a pad's
-# where its value is exact in the narrow dtype)
+ROUNDING_COMMUTES = ("relax.nn.relu", PAD)  # a narrowing cast before them gives the same values (a pad's where its
+# value is exact in the narrow dtype)
 CODE_DTYPES = ("int8", "uint8")  # a float cast to these holds quantize's codes
 
 
@@ -216,8 +216,8 @@ class _Hoister(relax.PyExprMutator):
         return name != CONCAT and self._crosses(value, call, index)  # a concat's parts: _over_concat
 
     def _crosses(self, move: relax.Expr, call: relax.Call, index: int) -> bool:
-        """Whether `call` commutes with the move `move` (a concat: applied to each part); a narrowing float cast with
-        a ReLU and a constant pad too (`_rounds_alike`)."""
+        """Whether `call` commutes with the move `move` (a concat: applied to each part); a narrowing cast with a
+        ReLU and a constant pad too (`_rounds_alike`)."""
         name = call_op_name(move)
         return (name in (*MOVES, SLICE, CONCAT) or nearest_resize(move) or (name in MAX_POOLS and _monotone(call, index))
                 or _rounds_alike(move, call))
