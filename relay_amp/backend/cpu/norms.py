@@ -12,12 +12,14 @@ variance's digits where the mean dwarfs the deviations; the squared deviations f
 spelling) keep them but take a second pass after the mean; deviations from a value of the channel keep them in
 one. One small function of their own (`_group_affine`, unscheduled and opaque to fusion) turns the C pairs of sums
 into each group's mean and variance (its channels' own spread plus their means' spread about the group's mean) and
-each channel's scale and shift. BiT-R50 in bf16 on a 2-core Sapphire Rapids: 0.93x the time of the two passes, the
-per-group sums, divides and broadcasts that were functions of their own (fp32 0.975x; PoolFormer-S12 0.97x).
+each channel's scale and shift. Against the two passes and the per-group sums, divides and broadcasts that were
+functions of their own, on a 2-core Sapphire Rapids: BiT-R50 bf16 and int8q 0.92-0.93x the time (fp32 0.98-1.01x,
+where the kernels' time dominates), PoolFormer-S12 0.96-0.99x, wav2vec2 int8q 0.94x.
 
 A group norm of a bf16 tensor widened to fp32 (AMP keeps group norms fp32: BiT's and ResNetV2's norms) sums the
-bf16 tensor, widening it as the sums read it, and only the multiply-add reads it through the cast. A norm of a bf16 conv's or matmul's fp32 result (AMP gives an fp32 op the accumulators unrounded) reads it
-rounded to bf16 the same way, as PyTorch's autocast stores it: the kernel stored fp32 for the norm's passes.
+bf16 tensor, widening it as the sums read it, and only the multiply-add reads it through the cast. A norm of a
+bf16 conv's or matmul's fp32 result (AMP gives an fp32 op the accumulators unrounded) reads it rounded to bf16 the
+same way, as PyTorch's autocast stores it: the kernel stored fp32 for the norm's passes.
 """
 
 import functools

@@ -1,4 +1,5 @@
-"""norms: a channels-last group norm as per-channel sums, per-group sums and one multiply-add per element."""
+"""norms: a channels-last group norm as one pass of per-channel sums, a function of its scale and shift, and one
+multiply-add per element."""
 
 import ml_dtypes
 import numpy as np
@@ -60,9 +61,9 @@ def test_a_channels_last_group_norm_takes_its_sums_in_one_pass_and_its_scale_and
 
         @T.prim_func(private=True, s_tir=True)
         def scale_and_shift(sums: T.Buffer((1, 8), "float32"), squares: T.Buffer((1, 8), "float32"),
-                              values: T.Buffer((1, 2, 2, 8), "float32"), gamma: T.Buffer((8,), "float32"),
-                              beta: T.Buffer((8,), "float32"), scale: T.Buffer((1, 1, 1, 8), "float32"),
-                              shift: T.Buffer((1, 1, 1, 8), "float32")):
+                            values: T.Buffer((1, 2, 2, 8), "float32"), gamma: T.Buffer((8,), "float32"),
+                            beta: T.Buffer((8,), "float32"), scale: T.Buffer((1, 1, 1, 8), "float32"),
+                            shift: T.Buffer((1, 1, 1, 8), "float32")):
             T.func_attr({"op_pattern": 8, "tirx.is_scheduled": True, "tirx.noalias": True})
             channel_mean = T.sblock_alloc_buffer((1, 8))
             group_mean = T.sblock_alloc_buffer((1, 2))
@@ -165,9 +166,9 @@ def test_the_sums_of_a_widened_bf16_tensor_read_it_as_stored():
 
         @T.prim_func(private=True, s_tir=True)
         def scale_and_shift(sums: T.Buffer((1, 8), "float32"), squares: T.Buffer((1, 8), "float32"),
-                              values: T.Buffer((1, 2, 2, 8), "bfloat16"), gamma: T.Buffer((8,), "float32"),
-                              beta: T.Buffer((8,), "float32"), scale: T.Buffer((1, 1, 1, 8), "float32"),
-                              shift: T.Buffer((1, 1, 1, 8), "float32")):
+                            values: T.Buffer((1, 2, 2, 8), "bfloat16"), gamma: T.Buffer((8,), "float32"),
+                            beta: T.Buffer((8,), "float32"), scale: T.Buffer((1, 1, 1, 8), "float32"),
+                            shift: T.Buffer((1, 1, 1, 8), "float32")):
             T.func_attr({"op_pattern": 8, "tirx.is_scheduled": True, "tirx.noalias": True})
             channel_mean = T.sblock_alloc_buffer((1, 8))
             group_mean = T.sblock_alloc_buffer((1, 2))
