@@ -23,6 +23,12 @@ from .ops import call_op_name
 OPAQUE_PATTERN = 8  # relax's kOpaque op pattern: operator fusion leaves a call of the function alone
 
 
+def opaque_scheduled(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """`func` marked scheduled already and opaque to operator fusion: the default schedules and FuseOps leave it and
+    its calls as they are."""
+    return func.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN})
+
+
 def get_function(mod: tvm.IRModule, func: str) -> relax.Function:
     """The Relax function `func` of `mod`, or ModuleError naming what the module has."""
     if not isinstance(mod, tvm.IRModule):

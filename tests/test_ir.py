@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from relay_amp._ir import conjuncts, depthwise_weight, is_scalar_constant, is_static_shape, reads_var
+from relay_amp._ir import conjuncts, depthwise_weight, is_scalar_constant, is_static_shape, opaque_scheduled, reads_var
 
 IMPORT_IN_A_FRESH_PROCESS = """
 import inspect
@@ -277,3 +277,16 @@ def test_conjuncts_split_a_condition_at_its_ands_and_reads_var_finds_the_variabl
     (alone,) = conjuncts(bound)
     assert alone.same_as(bound)
     assert [reads_var(term, lane) for term in terms] == [False, True, True]
+
+
+def test_opaque_scheduled_marks_a_primfunc_scheduled_and_opaque_to_fusion():
+    """The default schedules skip a function marked scheduled, and FuseOps leaves a call of an opaque one alone
+    (relax's kOpaque op pattern, 8)."""
+    @T.prim_func(private=True)
+    def double(a: T.Buffer((4,), "float32"), b: T.Buffer((4,), "float32")):
+        for i in range(4):
+            b[i] = a[i] * T.float32(2)
+
+    marked = opaque_scheduled(double)
+    assert (bool(marked.attrs["tirx.is_scheduled"]), int(marked.attrs["op_pattern"])) == (True, 8)
+    assert double.attrs is None or "op_pattern" not in double.attrs  # the input function is left as it was

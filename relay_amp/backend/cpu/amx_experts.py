@@ -17,7 +17,7 @@ from tvm import s_tir
 from tvm.s_tir.dlight.analysis import get_root_block
 from tvm.script import tirx as T
 
-from ..._ir import OPAQUE_PATTERN, fast_script_parsing
+from ..._ir import fast_script_parsing, opaque_scheduled
 from . import amx
 from .kernels import LANES
 from .schedules import largest_divisor
@@ -148,4 +148,4 @@ def expert_kernel(spec) -> tvm.tirx.PrimFunc:
     sch = s_tir.Schedule(kernel)
     sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's rules leave it as written
     scheduled = sch.mod["main"].without_attr("global_symbol")
-    return scheduled.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN})
+    return opaque_scheduled(scheduled)

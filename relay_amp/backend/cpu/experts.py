@@ -56,8 +56,8 @@ from tvm.script import tirx as T
 from ..._dead_code import EliminateDeadCode
 from ..._expert_matmuls import (CAST, GATHERS, MATMUL, RESHAPE, TAKE, bound_once, gathered_experts, taken_product,
                                takes_rows)
-from ..._ir import (OPAQUE_PATTERN, add_func_once, called_prim_func, calls_any_op, fast_script_parsing, get_function,
-                    is_static_shape, read_counts, rewrite_function, tensor_dtype, tensor_shape)
+from ..._ir import (add_func_once, called_prim_func, calls_any_op, fast_script_parsing, get_function,
+                    is_static_shape, opaque_scheduled, read_counts, rewrite_function, tensor_dtype, tensor_shape)
 from ...dtypes import MODEL_FLOAT_DTYPES
 from ...ops import call_op_name
 from ...packed_int4 import ROWS_PER_WORD, ZERO_POINT, nibble_shift, spec_of
@@ -337,7 +337,7 @@ def expert_kernel(spec: ExpertSpec) -> tvm.tirx.PrimFunc:
     sch = s_tir.Schedule(kernel)
     sch.annotate(get_root_block(sch), "schedule_rule", "None")  # MetaSchedule's rules leave it as written
     scheduled = sch.mod["main"].without_attr("global_symbol")
-    return scheduled.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN})
+    return opaque_scheduled(scheduled)
 
 
 @relax.expr_functor.mutator

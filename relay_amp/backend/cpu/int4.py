@@ -22,7 +22,7 @@ from tvm import s_tir
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ..._ir import OPAQUE_PATTERN
+from ..._ir import opaque_scheduled
 from ...packed_int4 import (
     COLUMNS,
     ROWS_PER_WORD,
@@ -286,7 +286,7 @@ def generic_kernel(spec: PackedSpec) -> tvm.tirx.PrimFunc:
 
 
 def _as_kernel(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
-    return func.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN})
+    return opaque_scheduled(func)
 
 
 def kernel_for(spec: PackedSpec, target: tvm.target.Target) -> tvm.tirx.PrimFunc:

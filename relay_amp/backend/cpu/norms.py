@@ -30,7 +30,7 @@ import tvm
 from tvm import relax, te
 
 from ..._dead_code import EliminateDeadCode
-from ..._ir import (OPAQUE_PATTERN, calls_any_op, is_static_shape, read_counts, rewrite_op_calls, tensor_dtype,
+from ..._ir import (calls_any_op, is_static_shape, opaque_scheduled, read_counts, rewrite_op_calls, tensor_dtype,
                     tensor_shape)
 from ...dtypes import LOW_FLOAT_DTYPES
 from ...ops import bound_call, bound_value, call_op_name
@@ -182,6 +182,6 @@ def _opaque_call(builder: relax.BlockBuilder, te_func: Callable, named_args: dic
                     for arg_name, arg in zip(named_args, args)]
     outputs = te_func(*placeholders)
     func = te.create_prim_func([*placeholders, *outputs]).without_attr("global_symbol")
-    gv = builder.add_func(func.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN}), name)
+    gv = builder.add_func(opaque_scheduled(func), name)
     out_types = [relax.TensorType([int(d) for d in out.shape], out.dtype) for out in outputs]
     return builder.emit(relax.call_tir(gv, args, out_types))

@@ -32,7 +32,7 @@ import numpy as np
 import tvm
 from tvm import relax, s_tir, te
 
-from ..._ir import OPAQUE_PATTERN, calls_any_op, is_static_shape, rewrite_op_calls, tensor_dtype, tensor_shape
+from ..._ir import calls_any_op, is_static_shape, opaque_scheduled, rewrite_op_calls, tensor_dtype, tensor_shape
 from .cores import splits_avx512
 
 CONV = "relax.nn.conv2d"
@@ -109,9 +109,7 @@ def _windows_call(builder: relax.BlockBuilder, padded: relax.Expr, rows: int, co
     data = te.placeholder(tensor_shape(padded), "float32", "padded")
     windows = transformed_windows(data, rows, cols)
     func = windows_schedule(te.create_prim_func([data, windows]))
-    name = builder.add_func(func.without_attr("global_symbol").with_attrs({"tirx.is_scheduled": True,
-                                                                           "op_pattern": OPAQUE_PATTERN}),
-                            "winograd_input")
+    name = builder.add_func(opaque_scheduled(func.without_attr("global_symbol")), "winograd_input")
     return relax.call_tir(name, [padded], relax.TensorType([int(d) for d in windows.shape], "float32"))
 
 
