@@ -17,11 +17,13 @@ elements in all (ShuffleNet's channel shuffle in NCHW between NHWC convs: the sh
 tensor's last two axes and the transposes to NCHW and back cancel); past a split of a conv's output back in NCHW
 (EfficientViT's heads, CSPNet's halves: each part transposed); past a matmul of two operands transposed in their last
 two axes ((B A)^T = A^T B^T), or of one by a column, whose transpose is a view (a GC block's attention pooling: the
-map's [C, HW] by softmax weights, as a row times the map); and past a broadcast_to (no layout rule either: ECA's and
-MobileViTv2's gates), whose result, transposed, is its input transposed and broadcast. Two transposes in a row become
-one, and a transpose that permutes nothing, or only axes of extent one, a view. So a hierarchical ViT's tokens made
-an image for a conv (which ConvertLayout then transposes to NHWC) and the image made tokens again are reshapes:
-PVT-v2-B0's 86 transposes after layout conversion are 30. EfficientViT-M0's 164 (54 at import) are 27."""
+map's [C, HW] by softmax weights, as a row times the map), or by a small constant along the transposed axis
+(talking-heads attention's mixes across heads, CaiT's and DeBERTa's: CaiT-XXS24 in bf16 16.0 -> 6.7 ms, Sapphire
+Rapids); and past a broadcast_to (no layout rule either: ECA's and MobileViTv2's gates), whose result, transposed, is
+its input transposed and broadcast. Two transposes in a row become one, and a transpose that permutes nothing, or only
+axes of extent one, a view. So a hierarchical ViT's tokens made an image for a conv (which ConvertLayout then
+transposes to NHWC) and the image made tokens again are reshapes: PVT-v2-B0's 86 transposes after layout conversion
+are 30. EfficientViT-M0's 164 (54 at import) are 27."""
 
 import math
 
@@ -43,6 +45,9 @@ BINARY = frozenset(f"relax.{name}" for name in (  # elementwise ops of broadcast
     "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
     "where"))  # and where (torch.export's PReLU: where(x > 0, x, a * x))
 POOLS = frozenset(("relax.nn.max_pool2d", "relax.nn.avg_pool2d"))
+# the most rows and columns of a constant by which a transposed tensor's matmul is computed along its untransposed axis
+# instead (_Sinker._mixed_along_axis): below the 16 fp32 lanes of a vector, a dot-product kernel's columns are padding
+MIX_WIDTH = 16
 REDUCTIONS = frozenset(f"relax.{name}" for name in ("mean", "sum", "max", "min", "prod"))
 
 
@@ -131,9 +136,10 @@ class _Sinker(relax.PyExprMutator):
 
     def _through(self, call: relax.Call, name: str) -> relax.Expr:
         """A split, reshape or matmul of transposed operands computed on the untransposed ones, its result
-        transposed (`_split`, `_reshaped`, `_swapped_matmul`); `call` where it cannot be."""
+        transposed (`_split`, `_reshaped`, `_swapped_matmul`, `_mixed_along_axis`); `call` where it cannot be."""
         if name == "relax.matmul":
-            return self._swapped_matmul(call)
+            swapped = self._swapped_matmul(call)
+            return self._mixed_along_axis(call) if swapped is call else swapped
         source = self._sinkable(call.args[0])
         if source is None:
             return call
@@ -167,6 +173,27 @@ class _Sinker(relax.PyExprMutator):
             return call  # transposed another way (the same rank: no batch broadcast), or no column
         product = self.builder_.emit(relax.op.matmul(right, left, out_dtype=call.attrs.out_dtype))
         return _viewed(relax.op.permute_dims(product, perm))
+
+    def _mixed_along_axis(self, call: relax.Call) -> relax.Expr:
+        """matmul(x transposed to put an axis a last, W) as W^T times x seen as [before a, a, after a], its result
+        transposed: where W is a constant of at most MIX_WIDTH rows and columns, a mix of x's slices along a
+        (talking-heads attention's linear layers across heads, CaiT's and DeBERTa's: [B, N, N, H] by [H, H]; a
+        dot-product kernel computed them on a vector of columns for H, after a transpose of the whole map, which
+        another one undid); `call` for any other matmul."""
+        source, weight = self._sinkable(call.args[0]), call.args[1]
+        if source is None or not isinstance(weight, tvm.ir.expr.Constant) or len(tensor_shape(weight)) != 2:
+            return call
+        data, perm = source
+        shape, (depth, width) = tensor_shape(data), tensor_shape(weight)
+        axis = perm[-1]
+        if not is_static_shape(shape) or axis == len(perm) - 1 or max(depth, width) > MIX_WIDTH:
+            return call
+        slices = self.builder_.emit(relax.op.reshape(data, [math.prod(shape[:axis]), depth,
+                                                            math.prod(shape[axis + 1:])]))
+        mixing = relax.const(weight.value.numpy().T.copy(), weight.ty.dtype)
+        mixed = self.builder_.emit(relax.op.matmul(mixing, slices, out_dtype=call.attrs.out_dtype))
+        unflattened = self.builder_.emit(relax.op.reshape(mixed, [*shape[:axis], width, *shape[axis + 1:]]))
+        return relax.op.permute_dims(unflattened, perm)
 
     def _reshaped(self, call: relax.Call, data: relax.Expr, perm: list[int]) -> relax.Expr:
         """The reshape of the untransposed `data` that `_regrouping` finds, transposed to `call`'s shape (a reshape's

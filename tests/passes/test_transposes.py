@@ -13,7 +13,7 @@ import relay_amp
 from relay_amp._ir import tensor_shape
 from relay_amp._pads import constant_pad, mirrored_pad, pads_as_ops
 from relay_amp.ops import call_op_name
-from relay_amp.passes.transposes import SinkTransposes
+from relay_amp.passes.transposes import MIX_WIDTH, SinkTransposes
 from relay_amp.runtime import run_executable
 
 from pass_checks import assert_transforms, prepared_module
@@ -728,6 +728,79 @@ def test_a_matmul_of_two_swapped_operands_is_the_swapped_matmul_transposed():
     inputs = [rng.standard_normal(shape).astype("float32") for shape in ((4, 49, 16), (4, 49, 49))]
     np.testing.assert_allclose(relay_amp.run(after, inputs)[0], relay_amp.run(Before, inputs)[0], rtol=1e-5,
                                atol=1e-5)
+
+
+def _talking_heads(weight: "np.ndarray | None", perm: tuple = (0, 2, 3, 1), sunk: bool = False) -> tvm.IRModule:
+    """An attention map x [2, 4, 6, 5] (batch, heads, queries, keys) mixed across an axis by a constant `weight`
+    (a runtime [4, 3] one where None) as talking-heads attention spells it: x transposed by `perm`, the matmul, the
+    result transposed back. Where `sunk`, the form SinkTransposes gives: the weight's transpose times x seen as
+    [batch, heads, pixels]."""
+    x = relax.Var("x", relax.TensorType((2, 4, 6, 5), "float32"))
+    runtime = relax.Var("w", relax.TensorType((4, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x] if weight is not None else [x, runtime]):
+        with bb.dataflow():
+            if sunk:
+                slices = bb.emit(relax.op.reshape(x, [2, 4, 30]))
+                mixed = bb.emit(relax.op.matmul(relax.const(weight.T.copy()), slices))
+                out = bb.emit_output(bb.emit(relax.op.reshape(mixed, [2, weight.shape[1], 6, 5])))
+            else:
+                moved = bb.emit(relax.op.permute_dims(x, list(perm)))
+                mixed = bb.emit(relax.op.matmul(moved, runtime if weight is None else relax.const(weight)))
+                out = bb.emit_output(relax.op.permute_dims(mixed, [perm.index(axis) for axis in range(4)]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_mix_across_a_small_transposed_axis_runs_on_the_untransposed_tensor():
+    """Talking-heads attention (CaiT, DeBERTa) mixes an attention map across its heads by a small constant, the
+    heads transposed last and back: the mix becomes the weight's transpose times the map seen as [batch, heads,
+    pixels], and both transposes go. A weight wider than MIX_WIDTH, a transpose that keeps the last axis last, and a
+    runtime weight leave the transposes where they were."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 3)).astype("float32")
+    after = assert_transforms(SinkTransposes(), _talking_heads(weight), _talking_heads(weight, sunk=True))
+    x = rng.standard_normal((2, 4, 6, 5)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(after, [x])[0], relay_amp.run(_talking_heads(weight), [x])[0],
+                               rtol=1e-5, atol=1e-5)
+    stays = [_talking_heads(rng.standard_normal((4, MIX_WIDTH + 1)).astype("float32")),
+             _talking_heads(rng.standard_normal((5, 3)).astype("float32"), perm=(1, 0, 2, 3)), _talking_heads(None)]
+    for before in stays:
+        assert _count(SinkTransposes()(before), "relax.permute_dims") == 2
+
+
+def test_a_talking_heads_deberta_mixes_its_attention_maps_across_heads_without_transposes(tmp_path):
+    """Hugging Face's DeBERTa with talking heads (a model the rule was not written on: CaiT was) mixes each layer's
+    scores and probabilities across heads, each mix between a transpose putting the heads last and one back: after
+    the CPU layout passes none of those 8 transposes is left (the heads' split and merge stay), and the build
+    matches PyTorch."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from relay_amp.passes.layout import conv_layout_passes
+
+    config = transformers.DebertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, talking_head=True, relative_attention=True,
+                                        max_relative_positions=16, pos_att_type=["c2p", "p2c"])
+    torch.manual_seed(0)
+    model = transformers.DebertaModel(config).eval()
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 100, (1, 8)))
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state.numpy()
+        torch.onnx.export(model, (ids,), str(tmp_path / "deberta.onnx"), opset_version=17, dynamo=False)
+    imported = relay_amp.frontend.from_onnx(tmp_path / "deberta.onnx")
+    with tvm.transform.PassContext(opt_level=3):
+        converted = tvm.transform.Sequential(conv_layout_passes("NHWC"))(imported)
+    heads_moved = ([0, 2, 3, 1], [0, 3, 1, 2])
+    assert sum(axes in heads_moved for axes in _transpose_axes(imported)) == 8
+    assert not any(axes in heads_moved for axes in _transpose_axes(converted))
+    got = run_executable(relay_amp.build(imported, relay_amp.targets.host_preset()), [ids.numpy()])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def _transpose_axes(mod: tvm.IRModule) -> list[list[int]]:
+    """The axes of each transpose `mod`'s main binds."""
+    return [[int(axis) for axis in b.value.attrs.axes] for block in mod["main"].body.blocks for b in block.bindings
+            if call_op_name(b.value) == "relax.permute_dims"]
 
 
 def test_a_transpose_read_twice_moves_below_both_readers_only_where_fewer_elements_are_copied():
