@@ -176,17 +176,18 @@ class _Sinker(relax.PyExprMutator):
 
     def _mixed_along_axis(self, call: relax.Call) -> relax.Expr:
         """matmul(x transposed to put an axis a last, W) as W^T times x seen as [before a, a, after a], its result
-        transposed: where W is a constant of at most MIX_WIDTH rows and columns, a mix of x's slices along a
-        (talking-heads attention's linear layers across heads, CaiT's and DeBERTa's: [B, N, N, H] by [H, H]; a
-        dot-product kernel computed them on a vector of columns for H, after a transpose of the whole map, which
-        another one undid); `call` for any other matmul."""
+        transposed: where W is a constant of at most MIX_WIDTH rows and no more columns than rows, a mix of x's
+        slices along a (talking-heads attention's linear layers across heads, CaiT's and DeBERTa's: [B, N, N, H] by
+        [H, H]; a dot-product kernel computed them on a vector of columns for H, after a transpose of the whole map,
+        which another one undid). The result's transpose, where nothing cancels it, copies no more than x's did.
+        `call` for any other matmul."""
         source, weight = self._sinkable(call.args[0]), call.args[1]
         if source is None or not isinstance(weight, tvm.ir.expr.Constant) or len(tensor_shape(weight)) != 2:
             return call
         data, perm = source
         shape, (depth, width) = tensor_shape(data), tensor_shape(weight)
         axis = perm[-1]
-        if not is_static_shape(shape) or axis == len(perm) - 1 or max(depth, width) > MIX_WIDTH:
+        if not is_static_shape(shape) or axis == len(perm) - 1 or not width <= depth <= MIX_WIDTH:
             return call
         slices = self.builder_.emit(relax.op.reshape(data, [math.prod(shape[:axis]), depth,
                                                             math.prod(shape[axis + 1:])]))

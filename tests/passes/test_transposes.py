@@ -730,12 +730,13 @@ def test_a_matmul_of_two_swapped_operands_is_the_swapped_matmul_transposed():
                                atol=1e-5)
 
 
-def _talking_heads(weight: "np.ndarray | None", perm: tuple = (0, 2, 3, 1), sunk: bool = False) -> tvm.IRModule:
-    """An attention map x [2, 4, 6, 5] (batch, heads, queries, keys) mixed across an axis by a constant `weight`
+def _talking_heads(weight: "np.ndarray | None", perm: tuple = (0, 2, 3, 1), sunk: bool = False,
+                   heads: int = 4) -> tvm.IRModule:
+    """An attention map x [2, heads, 6, 5] (batch, heads, queries, keys) mixed across an axis by a constant `weight`
     (a runtime [4, 3] one where None) as talking-heads attention spells it: x transposed by `perm`, the matmul, the
     result transposed back. Where `sunk`, the form SinkTransposes gives: the weight's transpose times x seen as
     [batch, heads, pixels]."""
-    x = relax.Var("x", relax.TensorType((2, 4, 6, 5), "float32"))
+    x = relax.Var("x", relax.TensorType((2, heads, 6, 5), "float32"))
     runtime = relax.Var("w", relax.TensorType((4, 3), "float32"))
     bb = relax.BlockBuilder()
     with bb.function("main", [x] if weight is not None else [x, runtime]):
@@ -755,15 +756,17 @@ def _talking_heads(weight: "np.ndarray | None", perm: tuple = (0, 2, 3, 1), sunk
 def test_a_mix_across_a_small_transposed_axis_runs_on_the_untransposed_tensor():
     """Talking-heads attention (CaiT, DeBERTa) mixes an attention map across its heads by a small constant, the
     heads transposed last and back: the mix becomes the weight's transpose times the map seen as [batch, heads,
-    pixels], and both transposes go. A weight wider than MIX_WIDTH, a transpose that keeps the last axis last, and a
-    runtime weight leave the transposes where they were."""
+    pixels], and both transposes go. A weight deeper than MIX_WIDTH, one of more columns than rows (its result's
+    transpose would copy more than the input's), a transpose that keeps the last axis last, and a runtime weight
+    leave the transposes where they were."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((4, 3)).astype("float32")
     after = assert_transforms(SinkTransposes(), _talking_heads(weight), _talking_heads(weight, sunk=True))
     x = rng.standard_normal((2, 4, 6, 5)).astype("float32")
     np.testing.assert_allclose(relay_amp.run(after, [x])[0], relay_amp.run(_talking_heads(weight), [x])[0],
                                rtol=1e-5, atol=1e-5)
-    stays = [_talking_heads(rng.standard_normal((4, MIX_WIDTH + 1)).astype("float32")),
+    deep = np.zeros((MIX_WIDTH + 1, 3), "float32")
+    stays = [_talking_heads(deep, heads=MIX_WIDTH + 1), _talking_heads(rng.standard_normal((4, 5)).astype("float32")),
              _talking_heads(rng.standard_normal((5, 3)).astype("float32"), perm=(1, 0, 2, 3)), _talking_heads(None)]
     for before in stays:
         assert _count(SinkTransposes()(before), "relax.permute_dims") == 2
