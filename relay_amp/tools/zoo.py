@@ -168,6 +168,13 @@ def _clip_vit_b32(tiny: bool):
     return hf.CLIPVisionConfig()  # the defaults are CLIP's ViT-B/32 image tower: quick GELU, pre-norm, a class token
 
 
+def _cait_xxs24(tiny: bool):
+    if tiny:
+        return {"img_size": 64, "num_classes": 10, "depth": 2, "depth_token_only": 1}
+    return {"num_classes": 1000}  # timm's CaiT-XXS24: talking-heads attention (linear mixes across the 4 heads of
+    # every attention map, before and after its softmax), LayerScale, class attention over the patch tokens
+
+
 def _efficientvit_b0(tiny: bool):
     return {"num_classes": 10 if tiny else 1000}  # timm's EfficientViT-B0 (MIT): ReLU linear attention (a division
     # by a per-token sum), hardswish, depthwise convs of 16-64 channels
@@ -281,6 +288,7 @@ ZOO = {entry.name: entry for entry in [
     ZooEntry("swin_t", "cnn", _swin_t, "SwinForImageClassification", "logits", Shape(1, 224), Shape(1, 32)),
     ZooEntry("clip_vit_b32", "cnn", _clip_vit_b32, "CLIPVisionModel", "last_hidden_state", Shape(1, 224),
              Shape(1, 32)),
+    ZooEntry("cait_xxs24", "cnn", _cait_xxs24, "cait_xxs24_224", None, Shape(1, 224), Shape(1, 64), library="timm"),
     ZooEntry("efficientvit_b0", "cnn", _efficientvit_b0, "efficientvit_b0", None, Shape(1, 224), Shape(1, 64),
              batch_norm="measured", library="timm"),
     ZooEntry("bert", "transformer", _bert, "BertModel", "last_hidden_state", Shape(1, 128), Shape(2, 16)),
