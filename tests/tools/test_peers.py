@@ -1,5 +1,7 @@
 """Peers: rotating timing blocks, and ONNX Runtime sessions and int8 models of a file."""
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -38,13 +40,34 @@ def test_ort_runner_feeds_the_inputs_by_the_sessions_names(tmp_path):
 
 
 @pytest.mark.parametrize("static, op", [(True, "QuantizeLinear"), (False, "DynamicQuantizeLinear")])
-def test_ort_quantized_writes_onnxruntimes_int8_model_into_the_work_dir(tmp_path, static, op):
-    path = _matmul_file(tmp_path / "m.onnx")
-    work_dir = tmp_path / "work"
+def test_ort_quantized_writes_onnxruntimes_int8_model_into_the_work_dir(tmp_path, static, op, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the paths relative to it
+    path = _matmul_file(Path("m.onnx"))
+    work_dir = Path("work")
     work_dir.mkdir()
     calibration = [[np.random.default_rng(seed).standard_normal((2, 8)).astype("float32")] for seed in range(4)]
     quantized = peers.ort_quantized(path, calibration, static, work_dir)
-    assert quantized.parent == work_dir and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "work"]
+    assert quantized.parent == tmp_path / "work" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "work"]
     assert op in {node.op_type for node in onnx.load(quantized).graph.node}
     (y,) = peers.ort_runner(peers.ort_session(quantized), calibration[0])()
     assert y.shape == (2, 4)
+
+
+def test_ort_quantized_leaves_what_onnxruntimes_preprocessing_writes_in_the_work_dir(tmp_path, monkeypatch):
+    """ONNX Runtime's shape inference writes a temporary model into the current directory and leaves it where it
+    fails (Swin-V2-T): the preprocessing runs in the work dir, so the failure leaves the caller's directory as it
+    was."""
+    quantization = pytest.importorskip("onnxruntime.quantization")
+
+    def failing_preprocessing(model, output):
+        open("sym_shape_infer_temp.onnx", "w").close()
+        raise RuntimeError("Incomplete symbolic shape inference")
+
+    monkeypatch.setattr(quantization, "quant_pre_process", failing_preprocessing)
+    work_dir, caller = tmp_path / "work", tmp_path / "caller"
+    work_dir.mkdir()
+    caller.mkdir()
+    monkeypatch.chdir(caller)
+    with pytest.raises(RuntimeError, match="symbolic shape"):
+        peers.ort_quantized(_matmul_file(tmp_path / "m.onnx"), [], True, work_dir)
+    assert list(caller.iterdir()) == [] and [p.name for p in work_dir.iterdir()] == ["sym_shape_infer_temp.onnx"]
