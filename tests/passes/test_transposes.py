@@ -742,7 +742,7 @@ def _talking_heads(weight: "np.ndarray | None", perm: tuple = (0, 2, 3, 1), sunk
     with bb.function("main", [x] if weight is not None else [x, runtime]):
         with bb.dataflow():
             if sunk:
-                slices = bb.emit(relax.op.reshape(x, [2, 4, 30]))
+                slices = bb.emit(relax.op.reshape(x, [2, heads, 30]))
                 mixed = bb.emit(relax.op.matmul(relax.const(weight.T.copy()), slices))
                 out = bb.emit_output(bb.emit(relax.op.reshape(mixed, [2, weight.shape[1], 6, 5])))
             else:
