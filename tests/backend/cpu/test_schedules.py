@@ -1348,11 +1348,13 @@ def test_column_reduction_rule_takes_vectors_of_8_where_16_do_not_divide_the_kep
 
 
 def test_column_reduction_rule_takes_a_kept_axis_shorter_than_a_vector_by_its_largest_power_of_two():
-    """A sum over the rows of 12 columns: three parallel vectors of 4 lanes (12's largest power-of-two divisor)."""
+    """A sum over the rows of 12 columns: three parallel vectors of 4 lanes (12's largest power-of-two divisor). One
+    column is no kept axis: the rule leaves it."""
     scheduled = schedules.ColumnReductionRule().apply(_column_mean_of(12), targets.get_target("cpu"), False)
     loops = [scheduled.get(loop) for loop in scheduled.get_loops(scheduled.get_sblock("total_update"))]
     assert [(loop.kind, int(loop.extent)) for loop in loops] == [
         (tvm.tirx.ForKind.PARALLEL, 3), (tvm.tirx.ForKind.SERIAL, 6), (tvm.tirx.ForKind.VECTORIZED, 4)]
+    assert schedules.ColumnReductionRule().apply(_column_mean_of(1), targets.get_target("cpu"), False) is None
 
 
 @pytest.mark.parametrize("case", ["softmax_middle_axis_of_4", "softmax_middle_axis_of_3"])
