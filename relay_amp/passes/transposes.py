@@ -27,6 +27,7 @@ layout conversion are 30. EfficientViT-M0's 164 (54 at import) are 27."""
 
 import math
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -179,19 +180,21 @@ class _Sinker(relax.PyExprMutator):
         transposed: where W is a constant of at most MIX_WIDTH rows and no more columns than rows, a mix of x's
         slices along a (talking-heads attention's linear layers across heads, CaiT's and DeBERTa's: [B, N, N, H] by
         [H, H]; a dot-product kernel computed them on a vector of columns for H, after a transpose of the whole map,
-        which another one undid). The result's transpose, where nothing cancels it, copies no more than x's did.
-        `call` for any other matmul."""
-        source, weight = self._sinkable(call.args[0]), call.args[1]
-        if source is None or not isinstance(weight, tvm.ir.expr.Constant) or len(tensor_shape(weight)) != 2:
+        which another one undid). W may be a constant batch of that one matrix (torch.export's). The result's
+        transpose, where nothing cancels it, copies no more than x's did. `call` for any other matmul."""
+        source = self._sinkable(call.args[0])
+        weight = None if source is None else _one_matrix(call.args[1])  # read only behind a transpose
+        if weight is None:
             return call
         data, perm = source
-        shape, (depth, width) = tensor_shape(data), tensor_shape(weight)
+        shape, (depth, width) = tensor_shape(data), weight.shape
         axis = perm[-1]
-        if not is_static_shape(shape) or axis == len(perm) - 1 or not width <= depth <= MIX_WIDTH:
+        if (not is_static_shape(shape) or axis == len(perm) - 1 or not width <= depth <= MIX_WIDTH
+                or tensor_shape(call) != (*tensor_shape(call.args[0])[:-1], width)):  # a weight's batch broadcasting x
             return call
         slices = self.builder_.emit(relax.op.reshape(data, [math.prod(shape[:axis]), depth,
                                                             math.prod(shape[axis + 1:])]))
-        mixing = relax.const(weight.value.numpy().T.copy(), weight.ty.dtype)
+        mixing = relax.const(weight.T.copy(), str(call.args[1].ty.dtype))
         mixed = self.builder_.emit(relax.op.matmul(mixing, slices, out_dtype=call.attrs.out_dtype))
         unflattened = self.builder_.emit(relax.op.reshape(mixed, [*shape[:axis], width, *shape[axis + 1:]]))
         return relax.op.permute_dims(unflattened, perm)
@@ -239,6 +242,18 @@ class _Sinker(relax.PyExprMutator):
             return source
         one = relax.op.permute_dims(source, composed)  # one copy instead of two
         return _viewed(one)
+
+
+def _one_matrix(weight: relax.Expr) -> "np.ndarray | None":
+    """The matrix of a constant matmul operand: itself where it is 2-D, its first where it is a batch of equal ones
+    (torch.export's linear on a 3-D input multiplies by its weight broadcast to the batch, folded), else None."""
+    if not isinstance(weight, tvm.ir.expr.Constant) or len(tensor_shape(weight)) < 2:
+        return None
+    if max(tensor_shape(weight)[-2:]) > MIX_WIDTH:
+        return None  # never a mix: its values are not read
+    values = weight.value.numpy()
+    matrices = values.reshape(-1, *values.shape[-2:])
+    return matrices[0] if (matrices == matrices[0]).all() else None
 
 
 def _transposed_elements(func: relax.Function) -> int:

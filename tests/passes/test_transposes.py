@@ -772,6 +772,49 @@ def test_a_mix_across_a_small_transposed_axis_runs_on_the_untransposed_tensor():
         assert _count(SinkTransposes()(before), "relax.permute_dims") == 2
 
 
+def _mixed_by_a_batch(weights: np.ndarray, sunk: bool = False) -> tvm.IRModule:
+    """torch.export's spelling of a mix across heads on a map x [4, 6, 5] with the batch axis gone: x transposed
+    to [6, 5, 4], times `weights` [6, 4, 3] (one matrix broadcast to the batch, folded), transposed back; where
+    `sunk`, SinkTransposes' form for weights that are all one matrix."""
+    x = relax.Var("x", relax.TensorType((4, 6, 5), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if sunk:
+                slices = bb.emit(relax.op.reshape(x, [1, 4, 30]))
+                mixed = bb.emit(relax.op.matmul(relax.const(weights[0].T.copy()), slices))
+                out = bb.emit_output(bb.emit(relax.op.reshape(mixed, [3, 6, 5])))
+            else:
+                moved = bb.emit(relax.op.permute_dims(x, [1, 2, 0]))
+                mixed = bb.emit(relax.op.matmul(moved, relax.const(weights)))
+                out = bb.emit_output(relax.op.permute_dims(mixed, [2, 0, 1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_mix_by_a_constant_batch_of_one_matrix_runs_on_the_untransposed_tensor():
+    """torch.export's linear on a 3-D input multiplies by its weight broadcast to the batch (a constant once folded):
+    a batch of one matrix mixes as that matrix does; a batch of different ones stays, and so does one whose batch
+    broadcasts the transposed tensor (the product would not be its mix)."""
+    rng = np.random.default_rng(0)
+    weights = np.broadcast_to(rng.standard_normal((4, 3)).astype("float32"), (6, 4, 3)).copy()
+    after = assert_transforms(SinkTransposes(), _mixed_by_a_batch(weights), _mixed_by_a_batch(weights, sunk=True))
+    x = rng.standard_normal((4, 6, 5)).astype("float32")
+    np.testing.assert_allclose(relay_amp.run(after, [x])[0], relay_amp.run(_mixed_by_a_batch(weights), [x])[0],
+                               rtol=1e-5, atol=1e-5)
+    different = rng.standard_normal((6, 4, 3)).astype("float32")
+    assert _count(SinkTransposes()(_mixed_by_a_batch(different)), "relax.permute_dims") == 2
+    x = relax.Var("x", relax.TensorType((4, 5), "float32"))  # ... and one whose batch broadcasts x's rows
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            moved = bb.emit(relax.op.permute_dims(x, [1, 0]))
+            out = bb.emit_output(relax.op.matmul(moved, relax.const(weights[:2].copy())))
+        bb.emit_func_output(out)
+    broadcasting = bb.get()
+    tvm.ir.assert_structural_equal(SinkTransposes()(broadcasting), broadcasting)
+
+
 def test_a_talking_heads_deberta_mixes_its_attention_maps_across_heads_without_transposes(tmp_path):
     """Hugging Face's DeBERTa with talking heads (a model the rule was not written on: CaiT was) mixes each layer's
     scores and probabilities across heads, each mix between a transpose putting the heads last and one back: after
