@@ -183,13 +183,13 @@ class _Sinker(relax.PyExprMutator):
         which another one undid). W may be a constant batch of that one matrix (torch.export's). The result's
         transpose, where nothing cancels it, copies no more than x's did. `call` for any other matmul."""
         source = self._sinkable(call.args[0])
-        weight = None if source is None else _one_matrix(call.args[1])  # read only behind a transpose
+        weight = None if source is None else _small_matrix(call.args[1])  # read only behind a transpose
         if weight is None:
             return call
         data, perm = source
         shape, (depth, width) = tensor_shape(data), weight.shape
         axis = perm[-1]
-        if (not is_static_shape(shape) or axis == len(perm) - 1 or not width <= depth <= MIX_WIDTH
+        if (not is_static_shape(shape) or axis == len(perm) - 1 or width > depth
                 or tensor_shape(call) != (*tensor_shape(call.args[0])[:-1], width)):  # a weight's batch broadcasting x
             return call
         slices = self.builder_.emit(relax.op.reshape(data, [math.prod(shape[:axis]), depth,
@@ -244,13 +244,14 @@ class _Sinker(relax.PyExprMutator):
         return _viewed(one)
 
 
-def _one_matrix(weight: relax.Expr) -> "np.ndarray | None":
-    """The matrix of a constant matmul operand: itself where it is 2-D, its first where it is a batch of equal ones
-    (torch.export's linear on a 3-D input multiplies by its weight broadcast to the batch, folded), else None."""
+def _small_matrix(weight: relax.Expr) -> "np.ndarray | None":
+    """The matrix of a constant matmul operand of at most MIX_WIDTH rows and columns: itself where it is 2-D, its
+    first where it is a batch of equal ones (torch.export's linear on a 3-D input multiplies by its weight broadcast
+    to the batch, folded), else None. A larger operand's values are not read."""
     if not isinstance(weight, tvm.ir.expr.Constant) or len(tensor_shape(weight)) < 2:
         return None
     if max(tensor_shape(weight)[-2:]) > MIX_WIDTH:
-        return None  # never a mix: its values are not read
+        return None
     values = weight.value.numpy()
     matrices = values.reshape(-1, *values.shape[-2:])
     return matrices[0] if (matrices == matrices[0]).all() else None
