@@ -69,7 +69,7 @@ def ort_quantized(path: Path, calibration: Sequence[Sequence[np.ndarray]], stati
     source, work_dir = Path(path).resolve(), Path(work_dir).resolve()  # before the preprocessing's change of directory
     prepared, quantized = work_dir / f"{source.stem}.pre.onnx", work_dir / f"{source.stem}.int8.onnx"
     with contextlib.chdir(work_dir):
-        quantization.quant_pre_process(str(source), str(prepared))
+        _preprocess(quantization, source, prepared)
     if not static:
         quantization.quantize_dynamic(str(prepared), str(quantized), weight_type=quantization.QuantType.QInt8)
         return quantized
@@ -84,3 +84,12 @@ def ort_quantized(path: Path, calibration: Sequence[Sequence[np.ndarray]], stati
                                  per_channel=True, activation_type=quantization.QuantType.QUInt8,
                                  weight_type=quantization.QuantType.QInt8)
     return quantized
+
+
+def _preprocess(quantization, source: Path, prepared: Path) -> None:
+    """ONNX Runtime's quant_pre_process; where its symbolic shape inference fails (Swin-T, Swin-V2-T: "Incomplete
+    symbolic shape inference"), again without that step, which its `skip_symbolic_shape` option leaves out."""
+    try:
+        quantization.quant_pre_process(str(source), str(prepared))
+    except Exception:  # ONNX Runtime raises a bare Exception there
+        quantization.quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)

@@ -23,7 +23,7 @@ from tvm import relax
 from .. import frontend
 from ..backend.cpu.cores import target_core
 from ..compile.build import build
-from ..errors import OptionError, RelayAmpError
+from ..errors import OptionError, RelayAmpError, one_line
 from ..passes.quantize import realize_qdq
 from ..runtime import virtual_machine
 from ..serialization import atomic_write_bytes, atomic_write_text
@@ -42,6 +42,7 @@ TORCH_BF16 = "torch bf16"  # autocast, channels_last for CNNs
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
 ORT_INT8 = "onnxruntime int8"  # static QDQ for CNNs, dynamic for transformers: ONNX Runtime's own advice
 ORT_FILE_INT8 = "relay_amp on ORT's int8 file"  # ONNX Runtime's quantized file, realized by realize_qdq
+INT8_RUNNERS = (f"relay_amp {QUANTIZED}", ORT_INT8, ORT_FILE_INT8)  # the agreement column's order
 CALIBRATION_INPUTS = 16
 AGREEMENT_INPUTS = 32
 
@@ -49,7 +50,8 @@ AGREEMENT_INPUTS = 32
 @dataclass
 class ZooResult:
     """One model: median ms per runner, relative error per runner against PyTorch fp32, bf16 slow paths, the
-    int8 runners' agreement with fp32, and why the model could not be benchmarked (empty when it was)."""
+    int8 runners' agreement with fp32, why the model could not be benchmarked (empty when it was), and why a
+    peer's runner could not run (ONNX Runtime's quantizer failing on the file) while the others did."""
 
     model: str
     ms: dict[str, float] = field(default_factory=dict)
@@ -57,6 +59,7 @@ class ZooResult:
     slow_paths: list[str] = field(default_factory=list)
     agreement: dict[str, float] = field(default_factory=dict)  # int8 runners: top-1 share (CNNs) or min cosine
     failure: str = ""
+    peer_failures: dict[str, str] = field(default_factory=dict)  # peer runner -> why it could not run
 
 
 def _torch_runners(name: str, inputs: list[np.ndarray], compiled: bool,
@@ -131,23 +134,35 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         runners = {f"relay_amp {SHORT.get(d, d)}": relay_runner(ex, inputs) for d, ex in executables.items()}
         runners.update(_torch_runners(name, inputs, torch_compile, tiny))
         runners["onnxruntime fp32"] = ort_runner(ort_session(path), inputs)
+        int8_runs = {}
         if QUANTIZED in dtypes:
-            ort_file = ort_quantized(path, calibration, zoo.entry(name).kind == "cnn", Path(tmp))
-            ort_int8 = ort_session(ort_file)
-            runners[ORT_INT8] = ort_runner(ort_int8, inputs)
-            on_ort_file = build(realize_qdq(frontend.from_onnx(ort_file)), target)
-            runners[ORT_FILE_INT8] = relay_runner(on_ort_file, inputs)
+            timed, int8_runs = _ort_int8_runners(name, path, calibration, target, Path(tmp), inputs, result)
+            runners.update(timed)
+            int8_runs[INT8_RUNNERS[0]] = _relay_runner_on(executables[QUANTIZED])
         result.ms = rotating_medians(runners, rounds, repeat)
         reference = _output(runners["torch fp32"]())
         result.error = {runner: max_relative_error(_output(run()), reference) for runner, run in runners.items()}
-        if QUANTIZED in dtypes:
-            result.agreement = _int8_agreement(name, tiny, executables[BASELINE], {
-                f"relay_amp {QUANTIZED}": _relay_runner_on(executables[QUANTIZED]), ORT_INT8: _ort_runner_on(ort_int8),
-                ORT_FILE_INT8: _relay_runner_on(on_ort_file)})
+        if int8_runs:
+            result.agreement = _int8_agreement(name, tiny, executables[BASELINE], int8_runs)
     if "bfloat16" in executables:
         rows = profile_rows(call_times({d: executables[d] for d in (BASELINE, "bfloat16")}, inputs, PROFILE_RUNS))
         result.slow_paths = slow_paths(rows)
     return result
+
+
+def _ort_int8_runners(name: str, path: Path, calibration: list, target: str, work_dir: Path,
+                      inputs: list[np.ndarray], result: ZooResult) -> tuple[dict, dict]:
+    """ONNX Runtime on its own int8 model of the file and relay_amp on that model: runners timed on `inputs`, and
+    runs of any inputs for the agreement; none where ONNX Runtime's quantizer fails on the file (recorded in
+    `result.peer_failures`: the model's other runners still run)."""
+    try:
+        ort_file = ort_quantized(path, calibration, zoo.entry(name).kind == "cnn", work_dir)
+    except Exception as err:  # ONNX Runtime's quantizer raises bare Exceptions
+        result.peer_failures[ORT_INT8] = one_line(f"ONNX Runtime's quantizer failed: {err}")
+        return {}, {}
+    session, on_ort_file = ort_session(ort_file), build(realize_qdq(frontend.from_onnx(ort_file)), target)
+    return ({ORT_INT8: ort_runner(session, inputs), ORT_FILE_INT8: relay_runner(on_ort_file, inputs)},
+            {ORT_INT8: _ort_runner_on(session), ORT_FILE_INT8: _relay_runner_on(on_ort_file)})
 
 
 def _bench_or_failure(name: str, dtypes: Sequence[str], target: str, options: dict) -> ZooResult:
@@ -178,7 +193,7 @@ def slow_paths(rows: Sequence[ProfileRow], first: str = BASELINE, last: str = "b
 
 def markdown_table(results: Sequence[ZooResult]) -> str:
     """One row per model: each runner's ms (and error), then relay_amp bf16's ratio to its peers."""
-    runners = list(dict.fromkeys(runner for r in results for runner in r.ms))
+    runners = list(dict.fromkeys(runner for r in results for runner in [*r.ms, *r.peer_failures]))
     headers = ["model", *runners, "bf16 vs fp32", "bf16 vs torch bf16", "fp32 vs ORT", "bf16 slow paths"]
     quantized = any(r.agreement for r in results)
     if quantized:
@@ -190,7 +205,7 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
             rows.append([r.model, f"failed: {r.failure}"])
             continue
         torch_bf16, bf16 = r.ms.get(TORCH_BF16), r.ms.get("relay_amp bf16")
-        rows.append([r.model, *(f"{r.ms[x]:.2f} ({r.error[x]:.0e})" if x in r.ms else "" for x in runners),
+        rows.append([r.model, *(_cell(r, runner) for runner in runners),
                      _ratio(r.ms.get("relay_amp fp32"), bf16), _ratio(torch_bf16, bf16),
                      _ratio(r.ms.get("onnxruntime fp32"), r.ms.get("relay_amp fp32")),
                      "; ".join(r.slow_paths) or "none"])
@@ -198,8 +213,15 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
             ours = r.ms.get(f"relay_amp {QUANTIZED}")
             rows[-1] += [_ratio(r.ms.get("relay_amp fp32"), ours), _ratio(r.ms.get(ORT_INT8), ours),
                          _ratio(r.ms.get(ORT_INT8), r.ms.get(ORT_FILE_INT8)),
-                         " / ".join(f"{value:.4g}" for value in r.agreement.values())]
+                         " / ".join(f"{r.agreement[x]:.4g}" if x in r.agreement else "-" for x in INT8_RUNNERS)]
     return tabulate(rows, headers=headers, tablefmt="github")
+
+
+def _cell(result: ZooResult, runner: str) -> str:
+    """A runner's ms and error, why a peer's runner could not run, or nothing (a runner of other models)."""
+    if runner in result.ms:
+        return f"{result.ms[runner]:.2f} ({result.error[runner]:.0e})"
+    return f"failed: {result.peer_failures[runner]}" if runner in result.peer_failures else ""
 
 
 def _ratio(baseline: float | None, ours: float | None) -> str:
