@@ -193,8 +193,11 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> None:
-    rows = profile(load_model(args.model, args.batch, args.dim), args.dtypes, args.target, args.repeat,
-                   conv_layout=LAYOUTS[args.layout], by_shape=args.by_shape)
+    if args.model.partition(":")[0] == ZOO_PREFIX:
+        rows = _profile_zoo(args)
+    else:
+        rows = profile(load_model(args.model, args.batch, args.dim), args.dtypes, args.target, args.repeat,
+                       conv_layout=LAYOUTS[args.layout], by_shape=args.by_shape)
     if args.json:
         print(profile_to_json(rows, model=args.model, batch=args.batch, target=args.target, dtypes=args.dtypes))
     else:
@@ -203,11 +206,26 @@ def _cmd_profile(args: argparse.Namespace) -> None:
         print(format_profile(rows, args.dtypes, args.top))
 
 
-def _bench_zoo(args: argparse.Namespace) -> None:
+def _zoo_modules(command: str):
+    """The zoo and its benchmark (torch, transformers, onnxruntime: the zoo extra), or an error saying so."""
     try:
-        from . import zoo, zoo_bench  # torch, transformers, onnxruntime: the zoo extra
+        from . import zoo, zoo_bench
     except ImportError as err:
-        raise MissingDependencyError(f"bench zoo needs the zoo extra (pip install -e '.[zoo]'): {err}") from err
+        raise MissingDependencyError(f"{command} zoo needs the zoo extra (pip install -e '.[zoo]'): {err}") from err
+    return zoo, zoo_bench
+
+
+def _profile_zoo(args: argparse.Namespace) -> list:
+    """`profile zoo:NAME`: one zoo model profiled as the zoo bench builds it (its export, inputs, calibration)."""
+    zoo, zoo_bench = _zoo_modules("profile")
+    if args.dim or args.batch != 1:
+        raise OptionError("profile zoo:NAME profiles the zoo model at its zoo size: --batch and --dim do not apply")
+    return zoo_bench.profile_model(zoo.entry(args.model.partition(":")[2]).name, args.dtypes, args.target,
+                                   args.repeat, by_shape=args.by_shape, conv_layout=LAYOUTS[args.layout])
+
+
+def _bench_zoo(args: argparse.Namespace) -> None:
+    zoo, zoo_bench = _zoo_modules("bench")
     names = _op_list(args.model.partition(":")[2]) or list(zoo.ZOO)
     for name in names:
         zoo.entry(name)  # an unknown name fails before any model is built
@@ -263,7 +281,7 @@ def _command(commands, name: str, help_text: str, run, ops: Sequence[str] | None
              target: bool = False) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help=help_text)
     parser.add_argument("model", help=f"built-in model ({', '.join(models.MODELS)}), ONNX file, module saved by "
-                        "convert or quantize (.json), or (bench) zoo[:NAMES]")
+                        "convert or quantize (.json), or (bench) zoo[:NAMES], (profile) zoo:NAME")
     parser.add_argument("--batch", type=int, default=1, help="batch size of a built-in model")
     parser.add_argument("--dim", type=_dims, default={}, help="sizes of an ONNX file's symbolic input dims "
                         "(dynamic axes), e.g. batch=1,sequence=128: the kernels need static shapes")

@@ -142,15 +142,18 @@ class ProfileRow:
 
 def profile(mod: tvm.IRModule, dtypes: Sequence[str] = (BASELINE, "bfloat16"), target: str = "cpu",
             repeat: int = 5, *, conv_layout: "str | list[str] | None" = AUTO, fast_math: bool = True,
-            by_shape: bool = False) -> list[ProfileRow]:
-    """Build every dtype variant of `mod` (as relay-amp bench does) and time each call group (split by output
-    shape with `by_shape`), worst penalty first, and each variant's whole run without the hook (WHOLE_RUN)."""
+            by_shape: bool = False, inputs: "Sequence[np.ndarray] | None" = None,
+            calibration: "Sequence | None" = None) -> list[ProfileRow]:
+    """Build every dtype variant of `mod` (as relay-amp bench does; int8q calibrated on `calibration`, random
+    batches by default) and time each call group on `inputs` (random ones by default), split by output shape with
+    `by_shape`, worst penalty first, and each variant's whole run without the hook (WHOLE_RUN)."""
     if not dtypes:
         raise OptionError("profile needs at least one dtype")
     _check_repeat(repeat)  # before anything is built
-    executables = {dtype: build(variant(mod, dtype), target, fast_math=fast_math, conv_layout=conv_layout)
-                   for dtype in dtypes}
-    return profile_rows(call_times(executables, example_inputs(mod), repeat, by_shape=by_shape, whole_runs=True))
+    executables = {dtype: build(variant(mod, dtype, calibration), target, fast_math=fast_math,
+                                conv_layout=conv_layout) for dtype in dtypes}
+    inputs = example_inputs(mod) if inputs is None else inputs
+    return profile_rows(call_times(executables, inputs, repeat, by_shape=by_shape, whole_runs=True))
 
 
 def profile_rows(measured: dict[str, dict[str, tuple[int, float]]]) -> list[ProfileRow]:

@@ -22,6 +22,7 @@ from tvm import relax
 
 from .. import frontend
 from ..backend.cpu.cores import target_core
+from ..backend.fusion import AUTO
 from ..compile.build import build
 from ..errors import OptionError, RelayAmpError, one_line
 from ..passes.quantize import realize_qdq
@@ -32,7 +33,7 @@ from . import zoo
 from .bench import BASELINE, QUANTIZED, max_relative_error, relay_runner, variant
 from .metrics import cosine_similarity, top1_agreement
 from .peers import ort_quantized, ort_runner, ort_session, rotating_medians
-from .profile import ProfileRow, call_times, profile_rows
+from .profile import ProfileRow, call_times, profile, profile_rows
 from .pytorch import channels_last
 
 SLOW_RATIO = 1.1  # a call group this much slower in bf16 than in fp32 is a slow path
@@ -129,7 +130,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
     with tempfile.TemporaryDirectory() as tmp:
         path = zoo.export_onnx(name, Path(tmp) / f"{name}.onnx", tiny)
         mod = frontend.from_onnx(path)
-        calibration = [zoo.example_inputs(name, tiny, seed) for seed in range(1, CALIBRATION_INPUTS + 1)]
+        calibration = _calibration(name, tiny)
         executables = {dtype: build(variant(mod, dtype, calibration), target) for dtype in [BASELINE, *dtypes]}
         runners = {f"relay_amp {SHORT.get(d, d)}": relay_runner(ex, inputs) for d, ex in executables.items()}
         runners.update(_torch_runners(name, inputs, torch_compile, tiny))
@@ -148,6 +149,22 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         rows = profile_rows(call_times({d: executables[d] for d in (BASELINE, "bfloat16")}, inputs, PROFILE_RUNS))
         result.slow_paths = slow_paths(rows)
     return result
+
+
+def profile_model(name: str, dtypes: Sequence[str], target: str, repeat: int = 5, *, by_shape: bool = False,
+                  conv_layout: "str | list[str] | None" = AUTO, tiny: bool = False) -> list[ProfileRow]:
+    """`profile` of a zoo model as the zoo bench builds it: the same ONNX export, example inputs and int8q
+    calibration inputs (`tiny`: its test size)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mod = frontend.from_onnx(zoo.export_onnx(name, Path(tmp) / f"{name}.onnx", tiny))
+    return profile(mod, dtypes, target, repeat, conv_layout=conv_layout, by_shape=by_shape,
+                   inputs=zoo.example_inputs(name, tiny), calibration=_calibration(name, tiny))
+
+
+def _calibration(name: str, tiny: bool) -> list:
+    """int8q's calibration batches of a zoo model: CALIBRATION_INPUTS example inputs of seeds other than the
+    timed one's."""
+    return [zoo.example_inputs(name, tiny, seed) for seed in range(1, CALIBRATION_INPUTS + 1)]
 
 
 def _ort_int8_runners(name: str, path: Path, calibration: list, target: str, work_dir: Path,

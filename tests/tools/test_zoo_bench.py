@@ -83,3 +83,51 @@ def test_onnxruntimes_quantizer_failing_leaves_its_int8_columns_failed_and_the_r
     row = zoo_bench.markdown_table([result]).splitlines()[2]
     assert "| failed: ONNX Runtime's quantizer failed: Incomplete symbolic shape inference |" in row
     assert f" {result.agreement['relay_amp int8q']:.4g} / - / - " in row
+
+
+def test_profile_model_profiles_the_zoo_export_on_the_benchs_inputs_and_calibration(monkeypatch):
+    """A zoo model's profile sees what its bench builds: the ONNX export, the example input timed there and the 16
+    calibration batches int8q is calibrated on (seeds 1-16, apart from the timed input's 0)."""
+    seen = {}
+
+    def profile(mod, dtypes, target, repeat, **options):
+        seen.update(options, mod=mod, dtypes=dtypes)
+        return []
+
+    monkeypatch.setattr(zoo_bench, "profile", profile)
+    assert zoo_bench.profile_model("distilbert", ["float32", "int8q"], "cpu", 1, tiny=True) == []
+    zoo = zoo_bench.zoo
+    assert [x.tolist() for x in seen["inputs"]] == [x.tolist() for x in zoo.example_inputs("distilbert", True)]
+    assert len(seen["calibration"]) == zoo_bench.CALIBRATION_INPUTS
+    for seed, batch in zip([1, zoo_bench.CALIBRATION_INPUTS], [seen["calibration"][0], seen["calibration"][-1]]):
+        assert [x.tolist() for x in batch] == [x.tolist() for x in zoo.example_inputs("distilbert", True, seed)]
+    assert [p.name for p in seen["mod"]["main"].params] == ["input_ids", "attention_mask"]
+
+
+def test_profile_model_times_every_variant_of_a_tiny_zoo_model():
+    from relay_amp.tools.profile import WHOLE_RUN
+
+    rows = zoo_bench.profile_model("distilbert", ["float32", "int8q"], "cpu", 1, tiny=True)
+    whole = next(row for row in rows if row.group == WHOLE_RUN)
+    assert set(whole.ms) == {"float32", "int8q"} and all(ms > 0 for ms in whole.ms.values())
+    assert any("relay_amp_dot_kernel" in row.group for row in rows)
+
+
+def test_cli_profile_takes_one_zoo_model_at_its_zoo_size(monkeypatch, capsys):
+    from relay_amp.tools.profile import ProfileRow
+
+    calls = []
+
+    def profile_model(name, dtypes, target, repeat, **options):
+        calls.append((name, dtypes, repeat, options["by_shape"]))
+        return [ProfileRow("conv2d_add", {"float32": 1, "int8q": 1}, {"float32": 2.0, "int8q": 1.0})]
+
+    monkeypatch.setattr(zoo_bench, "profile_model", profile_model)
+    assert main(["profile", "zoo:mixnet_s", "--dtypes", "fp32,int8q", "--repeat", "3", "--by-shape"]) == 0
+    assert calls == [("mixnet_s", ["float32", "int8q"], 3, True)] and "conv2d_add" in capsys.readouterr().out
+    assert main(["profile", "zoo:resnet9"]) == 1
+    assert "unknown zoo model 'resnet9'" in capsys.readouterr().err
+    assert main(["profile", "zoo:bert", "--batch", "4"]) == 1
+    assert capsys.readouterr().err.strip() == ("relay-amp: error: profile zoo:NAME profiles the zoo model at its zoo "
+                                               "size: --batch and --dim do not apply")
+    assert len(calls) == 1
