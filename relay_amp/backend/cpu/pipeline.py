@@ -39,7 +39,8 @@ from .schedules import default_schedule, default_schedules
 from .stack import TIR_PIPELINE as STACK_PIPELINE
 from .tap_skips import SkipPaddedTaps
 from .widen import NormsReadNarrow, WidenArithmetic, WidenContractions
-from .winograd import WinogradConvs, min_extent as winograd_min_extent, suits as suits_winograd
+from .winograd import WinogradConvs, bf16_suits as bf16_winograd, min_extent as winograd_min_extent
+from .winograd import suits as suits_winograd
 
 CONV_LAYOUT = ["NHWC", "HWIO"]  # the layout relay_amp's CPU kernels take: channels innermost
 # TIR's common subexpression elimination off: LLVM's own takes the same redundancy out (ResNet-18, BERT, DAC and EnCodec
@@ -70,15 +71,16 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
     products (relay_amp.backend.cpu.operand_scales), bf16 chains widened, batch norms no conv took as scales and shifts,
     runs of scales, biases and clamps folded (relay_amp.backend.cpu.affine), softmax rows padded to whole vectors, bf16
     convs and matmuls widened where only fp32 has kernels (AVX2) or fp32's are faster (the target's core:
-    relay_amp.backend.cpu.cores), fp32 3x3 convs as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4
-    (relay_amp.backend.cpu.winograd), dot-product kernel dispatch, elementwise ops of reshaped tensors computed before
-    the reshapes (relay_amp.passes.reshapes), kernel epilogue fusion (casts and scalar ops moved next to the kernels
-    first; activations before fast math splits them), identical bindings computed once again (dispatch pads a tensor
-    once per kernel that reads it; merged earlier, two casts of one output would join an epilogue and store it wide),
-    depthwise convs reading their part of a channel split in place (relay_amp.backend.cpu.split_reads), norms and
-    softmaxes reading a kernel's output in place, widened or through a slice's window (relay_amp.backend.cpu.widen),
-    fast math (unless turned off) and packed int4 kernels, takes of one index that select a contiguous block made views
-    of it (an unrolled recurrence's step reading its input row: relay_amp.backend.views), then legalization and fusion.
+    relay_amp.backend.cpu.cores), fp32 3x3 convs as Winograd's F(2x2, 3x3) on targets without AVX-512 or on Zen 4, bf16
+    ones too on Zen 4 with fast math (relay_amp.backend.cpu.winograd), dot-product kernel dispatch, elementwise ops of
+    reshaped tensors computed before the reshapes (relay_amp.passes.reshapes), kernel epilogue fusion (casts and scalar
+    ops moved next to the kernels first; activations before fast math splits them), identical bindings computed once
+    again (dispatch pads a tensor once per kernel that reads it; merged earlier, two casts of one output would join an
+    epilogue and store it wide), depthwise convs reading their part of a channel split in place
+    (relay_amp.backend.cpu.split_reads), norms and softmaxes reading a kernel's output in place, widened or through a
+    slice's window (relay_amp.backend.cpu.widen), fast math (unless turned off) and packed int4 kernels, takes of one
+    index that select a contiguous block made views of it (an unrolled recurrence's step reading its input row:
+    relay_amp.backend.views), then legalization and fusion.
 
     Relax's ConvertLayout carries the layout through the ops between convolutions and transposes only at the graph's
     edges; layers in the current LayoutConfig's skip_layers keep theirs. Dispatched kernels are already tensorized;
@@ -106,7 +108,8 @@ def prepare_passes(target: tvm.target.Target, fast_math: bool = True,
         FoldAffineClamps(),
         PadSoftmaxRows(),
         *([WidenContractions(dtypes),
-           *([WinogradConvs(least_extent=winograd_min_extent(target))] if suits_winograd(target) else []),
+           *([WinogradConvs(least_extent=winograd_min_extent(target), bf16=fast_math and bf16_winograd(target))]
+             if suits_winograd(target) else []),
            UseDotKernels(dtypes, amx_dtypes=amx.target_dtypes(target))] if dtypes else []),
         SinkReshapes(),
         *([HoistOverMoves(), FuseKernelEpilogues(fast_math=fast_math), *deduplication_passes()] if dtypes else []),

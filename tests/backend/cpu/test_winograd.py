@@ -10,6 +10,7 @@ import relay_amp
 from relay_amp._ir import OPAQUE_PATTERN
 from relay_amp.backend.cpu import winograd
 from relay_amp.backend.cpu.winograd import WinogradConvs
+from relay_amp.dtypes import cast_array
 from relay_amp.runtime import run_executable
 
 from builders import seeded_torchvision_through_onnx, torchvision_through_onnx
@@ -24,16 +25,20 @@ def _weight(kernel: int, channels: int, outputs: int, seed: int = 0) -> np.ndarr
     return (rng.standard_normal((kernel, kernel, channels, outputs)) / np.sqrt(9 * channels)).astype("float32")
 
 
-def _convs(shape=(1, 8, 8, 128), outputs: int = 128, padding=(1, 1, 1, 1)) -> tvm.IRModule:
+def _constant(array: np.ndarray, dtype: str = "float32") -> relax.Expr:
+    return relax.const(tvm.runtime.tensor(cast_array(array, dtype)))
+
+
+def _convs(shape=(1, 8, 8, 128), outputs: int = 128, padding=(1, 1, 1, 1), dtype: str = "float32") -> tvm.IRModule:
     """A conv Winograd takes, then one of stride 2 (it does not), each NHWC by a constant HWIO weight."""
-    data = relax.Var("data", relax.TensorType(shape, "float32"))
+    data = relax.Var("data", relax.TensorType(shape, dtype))
     builder = relax.BlockBuilder()
     with builder.function("main", [data]):
         with builder.dataflow():
-            taken = builder.emit(relax.op.nn.conv2d(data, relax.const(_weight(3, shape[3], outputs)), padding=padding,
-                                                    data_layout="NHWC", kernel_layout="HWIO"))
-            strided = builder.emit(relax.op.nn.conv2d(taken, relax.const(_weight(3, outputs, outputs, 1)), strides=2,
-                                                      padding=1, data_layout="NHWC", kernel_layout="HWIO"))
+            taken = builder.emit(relax.op.nn.conv2d(data, _constant(_weight(3, shape[3], outputs), dtype),
+                                                    padding=padding, data_layout="NHWC", kernel_layout="HWIO"))
+            strided = builder.emit(relax.op.nn.conv2d(taken, _constant(_weight(3, outputs, outputs, 1), dtype),
+                                                      strides=2, padding=1, data_layout="NHWC", kernel_layout="HWIO"))
             out = builder.emit_output(strided)
         builder.emit_func_output(out)
     return builder.get()
@@ -63,6 +68,45 @@ def test_a_3x3_stride_1_conv_becomes_a_pad_an_input_transform_one_batched_matmul
             out = builder.emit_output(strided)
         builder.emit_func_output(out)
     assert_transforms(WinogradConvs(), before, builder.get())
+
+
+def test_a_bf16_conv_takes_it_with_bf16_windows_and_weights_fp32_products_and_its_output_cast_back():
+    """With `bf16` (Zen 4 with fast math): 14x14 outputs (BF16_MIN_EXTENT) as 7x7 tiles (49, odd already); the
+    transformed windows stored in bf16, the transformed weights rounded to bf16, their products accumulated in fp32,
+    the output transform in fp32 and its result cast to the conv's bf16; the stride-2 conv stays."""
+    before = _convs(shape=(1, 14, 14, 128), dtype="bfloat16")
+    (data,) = before["main"].params
+    weight = cast_array(_weight(3, 128, 128), "bfloat16")
+    windows = tvm.te.placeholder((1, 16, 16, 128), "bfloat16", "padded")
+    func = winograd.windows_schedule(tvm.te.create_prim_func([windows, winograd.transformed_windows(windows, 7, 7)]))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            padded = builder.emit(relax.op.nn.pad(data, [0, 0, 1, 1, 1, 1, 0, 0]))
+            input_transform = builder.add_func(func.without_attr("global_symbol").with_attrs(
+                {"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN}), "winograd_input")
+            transformed = builder.emit(relax.call_tir(input_transform, [padded],
+                                                      relax.TensorType((16, 49, 128), "bfloat16")))
+            products = builder.emit(relax.op.matmul(
+                transformed, _constant(winograd.transformed_weights(weight), "bfloat16"), out_dtype="float32"))
+            outputs = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 14, 14, 128), 7, 7,
+                                                   primfunc_name_hint="winograd_output"))
+            taken = builder.emit(relax.op.astype(outputs, "bfloat16"))
+            strided = builder.emit(relax.op.nn.conv2d(taken, _constant(_weight(3, 128, 128, 1), "bfloat16"),
+                                                      strides=2, padding=1, data_layout="NHWC", kernel_layout="HWIO"))
+            out = builder.emit_output(strided)
+        builder.emit_func_output(out)
+    assert_transforms(WinogradConvs(bf16=True), before, builder.get())
+
+
+def test_bf16_convs_stay_direct_without_bf16_or_below_14x14():
+    """Without `bf16` (other targets, or fast math off) a bf16 conv keeps its direct kernel, as does one whose
+    output is below BF16_MIN_EXTENT (session 83: 8x8x128 ran 1.25x the direct conv's time) while fp32 takes it."""
+    bf16 = _convs(shape=(1, 14, 14, 128), dtype="bfloat16")
+    tvm.ir.assert_structural_equal(WinogradConvs()(bf16), bf16)
+    small = _convs(shape=(1, 8, 8, 128), dtype="bfloat16")
+    tvm.ir.assert_structural_equal(WinogradConvs(bf16=True)(small), small)
+    assert "winograd_input" in WinogradConvs(bf16=True)(_convs(shape=(1, 8, 8, 128))).script()
 
 
 def test_the_transformed_windows_are_bt_d_b_of_each_tile_and_the_extra_tile_repeats_the_last():
@@ -192,3 +236,64 @@ def test_where_fmas_are_whole_a_7x7_conv_keeps_the_direct_kernel_and_a_14x14_one
 
 def test_a_gpu_target_does_not_take_winograd():
     assert not winograd.suits(relay_amp.targets.get_target("cuda-tensorcore"))
+
+
+@pytest.mark.parametrize("target, takes", [
+    (ZEN4, True),
+    ({"kind": "llvm", "mcpu": relay_amp.targets.BF16_CPU, "model": "znver4"}, True),  # cpu-avx512-bf16 on Zen 4
+    ({"kind": "llvm", "mcpu": relay_amp.targets.BF16_CPU, "model": "znver5"}, False),  # whole FMAs: no Winograd
+    ({"kind": "llvm", "mcpu": relay_amp.targets.AMX_CPU}, False),  # AMX tiles compute bf16 convs
+    (AVX2, False),  # no avx512_bf16: its bf16 convs are widened to fp32 first (and take fp32's Winograd)
+])
+def test_bf16_convs_take_winograd_on_zen4_only(target, takes):
+    assert winograd.bf16_suits(tvm.target.Target(target)) == takes
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_a_built_bf16_winograd_conv_computes_the_conv_to_bf16s_precision_and_fast_math_off_keeps_it_direct(
+        out_dtype):
+    """A bf16 conv (bias and ReLU after) built for Zen 4 takes Winograd's form, and with fast_math=False keeps the
+    direct kernel; where the host runs avx512_bf16, both within 1e-2 of the largest output of the direct conv of the
+    same bf16 values in float64 (the windows and weights rounded to bf16 once more; bf16 itself holds 3.9e-3)."""
+    rng = np.random.default_rng(0)
+    shape = (1, 15, 14, 128)
+    weight, bias = cast_array(_weight(3, 128, 128), "bfloat16"), rng.standard_normal(128).astype("float32")
+    data = relax.Var("data", relax.TensorType(shape, "bfloat16"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [data]):
+        with builder.dataflow():
+            conv = builder.emit(relax.op.nn.conv2d(data, relax.const(tvm.runtime.tensor(weight)), padding=1,
+                                                   data_layout="NHWC", kernel_layout="HWIO", out_dtype=out_dtype))
+            wide = builder.emit(relax.op.astype(conv, "float32"))
+            out = builder.emit_output(relax.op.nn.relu(relax.op.add(wide, relax.const(bias))))
+        builder.emit_func_output(out)
+    builds = {fast_math: relay_amp.build(builder.get(), tvm.target.Target(ZEN4), fast_math=fast_math)
+              for fast_math in (True, False)}
+    assert "winograd" in builds[True].as_text() and "winograd" not in builds[False].as_text()
+    if not relay_amp.targets.host_supports("avx512_bf16"):
+        pytest.skip("the host has no avx512_bf16")
+    x = cast_array(rng.standard_normal(shape).astype("float32"), "bfloat16")
+    padded = np.pad(x.astype("float64"), [(0, 0), (1, 1), (1, 1), (0, 0)])
+    direct = sum(np.einsum("nhwc,ck->nhwk", padded[:, i:i + 15, j:j + 14], weight[i, j].astype("float64"))
+                 for i in range(3) for j in range(3))
+    expected = np.maximum(direct + bias, 0)
+    for executable in builds.values():
+        got = run_executable(executable, [x])[0]
+        assert np.abs(got - expected).max() <= 1e-2 * np.abs(expected).max()
+
+
+def test_torchvisions_vgg11_in_bf16_on_zen4_runs_its_wide_3x3_convs_as_winograd_and_matches_pytorch():
+    """A model the bf16 measurements did not use (VGG-11's convolutions at 64x64, random weights, through AMP): its
+    convs with 32x32 and 16x16 outputs take bf16 Winograd, the 8x8 and 4x4 ones and the first (3 channels) do not;
+    within 2e-2 of PyTorch fp32's largest output where the host runs avx512_bf16."""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    mod, x, expected = torchvision_through_onnx(torchvision.models.vgg11(weights=None).features, 64)
+    executable = relay_amp.build(relay_amp.to_mixed_precision(mod, "bfloat16"), tvm.target.Target(ZEN4))
+    calls = [line for line in executable.as_text().splitlines() if line.strip().startswith("call ")]
+    assert sum("winograd_output" in line for line in calls) == 3
+    if not relay_amp.targets.host_supports("avx512_bf16"):
+        pytest.skip("the host has no avx512_bf16")
+    got = run_executable(executable, [x])[0]
+    assert np.abs(got - expected).max() <= 2e-2 * np.abs(expected).max()
