@@ -26,11 +26,13 @@ def build(mod: tvm.IRModule, target: "str | tvm.target.Target" = "cpu",
           conv_layout: "str | list[str] | None" = AUTO) -> relax.VMExecutable:
     """Compile `mod` for `target`: dot-product kernels, then tuning records (when given), then default schedules.
 
-    On CPU targets GELU/erf/exp/tanh/softmax become vectorizable approximations (relay_amp.backend.cpu.fastmath; turn off
-    with `fast_math=False`), and matmuls and NHWC convs with constant weights go to relay_amp.backend.cpu.kernels where the
-    target has the instruction; MetaSchedule records from `tune_logs` schedule what they cover; relay_amp's
-    rule-based schedules (relay_amp.backend.cpu.schedules) the rest. On CUDA targets matmuls and convs in int8 or float16
-    run on tensor cores (relay_amp.backend.cuda.tensorcore), and TVM's dlight rules schedule the rest.
+    On CPU targets GELU/erf/exp/tanh/softmax become vectorizable approximations (relay_amp.backend.cpu.fastmath) and,
+    on Zen 4, bf16 3x3 convs run as Winograd's (relay_amp.backend.cpu.winograd: errors about PyTorch's own bf16's);
+    `fast_math=False` turns both off. Matmuls and NHWC convs with constant weights go to
+    relay_amp.backend.cpu.kernels where the target has the instruction; MetaSchedule records from `tune_logs` schedule
+    what they cover; relay_amp's rule-based schedules (relay_amp.backend.cpu.schedules) the rest. On CUDA targets
+    matmuls and convs in int8 or float16 run on tensor cores (relay_amp.backend.cuda.tensorcore), and TVM's dlight
+    rules schedule the rest.
     `conv_layout` "auto" lets the backend choose the convolutions' layout (CPU: NHWC, converted at the graph's
     edges; CUDA: NHWC for a model's NCHW convs that run on tensor cores, float16 or int8); a data layout such as
     "NCHW" forces one, None keeps the model's.

@@ -32,9 +32,13 @@ element is summed in fp32 from the bf16 window and rounded to bf16 once, the tra
 G g G^T of the bf16 weights, their products accumulate in fp32 on the bf16 kernels, and the output transform runs in
 fp32. 2-core Zen 4, one process, bf16 Winograd against bf16 direct (error: largest difference from relay_amp fp32
 over the largest output, median of 32 random inputs; PyTorch's own bf16, channels-last autocast, beside it):
-ResNet-18 0.76-0.78x the time (bf16 / fp32 1.41x -> 1.80-1.83x), error 0.00338 -> 0.00446 (PyTorch 0.00389), top-1
-32/32; RepVGG-A0 0.70x, error 0.00267 -> 0.00264 (PyTorch 0.00304); ResNet-50 0.885x, error 0.00403 -> 0.00397
-(PyTorch 0.00417). Outputs below 14x14 keep their direct convs (`BF16_MIN_EXTENT`).
+torchvision's ResNet-18 0.76-0.78x the time (bf16 / fp32 1.41x -> 1.80-1.85x), error 0.00338 -> 0.00446 (PyTorch
+0.00389), top-1 32/32; RepVGG-A0 0.70x, error 0.00267 -> 0.00264 (PyTorch 0.00304); ResNet-50 0.885x, error 0.00403
+-> 0.00397 (PyTorch 0.00417); the zoo's (transformers') ResNet-18 error 0.00457 -> 0.00522 (PyTorch 0.00519),
+ResNet-50 0.00447 -> 0.00535 (PyTorch 0.00477), BiT-R50 0.1070 -> 0.1085 (PyTorch 0.1057). Single layers (bias and
+ReLU after), Winograd / direct: 28x28x128 0.56x, 14x14x256 0.50x, 14x14x96 0.98x, 56x56x64 0.65x and 35x35x64 -> 96
+0.68x (1.28x and 1.30x in an earlier run of the same pairs: this VM drifts). Outputs below 14x14 keep their direct
+convs (`BF16_MIN_EXTENT`).
 """
 
 import math
@@ -59,8 +63,9 @@ MIN_CHANNELS = 64  # fewer channels in or out: faster where the host is quiet, s
 MIN_EXTENT = 7  # an output height or width below this: not measured
 WIDE_MIN_EXTENT = 14  # the same where each AVX-512 FMA computes 16 products (AMX hosts): 7x7x512 -> 512 there ran
 # 1.28x the direct conv's time (its transforms as costly, its multiplies saved half as long), 14x14x256 0.76x
-BF16_MIN_EXTENT = 14  # a bf16 conv's least output height and width: ResNet-18 bf16 with its 7x7x512 convs as
-# Winograd's too ran 0.780x the direct build's time, without them 0.760x (one process); session 83 found 8x8x128 1.25x
+BF16_MIN_EXTENT = 14  # a bf16 conv's least output height and width: torchvision's ResNet-18 in bf16 with its 7x7x512
+# convs as Winograd's too ran 1.026-1.027x the time of the build without them, ResNet-50 1.007-1.008x (one process, two
+# runs each), though a 7x7x512 -> 512 conv alone read 0.929x
 MIN_PRODUCTS = 1 << 17  # tiles x channels in x out of each of the 16 matmuls: below this the transforms cost more
 # than the multiplies saved (7x7x64 -> 64: 1.18-1.28x the direct conv's time; 14x14x64, over it: 0.74-0.82x)
 
