@@ -44,22 +44,30 @@ def _convs(shape=(1, 8, 8, 128), outputs: int = 128, padding=(1, 1, 1, 1), dtype
     return builder.get()
 
 
+def _transformed_windows(builder: relax.BlockBuilder, data: relax.Var, padded_shape: tuple, tiles_across: int,
+                         tiles: int, dtype: str = "float32") -> relax.Var:
+    """The expected pad by 1 on each side and the call of the scheduled input transform, opaque to fusion, over
+    `tiles_across` x `tiles_across` tiles computed as `tiles` (an odd count)."""
+    windows = tvm.te.placeholder(padded_shape, dtype, "padded")
+    func = winograd.windows_schedule(tvm.te.create_prim_func(
+        [windows, winograd.transformed_windows(windows, tiles_across, tiles_across)]))
+    padded = builder.emit(relax.op.nn.pad(data, [0, 0, 1, 1, 1, 1, 0, 0]))
+    input_transform = builder.add_func(func.without_attr("global_symbol").with_attrs(
+        {"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN}), "winograd_input")
+    windows_type = relax.TensorType((16, tiles, padded_shape[3]), dtype)
+    return builder.emit(relax.call_tir(input_transform, [padded], windows_type))
+
+
 def test_a_3x3_stride_1_conv_becomes_a_pad_an_input_transform_one_batched_matmul_and_an_output_transform():
     """8x8 outputs are 4x4 tiles of 2x2 (16 x 128 x 128 products in each of the 16 products: MIN_PRODUCTS), read
     from the input padded by 1 on each side, 16 tiles computed as 17 (an odd count); the input transform is
     scheduled and opaque to fusion; the stride-2 conv stays."""
     before = _convs()
     (data,), weight = before["main"].params, _weight(3, 128, 128)
-    windows = tvm.te.placeholder((1, 10, 10, 128), "float32", "padded")
-    func = winograd.windows_schedule(tvm.te.create_prim_func([windows, winograd.transformed_windows(windows, 4, 4)]))
     builder = relax.BlockBuilder()
     with builder.function("main", [data]):
         with builder.dataflow():
-            padded = builder.emit(relax.op.nn.pad(data, [0, 0, 1, 1, 1, 1, 0, 0]))
-            input_transform = builder.add_func(func.without_attr("global_symbol").with_attrs(
-                {"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN}), "winograd_input")
-            transformed = builder.emit(relax.call_tir(input_transform, [padded],
-                                                      relax.TensorType((16, 17, 128), "float32")))
+            transformed = _transformed_windows(builder, data, (1, 10, 10, 128), 4, 17)
             products = builder.emit(relax.op.matmul(transformed, relax.const(winograd.transformed_weights(weight))))
             taken = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 8, 8, 128), 4, 4,
                                                  primfunc_name_hint="winograd_output"))
@@ -77,16 +85,10 @@ def test_a_bf16_conv_takes_it_with_bf16_windows_and_weights_fp32_products_and_it
     before = _convs(shape=(1, 14, 14, 128), dtype="bfloat16")
     (data,) = before["main"].params
     weight = cast_array(_weight(3, 128, 128), "bfloat16")
-    windows = tvm.te.placeholder((1, 16, 16, 128), "bfloat16", "padded")
-    func = winograd.windows_schedule(tvm.te.create_prim_func([windows, winograd.transformed_windows(windows, 7, 7)]))
     builder = relax.BlockBuilder()
     with builder.function("main", [data]):
         with builder.dataflow():
-            padded = builder.emit(relax.op.nn.pad(data, [0, 0, 1, 1, 1, 1, 0, 0]))
-            input_transform = builder.add_func(func.without_attr("global_symbol").with_attrs(
-                {"tirx.is_scheduled": True, "op_pattern": OPAQUE_PATTERN}), "winograd_input")
-            transformed = builder.emit(relax.call_tir(input_transform, [padded],
-                                                      relax.TensorType((16, 49, 128), "bfloat16")))
+            transformed = _transformed_windows(builder, data, (1, 16, 16, 128), 7, 49, "bfloat16")
             products = builder.emit(relax.op.matmul(
                 transformed, _constant(winograd.transformed_weights(weight), "bfloat16"), out_dtype="float32"))
             outputs = builder.emit(builder.call_te(winograd.output_tiles, products, (1, 14, 14, 128), 7, 7,
