@@ -289,7 +289,7 @@ def test_a_built_conv_on_fewer_pixels_than_a_tile_runs_and_matches_numpy(dtype):
                                                              kernel_layout="OIHW"), tensor("x", (1, 2, 2, 96)))
     low = relay_amp.recast(mod, dtype, "int32") if dtype == "int8" else \
         relay_amp.to_mixed_precision(mod, dtype)
-    executable = relay_amp.build(low, "cpu-amx")
+    executable = relay_amp.build(low, targets.get_target("cpu-amx"))  # a Target: built on any host
     assert "ldtilecfg" in executable.mod.imports[0].inspect_source("asm")
     if not targets.host_runs_amx():
         pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
@@ -320,7 +320,7 @@ def test_a_built_conv_of_part_panels_runs_on_tiles_and_matches_numpy(dtype, shap
                                                              data_layout="NHWC", kernel_layout="OIHW"),
                                tensor("x", shape))
     low = relay_amp.recast(mod, dtype, "int32") if dtype == "int8" else relay_amp.to_mixed_precision(mod, dtype)
-    executable = relay_amp.build(low, "cpu-amx")
+    executable = relay_amp.build(low, targets.get_target("cpu-amx"))  # a Target: built on any host
     assert "ldtilecfg" in executable.mod.imports[0].inspect_source("asm")
     if not targets.host_runs_amx():
         pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
@@ -337,7 +337,7 @@ def test_a_runtime_matmul_of_16_columns_packs_a_zero_block_beside_its_operand():
     from builders import single_output_module, tensor
 
     mod = single_output_module(relax.op.matmul, tensor("x", (1, 64, 32)), tensor("y", (1, 32, 16)))
-    executable = relay_amp.build(relay_amp.to_mixed_precision(mod, BF16), "cpu-amx")
+    executable = relay_amp.build(relay_amp.to_mixed_precision(mod, BF16), targets.get_target("cpu-amx"))
     assert "ldtilecfg" in executable.mod.imports[0].inspect_source("asm")
     if not targets.host_runs_amx():
         pytest.skip("host CPU (or kernel) has no AMX: the code is checked, not run")
