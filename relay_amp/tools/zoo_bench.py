@@ -43,7 +43,8 @@ TORCH_BF16 = "torch bf16"  # autocast, channels_last for CNNs
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
 ORT_INT8 = "onnxruntime int8"  # static QDQ for CNNs, dynamic for transformers: ONNX Runtime's own advice
 ORT_FILE_INT8 = "relay_amp on ORT's int8 file"  # ONNX Runtime's quantized file, realized by realize_qdq
-INT8_RUNNERS = (f"relay_amp {QUANTIZED}", ORT_INT8, ORT_FILE_INT8)  # the agreement column's order
+RELAY_INT8Q = f"relay_amp {QUANTIZED}"  # relay_amp's calibrated int8 runner
+INT8_RUNNERS = (RELAY_INT8Q, ORT_INT8, ORT_FILE_INT8)  # the agreement column's order
 CALIBRATION_INPUTS = 16
 AGREEMENT_INPUTS = 32
 
@@ -139,7 +140,7 @@ def bench_model(name: str, dtypes: Sequence[str], target: str, rounds: int = 3, 
         if QUANTIZED in dtypes:
             timed, int8_runs = _ort_int8_runners(name, path, calibration, target, Path(tmp), inputs, result)
             runners.update(timed)
-            int8_runs[INT8_RUNNERS[0]] = _relay_runner_on(executables[QUANTIZED])
+            int8_runs[RELAY_INT8Q] = _relay_runner_on(executables[QUANTIZED])
         result.ms = rotating_medians(runners, rounds, repeat)
         reference = _output(runners["torch fp32"]())
         result.error = {runner: max_relative_error(_output(run()), reference) for runner, run in runners.items()}
@@ -227,7 +228,7 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
                      _ratio(r.ms.get("onnxruntime fp32"), r.ms.get("relay_amp fp32")),
                      "; ".join(r.slow_paths) or "none"])
         if quantized:
-            ours = r.ms.get(f"relay_amp {QUANTIZED}")
+            ours = r.ms.get(RELAY_INT8Q)
             rows[-1] += [_ratio(r.ms.get("relay_amp fp32"), ours), _ratio(r.ms.get(ORT_INT8), ours),
                          _ratio(r.ms.get(ORT_INT8), r.ms.get(ORT_FILE_INT8)),
                          " / ".join(f"{r.agreement[x]:.4g}" if x in r.agreement else "-" for x in INT8_RUNNERS)]
